@@ -1,0 +1,33 @@
+# Set-up and entry points. Everything runs inside .venv, created on first use.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+TRITON  ?= triton==3.7.1
+STAMP   := $(VENV)/.installed
+SHARED  ?= ../shared/data
+
+export HF_DATASETS_OFFLINE ?= 1
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install quickstart test clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"           # pinned CPU build first: no CUDA wheels pulled in
+	$(BIN)/pip install -q "$(TRITON)" -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job on the embedded default: prepare Gutenberg, train a small dense LM on CPU.
+quickstart: $(STAMP)
+	$(BIN)/python -m lm.quickstart --shared $(SHARED)
+
+## The test suite (CPU; GPU-only tests skip with a reason).
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs data

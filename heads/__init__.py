@@ -1,0 +1,5 @@
+"""Attention head types. Importing this package registers every type under its config name."""
+from heads import dense  # noqa: F401  (one import per head type registers it)
+from heads.base import REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, head_class, make_options, register
+
+__all__ = ["REGISTRY", "ConfigError", "GroupContext", "HeadGroup", "HeadOptions", "head_class", "make_options", "register"]

@@ -1,0 +1,47 @@
+"""The one attention kernel entry point shared by all heads: flash-attn when it can run, else SDPA.
+
+Layout everywhere: q[B, H, Tq, d], k/v[B, H, Tk, d] -> out[B, H, Tq, d].
+flash-attn is used only on CUDA, for fp16/bf16 inputs, with no explicit mask (plain causal or none);
+everything else goes through torch's scaled_dot_product_attention (which itself picks flash /
+memory-efficient / math kernels).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + M) v (MoSA eq. 1). `mask` is boolean (True = may attend) and
+    broadcastable to [B, H, Tq, Tk]; `causal` means key j is visible to query i iff j <= i
+    (top-left aligned, so it requires Tq == Tk)."""
+    if causal and mask is not None:
+        raise ValueError("attend: pass either causal=True or an explicit mask, not both")
+    flash = _flash_attn_func()
+    if (
+        flash is not None
+        and mask is None
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] <= 256
+    ):
+        out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)

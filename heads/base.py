@@ -1,0 +1,139 @@
+"""The head-group contract (see ../shared/DESIGN.md, "The head-group contract").
+
+A head group is `count` attention heads of one type. It maps x[B, T, h] (already layer-normed) and
+the tokens' original positions[B, T] to y[B, T, h], the *summed* contribution of its heads with
+their output projections applied, so the groups of a layer simply add (MoSA eq. 3).
+
+Each head type is one file under heads/ defining
+- an `Options` dataclass (subclass of HeadOptions) with its per-type settings, validated once at
+  config load by `validate(ctx)`, and `kv_per_head(seq_len)`: KV-cache entries one head keeps;
+- a HeadGroup subclass registered under the type's config name with `@register("name")`,
+  implementing `forward_reference` (plain, readable, explicit masks) and, where speed needs it,
+  `forward_fast`; `forward` dispatches on `options.impl`.
+Groups report `aux_losses` (name -> scalar tensor, already weighted, added to the LM loss) and
+`stats` (name -> float, for logging) after each forward pass, and declare `causal` honestly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from heads.rope import RotaryEmbedding
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class GroupContext:
+    """Model-level facts every head group is built from."""
+
+    d_model: int  # h, the residual width
+    head_dim: int  # h', the per-head width
+    seq_len: int  # T, the training sequence length
+    rope_fraction: float = 0.5
+    rope_base: float = 10000.0
+    layer: int = 0
+
+
+@dataclass
+class HeadOptions:
+    """Options common to every head type. Subclasses add their own fields with defaults."""
+
+    impl: str = "fast"  # "fast" (batched / fused kernels) or "reference" (plain readable code)
+
+    def validate(self, ctx: GroupContext) -> None:
+        """Raise ConfigError (one line) for values that cannot work with this context."""
+        if self.impl not in ("fast", "reference"):
+            raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
+
+    def kv_per_head(self, seq_len: int) -> int:
+        """KV-cache entries (tokens with a stored key and value) one head keeps for a length-T
+        sequence (MoSA Table 2's definition). Dense heads keep all T."""
+        return seq_len
+
+
+class HeadGroup(nn.Module):
+    """Base class of all head groups. Subclasses set `Options` and implement forward_reference."""
+
+    type_name: ClassVar[str] = ""
+    Options: ClassVar[type[HeadOptions]] = HeadOptions
+
+    def __init__(self, ctx: GroupContext, count: int, options: HeadOptions) -> None:
+        super().__init__()
+        if count < 1:
+            raise ConfigError(f"{self.type_name}: head count must be >= 1, got {count}")
+        self.ctx, self.count, self.options = ctx, count, options
+        self.rope = RotaryEmbedding(ctx.head_dim, ctx.rope_fraction, ctx.rope_base)
+        self.aux_losses: dict[str, torch.Tensor] = {}
+        self.stats: dict[str, float] = {}
+
+    @property
+    def causal(self) -> bool:
+        """Whether outputs at position t depend only on inputs at positions <= t."""
+        return True
+
+    def kv_entries(self, seq_len: int) -> int:
+        """KV-cache entries of the whole group for a length-T sequence."""
+        return self.count * self.options.kv_per_head(seq_len)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """x[B, T, h], positions[B, T] (original token positions) -> y[B, T, h]."""
+        if cache is not None:
+            return self.forward_cached(x, positions, cache)
+        if self.options.impl == "reference":
+            return self.forward_reference(x, positions)
+        return self.forward_fast(x, positions)
+
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Defaults to the reference; head types with a faster path override it."""
+        return self.forward_reference(x, positions)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Incremental decoding with a KV cache (lm/generate.py). Types that support it override."""
+        raise NotImplementedError(f"head type {self.type_name!r} does not support KV-cached decoding")
+
+
+REGISTRY: dict[str, type[HeadGroup]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a HeadGroup subclass available under config name `name`."""
+
+    def wrap(cls: type[HeadGroup]) -> type[HeadGroup]:
+        if name in REGISTRY:
+            raise RuntimeError(f"head type {name!r} registered twice")
+        cls.type_name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def head_class(name: str) -> type[HeadGroup]:
+    """The registered HeadGroup class for a config name, or a one-line ConfigError."""
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown head type {name!r}; known types: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+def make_options(name: str, values: dict[str, Any], ctx: GroupContext) -> HeadOptions:
+    """Build and validate the Options of head type `name` from a plain dict (from YAML)."""
+    cls = head_class(name).Options
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"head type {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+        )
+    opts = cls(**values)
+    opts.validate(ctx)
+    return opts

@@ -1,0 +1,36 @@
+"""Position-aware rotary embeddings (RoPE, Su et al. 2021; MoSA App. H "Positional encodings").
+
+Every token is rotated by the angle of its *original* position in the sequence, passed explicitly,
+so a sparse head that gathers tokens X^s = X[I] rotates row i by position I_i, not by i.
+Following MoSA App. H, only a fraction (default half) of each head's dimensions is rotated; the rest
+passes through unchanged. Within the rotated part, dimension j is paired with j + r/2 (the
+"rotate-half" layout): (x_j + i x_{j+r/2}) is multiplied by exp(i * pos * theta_j),
+theta_j = base^(-2j/r), j = 0 .. r/2-1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rot_dim` dims of vectors x[..., T, head_dim] by explicit positions[..., T]."""
+
+    def __init__(self, head_dim: int, fraction: float = 0.5, base: float = 10000.0) -> None:
+        super().__init__()
+        rot_dim = int(head_dim * fraction) // 2 * 2
+        if not 0 <= rot_dim <= head_dim:
+            raise ValueError(f"rope fraction {fraction} gives rot_dim {rot_dim} outside [0, {head_dim}]")
+        self.head_dim, self.rot_dim = head_dim, rot_dim
+        inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / max(rot_dim, 1))
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [r/2]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, head_dim]; positions: integer tensor broadcastable to x.shape[:-1]."""
+        if self.rot_dim == 0:
+            return x
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., T, r/2]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        half = self.rot_dim // 2
+        x1, x2, rest = x[..., :half], x[..., half:self.rot_dim], x[..., self.rot_dim:]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)

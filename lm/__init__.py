@@ -1,0 +1,5 @@
+"""Decoder LMs built from mixes of attention head types: config, model, training, generation."""
+from lm.config import Config, ModelConfig, load_config
+from lm.model import DecoderLM, build_model
+
+__all__ = ["Config", "DecoderLM", "ModelConfig", "build_model", "load_config"]

@@ -1,0 +1,28 @@
+"""The shared causality check (DESIGN.md "Causality, stated once").
+
+A decoder LM may use only tokens <= t to predict t+1. `future_leak` resamples every token after
+position t and returns how much the logits at positions <= t moved: 0 (up to float rounding) for a
+causal model; clearly positive for one whose selection ranks tokens over the whole sequence.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def future_leak(model: nn.Module, tokens: torch.Tensor, t: int, vocab_size: int, seed: int = 0) -> float:
+    """max |logits[:, :t+1](tokens) - logits[:, :t+1](tokens')| where tokens' = tokens with every
+    position > t replaced by fresh random tokens. The model is run in eval mode."""
+    if not 0 <= t < tokens.shape[1] - 1:
+        raise ValueError(f"t must be in [0, {tokens.shape[1] - 1}), got {t}")
+    was_training = model.training
+    model.eval()
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    perturbed = tokens.clone()
+    tail = perturbed[:, t + 1 :]
+    perturbed[:, t + 1 :] = torch.randint(0, vocab_size, tail.shape, generator=g).to(tokens.device)
+    a = model(tokens)[:, : t + 1]
+    b = model(perturbed)[:, : t + 1]
+    model.train(was_training)
+    return (a - b).abs().max().item()

@@ -1,0 +1,175 @@
+"""Run configuration: YAML validated into dataclasses (OmegaConf structured configs).
+
+One file holds four sections, `model`, `data`, `optim`, `trainer`. `load_config(path, **overrides)`
+merges the YAML over the dataclass defaults, then dotted overrides (`model.n_layers=4`, the same
+syntax as on the `train_lm.py` command line), checks types and unknown keys (OmegaConf), and checks
+values (`validate`). Every problem is a one-line ConfigError naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from heads import ConfigError, GroupContext, make_options
+
+
+@dataclass
+class HeadGroupConfig:
+    """`count` heads of one registered `type`, with that type's options (see heads/<type>.py)."""
+
+    type: str = "dense"
+    count: int = 8
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """Pre-LN decoder LM (MoSA App. H). Defaults: the paper's Tiny model (Table 4)."""
+
+    vocab_size: int = 8000
+    n_layers: int = 6
+    d_model: int = 512  # h
+    head_dim: int = 64  # h'
+    ffn_mult: int = 4  # FFN hidden = ffn_mult * h
+    seq_len: int = 1024  # T
+    rope_fraction: float = 0.5  # MoSA App. H: rotate half of each head's dims
+    rope_base: float = 10000.0
+    init_std: float = 0.02
+    # The head mix of every layer: groups whose outputs are summed (MoSA eq. 3).
+    heads: list[HeadGroupConfig] = field(default_factory=lambda: [HeadGroupConfig("dense", 9)])
+    # Per-layer overrides: layer index -> head mix for that layer.
+    layer_heads: dict[int, list[HeadGroupConfig]] = field(default_factory=dict)
+
+    def mix(self, layer: int) -> list[HeadGroupConfig]:
+        return self.layer_heads.get(layer, self.heads)
+
+    def group_context(self, layer: int) -> GroupContext:
+        return GroupContext(self.d_model, self.head_dim, self.seq_len, self.rope_fraction, self.rope_base, layer)
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/gutenberg"  # a directory written by data_prep.prepare (index.json + shards)
+    batch_size: int = 16
+    val_batches: int = 16  # validation windows = val_batches * batch_size, fixed and evenly spaced
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW; MoSA App. H: lr 2.5e-4, clip 0.25, linear warmup 4k steps, then cosine decay."""
+
+    lr: float = 2.5e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0  # 0 = the paper's Adam
+    warmup_steps: int = 4000
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    grad_clip: float = 0.25
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100_000
+    precision: str = "auto"  # auto = bf16-mixed on GPU, 32-true on CPU
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"  # auto | ddp | deepspeed_stage_2
+    seed: int = 1234
+    log_every: int = 10
+    val_every: int = 500
+    ckpt_every: int = 1000
+    out_dir: str = "runs/default"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value <= 0:
+            raise ConfigError(f"{type(section).__name__}.{name} must be > 0, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Value checks beyond types. Raises a one-line ConfigError."""
+    m = cfg.model
+    _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len")
+    if not 0.0 <= m.rope_fraction <= 1.0:
+        raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
+    if m.vocab_size > 65535:
+        raise ConfigError(f"model.vocab_size must be <= 65535 (uint16 token shards), got {m.vocab_size}")
+    for layer in m.layer_heads:
+        if not 0 <= layer < m.n_layers:
+            raise ConfigError(f"model.layer_heads: layer {layer} outside [0, {m.n_layers})")
+    for layer in range(m.n_layers):
+        if not m.mix(layer):
+            raise ConfigError(f"model.heads: layer {layer} has an empty head mix")
+        for g in m.mix(layer):
+            make_options(g.type, dict(g.options), m.group_context(layer))
+            if g.count < 1:
+                raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
+    _positive(cfg.data, "batch_size", "val_batches")
+    o = cfg.optim
+    _positive(o, "lr", "grad_clip")
+    if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    t = cfg.trainer
+    _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
+    if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
+        raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
+    if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+        raise ConfigError(f"trainer.precision must be auto, 32-true, bf16-mixed, 16-mixed or bf16-true, got {t.precision!r}")
+    return cfg
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    return " ".join(str(err).split("\n")[0].split())
+
+
+def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
+    """Defaults <- YAML file <- dotted CLI strings ("model.n_layers=4") <- keyword overrides
+    (`model__n_layers=4` or `**{"model.n_layers": 4}`), validated into a Config."""
+    schema = OmegaConf.structured(Config)
+    layers = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            layers.append(OmegaConf.load(p))
+        except Exception as err:  # yaml.YAMLError has multi-line messages
+            raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
+    try:
+        if dotlist:
+            layers.append(OmegaConf.from_dotlist(list(dotlist)))
+        if overrides:
+            layers.append(OmegaConf.from_dotlist([f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items()]))
+        merged = OmegaConf.merge(schema, *layers)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as err:
+        raise ConfigError(_one_line(err)) from None
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_dict(values: dict) -> Config:
+    """A Config from a plain dict (e.g. saved in a checkpoint), validated."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(values)))
+    except OmegaConfBaseException as err:
+        raise ConfigError(_one_line(err)) from None
+    return validate(cfg)  # type: ignore[arg-type]

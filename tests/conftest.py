@@ -1,0 +1,39 @@
+"""Shared test helpers: small models of any head mix, built through the public API."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_config(heads: list[dict] | None = None, **model):
+    """A small validated Config; `heads` is a list of {type, count, options} dicts."""
+    import lm
+
+    values = dict(vocab_size=97, n_layers=2, d_model=32, head_dim=8, seq_len=64)
+    values.update(model)
+    cfg = lm.load_config(None, **{f"model.{k}": v for k, v in values.items()})
+    if heads is not None:
+        from lm.config import HeadGroupConfig
+
+        cfg.model.heads = [HeadGroupConfig(h["type"], h["count"], dict(h.get("options", {}))) for h in heads]
+        from lm.config import validate
+
+        validate(cfg)
+    return cfg
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
