@@ -134,7 +134,9 @@ def validate(cfg: Config) -> Config:
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
-    return " ".join(str(err).split("\n")[0].split())
+    message = " ".join(str(err).split("\n")[0].split())
+    key = getattr(err, "full_key", None)
+    return f"{key}: {message}" if key else message
 
 
 def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
