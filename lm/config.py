@@ -87,11 +87,32 @@ class TrainerConfig:
 
 
 @dataclass
+class CompressionConfig:
+    """Adaptive-attention compression layer (lm/compression.py) and its training regime
+    (lm/compressed_training.py). Prefix chunks of ~prefix_len tokens are compressed into
+    t = round(ratio * prefix_len) states at depth `layer`; the suffix is model.seq_len tokens."""
+
+    layer: int = 2  # L: blocks [0, L) see each chunk alone; the compression sits before block L
+    n_heads: int = 4  # heads of the compression attention (width model.head_dim)
+    ffn_mult: int = 4  # SwiGLU hidden = 2/3 * ffn_mult * d_model (the GELU FFN's parameter count)
+    detach_prefix: bool = True  # prefix states are frozen (no gradient) as keys/values of that attention
+    mode: str = "compress"  # compress | recent (baseline: keep the last t raw states, no compression)
+    regime: str = "fixed"  # fixed | random (prefix_len and ratio uniform, spread growing over ramp_steps)
+    prefix_len: int = 256  # P (centre of its range under regime=random)
+    ratio: float = 0.125  # t / P, the fraction kept (centre of its range under regime=random)
+    prefix_spread: float = 0.5  # regime=random: P ~ U[P(1-s), P(1+s)] once the ramp is over
+    ratio_spread: float = 0.5  # regime=random: ratio ~ U[r(1-s), r(1+s)] once the ramp is over
+    ramp_steps: int = 1000  # the spreads grow linearly from 0 over these steps
+    max_depth: int = 1  # recursion: each batch compresses 1..max_depth chunks one after another
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (issue 7)
 
 
 def _positive(section: object, *names: str) -> None:
@@ -130,7 +151,26 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
         raise ConfigError(f"trainer.precision must be auto, 32-true, bf16-mixed, 16-mixed or bf16-true, got {t.precision!r}")
+    if cfg.compression is not None:
+        validate_compression(cfg.compression, m)
     return cfg
+
+
+def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
+    """One-line ConfigErrors for the compression section."""
+    _positive(c, "n_heads", "ffn_mult", "prefix_len", "ratio", "max_depth")
+    if not 1 <= c.layer < m.n_layers:
+        raise ConfigError(f"compression.layer must be in [1, {m.n_layers}) (model.n_layers), got {c.layer}")
+    if c.mode not in ("compress", "recent"):
+        raise ConfigError(f"compression.mode must be compress or recent, got {c.mode!r}")
+    if c.regime not in ("fixed", "random"):
+        raise ConfigError(f"compression.regime must be fixed or random, got {c.regime!r}")
+    if not 0.0 <= c.prefix_spread < 1.0 or not 0.0 <= c.ratio_spread < 1.0:
+        raise ConfigError("compression.prefix_spread and compression.ratio_spread must be in [0, 1)")
+    if c.ratio * (1 + c.ratio_spread) > 1.0:
+        raise ConfigError(f"compression.ratio * (1 + ratio_spread) must be <= 1, got {c.ratio * (1 + c.ratio_spread)}")
+    if c.ramp_steps < 0:
+        raise ConfigError(f"compression.ramp_steps must be >= 0, got {c.ramp_steps}")
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
