@@ -1,0 +1,138 @@
+"""Analytic cost of one head group: forward FLOPs, KV-cache entries, parameters. One function per head type.
+
+Convention (MoSA App. C), the only one used anywhere in flops/ and bench/:
+- a [i, j] x [j, k] matrix product costs 2ijk FLOPs (App. C rounds (2j - 1)ik up to 2jik);
+- forward pass of ONE sequence of T tokens; training = 3 x forward (flops/model.py);
+- no causal halving: causal attention of T queries over T keys counts T*T scores;
+- layer norms, residuals, softmax, RoPE, embeddings and other element-wise work are omitted,
+  EXCEPT where App. C counts them explicitly (MoSA's h'k for scaling the head output by router scores);
+- FFN h -> m*h -> h costs 2 * 2*h*(m*h)*T = 16 h^2 T for m = 4 (flops/model.py);
+- the vocabulary projection is NOT in model totals (Table 4 is reproduced exactly without it);
+  flops.model gives it separately (2 h V T) for cross-checks and MFU.
+Symbols: h = d_model, h' = head_dim, T = seq_len, n = heads in the group, rho = sparsity,
+k = max(floor(T / rho), 2) tokens per sparse head (MoSA App. F; during training rho divides T).
+
+KV entries follow MoSA Table 2: tokens whose key and value a head must keep for decoding
+(dense T, MoSA/fixed k). Parameters are the learned weights of the group as the paper describes it.
+
+Adding a head type: write ONE function below the marker at the end of this file,
+    @formula("name")
+    def name(h: int, hd: int, T: int, n: int, o: Options) -> Cost: ...
+reading its options with `o.get("field", default)` / `o.require("field")`, and citing the paper.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from heads.base import REGISTRY, ConfigError
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Cost of a whole group of n heads for one length-T sequence."""
+
+    flops: int  # forward FLOPs
+    kv: int  # KV-cache entries, summed over the group's heads
+    params: int  # learned parameters
+
+
+class Options:
+    """Read-only view of a group's options, from a dict (YAML) or a heads/ Options dataclass. For a
+    dict, the registered head type's dataclass defaults fill missing fields (when that type exists)."""
+
+    def __init__(self, head_type: str, values: Any) -> None:
+        self.head_type = head_type
+        if dataclasses.is_dataclass(values):
+            values = dataclasses.asdict(values)  # type: ignore[arg-type]
+        merged: dict[str, Any] = {}
+        if head_type in REGISTRY:
+            cls = REGISTRY[head_type].Options
+            merged = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        merged.update(dict(values or {}))
+        self.values = merged
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.values.get(name, default)
+
+    def require(self, name: str) -> Any:
+        if self.values.get(name) is None:
+            raise ConfigError(f"{self.head_type}: option {name!r} is required to count FLOPs")
+        return self.values[name]
+
+
+Formula = Callable[[int, int, int, int, Options], Cost]
+FORMULAS: dict[str, Formula] = {}
+
+
+def formula(name: str) -> Callable[[Formula], Formula]:
+    """Decorator: register the cost function of head type `name` (the same name as in heads/)."""
+
+    def wrap(fn: Formula) -> Formula:
+        if name in FORMULAS:
+            raise RuntimeError(f"FLOP formula for {name!r} registered twice")
+        FORMULAS[name] = fn
+        return fn
+
+    return wrap
+
+
+def group_cost(head_type: str, d_model: int, head_dim: int, seq_len: int, count: int, options: Any = None) -> Cost:
+    """Cost of `count` heads of `head_type`; unknown type -> one-line ConfigError."""
+    if head_type not in FORMULAS:
+        raise ConfigError(f"no FLOP formula for head type {head_type!r}; known: {', '.join(sorted(FORMULAS))}")
+    return FORMULAS[head_type](d_model, head_dim, seq_len, count, Options(head_type, options))
+
+
+def sparse_k(seq_len: int, sparsity: float) -> int:
+    """Tokens per sparse head, k = max(floor(T / rho), 2) (MoSA App. F; k = T / rho when rho | T)."""
+    if sparsity < 1:
+        raise ConfigError(f"sparsity must be >= 1, got {sparsity}")
+    return max(int(seq_len // sparsity), 2)
+
+
+@formula("dense")
+def dense(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """App. C: 8hh'T (Q, K, V, O) + 4h'T^2 (QK^T and AV) per head."""
+    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * T), kv=n * T, params=n * 4 * h * hd)
+
+
+@formula("mosa")
+def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """App. C: 8hh'k + 4h'k^2 + 2hT (router scores r = sigma(X W^r), W^r in R^h) + h'k (output
+    scaled by the scores) per head; params 4hh' + h (projections + router)."""
+    k = sparse_k(T, o.require("sparsity"))
+    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), kv=n * k, params=n * (4 * h * hd + h))
+
+
+@formula("fixed")
+def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head."""
+    k = sparse_k(T, o.require("sparsity"))
+    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k), kv=n * k, params=n * 4 * h * hd)
+
+
+@formula("routing")
+def routing(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """App. C: Routing Transformer head, 6hh'T (Q = K, V, O on all T tokens) + rho * 4h'k^2 (rho
+    clusters of k tokens) + 2h'T ("cluster selection", as the paper writes it; a nearest-centroid
+    search over rho centroids would be 2h'T*rho). Centroids are EMA k-means buffers, not parameters.
+    KV: all T keys are kept, since a future query may fall into any cluster."""
+    rho = o.require("sparsity")
+    k = sparse_k(T, rho)
+    clusters = max(T // k, 1)
+    return Cost(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), kv=n * T, params=n * 3 * h * hd)
+
+
+@formula("local")
+def local(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """Sliding-window attention (each query sees the last w tokens, itself included):
+    8hh'T (Q, K, V, O on all tokens) + 4h'T*min(w, T) (each query scores w keys, no causal halving,
+    App. C's convention with T^2 replaced by T*w). KV: the last min(w, T) tokens."""
+    w = min(int(o.require("window")), T)
+    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * w), kv=n * w, params=n * 4 * h * hd)
+
+
+# ---- Later head types: add ONE @formula("name") function per type below this line (keep it short,
+# ---- cite the paper's equations, state KV and parameters). Model totals pick it up automatically.

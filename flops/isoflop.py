@@ -1,0 +1,157 @@
+"""IsoFLOP solver (MoSA Sec. 3, App. C/H): the most sparse heads that fit a dense baseline's budget.
+
+Keep `dense_heads` dense heads of the baseline (4 in the paper's hybrids, 0 = pure) and add the
+largest number n of sparse heads of one type such that the model's FLOPs per pass do not exceed
+the baseline's. Sparsity 1 is the dense baseline itself (Table 5's first column).
+
+    python -m flops.isoflop --size tiny --head mosa --sparsity 8 --dense-heads 4 --json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from flops.formulas import FORMULAS, sparse_k
+from flops.model import model_cost
+from flops.presets import SIZES, baseline
+from heads.base import ConfigError
+from lm.config import HeadGroupConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class IsoFlopResult:
+    head: str
+    sparsity: float | None
+    k: int | None  # tokens per sparse head
+    dense_heads: int
+    sparse_heads: int
+    flops_per_pass: int
+    baseline_flops_per_pass: int
+    budget_used: float  # flops_per_pass / baseline_flops_per_pass (<= 1)
+    kv_total: int  # summed over layers
+    baseline_kv_total: int
+    kv_per_layer: int  # MoSA Table 2's "KV Total" (one layer)
+    params: int
+    baseline_params: int
+    heads: list[dict[str, Any]]  # the head mix, ready for ModelConfig.heads / a YAML config
+
+
+def _mix(dense: int, head: str, n: int, options: dict[str, Any]) -> list[HeadGroupConfig]:
+    groups = [HeadGroupConfig("dense", dense, {})] if dense else []
+    return groups + ([HeadGroupConfig(head, n, dict(options))] if n else [])
+
+
+def check_sparsity(seq_len: int, sparsity: float) -> int:
+    """k = T / rho for an IsoFLOP point: rho must divide T and leave k >= 2 (one-line errors)."""
+    if sparsity != int(sparsity) or sparsity < 1:
+        raise ConfigError(f"sparsity must be a positive integer, got {sparsity}")
+    if seq_len % int(sparsity):
+        raise ConfigError(f"sparsity {int(sparsity)} does not divide seq_len {seq_len}")
+    if seq_len // int(sparsity) < 2:
+        raise ConfigError(f"sparsity {int(sparsity)} leaves k = {seq_len // int(sparsity)} < 2 tokens per head (T = {seq_len})")
+    return sparse_k(seq_len, sparsity)
+
+
+def solve(
+    base: ModelConfig, head: str, sparsity: float | None = None, dense_heads: int = 4, options: dict[str, Any] | None = None
+) -> IsoFlopResult:
+    """FLOP-match `head` heads to the dense baseline `base` (one dense group in every layer)."""
+    if head not in FORMULAS:
+        raise ConfigError(f"unknown head type {head!r}; known: {', '.join(sorted(FORMULAS))}")
+    if base.layer_heads or len(base.heads) != 1 or base.heads[0].type != "dense":
+        raise ConfigError("the baseline must be one dense head group in every layer")
+    total_heads = base.heads[0].count
+    if not 0 <= dense_heads <= total_heads:
+        raise ConfigError(f"dense_heads must be in [0, {total_heads}], got {dense_heads}")
+    options = dict(options or {})
+    k = None
+    if sparsity is not None:
+        k = check_sparsity(base.seq_len, sparsity)
+        options["sparsity"] = int(sparsity)
+    ref = model_cost(base)
+
+    def cost(dense: int, n: int):
+        return model_cost(dataclasses.replace(base, heads=_mix(dense, head, n, options)))
+
+    if sparsity == 1:  # Table 5: sparsity 1 is the dense baseline
+        dense_heads, n = total_heads, 0
+    else:
+        lo, hi = 0, 1  # cost(lo) fits; grow hi until it does not, then bisect
+        if cost(dense_heads, 1).flops_per_pass <= ref.flops_per_pass:
+            while cost(dense_heads, hi).flops_per_pass <= ref.flops_per_pass:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if cost(dense_heads, mid).flops_per_pass <= ref.flops_per_pass else (lo, mid)
+        n = lo
+        if dense_heads + n == 0:
+            raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget")
+    got = cost(dense_heads, n)
+    return IsoFlopResult(
+        head=head,
+        sparsity=sparsity,
+        k=k,
+        dense_heads=dense_heads,
+        sparse_heads=n,
+        flops_per_pass=got.flops_per_pass,
+        baseline_flops_per_pass=ref.flops_per_pass,
+        budget_used=got.flops_per_pass / ref.flops_per_pass,
+        kv_total=got.kv_total,
+        baseline_kv_total=ref.kv_total,
+        kv_per_layer=got.kv_per_layer[0],
+        params=got.params,
+        baseline_params=ref.params,
+        heads=[dataclasses.asdict(g) for g in _mix(dense_heads, head, n, options)],
+    )
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"--option expects key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flops.isoflop", description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="tiny", help=f"dense baseline preset: {', '.join(SIZES)}")
+    p.add_argument("--head", required=True, help="sparse head type (a name in flops/formulas.py)")
+    p.add_argument("--sparsity", type=_number, help="rho; k = T / rho tokens per sparse head")
+    p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
+    for name in ("seq-len", "hidden", "layers", "heads", "head-dim"):
+        p.add_argument(f"--{name}", type=int, help="override the preset")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    try:
+        base = baseline(a.size, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
+        r = solve(base, a.head, a.sparsity, a.dense_heads, dict(_parse_option(o) for o in a.option))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(dataclasses.asdict(r)))
+    else:
+        print(
+            f"{a.size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads (rho={r.sparsity}, k={r.k}); "
+            f"FLOPs/pass {r.flops_per_pass / 1e9:.2f}G of {r.baseline_flops_per_pass / 1e9:.2f}G "
+            f"({100 * r.budget_used:.2f}%); KV/layer {r.kv_per_layer} (dense {r.baseline_kv_total // base.n_layers}); "
+            f"params {r.params / 1e6:.1f}M (dense {r.baseline_params / 1e6:.1f}M)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

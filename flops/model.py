@@ -1,0 +1,92 @@
+"""Model totals from a ModelConfig (convention: flops/formulas.py), training FLOPs and MFU.
+
+FLOPs per pass = sum over layers of (sum over head groups + FFN 4*m*h^2*T), MoSA App. C; with m = 4
+this is 16 h^2 T. The vocabulary projection (2 h V T) is reported separately (`lm_head_flops`) and
+left out of `flops_per_pass`, which reproduces MoSA Table 4 exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flops.formulas import group_cost
+from lm.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    flops_per_pass: int  # forward FLOPs of one length-T sequence, vocab projection excluded (Table 4)
+    attention_flops: int  # the head groups' share of flops_per_pass
+    ffn_flops: int  # the FFNs' share of flops_per_pass
+    lm_head_flops: int  # 2 h V T, not in flops_per_pass
+    kv_total: int  # KV-cache entries summed over layers and heads (what lm.DecoderLM.kv_total reports)
+    kv_per_layer: tuple[int, ...]  # per layer: MoSA Table 2's "KV Total" = T*H_dense + k*H_sparse of one layer
+    params: int  # embedding + blocks (incl. layer norms) + final norm + untied vocab projection
+
+
+def ffn_flops(d_model: int, mult: int, seq_len: int) -> int:
+    """h -> m*h -> h on T tokens: two products of 2*h*(m*h)*T (16 h^2 T for m = 4)."""
+    return 2 * 2 * d_model * mult * d_model * seq_len
+
+
+def model_cost(cfg: ModelConfig) -> ModelCost:
+    """Analytic cost of the decoder LM described by `cfg` (see lm/model.py for the architecture)."""
+    h, hd, T = cfg.d_model, cfg.head_dim, cfg.seq_len
+    attn = ffn = params = 0
+    kv_layers = []
+    for layer in range(cfg.n_layers):
+        costs = [group_cost(g.type, h, hd, T, g.count, g.options) for g in cfg.mix(layer)]
+        attn += sum(c.flops for c in costs)
+        ffn += ffn_flops(h, cfg.ffn_mult, T)
+        kv_layers.append(sum(c.kv for c in costs))
+        params += sum(c.params for c in costs) + 2 * cfg.ffn_mult * h * h + 4 * h  # + two LayerNorms
+    params += 2 * cfg.vocab_size * h + 2 * h  # embedding, untied vocab projection, final LayerNorm
+    return ModelCost(
+        flops_per_pass=attn + ffn,
+        attention_flops=attn,
+        ffn_flops=ffn,
+        lm_head_flops=2 * h * cfg.vocab_size * T,
+        kv_total=sum(kv_layers),
+        kv_per_layer=tuple(kv_layers),
+        params=params,
+    )
+
+
+def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = False) -> int:
+    """FLOPs of one training step: 3 x forward (backward = 2 x forward), for `batch_size` sequences."""
+    per_pass = cost.flops_per_pass + (cost.lm_head_flops if include_lm_head else 0)
+    return 3 * per_pass * batch_size
+
+
+# Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets.
+# Matched as substrings of torch.cuda.get_device_name(), most specific first.
+PEAK_TFLOPS_BF16: dict[str, float] = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,  # SXM
+    "H200": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "V100": 125.0,  # fp16 (no bf16 on Volta)
+}
+
+
+def peak_flops(device_name: str) -> float:
+    """Dense bf16 peak FLOP/s of a GPU from its name; ValueError (one line) if not in the table."""
+    for key, tflops in PEAK_TFLOPS_BF16.items():
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    raise ValueError(f"no peak FLOP/s known for device {device_name!r}; known: {', '.join(PEAK_TFLOPS_BF16)}")
+
+
+def mfu(flops_per_step: float, seconds_per_step: float, peak: float, n_devices: int = 1) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the devices' total peak FLOP/s."""
+    if seconds_per_step <= 0 or peak <= 0:
+        raise ValueError("seconds_per_step and peak must be > 0")
+    return flops_per_step / seconds_per_step / (peak * n_devices)
