@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from flops.isoflop import main as isoflop_main
 from flops.isoflop import solve
 from flops.model import model_cost
 from flops.presets import baseline
@@ -146,7 +147,12 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "local"], "option 'window' is required"),
     ],
 )
-def test_cli_errors_are_one_line(args: list[str], message: str) -> None:
-    out = _cli(*args)
-    assert out.returncode != 0
-    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert isoflop_main(args) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_error_exit_status_in_a_subprocess() -> None:
+    out = _cli("--size", "tiny", "--head", "mosa", "--sparsity", "3")
+    assert out.returncode == 2 and out.stderr.strip() == "error: sparsity 3 does not divide seq_len 1024"
