@@ -1,0 +1,103 @@
+"""Causal agent attention (Han et al. 2024, "Agent Attention", §4.1, eq. 3), for decoder LMs.
+
+Paper (vision, non-causal): agents A = Pooling(Q) (n tokens); agent aggregation V_A = softmax(A K^T) V
+over all N tokens; agent broadcast O = softmax(Q A^T) V_A; the module adds agent biases B1, B2 and a
+depthwise conv DWC(V) (eq. 6).
+
+Here, made causal, per head:
+- agent j = average of the (rotated) queries of block j, rows jb .. jb+b-1, for completed blocks only
+  (n = T // b); it is complete at row e_j = (j+1)b - 1 (routing/landmarks.py);
+- agent aggregation: V_A_j = softmax(A_j K^T / sqrt(h') + M) V, keys at rows <= e_j only;
+- agent broadcast + local window, one softmax: a query at row t attends to the agents with e_j <= t
+  (keys A_j, values V_A_j) and to the keys t-w < p <= t (keys K_p, values V_p).
+Using agent j at t = e_j is causal: A_j and V_A_j are built from rows <= e_j = t only.
+
+Deviations from the paper, and why:
+- causal masks in both steps and agents only from completed blocks (the paper pools the whole image,
+  which would let every token see the future);
+- the agent count grows with T (one per b tokens) instead of a fixed n: a fixed count would make the
+  pooling windows depend on the sequence length;
+- no agent biases B1, B2: positions come from RoPE (heads/rope.py), rotating Q and K at their
+  positions before pooling, so an agent's scores are the mean of its block's query scores;
+- no DWC(V) branch: its role (local detail that the rank-n agent path loses) is taken by the causal
+  local window, merged into the broadcast softmax rather than added, and needed anyway so that rows
+  before the first completed block have context.
+Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heads.attention import attend
+from heads.base import ConfigError, GroupContext, HeadOptions, register
+from heads.dense import DenseHeads
+from routing.landmarks import block_ends, block_pool, prefix_mask
+
+
+@dataclass
+class AgentOptions(HeadOptions):
+    block: int = 64  # b, tokens pooled into one agent
+    window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
+
+    def validate(self, ctx: GroupContext) -> None:
+        super().validate(ctx)
+        if self.block < 1:
+            raise ConfigError(f"agent: options.block must be >= 1, got {self.block}")
+        if not 1 <= self.window <= self.block:
+            raise ConfigError(f"agent: options.window must be in [1, block={self.block}], got {self.window}")
+
+
+@register("agent")
+class AgentHeads(DenseHeads):
+    """Causal agent attention heads: pooled-block agents plus a local window, one softmax."""
+
+    Options = AgentOptions
+
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, positions)  # [B, H, T, h']
+        T, b, w = x.shape[1], self.options.block, self.options.window
+        n, rows = T // b, torch.arange(T, device=x.device)
+        ends = torch.tensor([(j + 1) * b - 1 for j in range(n)], device=x.device, dtype=torch.long)
+        agent_visible = ends[None, :] <= rows[:, None]  # [T, n]: agent j complete at t
+        local = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - w)  # [T, T]
+        scale = self.ctx.head_dim**-0.5
+        heads = []
+        for i in range(self.count):
+            qi, ki, vi = q[:, i], k[:, i], v[:, i]  # [B, T, h']
+            agents, agent_values = [], []
+            for j in range(n):  # agent aggregation, one agent at a time
+                a = qi[:, j * b : (j + 1) * b].mean(1)  # [B, h'] pooled queries of block j
+                s = torch.einsum("bd,btd->bt", a, ki[:, : ends[j] + 1]) * scale  # keys <= e_j
+                agents.append(a)
+                agent_values.append(torch.einsum("bt,btd->bd", s.softmax(-1), vi[:, : ends[j] + 1]))
+            A = torch.stack(agents, 1) if n else qi[:, :0]  # [B, n, h']
+            VA = torch.stack(agent_values, 1) if n else vi[:, :0]
+            scores = torch.cat((qi @ A.transpose(-1, -2), qi @ ki.transpose(-1, -2)), -1) * scale  # [B, T, n+T]
+            scores = scores.masked_fill(~torch.cat((agent_visible, local), -1), float("-inf"))
+            heads.append(scores.softmax(-1) @ torch.cat((VA, vi), 1))  # broadcast + local, one softmax
+        return self.out(torch.cat(heads, dim=-1))
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, positions)  # [B, H, T, h']
+        B, H, T, d = q.shape
+        b, w = self.options.block, self.options.window
+        n, nb = T // b, -(-T // b)
+        A = block_pool(q, b)  # [B, H, n, d]
+        VA = attend(A, k, v, mask=prefix_mask(n, T, b, q.device))  # agent aggregation, keys <= e_j
+        # Query blocks of b rows; keys = all agents + the previous and own block (window w <= b).
+        pad = nb * b - T
+        qb = F.pad(q, (0, 0, 0, pad)).unflatten(2, (nb, b))  # [B, H, nb, b, d]
+        kb = F.pad(k, (0, 0, b, pad)).unflatten(2, (nb + 1, b))  # block -1 (zeros) first
+        vb = F.pad(v, (0, 0, b, pad)).unflatten(2, (nb + 1, b))
+        keys = torch.cat((A[:, :, None].expand(B, H, nb, n, d), kb[:, :, :-1], kb[:, :, 1:]), 3)
+        values = torch.cat((VA[:, :, None].expand(B, H, nb, n, d), vb[:, :, :-1], vb[:, :, 1:]), 3)
+        t = torch.arange(nb * b, device=q.device).view(nb, b, 1)  # query rows
+        p = torch.arange(-b, nb * b, device=q.device).unfold(0, 2 * b, b)[:nb, None, :]  # [nb, 1, 2b] key rows
+        mask = torch.cat(
+            (block_ends(n, b, q.device).expand(nb, b, n) <= t, (p >= 0) & (p <= t) & (p > t - w)), -1
+        )  # [nb, b, n + 2b]
+        out = attend(qb, keys, values, mask=mask).flatten(2, 3)[:, :, :T]  # [B, H, T, d]
+        return self.out(out.transpose(1, 2).reshape(B, T, H * d))

@@ -1,0 +1,52 @@
+"""Causal landmarks: block-average pooling, each landmark's top-k keys, and query-to-landmark routing.
+
+Shared by heads/mita.py (MiTA, Algorithm 1 made causal) and heads/agent.py (agent tokens = pooled Q).
+The sequence index is split into blocks of `block` tokens; landmark j is the average of the
+(already rotated) queries of block j, rows jb .. jb+b-1 (MiTA Alg. 1 line 2 with a causal pool:
+only *completed* blocks give a landmark, so n = T // b and a trailing partial block gives none).
+Landmark j is complete at row e_j = (j+1)b - 1 and only ever looks at keys at rows <= e_j.
+Layout: x[B, H, T, d]; landmarks [B, H, n, d]. Rows are assumed to be in increasing position order
+(as for every causal head).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def block_pool(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x[B, H, T, d] -> [B, H, T // block, d], the mean of each completed block (MiTA Alg. 1 line 2)."""
+    n = x.shape[-2] // block
+    return x[..., : n * block, :].unflatten(-2, (n, block)).mean(-2)
+
+
+def block_ends(n: int, block: int, device: torch.device) -> torch.Tensor:
+    """[n] row index of the last token of each completed block: e_j = (j+1) * block - 1."""
+    return torch.arange(1, n + 1, device=device) * block - 1
+
+
+def prefix_mask(n: int, T: int, block: int, device: torch.device) -> torch.Tensor:
+    """[n, T] bool: key row p is visible to landmark j iff p <= e_j (its block has ended by then)."""
+    return torch.arange(T, device=device)[None, :] <= block_ends(n, block, device)[:, None]
+
+
+def earlier_blocks(T: int, n: int, block: int, device: torch.device) -> torch.Tensor:
+    """[T, n] bool: landmark j is eligible for query row t iff block j ended before t's own block
+    starts (j < t // block), so its keys never overlap the query's own-block keys."""
+    return torch.arange(n, device=device)[None, :] < (torch.arange(T, device=device) // block)[:, None]
+
+
+def landmark_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiTA eq. 7 made causal. scores[B, H, n, T] (future keys already -inf) -> the rows of each
+    landmark's min(k, T) best keys, idx[B, H, n, k'], and valid[B, H, n, k'] (False where a young
+    landmark has fewer than k visible keys and top-k had to pick a masked one)."""
+    top, idx = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    return idx, top > float("-inf")
+
+
+def route(logits: torch.Tensor, eligible: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiTA's e_1(q) .. e_s(q): each query's top-s landmarks among the eligible ones.
+    logits[B, H, T, n] (q . q~_j), eligible[T, n] -> sel[B, H, T, s'] landmark indices and
+    valid[B, H, T, s'] (False where a query has fewer than s eligible landmarks), s' = min(s, n)."""
+    masked = logits.masked_fill(~eligible, float("-inf"))
+    top, sel = masked.topk(min(s, logits.shape[-1]), dim=-1)
+    return sel, top > float("-inf")

@@ -1,0 +1,67 @@
+"""Causal agent attention (heads/agent.py): fast vs reference, reduction to dense when no agent is
+complete and the window covers everything, agents are really used, causality in a hybrid mix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fast_vs_reference, tiny_config
+
+import lm
+from heads import ConfigError
+from lm.causality import future_leak
+
+TOL = 1e-12  # float64: relative RMS error and max-abs error, outputs and all gradients
+
+
+@pytest.mark.parametrize("T,block,window", [(100, 8, 5), (257, 16, 16), (20, 32, 7)])
+def test_fast_matches_reference(T: int, block: int, window: int) -> None:
+    for name, (rel_rms, max_abs) in fast_vs_reference("agent", {"block": block, "window": window}, T).items():
+        assert rel_rms < TOL and max_abs < TOL, (name, rel_rms, max_abs)
+
+
+def _models(T: int, **options) -> tuple[torch.nn.Module, torch.nn.Module]:
+    dense = lm.build_model(tiny_config(heads=[{"type": "dense", "count": 2}], seq_len=T).model).double()
+    agent = lm.build_model(tiny_config(heads=[{"type": "agent", "count": 2, "options": options}], seq_len=T).model).double()
+    agent.load_state_dict(dense.state_dict())  # same qkv / out layout as dense
+    return dense, agent
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_no_complete_agent_and_full_window_is_dense(impl: str) -> None:
+    T = 30
+    dense, agent = _models(T, block=T + 1, window=T + 1, impl=impl)
+    tokens = torch.randint(0, 97, (2, T))
+    assert (agent(tokens) - dense(tokens)).abs().max().item() < TOL
+
+
+def test_agents_change_rows_after_the_first_block() -> None:
+    """With window 1, rows before the first completed block see only themselves; from row b-1 on
+    the agents contribute, so the output differs from the window-only (no agent) model there."""
+    T, b = 24, 6
+    _, with_agents = _models(T, block=b, window=1)
+    _, no_agents = _models(T, block=T + 1, window=1)
+    no_agents.load_state_dict(with_agents.state_dict())
+    tokens = torch.randint(0, 97, (1, T))
+    diff = (with_agents(tokens) - no_agents(tokens)).abs().amax(-1)[0]  # [T]
+    assert diff[: b - 1].max().item() < TOL
+    assert diff[b - 1 :].min().item() > 1e-6
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 8, "window": 4, "impl": impl}}])
+    model = lm.build_model(cfg.model)
+    tokens = torch.randint(0, 97, (2, 64))
+    assert model.causal
+    for t in (0, 6, 7, 8, 40):  # around the first block end (row 7)
+        assert future_leak(model, tokens, t, 97) < 1e-5
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    group = model.blocks[0].attn.groups[1]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in group.parameters())
+
+
+@pytest.mark.parametrize("options,field", [({"block": 0}, "options.block"), ({"block": 8, "window": 9}, "options.window")])
+def test_bad_options_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])

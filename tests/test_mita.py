@@ -1,0 +1,76 @@
+"""Causal MiTA (heads/mita.py, routing/landmarks.py): fast vs reference (s = 1 and s > 1 with
+overlapping experts, odd lengths, no complete landmark), reduction to dense causal attention,
+causality in a hybrid mix, config errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fast_vs_reference, tiny_config
+
+import lm
+from heads import ConfigError
+from lm.causality import future_leak
+from routing.landmarks import block_pool, earlier_blocks, prefix_mask
+
+TOL = 1e-12  # float64: relative RMS error and max-abs error, outputs and all gradients
+
+
+@pytest.mark.parametrize(
+    "T,options",
+    [
+        (100, {"block": 8, "k": 6, "s": 1}),
+        (257, {"block": 16, "k": 12, "s": 2}),
+        (257, {"block": 32, "k": 257, "s": 3}),  # experts overlap heavily: union must drop repeats
+        (100, {"block": 8, "k": 5, "s": 2, "shared": False}),
+        (20, {"block": 32, "k": 4}),  # no completed block: own block only
+    ],
+)
+def test_fast_matches_reference(T: int, options: dict) -> None:
+    for name, (rel_rms, max_abs) in fast_vs_reference("mita", options, T).items():
+        assert rel_rms < TOL and max_abs < TOL, (name, rel_rms, max_abs)
+
+
+def test_landmarks_are_causal_block_means() -> None:
+    x = torch.randn(1, 1, 11, 4)
+    assert torch.allclose(block_pool(x, 4)[0, 0], torch.stack([x[0, 0, :4].mean(0), x[0, 0, 4:8].mean(0)]))
+    assert prefix_mask(2, 11, 4, x.device).sum(-1).tolist() == [4, 8]  # keys <= e_j = 3, 7
+    assert earlier_blocks(11, 2, 4, x.device).sum(-1).tolist() == [0] * 4 + [1] * 4 + [2] * 3
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_full_experts_all_routed_no_shared_is_dense(impl: str) -> None:
+    """k >= T (each expert holds its landmark's whole prefix), s >= T // b (every eligible landmark
+    routed, so the union reaches the row before the own block) and no shared expert (whose landmark
+    entries dense attention does not have): MiTA is exactly dense causal attention."""
+    T, b = 45, 8
+    dense = lm.build_model(tiny_config(heads=[{"type": "dense", "count": 2}], seq_len=T).model).double()
+    options = {"block": b, "k": T, "s": T // b, "shared": False, "impl": impl}
+    mita = lm.build_model(tiny_config(heads=[{"type": "mita", "count": 2, "options": options}], seq_len=T).model).double()
+    mita.load_state_dict(dense.state_dict())  # same qkv / out layout as dense
+    tokens = torch.randint(0, 97, (2, T))
+    assert (mita(tokens) - dense(tokens)).abs().max().item() < TOL
+    options["s"] = 1  # one routed expert only: no longer dense
+    mita1 = lm.build_model(tiny_config(heads=[{"type": "mita", "count": 2, "options": options}], seq_len=T).model).double()
+    mita1.load_state_dict(dense.state_dict())
+    assert (mita1(tokens) - dense(tokens)).abs().max().item() > 1e-6
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
+    options = {"block": 8, "k": 6, "s": 2, "impl": impl}
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "mita", "count": 2, "options": options}])
+    model = lm.build_model(cfg.model)
+    tokens = torch.randint(0, 97, (2, 64))
+    assert model.causal
+    for t in (0, 7, 8, 15, 16, 40):  # around block ends
+        assert future_leak(model, tokens, t, 97) < 1e-5
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    group = model.blocks[0].attn.groups[1]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in group.parameters())
+
+
+@pytest.mark.parametrize("field", ["block", "k", "s"])
+def test_bad_options_name_the_field(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"options.{field}"):
+        tiny_config(heads=[{"type": "mita", "count": 2, "options": {field: 0}}])

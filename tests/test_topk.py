@@ -1,0 +1,85 @@
+"""Per-query top-k heads (heads/topk.py): fast chunked path vs reference, k = T is dense, chunking
+changes nothing, memory O(C T + T k) (saved tensors), causality inside a hybrid mix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fast_vs_reference, tiny_config
+
+import lm
+from heads import ConfigError
+from heads.topk import ChunkedTopKAttention
+from lm.causality import future_leak
+
+TOL = 1e-12  # float64: relative RMS error and max-abs error, outputs and all gradients
+
+
+@pytest.mark.parametrize("T,k,chunk", [(100, 7, 16), (257, 16, 64), (33, 50, 8)])
+def test_fast_matches_reference(T: int, k: int, chunk: int) -> None:
+    for name, (rel_rms, max_abs) in fast_vs_reference("topk", {"k": k, "chunk": chunk}, T).items():
+        assert rel_rms < TOL and max_abs < TOL, (name, rel_rms, max_abs)
+
+
+def _qkv(T: int, d: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+
+
+def test_chunked_equals_unchunked() -> None:
+    results = []
+    for chunk in (5, 257):
+        q, k, v = _qkv(257)
+        out = ChunkedTopKAttention.apply(q, k, v, 12, chunk)
+        results.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v))])
+    for a, b in zip(*results):
+        assert (a - b).abs().max().item() < TOL
+
+
+def test_saved_memory_is_linear_in_T() -> None:
+    """Input checkpointing: autograd keeps Q, K, V and the top-k scores / indices (O(T k)), never a
+    T x T matrix; the reference keeps several."""
+    T, topk, d = 512, 8, 8
+    q, k, v = _qkv(T, d)
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        ChunkedTopKAttention.apply(q, k, v, topk, 64)
+    per_head = 2 * 3  # batch x heads
+    assert sum(saved) == per_head * (3 * T * d + 2 * T * topk), saved
+    assert max(saved) < per_head * T * T / 16
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        s = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        s.softmax(-1) @ v  # dense causal attention for comparison
+    assert max(saved) == per_head * T * T
+
+
+def test_k_equal_T_is_dense_with_dense_weights() -> None:
+    T = 40
+    dense_cfg = tiny_config(heads=[{"type": "dense", "count": 3}], seq_len=T)
+    dense = lm.build_model(dense_cfg.model).double()
+    tokens = torch.randint(0, 97, (2, T))
+    for impl in ("fast", "reference"):
+        cfg = tiny_config(heads=[{"type": "topk", "count": 3, "options": {"k": T, "chunk": 16, "impl": impl}}], seq_len=T)
+        topk = lm.build_model(cfg.model).double()
+        topk.load_state_dict(dense.state_dict())  # strict: identical parameter layout
+        assert (topk(tokens) - dense(tokens)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 5, "chunk": 8, "impl": impl}}])
+    model = lm.build_model(cfg.model)
+    tokens = torch.randint(0, 97, (2, 64))
+    assert model.causal
+    for t in (0, 9, 40):
+        assert future_leak(model, tokens, t, 97) < 1e-5
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    group = model.blocks[0].attn.groups[1]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in group.parameters())
+
+
+@pytest.mark.parametrize("options,field", [({"k": 0}, "options.k"), ({"chunk": 0}, "options.chunk")])
+def test_bad_options_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        tiny_config(heads=[{"type": "topk", "count": 2, "options": options}])
