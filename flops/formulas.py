@@ -23,6 +23,7 @@ reading its options with `o.get("field", default)` / `o.require("field")`, and c
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -86,10 +87,10 @@ def group_cost(head_type: str, d_model: int, head_dim: int, seq_len: int, count:
 
 
 def sparse_k(seq_len: int, sparsity: float) -> int:
-    """Tokens per sparse head, k = max(floor(T / rho), 2) (MoSA App. F; k = T / rho when rho | T)."""
+    """Tokens per sparse head, k = max(floor(T / rho), 2) (MoSA App. F; k = T / rho when rho | T), <= T."""
     if sparsity < 1:
         raise ConfigError(f"sparsity must be >= 1, got {sparsity}")
-    return max(int(seq_len // sparsity), 2)
+    return min(seq_len, max(int(seq_len // sparsity), 2))
 
 
 @formula("dense")
@@ -101,8 +102,12 @@ def dense(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 @formula("mosa")
 def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """App. C: 8hh'k + 4h'k^2 + 2hT (router scores r = sigma(X W^r), W^r in R^h) + h'k (output
-    scaled by the scores) per head; params 4hh' + h (projections + router)."""
+    scaled by the scores) per head; params 4hh' + h (projections + router). With the causal
+    "threshold" selection of heads/mosa.py each head computes on its capacity, ceil(capacity_factor * k)
+    slots (= k at the default capacity_factor 1); expert-choice TopK uses exactly k."""
     k = sparse_k(T, o.require("sparsity"))
+    if o.get("selection", "threshold") == "threshold":
+        k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
     return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), kv=n * k, params=n * (4 * h * hd + h))
 
 
@@ -118,10 +123,13 @@ def routing(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """App. C: Routing Transformer head, 6hh'T (Q = K, V, O on all T tokens) + rho * 4h'k^2 (rho
     clusters of k tokens) + 2h'T ("cluster selection", as the paper writes it; a nearest-centroid
     search over rho centroids would be 2h'T*rho). Centroids are EMA k-means buffers, not parameters.
-    KV: all T keys are kept, since a future query may fall into any cluster."""
-    rho = o.require("sparsity")
-    k = sparse_k(T, rho)
+    With the causal "nearest" assignment of heads/routing_attn.py each cluster has
+    ceil(capacity_factor * k) slots (= k at the default 1.0). KV: all T keys are kept, since a
+    future query may fall into any cluster."""
+    k = sparse_k(T, o.require("sparsity"))
     clusters = max(T // k, 1)
+    if o.get("assignment", "nearest") == "nearest":
+        k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
     return Cost(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), kv=n * T, params=n * 3 * h * hd)
 
 
@@ -136,3 +144,36 @@ def local(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 
 # ---- Later head types: add ONE @formula("name") function per type below this line (keep it short,
 # ---- cite the paper's equations, state KV and parameters). Model totals pick it up automatically.
+
+
+@formula("topk")
+def topk(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """Per-query top-k (Gupta et al. 2021, eq. 4): 8hh'T (Q, K, V, O) + 2h'T^2 (all scores QK^T are
+    needed to select) + 2h'T*min(k, T) (weights times the k kept values); selection not counted.
+    KV: all T keys (any of them can be in a later query's top-k). Params: dense's 4hh'."""
+    k = min(int(o.require("k")), T)
+    return Cost(flops=n * (8 * h * hd * T + 2 * hd * T * T + 2 * hd * T * k), kv=n * T, params=n * 4 * h * hd)
+
+
+@formula("agent")
+def agent(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
+    8hh'T + 4h'mT (aggregation: m = T // b agents over T keys) + 4h'Tm (broadcast: T queries over m
+    agents) + 4h'T*min(w, T) (local window). Pooling not counted. KV: all T (a future agent
+    aggregates over its whole prefix). Params: dense's 4hh' (no agent bias, no DWC)."""
+    m, w = T // int(o.require("block")), min(int(o.require("window")), T)
+    return Cost(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w), kv=n * T, params=n * 4 * h * hd)
+
+
+@formula("mita")
+def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """Causal MiTA (eqs. 5-12, Alg. 1) with m = T // b landmarks: 8hh'T + 2h'mT (landmark scores
+    S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, reused as shared-expert scores) + if shared:
+    2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
+    experts) + 4h'T*min(b, T) (own block). Pooling, top-k and gathers not counted. KV: all T.
+    Params: dense's 4hh'."""
+    b, k, s = int(o.require("block")), int(o.require("k")), int(o.require("s"))
+    m = T // b
+    shared = 4 * hd * m * T if o.get("shared", True) else 0
+    attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * min(b, T)
+    return Cost(flops=n * (8 * h * hd * T + attend), kv=n * T, params=n * 4 * h * hd)

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from flops.formulas import FORMULAS, sparse_k
+from flops.formulas import FORMULAS, Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
@@ -68,6 +68,8 @@ def solve(
     if not 0 <= dense_heads <= total_heads:
         raise ConfigError(f"dense_heads must be in [0, {total_heads}], got {dense_heads}")
     options = dict(options or {})
+    if sparsity is None:  # the head type's own option or default, e.g. mosa's sparsity 8
+        sparsity = Options(head, options).get("sparsity")
     k = None
     if sparsity is not None:
         k = check_sparsity(base.seq_len, sparsity)

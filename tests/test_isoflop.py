@@ -144,7 +144,7 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "nope", "--sparsity", "8"], "unknown head type 'nope'"),
         (["--size", "huge", "--head", "mosa", "--sparsity", "8"], "unknown size 'huge'"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--dense-heads", "10"], "dense_heads must be in [0, 9]"),
-        (["--size", "tiny", "--head", "local"], "option 'window' is required"),
+        (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--layers", "0"], "n_layers must be >= 1"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -1,0 +1,99 @@
+"""Analytic FLOPs (flops/formulas.py, flops/model.py) against App. C and against the real model's
+matmul FLOPs measured by torch.utils.flop_counter.FlopCounterMode."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import lm
+from conftest import tiny_config
+from flops.formulas import FORMULAS, group_cost, sparse_k
+from flops.model import mfu, model_cost, peak_flops, training_flops
+from heads import ConfigError
+
+h, hd, T = 512, 64, 1024
+
+
+def test_app_c_per_head_formulas() -> None:
+    k = T // 8
+    assert group_cost("dense", h, hd, T, 1).flops == 8 * h * hd * T + 4 * hd * T**2
+    mosa = 8 * h * hd * k + 4 * hd * k**2 + 2 * h * T + hd * k
+    assert group_cost("mosa", h, hd, T, 3, {"sparsity": 8}).flops == 3 * mosa
+    assert group_cost("fixed", h, hd, T, 1, {"sparsity": 8}).flops == 8 * h * hd * k + 4 * hd * k**2
+    # App. C: rho (6hh'k + 4h'k^2) + 2h'T, i.e. one routing head ~ rho fixed heads
+    assert group_cost("routing", h, hd, T, 1, {"sparsity": 8}).flops == 8 * (6 * h * hd * k + 4 * hd * k**2) + 2 * hd * T
+    assert group_cost("local", h, hd, T, 1, {"window": 128}).flops == 8 * h * hd * T + 4 * hd * T * 128
+
+
+def test_kv_entries_and_short_sequences() -> None:
+    assert group_cost("dense", h, hd, T, 9).kv == 9 * T
+    assert group_cost("mosa", h, hd, T, 17, {"sparsity": 32}).kv == 17 * 32
+    assert group_cost("routing", h, hd, T, 2, {"sparsity": 8}).kv == 2 * T
+    assert group_cost("local", h, hd, 100, 1, {"window": 256}).kv == 100
+    assert sparse_k(10, 64) == 2 and sparse_k(1000, 64) == 15  # App. F: max(floor(T / rho), 2)
+    assert group_cost("mosa", h, hd, T, 1, {"sparsity": 8, "capacity_factor": 1.5}).kv == 192
+
+
+def test_unknown_head_type_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="no FLOP formula for head type 'nope'; known: .*dense"):
+        group_cost("nope", h, hd, T, 1)
+
+
+def test_training_flops_and_mfu() -> None:
+    cost = model_cost(lm.ModelConfig())
+    assert training_flops(cost, 64) == 3 * 64 * cost.flops_per_pass
+    assert training_flops(cost, 1, include_lm_head=True) == 3 * (cost.flops_per_pass + 2 * 512 * 8000 * 1024)
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert mfu(156e12, 1.0, 312e12) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="no peak FLOP/s known"):
+        peak_flops("Some CPU")
+
+
+def _counted(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(tokens)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize(
+    "heads,elementwise_per_head",
+    [
+        ([{"type": "dense", "count": 4}], 0),
+        # MoSA's h'k (scaling the head output by the router scores) is element-wise: the flop counter
+        # does not see it, so it is taken out of the analytic count explicitly.
+        (
+            [{"type": "dense", "count": 2}, {"type": "mosa", "count": 6, "options": {"sparsity": 4, "selection": "expert_choice"}}],
+            8 * (64 // 4),
+        ),
+        ([{"type": "fixed", "count": 6, "options": {"sparsity": 4}}], 0),
+        ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0),
+    ],
+    ids=["dense", "mosa", "fixed", "routing"],
+)
+def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int) -> None:
+    """Reference implementation, CPU: matmul FLOPs (linear, bmm, SDPA) of one forward pass equal the
+    analytic count + the vocabulary projection 2hVT (not in Table 4's totals) - element-wise terms.
+    Gathers and scatters cost no FLOPs in either count."""
+    torch.manual_seed(0)
+    for g in heads:
+        g.setdefault("options", {})["impl"] = "reference"
+    cfg = tiny_config(heads, d_model=32, head_dim=8, seq_len=64).model
+    model = lm.build_model(cfg)
+    B = 2
+    counted = _counted(model, torch.randint(0, cfg.vocab_size, (B, cfg.seq_len)))
+    cost = model_cost(cfg)
+    n_sparse = sum(g["count"] for g in heads if g["type"] != "dense") * cfg.n_layers
+    expected = B * (cost.flops_per_pass + cost.lm_head_flops - n_sparse * elementwise_per_head)
+    assert abs(counted - expected) / expected < 0.02, (counted, expected)
+    assert cost.params == model.num_params()
+    assert cost.kv_total == model.kv_total()
+
+
+def test_every_registered_formula_has_a_name_in_the_registry() -> None:
+    assert {"dense", "mosa", "fixed", "routing", "local"} <= set(FORMULAS)
+    cfg = dataclasses.replace(lm.ModelConfig(), heads=[lm.config.HeadGroupConfig("dense", 9)])
+    assert model_cost(cfg).flops_per_pass == 54_760_833_024  # Table 4, Tiny
