@@ -1,0 +1,61 @@
+"""Fixed strided sparse heads (MoSA App. A, after Child et al. 2019): the special case of MoSA with
+I = [0, ρ, 2ρ, ...] and r = 1. Every head attends among the tokens at positions that are multiples
+of ρ; only those tokens are projected (W^Q, W^K, W^V, W^O), and only they receive an output.
+
+k = ceil(T/ρ) (= T/ρ when ρ divides T): all multiples of ρ below T. Counting them this way (rather
+than App. F's max(floor(T/ρ), 2)) keeps the pattern a function of position alone, so a prefix sees
+exactly the selection the full sequence makes for it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.gathered import gathered_heads_fast, gathered_heads_reference
+from routing.selection import Selection
+
+
+@dataclass
+class FixedOptions(HeadOptions):
+    sparsity: int = 8  # ρ: stride of the selected positions
+
+    def validate(self, ctx: GroupContext) -> None:
+        super().validate(ctx)
+        if self.sparsity < 1:
+            raise ConfigError(f"fixed: sparsity must be an integer >= 1, got {self.sparsity}")
+
+    def kv_per_head(self, seq_len: int) -> int:
+        return math.ceil(seq_len / self.sparsity)
+
+
+@register("fixed")
+class FixedHeads(HeadGroup):
+    Options = FixedOptions
+    options: FixedOptions
+
+    def __init__(self, ctx: GroupContext, count: int, options: FixedOptions) -> None:
+        super().__init__(ctx, count, options)
+        self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)
+        self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
+
+    def indices(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """I = [0, ρ, 2ρ, ...] below T."""
+        return torch.arange(0, seq_len, self.options.sparsity, device=device)
+
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        I = self.indices(x.shape[1], x.device)
+        ones = torch.ones(len(I), device=x.device, dtype=x.dtype)  # r = 1
+        index_sets = [[I] * self.count for _ in range(x.shape[0])]
+        gates = [[ones] * self.count for _ in range(x.shape[0])]
+        return gathered_heads_reference(x, positions, index_sets, gates, self.qkv.weight, self.out.weight, self.rope)
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B = x.shape[0]
+        I = self.indices(x.shape[1], x.device).expand(B, self.count, -1)  # [B, H, k]
+        sel = Selection(I, torch.ones_like(I, dtype=torch.bool))
+        gate = torch.ones(I.shape, device=x.device, dtype=x.dtype)
+        return gathered_heads_fast(x, positions, sel, gate, self.qkv.weight, self.out.weight, self.rope)

@@ -1,0 +1,73 @@
+"""Attention heads that each process their own subset of tokens (MoSA §2.2, shared by mosa and fixed).
+
+Head i gets token indices I (its selection) and scores r_I, and computes
+    X^s = X[I];  Q, K, V = X^s W^Q_i, X^s W^K_i, X^s W^V_i;  RoPE on Q, K at the original positions I;
+    A = softmax(Q K^T / sqrt(h') + M) V with M_jl = 0 iff I_j >= I_l;
+    X^o = diag(r_I) A W^O_i;  Y[I] += X^o  (unselected positions receive nothing from head i).
+The group output is the sum over heads (eq. 3). Weights are stored fused like heads/dense.py:
+W^QKV [3*H*h', h] (rows: q|k|v, then head, then h'), W^O [h, H*h'].
+"""
+from __future__ import annotations
+
+import torch
+
+from heads.attention import attend
+from heads.rope import RotaryEmbedding
+from routing.selection import Selection
+
+
+def gathered_heads_reference(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    index_sets: list[list[torch.Tensor]],
+    gates: list[list[torch.Tensor]],
+    qkv_weight: torch.Tensor,
+    out_weight: torch.Tensor,
+    rope: RotaryEmbedding,
+) -> torch.Tensor:
+    """Plain per-sequence, per-head loop. index_sets[b][i]: int64[k_bi] token indices of head i in
+    sequence b, in any order (e.g. TopK order); gates[b][i]: float[k_bi] their scores r."""
+    B, T, h = x.shape
+    H = len(index_sets[0])
+    d = qkv_weight.shape[0] // (3 * H)
+    w_qkv, w_o = qkv_weight.view(3, H, d, h), out_weight.view(h, H, d)
+    out = []
+    for b in range(B):
+        y = x.new_zeros(T, h)
+        for i in range(H):
+            I = index_sets[b][i]  # [k]
+            xs = x[b, I]  # X^s [k, h]
+            q, k, v = xs @ w_qkv[0, i].T, xs @ w_qkv[1, i].T, xs @ w_qkv[2, i].T  # [k, h']
+            q, k = rope(q, positions[b, I]), rope(k, positions[b, I])  # rotate by original positions
+            allowed = I[:, None] >= I[None, :]  # M_jl = 0 iff I_j >= I_l (not triangular in TopK order)
+            scores = (q @ k.T / d**0.5).masked_fill(~allowed, float("-inf"))
+            a = scores.softmax(-1) @ v  # [k, h']
+            x_o = (gates[b][i][:, None] * a) @ w_o[:, i].T  # diag(r) A W^O_i  [k, h]
+            y = y.index_add(0, I, x_o)  # back to the original positions
+        out.append(y)
+    return torch.stack(out)
+
+
+def gathered_heads_fast(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    sel: Selection,
+    gate: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    out_weight: torch.Tensor,
+    rope: RotaryEmbedding,
+) -> torch.Tensor:
+    """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
+    is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding."""
+    B, T, h = x.shape
+    H, c = sel.idx.shape[1:]
+    d = qkv_weight.shape[0] // (3 * H)
+    batch = torch.arange(B, device=x.device)[:, None, None]
+    xs = x[batch, sel.idx]  # X^s of every head [B, H, c, h]
+    pos = positions[batch, sel.idx]  # original positions [B, H, c]
+    q, k, v = torch.einsum("bnch,sndh->sbncd", xs, qkv_weight.view(3, H, d, h))  # each [B, H, c, h']
+    a = attend(rope(q, pos), rope(k, pos), v, causal=True)  # one batched call over all heads
+    a = a * gate[..., None]  # diag(r) A; padding slots -> 0
+    x_o = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, d))  # per-head W^O [B, H, c, h]
+    y = x.new_zeros(B, T, h)
+    return y.scatter_add(1, sel.idx.reshape(B, H * c, 1).expand(B, H * c, h), x_o.reshape(B, H * c, h))

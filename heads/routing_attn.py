@@ -1,0 +1,123 @@
+"""Routing Transformer attention (Roy et al. 2021) as MoSA's content-based baseline (App. A, App. C).
+
+Per head: shared query/key projection (W^Q = W^K, so queries and keys fall in the same clusters), value
+projection, all T tokens projected (cost 6hh'T incl. W^O). The unit-normalised queries u are clustered
+by online k-means (routing/kmeans.py) into ρ clusters; each cluster attends within itself with the
+causal mask M_jl = 0 iff I_j >= I_l and RoPE at original positions. A token's head output is the mean
+of its outputs over the clusters it belongs to (0 if none). Auxiliary loss: commitment
+`commitment * ||u - mu_nearest||^2`. KV entries per head: T (any future token may route to any cluster).
+
+Cluster assignment (option `assignment`):
+- "topk": balanced clusters of k = T/ρ tokens, each cluster taking the k tokens most similar to its
+  centroid (the Routing Transformer's training-time rule). Ranks tokens over the whole sequence, so
+  NOT causal (like expert choice); opt-in, flagged by the causality check.
+- "nearest" (default, causal): each token joins its nearest centroid; each cluster keeps its earliest
+  ceil(capacity_factor * k) members (earliest-first overflow). Decidable per token from its query,
+  the centroids and a counter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.attention import attend
+from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from routing.expert_choice import expert_choice, tokens_per_head
+from routing.kmeans import OnlineKMeans
+from routing.selection import Selection, earliest_first
+
+ASSIGNMENTS = ("nearest", "topk")
+
+
+@dataclass
+class RoutingOptions(HeadOptions):
+    sparsity: int = 8  # ρ clusters of k = T/ρ tokens per head
+    assignment: str = "nearest"  # "nearest" (causal) | "topk" (balanced, as published, non-causal)
+    capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
+    decay: float = 0.999  # EMA decay of the centroids
+    commitment: float = 1e-4  # weight of the commitment loss
+
+    def validate(self, ctx: GroupContext) -> None:
+        super().validate(ctx)
+        if self.sparsity < 1:
+            raise ConfigError(f"routing: sparsity must be an integer >= 1, got {self.sparsity}")
+        if self.assignment not in ASSIGNMENTS:
+            raise ConfigError(f"routing: assignment must be one of {', '.join(ASSIGNMENTS)}, got {self.assignment!r}")
+        if self.capacity_factor <= 0 or not 0 <= self.decay < 1 or self.commitment < 0:
+            raise ConfigError("routing: need capacity_factor > 0, decay in [0, 1), commitment >= 0")
+
+
+@register("routing")
+class RoutingHeads(HeadGroup):
+    Options = RoutingOptions
+    options: RoutingOptions
+
+    def __init__(self, ctx: GroupContext, count: int, options: RoutingOptions) -> None:
+        super().__init__(ctx, count, options)
+        self.qv = nn.Linear(ctx.d_model, 2 * count * ctx.head_dim, bias=False)  # W^Q = W^K, and W^V
+        self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
+        self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
+        self.capacity = math.ceil(options.capacity_factor * tokens_per_head(ctx.seq_len, options.sparsity))
+
+    @property
+    def causal(self) -> bool:
+        return self.options.assignment != "topk"
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
+        """x[B, T, h] -> q(=k), v [B, H, T, h'], u = normalize(q), and the clusters' Selection [B, H, C, c]."""
+        B, T, _ = x.shape
+        q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
+        u = F.normalize(q, dim=-1)
+        sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
+        if self.options.assignment == "topk":
+            sel = expert_choice(sim, tokens_per_head(T, self.options.sparsity))
+        else:
+            nearest = sim.argmax(2)  # [B, H, T]
+            members = nearest[:, :, None, :] == torch.arange(sim.shape[2], device=x.device)[:, None]
+            sel = earliest_first(members, self.capacity)
+        return q, v, u, sel
+
+    def _finish(self, a_sum: torch.Tensor, counts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """a_sum[B, H, T, h'] summed cluster outputs, counts[B, H, T] memberships -> y[B, T, h]; aux loss, EMA."""
+        B, H, T, d = a_sum.shape
+        a = a_sum / counts.clamp(min=1)[..., None]  # mean over the clusters a token belongs to
+        nearest = self.kmeans.similarity(u.detach()).argmax(2)
+        self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(u, nearest)}
+        self.stats = {"routed_frac": (counts > 0).float().mean().item()}
+        if self.training:
+            self.kmeans.update(u, nearest)
+        return self.out(a.transpose(1, 2).reshape(B, T, H * d))
+
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, v, u, sel = self._route(x)
+        B, H, C, _ = sel.idx.shape
+        T, d = x.shape[1], self.ctx.head_dim
+        a_sum, counts = x.new_zeros(B, H, T, d), x.new_zeros(B, H, T)
+        for b in range(B):
+            for i in range(H):
+                for c in range(C):
+                    I = sel.idx[b, i, c][sel.valid[b, i, c]]  # cluster members
+                    qc = self.rope(q[b, i, I], positions[b, I])  # shared Q = K
+                    allowed = I[:, None] >= I[None, :]  # M_jl = 0 iff I_j >= I_l
+                    scores = (qc @ qc.T / d**0.5).masked_fill(~allowed, float("-inf"))
+                    a_sum[b, i] = a_sum[b, i].index_add(0, I, scores.softmax(-1) @ v[b, i, I])
+                    counts[b, i] = counts[b, i].index_add(0, I, torch.ones_like(I, dtype=x.dtype))
+        return self._finish(a_sum, counts, u)
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, v, u, sel = self._route(x)
+        B, H, C, c = sel.idx.shape
+        T, d = x.shape[1], self.ctx.head_dim
+        flat = sel.idx.reshape(B, H, C * c)  # every slot of every cluster
+        qs = q.gather(2, flat[..., None].expand(-1, -1, -1, d))  # [B, H, C*c, d]
+        vs = v.gather(2, flat[..., None].expand(-1, -1, -1, d))
+        qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
+        a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True)  # ascending slots: causal in each cluster
+        a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
+        a_sum = x.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
+        counts = x.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(x.dtype))
+        return self._finish(a_sum, counts, u)

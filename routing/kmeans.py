@@ -1,0 +1,40 @@
+"""Online k-means with EMA centroids (Routing Transformer, Roy et al. 2021, §4.1; MoSA App. A).
+
+Per head, `clusters` unit-norm centroids mu [H, C, d]. Vectors are unit-normalised and compared by dot
+product. After each training forward pass every centroid moves toward the mean of the vectors whose
+nearest centroid it is: mu <- normalize(decay * mu + (1 - decay) * mean), a state update that uses no
+gradient. The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class OnlineKMeans(nn.Module):
+    def __init__(self, heads: int, clusters: int, dim: int, decay: float) -> None:
+        super().__init__()
+        self.decay = decay
+        self.register_buffer("means", F.normalize(torch.randn(heads, clusters, dim), dim=-1))
+
+    def similarity(self, u: torch.Tensor) -> torch.Tensor:
+        """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T]."""
+        return torch.einsum("bhtd,hcd->bhct", u, self.means)
+
+    def commitment(self, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
+        """Mean squared distance of u[B, H, T, d] to its nearest centroid (nearest[B, H, T])."""
+        H = u.shape[1]
+        mu = self.means[torch.arange(H, device=u.device)[None, :, None], nearest]  # [B, H, T, d]
+        return (u - mu).pow(2).sum(-1).mean()
+
+    @torch.no_grad()
+    def update(self, u: torch.Tensor, nearest: torch.Tensor) -> None:
+        """EMA step of every centroid toward the mean of the vectors nearest to it."""
+        B, H, T, d = u.shape
+        C = self.means.shape[1]
+        one_hot = F.one_hot(nearest, C).to(u.dtype)  # [B, H, T, C]
+        sums = torch.einsum("bhtc,bhtd->hcd", one_hot, u.detach())
+        counts = one_hot.sum((0, 2))[..., None]  # [H, C, 1]
+        moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
+        self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))

@@ -1,0 +1,57 @@
+"""Helpers for my head tests (mosa, fixed, local, routing): fast-vs-reference comparison in fp32."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from heads import GroupContext, HeadGroup, head_class, make_options
+
+# fp32 tolerances for fast vs reference: relative RMS error and max-abs error relative to the
+# reference's max-abs (the two paths sum in different orders, so they agree to float rounding).
+REL_RMS_TOL = 1e-5
+REL_MAX_TOL = 1e-4
+
+
+def make_group(head_type: str, options: dict, T: int, count: int = 3, d_model: int = 32, head_dim: int = 8,
+               std: float = 0.3, seed: int = 0) -> HeadGroup:
+    """A head group with weights ~ N(0, std^2) (large enough that attention is far from uniform)."""
+    torch.manual_seed(seed)
+    ctx = GroupContext(d_model=d_model, head_dim=head_dim, seq_len=T)
+    group = head_class(head_type)(ctx, count, make_options(head_type, dict(options), ctx))
+    for p in group.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return group.eval()
+
+
+def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
+                      before: Callable[[HeadGroup], None] | None = None) -> dict[str, tuple[float, float]]:
+    """Run `group` with impl=reference and impl=fast on the same fp32 input; return
+    {name: (relative RMS error, max-abs error / max-abs of reference)} for the output, d/dx and every
+    parameter gradient (a random cotangent). `before(group)` runs before each pass (e.g. to reset state)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, T, group.ctx.d_model, generator=gen, requires_grad=True)
+    positions = torch.arange(T).expand(batch, T)
+    cot = torch.randn(batch, T, group.ctx.d_model, generator=gen)
+    params = [p for p in group.parameters()]
+    results = []
+    for impl in ("reference", "fast"):
+        if before is not None:
+            before(group)
+        group.options.impl = impl
+        y = group(x, positions)
+        loss = (y * cot).sum() + sum((v for v in group.aux_losses.values()), torch.zeros(()))
+        results.append([y, *torch.autograd.grad(loss, [x, *params])])
+    names = ["output", "grad_x"] + [f"grad_{n}" for n, _ in group.named_parameters()]
+    errors = {}
+    for name, ref, fast in zip(names, *results):
+        diff = fast - ref
+        scale = ref.abs().max().clamp_min(1e-30)
+        errors[name] = ((diff.pow(2).mean() / ref.pow(2).mean().clamp_min(1e-30)).sqrt().item(),
+                        (diff.abs().max() / scale).item())
+    return errors
+
+
+def assert_match(errors: dict[str, tuple[float, float]]) -> None:
+    for name, (rel_rms, rel_max) in errors.items():
+        assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"

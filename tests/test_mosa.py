@@ -1,0 +1,221 @@
+"""MoSA heads (heads/mosa.py): fast path vs reference, paper properties, causality, hybrids, KV totals."""
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import pytest
+import torch
+
+import lm
+from heads import ConfigError, GroupContext, make_options
+from heads.dense import DenseHeads
+from heads.mosa import MoSAHeads
+from lm.causality import future_leak
+from routing.expert_choice import tokens_per_head
+from tests.conftest import tiny_config
+from tests.head_checks import assert_match, fast_vs_reference, make_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def set_thresholds(group: MoSAHeads) -> None:
+    """Per-head thresholds giving overflow (head 0), about k candidates (head 1) and underflow (head 2)."""
+    group.threshold.tau.copy_(torch.tensor([0.0, 1.5, 3.5]))
+
+
+@pytest.mark.parametrize("T", [100, 257])
+@pytest.mark.parametrize("sparsity", [2, 8, 32])
+@pytest.mark.parametrize("selection,keep_first", [("expert_choice", False), ("expert_choice", True),
+                                                  ("threshold", False), ("threshold", True)])
+def test_fast_matches_reference(T: int, sparsity: int, selection: str, keep_first: bool) -> None:
+    group = make_group("mosa", dict(sparsity=sparsity, selection=selection, keep_first=keep_first), T)
+    before = set_thresholds if selection == "threshold" else None
+    errors = fast_vs_reference(group, T, before=before)
+    assert set(errors) == {"output", "grad_x", "grad_router.weight", "grad_qkv.weight", "grad_out.weight"}
+    assert_match(errors)
+
+
+def test_threshold_fixture_covers_overflow_and_underflow() -> None:
+    group = make_group("mosa", dict(sparsity=8), 257)
+    set_thresholds(group)
+    logits = group.router_logits(torch.randn(2, 257, 32))
+    above = group.candidates(logits).sum(-1)  # [B, H]
+    assert (above[:, 0] > group.capacity).all() and (above[:, 2] < group.capacity).all()
+
+
+def test_k_equals_T_with_router_one_is_dense() -> None:
+    """ρ = 1 (k = T) and r forced to 1: MoSA is the dense head with the same weights."""
+    T = 37
+    ctx = GroupContext(32, 8, T)
+    dense = DenseHeads(ctx, 3, make_options("dense", {}, ctx))
+    for selection in ("expert_choice", "threshold"):
+        mosa = MoSAHeads(ctx, 3, make_options("mosa", dict(sparsity=1, selection=selection), ctx)).eval()
+        mosa.qkv.weight.data.copy_(dense.qkv.weight)
+        mosa.out.weight.data.copy_(dense.out.weight)
+        mosa.router.register_forward_hook(lambda m, i, o: torch.full_like(o, 40.0))  # σ(40) == 1 in fp32
+        x, pos = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+        for impl in ("reference", "fast"):
+            mosa.options.impl = dense.options.impl = impl
+            torch.testing.assert_close(mosa(x, pos), dense(x, pos), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("selection", ["expert_choice", "threshold"])
+def test_gathered_tokens_rotated_by_original_positions(selection: str) -> None:
+    """RoPE receives the selected tokens' original positions (offset positions included), not 0..k-1."""
+    T = 64
+    group = make_group("mosa", dict(sparsity=4, selection=selection), T)
+    seen = []
+    rope_forward = group.rope.forward
+    group.rope.forward = lambda x, p: seen.append(p.clone()) or rope_forward(x, p)
+    x = torch.randn(2, T, 32)
+    positions = torch.arange(T).expand(2, T) + 1000
+    group(x, positions)
+    sel = group.select(group.router_logits(x))
+    assert len(seen) == 2 and all(torch.equal(p[sel.valid], sel.idx[sel.valid] + 1000) for p in seen)
+    assert sel.valid.sum() > 0 and not torch.equal(sel.idx[sel.valid], torch.arange(sel.idx.shape[-1]).expand_as(sel.idx)[sel.valid])
+
+
+@pytest.mark.parametrize("selection", ["expert_choice", "threshold"])
+def test_router_gets_gradients(selection: str) -> None:
+    group = make_group("mosa", dict(sparsity=4, selection=selection), 50).train()
+    group(torch.randn(2, 50, 32), torch.arange(50).expand(2, 50)).pow(2).sum().backward()
+    assert group.router.weight.grad is not None and group.router.weight.grad.abs().min() > 0
+
+
+@pytest.mark.parametrize("T,sparsity", [(100, 4), (257, 8), (64, 32), (1000, 64)])
+def test_expert_choice_selects_exactly_k(T: int, sparsity: int) -> None:
+    group = make_group("mosa", dict(sparsity=sparsity, selection="expert_choice"), T)
+    sel = group.select(group.router_logits(torch.randn(2, T, 32)))
+    k = max(T // sparsity, 2)
+    assert sel.idx.shape == (2, 3, k) and sel.valid.all()
+    assert (sel.idx.diff(dim=-1) > 0).all()  # sorted and distinct
+    assert group.kv_entries(T) == 3 * k
+
+
+def test_threshold_selection_respects_capacity_and_order() -> None:
+    T = 257
+    group = make_group("mosa", dict(sparsity=8), T)
+    set_thresholds(group)
+    logits = group.router_logits(torch.randn(2, T, 32))
+    sel, above = group.select(logits), group.candidates(logits)
+    count = sel.valid.sum(-1)
+    assert torch.equal(count, above.sum(-1).clamp(max=group.capacity))
+    for b in range(2):
+        for i in range(3):
+            expected = above[b, i].nonzero()[:, 0][: group.capacity]  # earliest candidates
+            assert torch.equal(sel.idx[b, i][sel.valid[b, i]], expected)
+
+
+def test_threshold_selection_is_decodable_token_by_token() -> None:
+    """The selection of a prefix is the full sequence's selection restricted to that prefix, so
+    autoregressive decoding (one token, the thresholds and a counter) makes the same decisions."""
+    T = 120
+    group = make_group("mosa", dict(sparsity=8, keep_first=True), T)
+    set_thresholds(group)
+    logits = group.router_logits(torch.randn(2, T, 32))
+    full = group.select(logits)
+    for t in (0, 1, 17, 60, 119):
+        part = group.select(logits[..., : t + 1])
+        for b in range(2):
+            for i in range(3):
+                want = full.idx[b, i][full.valid[b, i] & (full.idx[b, i] <= t)]
+                assert torch.equal(part.idx[b, i][part.valid[b, i]], want)
+
+
+def test_running_threshold_selects_about_one_in_rho() -> None:
+    """Training-mode passes move tau to the (1 - 1/ρ) quantile: about T/ρ candidates per head."""
+    T, rho = 256, 8
+    group = make_group("mosa", dict(sparsity=rho, threshold_momentum=0.2), T).train()
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        group(torch.randn(4, T, 32, generator=gen), torch.arange(T).expand(4, T))
+    frac = group.candidates(group.router_logits(torch.randn(8, T, 32, generator=gen))).float().mean().item()
+    assert abs(frac - 1 / rho) < 0.02, frac
+    assert bool(group.threshold.initialized)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 15])
+@pytest.mark.parametrize("selection", ["expert_choice", "threshold"])
+def test_short_sequences(T: int, selection: str) -> None:
+    """T < 2ρ: k = max(floor(T/ρ), 2) capped at T (App. F); both paths agree and stay finite."""
+    group = make_group("mosa", dict(sparsity=8, selection=selection, keep_first=True), 64)
+    errors = fast_vs_reference(group, T)
+    assert_match(errors)
+    if selection == "expert_choice":
+        assert group.select(group.router_logits(torch.randn(1, T, 32))).idx.shape[-1] == min(T, 2)
+
+
+def _leak(selection: str, **opts) -> float:
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 3,
+                        "options": dict(sparsity=8, selection=selection, **opts)}], init_std=0.3)
+    torch.manual_seed(0)
+    model = lm.build_model(cfg.model)
+    tokens = torch.randint(0, 97, (2, 64))
+    model.train()(tokens)  # one training pass initialises the running thresholds
+    return future_leak(model, tokens, t=40, vocab_size=97)
+
+
+@pytest.mark.parametrize("keep_first", [False, True])
+def test_causal_variant_passes_causality_check(keep_first: bool) -> None:
+    assert _leak("threshold", keep_first=keep_first) <= 1e-5
+
+
+def test_faithful_expert_choice_is_flagged() -> None:
+    leak = _leak("expert_choice")
+    print(f"faithful MoSA (expert choice) future leak: max |Δlogits| at t<=40 = {leak:.3e}")
+    assert leak > 1e-2
+
+
+def test_causal_property_and_default() -> None:
+    cfg = tiny_config([{"type": "mosa", "count": 2}])
+    model = lm.build_model(cfg.model)
+    assert model.causal  # default selection is the causal one
+    cfg = tiny_config([{"type": "mosa", "count": 2, "options": {"selection": "expert_choice"}}])
+    assert not lm.build_model(cfg.model).causal
+
+
+@pytest.mark.parametrize("options,field", [({"sparsity": 0}, "sparsity"), ({"selection": "topk"}, "selection"),
+                                           ({"capacity_factor": 0}, "capacity_factor"),
+                                           ({"threshold_momentum": 2}, "threshold_momentum"),
+                                           ({"rho": 4}, "rho")])
+def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        tiny_config([{"type": "mosa", "count": 2, "options": options}])
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hybrid_kv_total() -> None:
+    """KV total = sum over layers of T*H_dense + k*H_mosa (MoSA Table 2), with per-layer overrides."""
+    T, rho = 64, 8
+    cfg = tiny_config([{"type": "dense", "count": 4}, {"type": "mosa", "count": 17, "options": {"sparsity": rho}}],
+                      n_layers=3, seq_len=T)
+    from lm.config import HeadGroupConfig
+
+    cfg.model.layer_heads = {2: [HeadGroupConfig("mosa", 5, {"sparsity": rho}), HeadGroupConfig("local", 2, {"window": 16})]}
+    model = lm.build_model(cfg.model)
+    k = T // rho
+    assert model.kv_total(T) == 2 * (4 * T + 17 * k) + (5 * k + 2 * 16)
+    # Shorter sequences: the causal selection keeps at most min(T, capacity) (capacity fixed by seq_len) ...
+    assert model.kv_total(16) == 2 * (4 * 16 + 17 * min(16, k)) + (5 * min(16, k) + 2 * 16)
+    # ... expert choice uses App. F's k = max(floor(T/ρ), 2).
+    for groups in [cfg.model.heads, *cfg.model.layer_heads.values()]:
+        for g in groups:
+            g.options = {"sparsity": rho, "selection": "expert_choice"} if g.type == "mosa" else g.options
+    model = lm.build_model(cfg.model)
+    assert model.kv_total(T) == 2 * (4 * T + 17 * k) + (5 * k + 2 * 16)
+    assert model.kv_total(16) == 2 * (4 * 16 + 17 * 2) + (5 * 2 + 2 * 16)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "experiments" / "*.yaml"))))
+def test_experiment_configs_load_and_run(path: str) -> None:
+    cfg = lm.load_config(path, "model.n_layers=1", "model.d_model=32", "model.head_dim=8", "model.seq_len=64",
+                         "model.vocab_size=97", "model.layer_heads={}")
+    model = lm.build_model(cfg.model)
+    logits = model(torch.randint(0, 97, (1, 64)))
+    assert logits.shape == (1, 64, 97) and torch.isfinite(logits).all()
+    assert model.kv_total() > 0
+
+
+def test_tokens_per_head_rule() -> None:
+    assert [tokens_per_head(T, 32) for T in (1024, 100, 64, 63, 10, 1)] == [32, 3, 2, 2, 2, 1]
