@@ -172,8 +172,9 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
     experts) + 4h'T*min(b, T) (own block). Pooling, top-k and gathers not counted. KV: all T.
     Params: dense's 4hh'."""
-    b, k, s = int(o.require("block")), int(o.require("k")), int(o.require("s"))
+    b, k = int(o.require("block")), int(o.require("k"))
     m = T // b
+    s = min(int(o.require("s")), m)  # a query can route to at most the m landmarks
     shared = 4 * hd * m * T if o.get("shared", True) else 0
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * min(b, T)
     return Cost(flops=n * (8 * h * hd * T + attend), kv=n * T, params=n * 4 * h * hd)

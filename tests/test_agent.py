@@ -65,3 +65,11 @@ def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
 def test_bad_options_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])
+
+
+def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
+    from flops.isoflop import solve
+    from flops.presets import baseline
+
+    result = solve(baseline("tiny"), "agent", dense_heads=4, options={"block": 64, "window": 64})
+    assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced

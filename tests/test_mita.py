@@ -74,3 +74,11 @@ def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
 def test_bad_options_name_the_field(field: str) -> None:
     with pytest.raises(ConfigError, match=f"options.{field}"):
         tiny_config(heads=[{"type": "mita", "count": 2, "options": {field: 0}}])
+
+
+def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
+    from flops.isoflop import solve
+    from flops.presets import baseline
+
+    result = solve(baseline("tiny"), "mita", dense_heads=4, options={"block": 64, "k": 64, "s": 1})
+    assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
