@@ -1,0 +1,111 @@
+"""Train the points of a sweep (flops/sweep.py) one after another; resumable and failure-tolerant.
+
+    python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows 8] [trainer.max_steps=500 ...]
+
+For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
+trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml --resume [overrides]`
+(an interrupted point continues from its last checkpoint), log to `<out_dir>/train.log`. A failing
+point is recorded in `<dir>/status.json` with its exit code and the log's last line, and the sweep
+goes on. For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
+evaluated leak-free (lm/leakfree.py: every prediction from its own prefix) on `--leakfree-windows`
+validation windows, written to `<out_dir>/leakfree.json`. Exit status 1 if any point failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def finished(entry: dict[str, Any], overrides: list[str]) -> bool:
+    """The point's metrics.json reports the final step (and, if needed, its leak-free evaluation exists)."""
+    from lm.config import load_config
+
+    metrics = Path(entry["out_dir"]) / "metrics.json"
+    if not metrics.is_file():
+        return False
+    max_steps = load_config(entry["config"], *overrides).trainer.max_steps
+    done = json.loads(metrics.read_text()).get("step", 0) >= max_steps
+    return done and (entry["causal"] or (Path(entry["out_dir"]) / "leakfree.json").is_file())
+
+
+def leak_free_eval(entry: dict[str, Any], windows: int) -> dict[str, float]:
+    """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows."""
+    import torch
+
+    from lm.checkpoint import load_model
+    from lm.data import ValWindows, open_split
+    from lm.leakfree import evaluate
+
+    model, cfg = load_model(Path(entry["out_dir"]) / "checkpoints" / "last.ckpt")
+    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
+    full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))])  # [N, T+1]
+    result = evaluate(model, full.long().split(cfg.data.batch_size), leak_free=True)
+    (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({**result, "windows": windows}, indent=1))
+    return result
+
+
+def run_point(entry: dict[str, Any], overrides: list[str], leakfree_windows: int) -> dict[str, Any]:
+    out = Path(entry["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    cmd = [sys.executable, str(ROOT / "train_lm.py"), "--config", entry["config"], "--resume", *overrides]
+    with open(out / "train.log", "a") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    status: dict[str, Any] = {"status": "done" if rc == 0 else "failed", "rc": rc, "seconds": round(time.time() - start, 1)}
+    if rc == 0 and not entry["causal"]:
+        try:
+            status["leakfree_ppl"] = leak_free_eval(entry, leakfree_windows)["leakfree_ppl"]
+        except Exception as err:  # recorded, not fatal: the sweep goes on
+            status.update(status="failed", error=f"leak-free evaluation: {type(err).__name__}: {err}")
+    if status["status"] == "failed" and "error" not in status:
+        lines = (out / "train.log").read_text(errors="replace").strip().splitlines()
+        status["error"] = lines[-1] if lines else f"exit status {rc}"
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flops.run_sweep", description=__doc__.split("\n")[0])
+    p.add_argument("sweep", type=Path, help="directory written by python -m flops.sweep")
+    p.add_argument("--only", help="comma-separated point names (default: all)")
+    p.add_argument("--leakfree-windows", type=int, default=8, help="validation windows for leak-free evaluation")
+    p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")
+    a = p.parse_args(argv)
+    manifest_file = a.sweep / "sweep.json"
+    if not manifest_file.is_file():
+        print(f"error: {manifest_file} not found; write it with python -m flops.sweep", file=sys.stderr)
+        return 2
+    points = json.loads(manifest_file.read_text())["points"]
+    if a.only:
+        wanted = set(a.only.split(","))
+        unknown = wanted - {e["name"] for e in points}
+        if unknown:
+            print(f"error: unknown point(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        points = [e for e in points if e["name"] in wanted]
+    status_file = a.sweep / "status.json"
+    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
+    for entry in points:
+        if finished(entry, a.overrides):
+            print(f"{entry['name']:>14}: finished, skipped")
+            status.setdefault(entry["name"], {"status": "done"})
+            continue
+        print(f"{entry['name']:>14}: training ...", flush=True)
+        status[entry["name"]] = run_point(entry, a.overrides, a.leakfree_windows)
+        print(f"{entry['name']:>14}: {status[entry['name']]}", flush=True)
+        status_file.write_text(json.dumps(status, indent=1))
+    status_file.write_text(json.dumps(status, indent=1))
+    failed = [name for name, s in status.items() if s["status"] == "failed"]
+    if failed:
+        print(f"failed points: {', '.join(failed)} (see {status_file})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

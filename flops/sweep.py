@@ -1,0 +1,112 @@
+"""IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity).
+
+    python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \
+        --out sweeps/tiny [--base configs/base.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \
+        [data.path=data/c4 trainer.max_steps=2000 ...]
+
+Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
+`--size` (or the base's own shape with `--size base`) and the head mix solved by flops.isoflop;
+sparsity 1 is the dense baseline, written once as `dense_s1`. Writes `<out>/<name>.yaml`
+(trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
+FLOPs, KV entries, parameters and causality. Train them with `python -m flops.run_sweep <out>`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flops.isoflop import _number, _parse_option, solve
+from flops.presets import SIZES, baseline
+from heads.base import ConfigError
+from lm.config import Config, HeadGroupConfig, load_config, to_yaml, validate
+from lm.model import build_model
+
+
+def is_causal(cfg: Config) -> bool:
+    """Whether every head group of the model is causal (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return build_model(cfg.model).causal
+
+
+def sweep_points(
+    cfg: Config, heads: list[str], sparsities: list[int], out: Path, dense_heads: int = 4,
+    options: dict[str, dict[str, Any]] | None = None,
+) -> list[tuple[Config, dict[str, Any]]]:
+    """(config, manifest entry) of every point; cfg.model must be the dense baseline."""
+    options = options or {}
+    points = []
+    wanted = [("dense", 1)] if 1 in sparsities else []
+    wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]
+    for head, rho in wanted:
+        r = solve(cfg.model, head, rho, dense_heads, options.get(head))
+        name = f"{head}_s{rho}"
+        point = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, heads=[HeadGroupConfig(**g) for g in r.heads]),
+            trainer=dataclasses.replace(cfg.trainer, out_dir=str(out / "runs" / name)),
+        )
+        validate(point)
+        entry = {
+            "name": name, "head": head, "sparsity": rho, "config": str(out / f"{name}.yaml"),
+            "out_dir": point.trainer.out_dir, "causal": is_causal(point),
+            **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
+                                          "baseline_flops_per_pass", "kv_total", "params")},
+        }
+        points.append((point, entry))
+    return points
+
+
+def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
+    """['mosa.selection=expert_choice'] -> {'mosa': {'selection': 'expert_choice'}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for text in texts:
+        key, value = _parse_option(text)
+        if "." not in key:
+            raise ConfigError(f"--option expects head.key=value, got {text!r}")
+        head, name = key.split(".", 1)
+        out.setdefault(head, {})[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flops.sweep", description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="tiny", help=f"dense baseline: {', '.join(SIZES)}, or 'base' (the --base model)")
+    p.add_argument("--heads", required=True, help="comma-separated sparse head types, e.g. mosa,fixed,routing")
+    p.add_argument("--sparsity", required=True, help="comma-separated rho values; 1 = the dense baseline")
+    p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
+    p.add_argument("--option", action="append", default=[], metavar="HEAD.KEY=VALUE", help="head option, repeatable")
+    p.add_argument("overrides", nargs="*", help="dotted overrides of the base config, e.g. trainer.max_steps=500")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.base, *a.overrides)
+        size = None if a.size == "base" else a.size
+        cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
+        sparsities = [_number(s) for s in a.sparsity.split(",")]
+        heads = [h for h in a.heads.split(",") if h]
+        points = sweep_points(cfg, heads, sparsities, a.out, a.dense_heads, _options(a.option))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    a.out.mkdir(parents=True, exist_ok=True)
+    for point, entry in points:
+        Path(entry["config"]).write_text(to_yaml(point))
+    manifest = {"size": a.size, "dense_heads": a.dense_heads, "command": " ".join(["python -m flops.sweep", *(argv or sys.argv[1:])]),
+                "points": [entry for _, entry in points]}
+    (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
+    for e in manifest["points"]:
+        mix = f"{e['dense_heads']} dense" + (f" + {e['sparse_heads']} {e['head']}" if e["sparse_heads"] else "")
+        print(f"{e['name']:>14}: {mix:<22}"
+              f"{e['flops_per_pass'] / e['baseline_flops_per_pass']:.4f} of the FLOP budget  -> {e['config']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
