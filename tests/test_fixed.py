@@ -1,0 +1,49 @@
+"""Fixed strided heads (heads/fixed.py, MoSA App. A): I = [0, ρ, 2ρ, ...], r = 1."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lm
+from lm.causality import future_leak
+from tests.conftest import tiny_config
+from tests.head_checks import assert_match, fast_vs_reference, make_group
+
+
+@pytest.mark.parametrize("T", [100, 257, 3])
+@pytest.mark.parametrize("sparsity", [1, 4, 32])
+def test_fast_matches_reference(T: int, sparsity: int) -> None:
+    group = make_group("fixed", dict(sparsity=sparsity), T)
+    errors = fast_vs_reference(group, T)
+    assert set(errors) == {"output", "grad_x", "grad_qkv.weight", "grad_out.weight"}
+    assert_match(errors)
+
+
+def test_only_strided_positions_get_output() -> None:
+    T, rho = 50, 8
+    group = make_group("fixed", dict(sparsity=rho), T)
+    y = group(torch.randn(2, T, 32), torch.arange(T).expand(2, T))
+    got = (y.abs().sum(-1) > 0).any(0).nonzero()[:, 0]
+    assert torch.equal(got, torch.arange(0, T, rho))
+    assert group.kv_entries(T) == 3 * 7  # ceil(50 / 8) tokens per head
+
+
+def test_equals_mosa_with_fixed_selection_and_unit_router() -> None:
+    """Fixed = MoSA with I = [0, ρ, ...] and r = 1 (App. A)."""
+    from heads.gathered import gathered_heads_fast
+    from routing.selection import Selection
+
+    T, rho = 40, 4
+    group = make_group("fixed", dict(sparsity=rho), T)
+    x, pos = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+    idx = torch.arange(0, T, rho).expand(2, 3, -1)
+    want = gathered_heads_fast(x, pos, Selection(idx, torch.ones_like(idx, dtype=torch.bool)),
+                               torch.ones(idx.shape), group.qkv.weight, group.out.weight, group.rope)
+    torch.testing.assert_close(group(x, pos), want)
+
+
+def test_causal() -> None:
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "fixed", "count": 3, "options": {"sparsity": 4}}], init_std=0.3)
+    model = lm.build_model(cfg.model)
+    assert model.causal
+    assert future_leak(model, torch.randint(0, 97, (2, 64)), t=30, vocab_size=97) <= 1e-5

@@ -1,0 +1,38 @@
+"""Causal sliding-window heads (heads/local.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lm
+from heads import ConfigError
+from lm.causality import future_leak
+from tests.conftest import tiny_config
+from tests.head_checks import assert_match, fast_vs_reference, make_group
+
+
+@pytest.mark.parametrize("T", [100, 257, 5])
+@pytest.mark.parametrize("window", [1, 16, 300])
+def test_fast_matches_reference(T: int, window: int) -> None:
+    group = make_group("local", dict(window=window), T)
+    assert_match(fast_vs_reference(group, T))
+
+
+def test_window_limits_receptive_field() -> None:
+    """Output at i depends on x_j only for i - window < j <= i."""
+    T, w = 40, 6
+    group = make_group("local", dict(window=w), T)
+    x = torch.randn(1, T, 32, requires_grad=True)
+    y = group(x, torch.arange(T)[None])
+    (grad,) = torch.autograd.grad(y[0, 25].sum(), x)
+    touched = (grad[0].abs().sum(-1) > 0).nonzero()[:, 0]
+    assert torch.equal(touched, torch.arange(25 - w + 1, 26))
+    assert group.kv_entries(T) == 3 * w and group.kv_entries(4) == 3 * 4
+
+
+def test_causal_and_bad_window() -> None:
+    cfg = tiny_config([{"type": "local", "count": 2, "options": {"window": 8}}], init_std=0.3)
+    model = lm.build_model(cfg.model)
+    assert future_leak(model, torch.randint(0, 97, (2, 64)), t=20, vocab_size=97) <= 1e-5
+    with pytest.raises(ConfigError, match="window"):
+        tiny_config([{"type": "local", "count": 2, "options": {"window": 0}}])

@@ -1,0 +1,75 @@
+"""Routing Transformer attention (heads/routing_attn.py, MoSA App. A baseline)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lm
+from heads.routing_attn import RoutingHeads
+from lm.causality import future_leak
+from tests.conftest import tiny_config
+from tests.head_checks import assert_match, fast_vs_reference, make_group
+
+
+@pytest.mark.parametrize("T", [100, 257])
+@pytest.mark.parametrize("sparsity", [2, 8])
+@pytest.mark.parametrize("assignment", ["nearest", "topk"])
+def test_fast_matches_reference(T: int, sparsity: int, assignment: str) -> None:
+    group = make_group("routing", dict(sparsity=sparsity, assignment=assignment, commitment=0.1), T)
+    errors = fast_vs_reference(group, T)
+    assert set(errors) == {"output", "grad_x", "grad_qv.weight", "grad_out.weight"}
+    assert_match(errors)
+
+
+def test_balanced_topk_clusters_have_k_tokens() -> None:
+    T, rho = 96, 4
+    group: RoutingHeads = make_group("routing", dict(sparsity=rho, assignment="topk"), T)
+    _, _, _, sel = group._route(torch.randn(2, T, 32))
+    assert sel.idx.shape == (2, 3, rho, T // rho) and sel.valid.all()
+    assert (sel.idx.diff(dim=-1) > 0).all()
+
+
+def test_nearest_clusters_partition_up_to_capacity() -> None:
+    T, rho = 96, 4
+    group: RoutingHeads = make_group("routing", dict(sparsity=rho, capacity_factor=100.0), T)
+    _, _, _, sel = group._route(torch.randn(2, T, 32))
+    members = sel.idx[sel.valid].numel()
+    assert members == 2 * 3 * T  # every token in exactly one cluster when nothing overflows
+
+
+def test_commitment_loss_and_centroid_updates() -> None:
+    T = 64
+    group: RoutingHeads = make_group("routing", dict(sparsity=4), T).train()
+    before = group.kmeans.means.clone()
+    x = torch.randn(2, T, 32)
+    y = group(x, torch.arange(T).expand(2, T))
+    loss = group.aux_losses["routing_commitment"]
+    assert loss > 0
+    (y.sum() + loss).backward()
+    assert group.qv.weight.grad.abs().sum() > 0
+    assert not torch.equal(before, group.kmeans.means)  # EMA step in training mode
+    assert torch.allclose(group.kmeans.means.norm(dim=-1), torch.ones(3, 4))
+    group.eval()(x, torch.arange(T).expand(2, T))
+    after_eval = group.kmeans.means.clone()
+    group(x, torch.arange(T).expand(2, T))
+    assert torch.equal(after_eval, group.kmeans.means)  # no update in eval mode
+
+
+def _leak(assignment: str) -> float:
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "routing", "count": 2,
+                        "options": {"sparsity": 4, "assignment": assignment}}], init_std=0.3)
+    torch.manual_seed(0)
+    model = lm.build_model(cfg.model)
+    return future_leak(model, torch.randint(0, 97, (2, 64)), t=30, vocab_size=97)
+
+
+def test_nearest_assignment_is_causal() -> None:
+    assert lm.build_model(tiny_config([{"type": "routing", "count": 2}]).model).causal
+    assert _leak("nearest") <= 1e-5
+
+
+def test_balanced_topk_assignment_is_flagged() -> None:
+    leak = _leak("topk")
+    print(f"Routing attention, balanced top-k clusters: future leak = {leak:.3e}")
+    assert leak > 1e-2
+    assert not lm.build_model(tiny_config([{"type": "routing", "count": 2, "options": {"assignment": "topk"}}]).model).causal
