@@ -1,0 +1,74 @@
+"""C4 (allenai/c4 format): JSON lines {"text", "timestamp", "url"}, one document per line.
+
+The same `row_documents` turns rows into documents for local *.json.gz files and for
+`datasets` streaming of allenai/c4, so both routes give identical documents and splits.
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from data_prep.documents import Document, Skips
+from data_prep.local_files import normalize_newlines
+
+SUFFIXES = (".json.gz", ".jsonl.gz", ".json", ".jsonl")
+
+
+def text_id(text: str) -> str:
+    """A stable document id from the text itself (C4 urls may be missing): "sha1:<hex>"."""
+    return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
+    """The JSON objects of one JSON-lines file (.gz or plain). Broken lines (bad JSON, bad UTF-8,
+    not an object) are skipped and counted; a corrupt gzip stream ends the file with a warning."""
+    broken = first_broken = rows = 0
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                    row = None
+                if not isinstance(row, dict):
+                    broken, first_broken = broken + 1, first_broken or line_no
+                    continue
+                rows += 1
+                yield row
+    except (OSError, EOFError, zlib.error) as err:
+        if rows == 0:
+            skips.skip_file(path.name, "unreadable", f"{type(err).__name__}: {err}")
+        else:
+            skips.count("truncated_files")
+            skips.warn_once(f"{path.name}: {type(err).__name__}: {err}; kept the {rows} rows before it")
+    if broken:
+        skips.count("broken_json_lines", broken)
+        skips.warn_once(f"{path.name}: skipped {broken} broken JSON line(s), first at line {first_broken}")
+    if rows == 0 and path.name not in skips.files:
+        skips.skip_file(path.name, "empty" if not broken else "no valid JSON lines")
+
+
+def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
+    """One document per row with a non-empty string "text" (newlines normalised); others are counted."""
+    for row in rows:
+        text = row.get("text")
+        if not isinstance(text, str):
+            skips.count("rows_without_text")
+            continue
+        text = normalize_newlines(text)
+        if not text.strip():
+            skips.count("empty_documents")
+            continue
+        yield Document(text_id(text), text)
+
+
+def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
+    for path in files:
+        yield from row_documents(file_rows(path, skips), skips)

@@ -1,0 +1,58 @@
+"""What every reader yields (Document), what every source is (Corpus), and the skip ledger."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, NamedTuple
+
+from data_prep.errors import warn
+
+
+class Document(NamedTuple):
+    """One training document. `id` is stable across runs and orderings (it decides the split)."""
+
+    id: str
+    text: str
+
+
+@dataclass
+class Skips:
+    """What a pass over a corpus dropped: whole files (name -> reason) and counted items
+    (e.g. broken JSON lines). Each distinct warning is printed once, even over several passes."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)
+    _warned: set[str] = field(default_factory=set)
+
+    def warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warn(message)
+
+    def skip_file(self, name: str, reason: str, detail: str = "") -> None:
+        """Record a file left out; `reason` is a short category, `detail` only goes into the warning."""
+        self.files[name] = reason
+        self.warn_once(f"skipped {name}: {reason}{f' ({detail})' if detail else ''}")
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counts[what] += n
+
+    def new_pass(self) -> "Skips":
+        """An empty ledger for the next pass over the same corpus, sharing the warnings already shown."""
+        return Skips(_warned=self._warned)
+
+    def summary(self) -> dict:
+        """For index.json: skipped files by reason, plus the counted items."""
+        reasons = Counter(self.files.values())
+        return {"skipped_files": len(self.files), "skipped_files_by_reason": dict(sorted(reasons.items())),
+                **dict(sorted(self.counts.items()))}
+
+
+@dataclass
+class Corpus:
+    """A re-readable document source: each `read(skips)` is a fresh pass in the same order."""
+
+    kind: str  # the --source name
+    sources: list[str]  # file names or hub dataset ids, recorded in index.json
+    read: Callable[[Skips], Iterator[Document]]
+    size_hint: int | None = None  # number of documents or files, for progress bars (None = unknown)

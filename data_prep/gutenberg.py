@@ -1,0 +1,82 @@
+"""Project Gutenberg books: strip the PG header and licence footer, one book = one document.
+
+Header/footer markers vary between editions, e.g.
+    *** START OF THIS PROJECT GUTENBERG EBOOK PRIDE AND PREJUDICE ***
+    ***START OF THE PROJECT GUTENBERG EBOOK JANE EYRE***
+    *** START OF THIS PROJECT GUTENBERG EBOOK THE AUTOBIOGRAPHY OF BENJAMIN
+    FRANKLIN ***                                    (title wrapped onto a second line)
+    *END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*...   (1990s editions, end of the header)
+The body is the text between the last START marker before the first END marker and that END marker,
+minus the closing "End of (the) Project Gutenberg EBook of <title>, by <author>" line(s).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from data_prep.documents import Document, Skips
+from data_prep.local_files import normalize_newlines, read_text
+
+SUFFIXES = (".txt", ".txt.gz")
+_START = re.compile(
+    r"^\*{3} *START OF (?:THE |THIS )?PROJECT GUTENBERG E-?(?:BOOK|TEXT)(?:[^*]{0,300}\*{3})?[^\n]*"
+    r"|^\*END\*THE SMALL PRINT[^\n]*",
+    re.IGNORECASE | re.MULTILINE,
+)
+_END = re.compile(r"^\*{3} *END OF (?:THE |THIS )?PROJECT GUTENBERG", re.IGNORECASE | re.MULTILINE)
+_TRAILER = re.compile(r"^[ \t]*End of (?:the |this )?Project Gutenberg", re.IGNORECASE | re.MULTILINE)
+_TRAILER_WINDOW = 1000  # the closing "End of the Project Gutenberg EBook of ..." sits in the last lines
+
+
+def strip_gutenberg(text: str) -> tuple[str, bool]:
+    """(body, found): the book without PG header/footer, and whether a START or END marker was found.
+    Without markers the whole text is returned (already-clean text passes through unchanged)."""
+    text = normalize_newlines(text)
+    end_match = _END.search(text)
+    end = end_match.start() if end_match else len(text)
+    starts = [m for m in _START.finditer(text, 0, end) if m.end() <= end]
+    start = starts[-1].end() if starts else 0
+    body = text[start:end]
+    trailers = list(_TRAILER.finditer(body, max(0, len(body) - _TRAILER_WINDOW)))
+    if trailers:
+        body = body[: trailers[-1].start()]
+    return body.strip("\n").rstrip(), bool(starts or end_match)
+
+
+def book_id(path: Path) -> str:
+    """A stable document id: the file name without .txt/.txt.gz (e.g. "pg1342_pride_and_prejudice")."""
+    name = path.name
+    for suffix in (".gz", ".txt"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def _book(doc_id: str, name: str, text: str, skips: Skips) -> Document | None:
+    body, found = strip_gutenberg(text)
+    if not found:
+        skips.count("gutenberg_files_without_markers")
+        skips.warn_once(f"{name}: no Project Gutenberg START/END markers; kept the whole text")
+    if not body.strip():
+        skips.skip_file(name, "empty", "nothing between the Project Gutenberg markers")
+        return None
+    return Document(doc_id, body)
+
+
+def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
+    """One document per book file (.txt or .txt.gz, UTF-8)."""
+    for path in files:
+        text = read_text(path, skips)
+        if text is not None and (doc := _book(book_id(path), path.name, text, skips)) is not None:
+            yield doc
+
+
+def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
+    """One document per hub row {"id", "text"} (manu/project_gutenberg); ids become "pg-hub:<id>"."""
+    for i, row in enumerate(rows):
+        text, row_id = row.get("text"), row.get("id", i)
+        if not isinstance(text, str) or not text.strip():
+            skips.count("empty_documents")
+            continue
+        if (doc := _book(f"pg-hub:{row_id}", f"row {row_id}", text, skips)) is not None:
+            yield doc

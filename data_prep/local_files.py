@@ -1,0 +1,57 @@
+"""Finding input files and reading them as clean text (UTF-8, LF line endings)."""
+from __future__ import annotations
+
+import gzip
+import zlib
+from pathlib import Path
+
+from data_prep.documents import Skips
+from data_prep.errors import DataError
+
+
+def find_files(src: str | Path, suffixes: tuple[str, ...], what: str) -> list[Path]:
+    """`src` itself if it is a matching file, else every matching file under it (recursive),
+    sorted by relative path so the document order never depends on the file system."""
+    root = Path(src).expanduser()
+    if not root.exists():
+        raise DataError(f"--src {root}: no such file or directory")
+    if root.is_file():
+        files = [root] if root.name.endswith(suffixes) else []
+    else:
+        files = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffixes)),
+                       key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise DataError(f"--src {root}: no {what} files ({', '.join('*' + s for s in suffixes)}) found")
+    return files
+
+
+def normalize_newlines(text: str) -> str:
+    """CRLF and lone CR -> LF."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped if the name ends in .gz."""
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            return f.read()
+    return path.read_bytes()
+
+
+def read_text(path: Path, skips: Skips) -> str | None:
+    """A file's text (UTF-8, optional BOM, newlines normalised), or None after recording why it was skipped:
+    unreadable (corrupt gzip / I/O error), undecodable (not UTF-8) or empty (only whitespace)."""
+    try:
+        raw = read_bytes(path)
+    except (OSError, EOFError, zlib.error) as err:
+        skips.skip_file(path.name, "unreadable", f"{type(err).__name__}: {err}")
+        return None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        skips.skip_file(path.name, "undecodable", f"not UTF-8: byte {err.start}")
+        return None
+    if not text.strip():
+        skips.skip_file(path.name, "empty")
+        return None
+    return normalize_newlines(text)

@@ -1,0 +1,264 @@
+"""Prepare a corpus for training: clean text -> SentencePiece BPE -> uint16 token shards + index.json.
+
+    python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out data/gutenberg
+
+Output directory:
+    tokenizer.model         SentencePiece model (data_prep/tokenizer.py: ids, losslessness)
+    train_00000.bin, ...    flat little-endian uint16 tokens; every document is followed by EOS
+    val_00000.bin, ...
+    index.json              {"vocab_size", "eos_id", "newline_id", "tokenizer": "tokenizer.model",
+                             "tokenizer_sha256", "source", "sources": [file names or hub ids], "settings",
+                             "splits": {"train"|"val": {"tokens", "documents",
+                                        "shards": [{"file", "tokens", "documents"}]}},
+                             "forced_split": {doc id: split}, "skipped": {...counts}}
+Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
+then tokenisation. The train/val split is by document (data_prep/split.py).
+
+Resuming: `progress.json` records the settings, the tokenizer hash and every finished shard; a rerun
+with the same settings reuses the tokenizer and skips finished shards (their documents are read but
+not tokenised), and a rerun after completion does nothing. A rerun with different settings stops
+with an error naming the differences; `--overwrite` deletes the old outputs and starts fresh.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from tqdm import tqdm
+
+from data_prep import tokenizer
+from data_prep.documents import Corpus, Document, Skips
+from data_prep.errors import DataError
+from data_prep.sample import LineSampler
+from data_prep.shards import SplitWriter, write_atomic, write_json
+from data_prep.sources import SOURCES, open_source
+from data_prep.split import Splitter
+
+FORMAT = "data_prep/1"
+SPLITS = ("train", "val")
+INDEX, PROGRESS, TOKENIZER = "index.json", "progress.json", "tokenizer.model"
+ENCODE_BATCH_CHARS = 4_000_000  # documents are tokenised in batches of about this many characters
+
+
+def _settings(corpus: Corpus, src: str | None, hub_split: str | None, data_files: Any, vocab_size: int,
+              max_docs: int | None, val_fraction: float, shard_tokens: int, sample_chars: int) -> dict:
+    """Everything that determines the output; a resumed run must match it exactly."""
+    local = src is not None and corpus.kind in ("gutenberg", "c4", "text")
+    return {
+        "format": FORMAT, "source": corpus.kind, "src": str(Path(src).expanduser().resolve()) if local else src,
+        "hub_split": hub_split, "data_files": data_files, "vocab_size": vocab_size,
+        "tokenizer_type": tokenizer.MODEL_TYPE, "max_docs": max_docs, "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens, "sample_chars": sample_chars,
+    }
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {}  # unreadable: treated as a preparation with unknown settings
+
+
+def _differences(old: dict, new: dict) -> str:
+    keys = sorted(set(old) | set(new))
+    return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
+
+
+def _remove_outputs(out: Path) -> None:
+    """Delete what an earlier preparation wrote to `out` (only our own file names)."""
+    for path in out.iterdir():
+        ours = path.name in (INDEX, PROGRESS, TOKENIZER) or (
+            path.name.endswith(".bin") and path.name.split("_")[0] in SPLITS) or path.name.endswith(".tmp")
+        if ours and path.is_file():
+            path.unlink()
+
+
+def _previous_run(out: Path, settings: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
+    """(finished index, progress) of an earlier run with the same settings; see the module doc."""
+    index, progress = _read_json(out / INDEX), _read_json(out / PROGRESS)
+    for found in (index, progress):
+        if found is None or found.get("settings") == settings:
+            continue
+        if not overwrite:
+            raise DataError(
+                f"--out {out} holds a preparation with other settings "
+                f"({_differences(found.get('settings') or {}, settings) or 'unreadable'}); "
+                "pass --overwrite to replace it, or choose another --out")
+        _remove_outputs(out)
+        return None, None
+    if index is not None and all((out / s["file"]).is_file() for sp in SPLITS for s in index["splits"][sp]["shards"]):
+        return index, None
+    return None, progress
+
+
+def _documents(corpus: Corpus, skips: Skips, max_docs: int | None, desc: str, total: int | None,
+               progress: bool) -> Iterator[Document]:
+    docs = itertools.islice(corpus.read(skips), max_docs)
+    return tqdm(docs, desc=desc, total=total, unit="doc", disable=not progress, dynamic_ncols=True)
+
+
+def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_docs: int | None,
+          progress: bool) -> tuple[int, Skips]:
+    """Pass 1: see every document id (for the split) and sample training lines for the tokenizer."""
+    skips = Skips()
+    total = min(corpus.size_hint, max_docs or corpus.size_hint) if corpus.size_hint else max_docs
+    n = 0
+    for doc in _documents(corpus, skips, max_docs, "scan", total, progress):
+        n += 1
+        splitter.observe(doc.id)
+        if sampler is not None and splitter.by_hash(doc.id) == "train":
+            sampler.add(doc.id, doc.text)
+    if n == 0:
+        summary = ", ".join(f"{v} {k}" for k, v in skips.summary()["skipped_files_by_reason"].items())
+        raise DataError(f"no usable documents in {', '.join(corpus.sources[:3])}{' ...' * (len(corpus.sources) > 3)} "
+                        f"({len(corpus.sources)} inputs; skipped files: {summary or 'none'})")
+    splitter.finalize()
+    return n, skips
+
+
+def prepare(
+    source: str, src: str | None, out: str | Path, *, vocab_size: int = 8000, max_docs: int | None = None,
+    val_fraction: float = 0.01, shard_tokens: int = 50_000_000, sample_chars: int = 20_000_000,
+    hub_split: str | None = None, data_files: str | list[str] | None = None, overwrite: bool = False,
+    threads: int | None = None, progress: bool = True,
+) -> dict:
+    """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input."""
+    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--sample-chars", sample_chars)):
+        if value is not None and value < 1:
+            raise DataError(f"{name} must be a positive integer, got {value}")
+    tokenizer.check_vocab_size(vocab_size)
+    splitter = Splitter(val_fraction)
+    threads = threads or min(4, len(os.sched_getaffinity(0)))
+    started = time.perf_counter()
+    corpus = open_source(source, src, hub_split, data_files)
+    settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
+                         sample_chars)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    done, state = _previous_run(out, settings, overwrite)
+    if done is not None:
+        print(f"{out} is already prepared with these settings; nothing to do")
+        return done
+
+    model_file = out / TOKENIZER
+    reuse = state is not None and model_file.is_file() and \
+        hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
+    sampler = None if reuse else LineSampler(sample_chars)
+    n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
+    times = {"scan": time.perf_counter() - started}
+
+    if reuse:
+        model = model_file.read_bytes()
+    else:
+        lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
+        model = tokenizer.train(lines, vocab_size, threads)
+        write_atomic(model_file, model)
+        state = {"settings": settings, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
+                 "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
+        write_json(out / PROGRESS, state)
+    sp = tokenizer.load(model)
+    times["tokenizer"] = time.perf_counter() - started - sum(times.values())
+
+    def save_progress() -> None:
+        write_json(out / PROGRESS, state)
+
+    writers = {split: SplitWriter(out, split, shard_tokens, state["splits"][split], save_progress) for split in SPLITS}
+    skips = scan_skips.new_pass()  # counted afresh; warnings already shown are not repeated
+    batch: list[tuple[SplitWriter, str]] = []
+
+    def encode_batch() -> None:
+        for writer, tokens in zip((w for w, _ in batch), tokenizer.encode_documents(sp, [t for _, t in batch], threads)):
+            writer.add(tokens)
+        batch.clear()
+
+    batch_chars = 0
+    for doc in _documents(corpus, skips, max_docs, "tokenise", n_docs, progress):
+        writer = writers[splitter(doc.id)]
+        if writer.wants():
+            batch.append((writer, doc.text))
+            batch_chars += len(doc.text)
+            if batch_chars >= ENCODE_BATCH_CHARS:
+                encode_batch()
+                batch_chars = 0
+    encode_batch()
+    for writer in writers.values():
+        writer.flush()
+
+    index = {
+        "format": FORMAT, "vocab_size": sp.vocab_size(), "eos_id": tokenizer.EOS_ID,
+        "newline_id": tokenizer.NEWLINE_ID, "dtype": "uint16", "tokenizer": TOKENIZER,
+        "tokenizer_type": tokenizer.MODEL_TYPE, "tokenizer_sha256": state["tokenizer_sha256"],
+        "source": corpus.kind, "sources": corpus.sources, "settings": settings,
+        "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),
+                           "documents": state["splits"][split]["documents"],
+                           "shards": state["splits"][split]["shards"]} for split in SPLITS},
+        "forced_split": splitter.forced, "skipped": skips.summary(),
+    }
+    write_json(out / INDEX, index)
+    (out / PROGRESS).unlink()
+    listed = {s["file"] for split in SPLITS for s in index["splits"][split]["shards"]}
+    for stale in out.glob("*_*.bin"):
+        if stale.name.split("_")[0] in SPLITS and stale.name not in listed:
+            stale.unlink()
+    times["tokenise"] = time.perf_counter() - started - sum(times.values())
+    _report(out, index, times)
+    return index
+
+
+def _report(out: Path, index: dict, times: dict[str, float]) -> None:
+    train, val = index["splits"]["train"], index["splits"]["val"]
+    skipped = index["skipped"]["skipped_files"]
+    print(f"prepared {out}: train {train['tokens']:,} tokens / {train['documents']:,} docs "
+          f"({len(train['shards'])} shards), val {val['tokens']:,} tokens / {val['documents']:,} docs, "
+          f"vocab {index['vocab_size']}" + (f", {skipped} files skipped" if skipped else "") +
+          f"; {sum(times.values()):.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in times.items()) + ")")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--source", required=True, choices=SOURCES,
+                        help="gutenberg/text: dir of .txt[.gz]; c4: dir of *.json.gz JSON lines; builtin: Python's "
+                             "own docs (offline); c4-hub / gutenberg-hub: stream with `datasets`")
+    parser.add_argument("--src", help="input directory or file; for hub sources a dataset id "
+                                      "(default allenai/c4 'en' / manu/project_gutenberg)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="SentencePiece vocabulary (default 8000)")
+    parser.add_argument("--max-docs", type=int, help="use only the first N usable documents")
+    parser.add_argument("--val-fraction", type=float, default=0.01, help="share of documents in validation")
+    parser.add_argument("--shard-tokens", type=int, default=50_000_000, help="close a shard at this many tokens")
+    parser.add_argument("--sample-chars", type=int, default=20_000_000,
+                        help="characters of training text sampled for the tokenizer (default 20M)")
+    parser.add_argument("--hub-split", help="hub split (default: train for c4-hub, en for gutenberg-hub)")
+    parser.add_argument("--data-files", nargs="+", help="hub sources: data_files for datasets.load_dataset "
+                                                        "(e.g. --src json --data-files URL_OR_GLOB ...)")
+    parser.add_argument("--threads", type=int, help="tokenizer threads (default: min(4, CPUs))")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier preparation with other settings")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.source, args.src, args.out, vocab_size=args.vocab_size, max_docs=args.max_docs,
+                val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, sample_chars=args.sample_chars,
+                hub_split=args.hub_split, data_files=args.data_files, overwrite=args.overwrite,
+                threads=args.threads, progress=not args.no_progress)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume (finished shards are kept)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Flat uint16 token shards `<split>_NNNNN.bin`, written atomically, resumable shard by shard.
+
+A shard holds whole documents (each followed by EOS) and is closed as soon as it reaches
+`shard_tokens` tokens, so shard boundaries depend only on the document stream and the settings.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file next to `path`, fsync, then rename over it (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    write_atomic(path, tokens.astype(np.uint16, copy=False).tobytes())
+
+
+class SplitWriter:
+    """Collects one split's documents into shards. `state` = {"shards": [...], "documents": n} holds the
+    finished shards (from an interrupted run, or grown as shards finish); `on_shard()` is called after each."""
+
+    def __init__(self, out: Path, split: str, shard_tokens: int, state: dict, on_shard: Callable[[], None]) -> None:
+        self.out, self.split, self.shard_tokens = out, split, shard_tokens
+        self.state, self.on_shard = state, on_shard
+        self.resume_documents = state["documents"]  # documents already in finished shards
+        self.seen = 0  # documents of this split seen in this pass
+        self._buffer: list[np.ndarray] = []
+        self._tokens = 0
+
+    def wants(self) -> bool:
+        """Count one more document of this split; False while it lies in an already finished shard."""
+        self.seen += 1
+        return self.seen > self.resume_documents
+
+    def add(self, tokens: np.ndarray) -> None:
+        self._buffer.append(tokens)
+        self._tokens += len(tokens)
+        if self._tokens >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered documents as the next shard (nothing if empty)."""
+        if not self._buffer:
+            return
+        name = f"{self.split}_{len(self.state['shards']):05d}.bin"
+        write_shard(self.out / name, np.concatenate(self._buffer))
+        self.state["shards"].append({"file": name, "tokens": self._tokens, "documents": len(self._buffer)})
+        self.state["documents"] += len(self._buffer)
+        self._buffer, self._tokens = [], 0
+        self.on_shard()

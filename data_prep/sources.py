@@ -1,0 +1,59 @@
+"""--source name -> Corpus (a re-readable, deterministic stream of Documents)."""
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+from data_prep import builtin, c4, gutenberg
+from data_prep.documents import Corpus, Document, Skips
+from data_prep.errors import DataError
+from data_prep.hub import HUB_DATASETS, stream_rows
+from data_prep.local_files import find_files, read_text
+
+LOCAL = ("gutenberg", "c4", "text")
+SOURCES = (*LOCAL, "builtin", *HUB_DATASETS)
+TEXT_SUFFIXES = (".txt", ".txt.gz")
+
+
+def text_documents(files: list[Path], root: Path, skips: Skips) -> Iterator[Document]:
+    """Plain text files, one document each; id = path relative to --src."""
+    for path in files:
+        text = read_text(path, skips)
+        if text is not None:
+            yield Document(path.relative_to(root).as_posix() if root.is_dir() else path.name, text)
+
+
+def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
+                data_files: str | list[str] | None = None) -> Corpus:
+    """Check the input exists (DataError otherwise) and return its Corpus.
+    Local sources read --src (a directory, searched recursively, or one file); hub sources stream
+    the dataset id in --src (default per source, see hub.HUB_DATASETS); builtin ignores --src."""
+    if kind not in SOURCES:
+        raise DataError(f"--source {kind!r}: choose one of {', '.join(SOURCES)}")
+    if kind in LOCAL:
+        if not src:
+            raise DataError(f"--source {kind} needs --src DIR (a directory of input files)")
+        root = Path(src).expanduser()
+        if kind == "gutenberg":
+            files = find_files(root, gutenberg.SUFFIXES, "Gutenberg book")
+            read = partial(gutenberg.file_documents, files)
+        elif kind == "c4":
+            files = find_files(root, c4.SUFFIXES, "C4 JSON-lines")
+            read = partial(c4.file_documents, files)
+        else:
+            files = find_files(root, TEXT_SUFFIXES, "text")
+            read = partial(text_documents, files, root)
+        return Corpus(kind, [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files],
+                      read, size_hint=len(files) if kind != "c4" else None)
+    if kind == "builtin":
+        count = len(builtin.topics())
+        return Corpus(kind, [builtin.NAME], builtin.documents, size_hint=count)
+    default_path, default_name, default_split = HUB_DATASETS[kind]
+    path = src or default_path
+    name = default_name if path == default_path else None
+    split = hub_split or default_split
+    rows = partial(stream_rows, path, name, split, data_files)
+    to_documents = c4.row_documents if kind == "c4-hub" else gutenberg.row_documents
+    label = f"{path}{'/' + name if name else ''}:{split}" + (f" data_files={data_files}" if data_files else "")
+    return Corpus(kind, [label], lambda skips: to_documents(rows(), skips))

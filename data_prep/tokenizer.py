@@ -1,0 +1,91 @@
+"""SentencePiece BPE tokenizer (MoSA App. H: SentencePiece sub-word units, vocabulary 8000).
+
+Lossless by construction, so decode(encode(text)) == text and bits-per-byte figures are honest:
+identity normalisation (no NFKC, whitespace kept as is), no dummy prefix, byte fallback for
+characters outside the learned vocabulary. Ids: 0 <unk> (never produced, thanks to byte fallback),
+1 </s> = end of document, 2 "\\n" (a user-defined piece; lines are encoded separately and joined with
+it), 3..258 the 256 byte pieces, then the learned merges.
+"""
+from __future__ import annotations
+
+import io
+import re
+from typing import Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from data_prep.errors import DataError
+
+MODEL_TYPE = "bpe"
+UNK_ID, EOS_ID, NEWLINE_ID = 0, 1, 2
+MAX_VOCAB = 2**16  # ids must fit in uint16 shards
+MAX_SENTENCE_BYTES = 1 << 15
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if not 0 < vocab_size <= MAX_VOCAB:
+        raise DataError(f"--vocab-size must be in 1..{MAX_VOCAB} (tokens are stored as uint16), got {vocab_size}")
+
+
+def train(lines: Sequence[str], vocab_size: int, threads: int) -> bytes:
+    """Train on `lines` and return the serialized model; vocabulary problems become one DataError line."""
+    check_vocab_size(vocab_size)
+    chars = sum(map(len, lines))
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type=MODEL_TYPE,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            byte_fallback=True, split_digits=True, allow_whitespace_only_pieces=True,
+            unk_id=UNK_ID, eos_id=EOS_ID, bos_id=-1, pad_id=-1, user_defined_symbols=["\n"],
+            max_sentence_length=MAX_SENTENCE_BYTES, num_threads=threads, minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise _vocab_error(str(err), vocab_size, chars) from None
+    return model.getvalue()
+
+
+def _vocab_error(message: str, vocab_size: int, chars: int) -> DataError:
+    if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return DataError(
+            f"--vocab-size {vocab_size} is too large for this corpus: its tokenizer sample ({chars:,} characters) "
+            f"supports at most {m.group(1)} pieces; lower --vocab-size or give more text")
+    if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        return DataError(
+            f"--vocab-size {vocab_size} is too small: this corpus needs at least {m.group(1)} pieces "
+            "(special and byte pieces plus its characters)")
+    return DataError(f"SentencePiece training failed: {message.strip().splitlines()[0]}")
+
+
+def load(model: bytes) -> spm.SentencePieceProcessor:
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    assert sp.eos_id() == EOS_ID and sp.piece_to_id("\n") == NEWLINE_ID, "unexpected special-piece layout"
+    return sp
+
+
+def encode_documents(sp: spm.SentencePieceProcessor, texts: Sequence[str], threads: int) -> list[np.ndarray]:
+    """uint16 tokens of each text, lines joined by NEWLINE_ID, followed by EOS_ID."""
+    lines_per_text = [text.split("\n") for text in texts]
+    ids = sp.encode([line for lines in lines_per_text for line in lines], num_threads=threads)
+    out, i = [], 0
+    for lines in lines_per_text:
+        tokens: list[int] = []
+        for line_ids in ids[i : i + len(lines)]:
+            tokens.extend(line_ids)
+            tokens.append(NEWLINE_ID)
+        tokens[-1] = EOS_ID  # the last line has no newline after it: the document ends
+        out.append(np.array(tokens, dtype=np.uint16))
+        i += len(lines)
+    return out
+
+
+def decode(sp: spm.SentencePieceProcessor, tokens: Sequence[int] | np.ndarray) -> list[str]:
+    """The documents in a token sequence (split at EOS_ID; a trailing unfinished document is included)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) == 0:
+        return []
+    ends = np.flatnonzero(tokens == EOS_ID)
+    bounds = zip(np.concatenate([[0], ends + 1]), np.concatenate([ends, [len(tokens)]]))
+    docs = [sp.decode(tokens[a:b].tolist()) for a, b in bounds]
+    return docs[:-1] if tokens[-1] == EOS_ID else docs  # nothing follows a final EOS

@@ -1,0 +1,320 @@
+"""data_prep: Gutenberg cleaning, C4 and hub readers, shard round trip, split determinism, resume, bad input."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import DataError, c4, gutenberg, shards, tokenizer
+from data_prep.documents import Skips
+from data_prep.hub import stream_rows
+from data_prep.prepare import main, prepare
+from data_prep.split import Splitter
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = dict(progress=False, threads=1)
+
+LICENCE = "*** START: FULL LICENSE ***\nTHE FULL PROJECT GUTENBERG LICENSE\nPLEASE READ THIS BEFORE YOU DISTRIBUTE\n"
+
+
+def pg_book(body: str, start: str = "*** START OF THIS PROJECT GUTENBERG EBOOK A TALE ***",
+            end: str = "*** END OF THIS PROJECT GUTENBERG EBOOK A TALE ***") -> str:
+    header = "The Project Gutenberg EBook of A Tale, by Someone\n\nTitle: A Tale\nCharacter set encoding: UTF-8\n\n"
+    trailer = "\n\nEnd of the Project Gutenberg EBook of A Tale, by\nSomeone\n\n"
+    return f"{header}{start}\n\n\n{body}{trailer}{end}\n\n{LICENCE}"
+
+
+def documents_of(out: Path, split: str) -> list[str]:
+    """Decode every shard of a split back into document texts."""
+    index = json.loads((out / "index.json").read_text())
+    sp = tokenizer.load((out / "tokenizer.model").read_bytes())
+    docs = []
+    for shard in index["splits"][split]["shards"]:
+        tokens = np.fromfile(out / shard["file"], dtype=np.uint16)
+        assert len(tokens) == shard["tokens"] and tokens[-1] == index["eos_id"]
+        assert (tokens == index["eos_id"]).sum() == shard["documents"]
+        docs += tokenizer.decode(sp, tokens)
+    return docs
+
+
+def words(seed: int, n: int) -> str:
+    """Deterministic English-like text (lines of words from Python's own docs)."""
+    from pydoc_data.topics import topics
+
+    vocab = " ".join(topics.values()).split()[:5000]
+    rng = np.random.default_rng(seed)
+    return "\n".join(" ".join(rng.choice(vocab, size=12)) for _ in range(n))
+
+
+def write_texts(directory: Path, texts: dict[str, str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (directory / name).write_text(text, encoding="utf-8")
+    return directory
+
+
+# ---------------------------------------------------------------- Gutenberg cleaning
+
+
+@pytest.mark.parametrize("start, end", [
+    ("*** START OF THIS PROJECT GUTENBERG EBOOK A TALE ***", "*** END OF THIS PROJECT GUTENBERG EBOOK A TALE ***"),
+    ("***START OF THE PROJECT GUTENBERG EBOOK A TALE***", "***END OF THE PROJECT GUTENBERG EBOOK A TALE***"),
+    ("*** START OF THIS PROJECT GUTENBERG EBOOK A VERY LONG\nTALE ***", "*** END OF THIS PROJECT GUTENBERG EBOOK A TALE ***"),
+])
+def test_strip_gutenberg_markers(start: str, end: str) -> None:
+    body = "CHAPTER I\n\n  It was a dark night; *** the end *** was near.\nEnd of chapter."
+    stripped, found = gutenberg.strip_gutenberg(pg_book(body, start, end))
+    assert found and stripped == body
+
+
+def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
+    assert gutenberg.strip_gutenberg("Plain text.\nNo markers.\n") == ("Plain text.\nNo markers.", False)
+    twice = pg_book("The body.", start="*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nNotes\n"
+                                        "*** START OF THIS PROJECT GUTENBERG EBOOK X ***")
+    assert gutenberg.strip_gutenberg(twice)[0] == "The body."
+
+
+def test_strip_gutenberg_real_books(shared_data: Path) -> None:
+    skips = Skips()
+    books = {d.id: d.text for d in gutenberg.file_documents(
+        [shared_data / "gutenberg" / f for f in ("pg1080_a_modest_proposal.txt.gz",
+                                                 "pg148_the_autobiography_of_benjamin_franklin.txt.gz")], skips)}
+    proposal = books["pg1080_a_modest_proposal"]
+    assert proposal.startswith("Produced by An Anonymous Volunteer\n\n")
+    assert proposal.endswith("the youngest being nine years old, and my wife past\nchild-bearing.")
+    franklin = books["pg148_the_autobiography_of_benjamin_franklin"]  # START marker wrapped over two lines, twice
+    assert franklin.startswith("THE AUTOBIOGRAPHY OF BENJAMIN FRANKLIN\n\nThe Harvard Classics")
+    for text in books.values():
+        assert "\r" not in text and "PROJECT GUTENBERG" not in text and "FULL LICENSE" not in text
+    assert not skips.files
+
+
+def test_line_endings_normalised(tmp_path: Path) -> None:
+    raw = pg_book("one\ntwo\n\nthree\rfour").replace("\n", "\r\n").encode()
+    (tmp_path / "b.txt").write_bytes(raw)
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(raw))
+    docs = list(gutenberg.file_documents(sorted(tmp_path.iterdir()), Skips()))
+    assert [d.text for d in docs] == ["one\ntwo\n\nthree\nfour"] * 2
+    assert [d.id for d in docs] == ["b", "c"]
+
+
+# ---------------------------------------------------------------- C4 and the hub route
+
+
+def test_c4_local_reader_real_file(shared_data: Path) -> None:
+    path = shared_data / "c4" / "c4-train.00000-of-01024.first1000.json.gz"
+    skips = Skips()
+    docs = list(c4.file_documents([path], skips))
+    assert len(docs) == 1000 and not skips.counts and not skips.files
+    assert docs[0].text.startswith("Beginners BBQ Class Taking Place in Missoula!")
+    assert len({d.id for d in docs}) == 1000
+
+
+def test_hub_route_on_local_json_gz(shared_data: Path, tmp_path: Path) -> None:
+    """The streaming code (datasets.load_dataset(..., streaming=True) -> row_documents) on a local file
+    in the allenai/c4 format gives exactly the local reader's documents, and prepares end to end."""
+    path = shared_data / "c4" / "c4-en.llamafactory-demo.textonly.json.gz"
+    streamed = list(c4.row_documents(stream_rows("json", None, "train", data_files=str(path)), Skips()))
+    local = list(c4.file_documents([path], Skips()))
+    assert len(streamed) == 300 and streamed == local
+    index = prepare("c4-hub", "json", tmp_path / "hub", data_files=str(path), vocab_size=800, max_docs=120,
+                    val_fraction=0.1, **QUIET)
+    assert index["sources"] == [f"json:train data_files={path}"]
+    assert sorted(documents_of(tmp_path / "hub", "train") + documents_of(tmp_path / "hub", "val")) == \
+        sorted(d.text for d in local[:120])
+
+
+def test_gutenberg_hub_rows_are_stripped() -> None:
+    rows = [{"id": "7", "text": pg_book("Body of seven.").replace("\n", "\r\n")}, {"id": "8", "text": ""}]
+    skips = Skips()
+    assert list(gutenberg.row_documents(rows, skips)) == [("pg-hub:7", "Body of seven.")]
+    assert skips.counts["empty_documents"] == 1
+
+
+def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'allenai/c4' on the Hub (OfflineModeIsEnabled)\nmore detail")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"^streaming allenai/c4/en split 'train' failed \(ConnectionError: "
+                                        r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\);"):
+        prepare("c4-hub", None, tmp_path / "out", **QUIET)
+
+
+# ---------------------------------------------------------------- shards, split, resume
+
+
+def test_round_trip_and_eos(tmp_path: Path) -> None:
+    texts = {f"d{i:02d}.txt": words(i, 30) for i in range(12)}
+    texts["odd.txt"] = "  indented\tline with  double  spaces\n\n\nüñíçødé — “quotes” 中文 ∑\x00\nlast line  "
+    texts["crlf.txt"] = "windows\r\nline endings\r\n"
+    src = write_texts(tmp_path / "src", texts)
+    index = prepare("text", str(src), tmp_path / "out", vocab_size=600, val_fraction=0.2, shard_tokens=500, **QUIET)
+    expected = {t.replace("\r\n", "\n") for t in texts.values()}
+    train, val = documents_of(tmp_path / "out", "train"), documents_of(tmp_path / "out", "val")
+    assert sorted(train + val) == sorted(expected)
+    assert index["vocab_size"] == 600 and index["eos_id"] == tokenizer.EOS_ID
+    for split, docs in (("train", train), ("val", val)):
+        assert index["splits"][split]["documents"] == len(docs) > 0
+        assert index["splits"][split]["tokens"] == sum(s["tokens"] for s in index["splits"][split]["shards"])
+    assert len(index["splits"]["train"]["shards"]) > 1
+    assert index["tokenizer_sha256"] == hashlib.sha256((tmp_path / "out/tokenizer.model").read_bytes()).hexdigest()
+
+
+def test_split_is_by_document_hash_independent_of_order_and_max_docs(tmp_path: Path) -> None:
+    rows = [{"text": words(100 + i, 3), "timestamp": None, "url": None} for i in range(60)]
+    for name, order in (("fwd", rows), ("rev", rows[::-1])):
+        (tmp_path / name).mkdir()
+        with gzip.open(tmp_path / name / "c4.json.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in order)
+    kw = dict(vocab_size=500, val_fraction=0.25, **QUIET)
+    prepare("c4", str(tmp_path / "fwd"), tmp_path / "all", **kw)
+    prepare("c4", str(tmp_path / "rev"), tmp_path / "rev_out", **kw)
+    prepare("c4", str(tmp_path / "fwd"), tmp_path / "first30", max_docs=30, **kw)
+    val_all, val_rev = set(documents_of(tmp_path / "all", "val")), set(documents_of(tmp_path / "rev_out", "val"))
+    val_30 = set(documents_of(tmp_path / "first30", "val"))
+    expected = {r["text"] for r in rows if Splitter(0.25).by_hash(c4.text_id(r["text"])) == "val"}
+    assert val_all == val_rev == expected and 0 < len(expected) < 60
+    assert val_30 == expected & {r["text"] for r in rows[:30]} and val_30
+
+
+def test_tiny_corpus_forces_one_validation_document() -> None:
+    splitter = Splitter(0.01)
+    ids = [f"doc{i}" for i in range(5) if Splitter(0.01).by_hash(f"doc{i}") == "train"]
+    for doc_id in ids:
+        splitter.observe(doc_id)
+    splitter.finalize()
+    assert [splitter(d) for d in ids].count("val") == 1 and len(splitter.forced) == 1
+    lone = Splitter(0.5)
+    lone.observe("only")
+    with pytest.raises(DataError, match="at least 2 distinct documents"):
+        lone.finalize()
+
+
+def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(16)})
+    kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)
+    reference = prepare("text", str(src), tmp_path / "ref", **kw)
+    n_shards = sum(len(reference["splits"][s]["shards"]) for s in ("train", "val"))
+    assert n_shards >= 5
+
+    real_write, written = shards.write_shard, []
+
+    def write_then_maybe_die(path: Path, tokens: np.ndarray) -> None:
+        if die_after is not None and len(written) == die_after:
+            raise KeyboardInterrupt
+        real_write(path, tokens)
+        written.append(path.name)
+
+    monkeypatch.setattr(shards, "write_shard", write_then_maybe_die)
+    die_after = 3
+    with pytest.raises(KeyboardInterrupt):
+        prepare("text", str(src), tmp_path / "out", **kw)
+    first = {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in written}
+    assert not (tmp_path / "out/index.json").exists() and len(first) == 3
+
+    die_after, written = None, []
+    resumed = prepare("text", str(src), tmp_path / "out", **kw)
+    assert len(written) == n_shards - 3 and not set(written) & set(first)  # only the missing shards were written
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in first} == first
+    assert resumed == reference
+    for shard in (s["file"] for split in ("train", "val") for s in reference["splits"][split]["shards"]):
+        assert (tmp_path / "out" / shard).read_bytes() == (tmp_path / "ref" / shard).read_bytes()
+
+    written = []
+    assert prepare("text", str(src), tmp_path / "out", **kw) == reference and written == []  # finished: no work
+    with pytest.raises(DataError, match=r"other settings \(vocab_size: 500 -> 400\); pass --overwrite"):
+        prepare("text", str(src), tmp_path / "out", **{**kw, "vocab_size": 400})
+    assert prepare("text", str(src), tmp_path / "out", overwrite=True, **{**kw, "vocab_size": 400})["vocab_size"] == 400
+
+
+def test_builtin_source(tmp_path: Path) -> None:
+    from pydoc_data.topics import topics
+
+    out = tmp_path / "builtin"
+    index = prepare("builtin", None, out, vocab_size=2000, val_fraction=0.05, **QUIET)
+    train, val = documents_of(out, "train"), documents_of(out, "val")
+    assert sorted(train + val) == sorted(t for t in topics.values() if t.strip())
+    assert index["sources"] == ["pydoc_data.topics"] and index["splits"]["train"]["tokens"] > 50_000
+
+
+# ---------------------------------------------------------------- bad input: one line, exit code 2
+
+
+def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    code = main([*args, "--no-progress", "--threads", "1"])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_missing_path_and_no_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli(capsys, "--source", "gutenberg", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
+    assert code == 2 and err == f"error: --src {tmp_path / 'nope'}: no such file or directory"
+    (tmp_path / "notes.md").write_text("not a book")
+    code, err = run_cli(capsys, "--source", "c4", "--src", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 2 and err.startswith(f"error: --src {tmp_path}: no C4 JSON-lines files (*.json.gz") and "\n" not in err
+
+
+def test_cli_subprocess_prints_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", str(tmp_path / "x"),
+                           "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: --src {tmp_path / 'x'}: no such file or directory"]
+
+
+def test_empty_and_undecodable_files_are_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 20) for i in range(6)})
+    (src / "blank.txt").write_text("  \n\n")
+    (src / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (src / "broken.txt.gz").write_bytes(b"\x1f\x8b not really gzip")
+    index = prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.3, **QUIET)
+    assert index["skipped"]["skipped_files"] == 3
+    assert index["skipped"]["skipped_files_by_reason"] == {"empty": 1, "undecodable": 1, "unreadable": 1}
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 6
+    err = capsys.readouterr().err
+    assert "warning: skipped latin1.txt: undecodable (not UTF-8: byte 3)" in err
+    assert err.count("warning: skipped blank.txt: empty") == 1  # once, although both passes read it
+
+
+def test_nothing_usable_left(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe\xfa")
+    code, err = run_cli(capsys, "--source", "text", "--src", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 2
+    assert err.splitlines()[-1] == "error: no usable documents in bad.txt, empty.txt (2 inputs; skipped files: " \
+                                   "1 empty, 1 undecodable)"
+
+
+def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {"a.txt": "the quick brown fox\n" * 20, "b.txt": "jumps over the lazy dog\n" * 20})
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--vocab-size", "5000",
+                        "--val-fraction", "0.5")
+    assert code == 2 and "\n" not in err
+    assert err.startswith("error: --vocab-size 5000 is too large for this corpus: its tokenizer sample (")
+    assert err.endswith("pieces; lower --vocab-size or give more text")
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--vocab-size", "100")
+    assert code == 2 and err.startswith("error: --vocab-size 100 is too small: this corpus needs at least ")
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--vocab-size", "70000")
+    assert code == 2 and err == "error: --vocab-size must be in 1..65536 (tokens are stored as uint16), got 70000"
+
+
+def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = [json.dumps({"text": words(200 + i, 3), "timestamp": None, "url": None}) for i in range(30)]
+    lines = good[:10] + ['{"text": "unterminated', "not json at all", "[1, 2]"] + good[10:] + [json.dumps({"url": "x"})]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.json.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    (tmp_path / "src" / "b.json").write_text("garbage\n{broken\n")
+    index = prepare("c4", str(tmp_path / "src"), tmp_path / "out", vocab_size=500, val_fraction=0.2, **QUIET)
+    assert index["skipped"]["broken_json_lines"] == 5 and index["skipped"]["rows_without_text"] == 1
+    assert index["skipped"]["skipped_files_by_reason"] == {"no valid JSON lines": 1}
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
+    err = capsys.readouterr().err
+    assert "warning: a.json.gz: skipped 3 broken JSON line(s), first at line 11" in err
