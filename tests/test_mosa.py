@@ -209,8 +209,7 @@ def test_hybrid_kv_total() -> None:
 
 @pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "experiments" / "*.yaml"))))
 def test_experiment_configs_load_and_run(path: str) -> None:
-    cfg = lm.load_config(path, "model.n_layers=1", "model.d_model=32", "model.head_dim=8", "model.seq_len=64",
-                         "model.vocab_size=97", "model.layer_heads={}")
+    cfg = lm.load_config(path, "model.d_model=32", "model.head_dim=8", "model.seq_len=64", "model.vocab_size=97")
     model = lm.build_model(cfg.model)
     logits = model(torch.randint(0, 97, (1, 64)))
     assert logits.shape == (1, 64, 97) and torch.isfinite(logits).all()
