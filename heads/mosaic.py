@@ -1,0 +1,236 @@
+"""MoSAIC: Mixture of Sparse Attention with Independent Choice (MoSA §2.2 and App. E).
+
+Token-choice routing over a group of N attention heads (routing/token_choice.py): each token t picks
+its top-s heads from p_t = softmax(x_t W^r), W^r in R^{h x N}; head i keeps at most
+k = max(floor(capacity_factor * T / rho), 2) tokens (T = the model's training length, so k is a
+constant of the model). Overloaded heads keep tokens by `priority` (recency: earliest first, causal;
+random: not causal); free slots of underloaded heads are padded with tokens that did not choose the
+head, handled by `padded` (App. E.2):
+- include:  padded tokens are ordinary members: they attend (causally) and are attended to;
+- identity: a padded token attends only to itself (its output is x W^V W^O) and is invisible to others;
+- ignore:   padded tokens are masked out entirely (no output, invisible) though they use a slot.
+Per head, on its members X^s (rotated at their original positions): A = Attention(X^s W^Q, X^s W^K,
+X^s W^V, M) with M_jl = 0 iff I_j >= I_l (and the padding rules above), output diag(p_{:,i}) A W^O
+scattered back to the members' positions (as MoSA eq. 3 and the line above it, with the token-choice
+probability p in place of MoSA's sigmoid score). Load balancing (eq. 4): alpha * N * sum_i f_i p_i,
+reported as aux loss "mosaic_balance" (already weighted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from heads.attention import attend
+from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.kv_cache import SlotKV
+from routing.token_choice import assign_random, assign_recency, assign_reference, balance_loss, capacity, choose, slots
+
+PRIORITIES = ("recency", "random")
+PADDED = ("include", "identity", "ignore")
+
+
+@dataclass
+class MosaicOptions(HeadOptions):
+    sparsity: float = 8.0  # rho; capacity k = capacity_factor * T / rho tokens per head
+    top_s: int = 1  # heads chosen by each token
+    capacity_factor: float = 1.0
+    alpha: float = 0.1  # load-balancing loss weight (eq. 4)
+    priority: str = "recency"  # recency (causal) | random (not causal)
+    padded: str = "include"  # include | identity | ignore (App. E.2)
+
+    def validate(self, ctx: GroupContext) -> None:
+        super().validate(ctx)
+        if self.sparsity < 1:
+            raise ConfigError(f"mosaic: sparsity must be >= 1, got {self.sparsity}")
+        if self.top_s < 1:
+            raise ConfigError(f"mosaic: top_s must be >= 1, got {self.top_s}")
+        if self.capacity_factor <= 0:
+            raise ConfigError(f"mosaic: capacity_factor must be > 0, got {self.capacity_factor}")
+        if self.alpha < 0:
+            raise ConfigError(f"mosaic: alpha must be >= 0, got {self.alpha}")
+        if self.priority not in PRIORITIES:
+            raise ConfigError(f"mosaic: priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
+        if self.padded not in PADDED:
+            raise ConfigError(f"mosaic: padded must be one of {', '.join(PADDED)}, got {self.padded!r}")
+
+    def kv_per_head(self, seq_len: int) -> int:
+        return min(capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
+
+
+@dataclass
+class MosaicCache:
+    """Decoding state: K/V of the tokens other tokens can see (SlotKV with k slots per head) and the
+    number of slots each head has filled (padding under identity/ignore uses a slot but no K/V)."""
+
+    kv: SlotKV
+    members: torch.Tensor  # [B, N]
+    seen: int = 0  # tokens consumed
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + self.members.numel() * self.members.element_size()
+
+
+@register("mosaic")
+class MosaicHeads(HeadGroup):
+    Options = MosaicOptions
+    options: MosaicOptions
+
+    def __init__(self, ctx: GroupContext, count: int, options: MosaicOptions) -> None:
+        super().__init__(ctx, count, options)
+        if options.top_s > count:
+            raise ConfigError(f"mosaic: top_s ({options.top_s}) must be <= the group's head count ({count})")
+        self.k = capacity(ctx.seq_len, options.sparsity, options.capacity_factor)
+        self.frame = ctx.seq_len
+        self.router = nn.Linear(ctx.d_model, count, bias=False)  # W^r
+        self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)  # rows: (q|k|v, head, h')
+        self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)  # columns: (head, h')
+
+    @property
+    def causal(self) -> bool:
+        return self.options.priority == "recency"
+
+    # ---- routing -------------------------------------------------------------------------------
+    def _priority(self, positions: torch.Tensor) -> torch.Tensor:
+        """Random priorities [B, T]: fresh in training; in eval a fixed draw per position (seeded by the
+        layer), so evaluation is deterministic."""
+        if self.training:
+            return torch.rand(positions.shape, device=positions.device)
+        g = torch.Generator().manual_seed(self.ctx.layer)
+        return torch.rand(int(positions.max()) + 1, generator=g).to(positions.device)[positions]
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x[B, T, h] -> probs, chosen [B, T, N]; records the balance loss and routing stats."""
+        probs, chosen = choose(self.router(x), self.options.top_s)
+        self.aux_losses = {"mosaic_balance": balance_loss(probs, chosen, self.options.alpha)}
+        entropy = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean().detach()
+        self.stats = {"mosaic_router_entropy": float(entropy)}
+        return probs, chosen
+
+    def _record(self, chosen: torch.Tensor, member: torch.Tensor, selected: torch.Tensor) -> None:
+        self.stats["mosaic_dropped"] = 1.0 - float(selected.sum()) / max(float(chosen.sum()), 1.0)
+        self.stats["mosaic_padded"] = 1.0 - float(selected.sum()) / max(float(member.sum()), 1.0)
+
+    # ---- per-head projections, shared by the fast path and decoding ------------------------------
+    def _heads_qkv(self, xs: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """xs[B, N, K, h] (each head's tokens), pos[B, N, K] -> q, k, v [B, N, K, h'] (q, k rotated)."""
+        w = self.qkv.weight.view(3, self.count, self.ctx.head_dim, self.ctx.d_model)
+        q, k, v = torch.einsum("bnkh,cndh->cbnkd", xs, w)
+        return self.rope(q, pos), self.rope(k, pos), v
+
+    def _heads_out(self, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """a[B, N, K, h'], gate[B, N, K] -> per-slot outputs diag(gate) A W^O, [B, N, K, h]."""
+        wo = self.out.weight.view(self.ctx.d_model, self.count, self.ctx.head_dim)
+        return torch.einsum("bnkd,hnd->bnkh", a, wo) * gate[..., None]
+
+    # ---- reference: explicit loops over sequences and heads --------------------------------------
+    def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B, T, h = x.shape
+        d, o = self.ctx.head_dim, self.options
+        probs, chosen = self._route(x)
+        priority = self._priority(positions) if o.priority == "random" else None
+        plan = assign_reference(chosen, positions, self.k, self.frame, priority)
+        wq, wk, wv = self.qkv.weight.view(3, self.count, d, h)
+        wo = self.out.weight.view(h, self.count, d)
+        y = x.new_zeros(B, T, h)
+        n_member = n_selected = 0
+        for b in range(B):
+            for i in range(self.count):
+                members, selected = plan[b][i]
+                n_member, n_selected = n_member + len(members), n_selected + len(selected)
+                if not members:
+                    continue
+                idx = torch.tensor(members, device=x.device)
+                is_sel = torch.tensor([t in selected for t in members], device=x.device)  # [m]
+                xs, pos = x[b, idx], positions[b, idx]  # [m, h], [m]
+                q, k, v = self.rope(xs @ wq[i].T, pos), self.rope(xs @ wk[i].T, pos), xs @ wv[i].T
+                allowed = pos[:, None] >= pos[None, :]  # M_jl = 0 iff I_j >= I_l
+                if o.padded != "include":  # padded keys are invisible to every other token
+                    allowed &= is_sel[None, :]
+                if o.padded == "identity":  # a padded query sees only itself
+                    allowed[~is_sel] = torch.eye(len(members), dtype=torch.bool, device=x.device)[~is_sel]
+                rows = is_sel if o.padded == "ignore" else torch.ones_like(is_sel)
+                scores = (q @ k.T / d**0.5).masked_fill(~allowed, float("-inf"))[rows]
+                a = scores.softmax(-1) @ v  # [rows, h']
+                gate = probs[b, idx[rows], i]  # p_{t,i}
+                y = y.index_put((torch.full_like(idx[rows], b), idx[rows]), gate[:, None] * (a @ wo[:, i].T), accumulate=True)
+        self.stats["mosaic_dropped"] = 1.0 - n_selected / max(float(chosen.sum()), 1.0)
+        self.stats["mosaic_padded"] = 1.0 - n_selected / max(n_member, 1)
+        return y
+
+    # ---- fast path: all heads at once (gather, batched projections, masked SDPA, scatter-add) -----
+    def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Returns y[B, T, h] and, for the decoding cache, k, v [B, N, K, h'], slot positions [B, N, K],
+        the slots other tokens may see [B, N, K] and members per head [B, N]."""
+        B, T, h = x.shape
+        N, o = self.count, self.options
+        probs, chosen = self._route(x)
+        if o.priority == "recency":
+            member, selected = assign_recency(chosen, positions, self.k, self.frame)
+        else:
+            member, selected = assign_random(chosen, self._priority(positions), self.k)
+        self._record(chosen, member, selected)
+        idx, valid = slots(member, self.k)  # [B, N, K]
+        K = idx.shape[-1]
+        sel = selected.gather(-1, idx) & valid
+        pad = valid & ~sel
+        flat = idx.reshape(B, N * K)
+        xs = x.gather(1, flat[..., None].expand(-1, -1, h)).view(B, N, K, h)
+        spos = positions.gather(1, flat).view(B, N, K)
+        q, k, v = self._heads_qkv(xs, spos)
+        visible = valid if o.padded == "include" else sel
+        mask = (spos[..., :, None] >= spos[..., None, :]) & visible[..., None, :]  # [B, N, K, K]
+        if o.padded == "identity":
+            mask &= ~pad[..., None]
+        mask |= torch.eye(K, dtype=torch.bool, device=x.device)  # padded/empty rows see themselves
+        a = attend(q, k, v, mask=mask)
+        counted = sel if o.padded == "ignore" else valid
+        gate = probs.transpose(1, 2).gather(-1, idx) * counted
+        contrib = self._heads_out(a, gate).reshape(B, N * K, h)
+        y = x.new_zeros(B, T, h).scatter_add(1, flat[..., None].expand(-1, -1, h), contrib)
+        return y, k, v, spos, visible, member.sum(-1)
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._fast(x, positions)[0]
+
+    # ---- decoding --------------------------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> MosaicCache:
+        if not self.causal:
+            raise ValueError("mosaic: priority 'random' is not causal and cannot be decoded incrementally")
+        kv = SlotKV.empty(batch, self.count, min(self.k, max_len), self.ctx.head_dim, device, dtype)
+        return MosaicCache(kv, torch.zeros(batch, self.count, dtype=torch.long, device=device))
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: MosaicCache) -> torch.Tensor:
+        """Prefill (empty cache, any length: the fast path, keeping the visible members' K/V) or one
+        decoding step (x[B, 1, h]) that applies the recency rule with the cached slot counts."""
+        if cache.seen == 0:
+            y, k, v, spos, visible, members = self._fast(x, positions)
+            cache.kv.write(visible, k, v, spos)
+            cache.members += members
+            cache.seen = x.shape[1]
+            return y
+        if x.shape[1] != 1:
+            raise ValueError("mosaic: after the prefill, decode one token at a time")
+        B, _, h = x.shape
+        N, o = self.count, self.options
+        probs, chosen = self._route(x)
+        c = chosen[:, 0]  # [B, N]
+        p = positions[:, :1]  # [B, 1]
+        free = self.k - cache.members
+        sel = c & (free > 0)
+        pad = ~c & (free > 0) & (free >= self.frame - p)  # the padded tail (routing/token_choice.py)
+        member = sel | pad
+        cache.members += member
+        cache.seen += 1
+        spos = p[:, :, None].expand(B, N, 1)
+        q, k, v = self._heads_qkv(x[:, None].expand(B, N, 1, h), spos)
+        visible = member if o.padded == "include" else sel
+        cache.kv.write(visible[..., None], k, v, spos)
+        a = cache.kv.attend(q, p)  # [B, N, 1, h']
+        if o.padded == "identity":  # a padded token sees only itself: softmax over one key = its value
+            a = torch.where(pad[..., None, None], v, a)
+        counted = sel if o.padded == "ignore" else member
+        gate = (probs[:, 0] * counted)[..., None]  # [B, N, 1]
+        return self._heads_out(a, gate).sum(1)  # [B, 1, h]

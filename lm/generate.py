@@ -1,0 +1,97 @@
+"""Autoregressive decoding with a KV cache, and a sampling CLI.
+
+The cache is a list per layer of one cache object per head group (`HeadGroup.new_cache`), passed as
+`DecoderLM.forward(tokens, positions, cache)`: the first call (the prompt) is the prefill, every later
+call feeds one token. Each head type keeps only what its decoding needs (dense: all tokens, local: a
+window, sparse heads: the tokens they selected), so `cache_nbytes` is the real allocated size, to be
+read next to the analytic count `DecoderLM.kv_total(T)` (MoSA Table 2).
+
+    python -m lm.generate --ckpt runs/x/last.ckpt --prompt "Once upon a time" --max-new-tokens 50 \\
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm.model import DecoderLM
+
+Cache = list[list[Any]]
+
+
+def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
+    p = next(model.parameters())
+    return [[g.new_cache(batch, max_len, p.device, p.dtype) for g in block.attn.groups] for block in model.blocks]
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes allocated by every head group's cache."""
+    return sum(c.nbytes() for layer in cache for c in layer)
+
+
+def kv_bytes_analytic(model: DecoderLM, seq_len: int) -> int:
+    """Bytes of the analytic KV count: kv_total(T) entries x (key + value) x head_dim x element size."""
+    p = next(model.parameters())
+    return model.kv_total(seq_len) * 2 * model.cfg.head_dim * p.element_size()
+
+
+def _positions(start: int, length: int, batch: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, start + length, device=device).expand(batch, -1)
+
+
+@torch.no_grad()
+def cached_logits(model: DecoderLM, tokens: torch.Tensor, prefill: int) -> tuple[torch.Tensor, Cache]:
+    """Logits[B, T, V] of tokens[B, T] computed as decoding does: one prefill call on tokens[:, :prefill],
+    then one call per remaining token. For checking incremental decoding against a full forward."""
+    B, T = tokens.shape
+    cache = new_cache(model, B, T)
+    out = [model(tokens[:, :prefill], _positions(0, prefill, B, tokens.device), cache)]
+    for t in range(prefill, T):
+        out.append(model(tokens[:, t : t + 1], _positions(t, 1, B, tokens.device), cache))
+    return torch.cat(out, dim=1), cache
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits[B, V] -> next tokens[B]. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:  # nucleus: the smallest set of tokens whose probability reaches top_p
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             stop_id: int | None = None) -> torch.Tensor:
+    """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens (stops early when every sequence
+    produced stop_id)."""
+    model.eval()
+    B, T0 = prompt.shape
+    cache = new_cache(model, B, T0 + max_new_tokens)
+    logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
+    tokens = [prompt]
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+    for t in range(T0, T0 + max_new_tokens):
+        nxt = sample(logits, temperature, top_k, top_p, generator)
+        tokens.append(nxt[:, None])
+        if stop_id is not None:
+            done |= nxt == stop_id
+            if bool(done.all()):
+                break
+        if t + 1 < T0 + max_new_tokens:
+            logits = model(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
+    return torch.cat(tokens, dim=1)
