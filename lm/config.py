@@ -193,14 +193,14 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         except Exception as err:  # yaml.YAMLError has multi-line messages
             raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
     try:
-        if dotlist:
-            layers.append(OmegaConf.from_dotlist(list(dotlist)))
-        if overrides:
-            layers.append(OmegaConf.from_dotlist([f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items()]))
         merged = OmegaConf.merge(schema, *layers)
+        # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4
+        merged.merge_with_dotlist([*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())])
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
+    except ValueError as err:  # an override that is not key=value
+        raise ConfigError(f"override: {err}") from None
     return validate(cfg)
 
 

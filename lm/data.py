@@ -1,0 +1,170 @@
+"""Token windows from a prepared directory (written by `python -m data_prep.prepare`).
+
+A prepared directory holds `index.json` and flat uint16 shards `{train,val}_NNNNN.bin` (documents
+joined by an end-of-document token). Each split is read as one memory-mapped token stream.
+
+- Training: batch s holds `batch_size * world_size` windows of T+1 tokens at uniformly random
+  starts drawn from `numpy.random.default_rng([seed, s])`; rank r takes the r-th slice. The data
+  order is therefore a pure function of (seed, step): a resumed run starting at step s sees exactly
+  the batches an uninterrupted run would have seen, on any number of workers.
+- Validation: `val_batches * batch_size` fixed windows with evenly spaced starts over the val split.
+Inputs are window[:-1], targets window[1:] (int64).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from lm.config import DataConfig, ModelConfig
+
+PREPARE_HINT = "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out DIR"
+
+
+class DataError(ValueError):
+    """A problem with the prepared data; the message is one line naming what is wrong."""
+
+
+class TokenStream:
+    """The shards of one split as one flat uint16 token sequence; memmaps open lazily (worker-safe)."""
+
+    def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]]) -> None:
+        self.split = split
+        self.paths = [directory / s["file"] for s in shards]
+        sizes = [int(s["tokens"]) for s in shards]
+        for path, n in zip(self.paths, sizes):
+            if not path.is_file():
+                raise DataError(f"data.path: shard {path} listed in index.json is missing")
+            if path.stat().st_size != 2 * n:
+                raise DataError(f"data.path: shard {path} has {path.stat().st_size} bytes, index.json says {n} uint16 tokens")
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard i = [starts[i], starts[i+1])
+        self._maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """tokens[start : start + length] as int64, crossing shard boundaries as needed."""
+        if self._maps is None:
+            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
+        out = np.empty(length, dtype=np.int64)
+        done = 0
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while done < length:
+            lo = start + done - int(self.starts[shard])
+            take = min(length - done, len(self._maps[shard]) - lo)
+            out[done : done + take] = self._maps[shard][lo : lo + take]
+            done, shard = done + take, shard + 1
+        return out
+
+
+def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
+    """Check a prepared directory against the model config and open one split; DataError if unusable."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise DataError(f"data.path: {directory} does not exist; prepare it with: {PREPARE_HINT}")
+    index_file = directory / "index.json"
+    if not index_file.is_file():
+        raise DataError(f"data.path: {directory} has no index.json (not a prepared directory; see {PREPARE_HINT})")
+    try:
+        index = json.loads(index_file.read_text())
+        vocab, shards = int(index["vocab_size"]), index["splits"].get(split, {}).get("shards", [])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise DataError(f"data.path: {index_file} is not a valid index ({type(err).__name__}: {err})") from None
+    if vocab > model.vocab_size:
+        raise DataError(
+            f"data.path: {directory} has vocab_size {vocab} > model.vocab_size {model.vocab_size}; "
+            f"set model.vocab_size={vocab}"
+        )
+    stream = TokenStream(directory, split, shards)
+    if len(stream) == 0:
+        raise DataError(f"data.path: split {split!r} of {directory} is empty")
+    if len(stream) < model.seq_len + 1:
+        raise DataError(
+            f"model.seq_len={model.seq_len} needs windows of {model.seq_len + 1} tokens but split {split!r} "
+            f"of {directory} has only {len(stream)}"
+        )
+    return stream
+
+
+class TrainBatches(IterableDataset):
+    """Endless batches (x[B, T], y[B, T]) from step `start_step` on; batch s = f(seed, s) (module doc)."""
+
+    def __init__(
+        self, stream: TokenStream, seq_len: int, batch_size: int, seed: int,
+        start_step: int = 0, rank: int = 0, world_size: int = 1,
+    ) -> None:
+        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
+        self.start_step, self.rank, self.world_size = start_step, rank, world_size
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, step])
+        starts = rng.integers(0, len(self.stream) - self.seq_len, size=self.batch_size * self.world_size)
+        mine = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        windows = torch.from_numpy(np.stack([self.stream.read(int(s), self.seq_len + 1) for s in mine]))
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        worker = get_worker_info()
+        first, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
+        # DataLoader reads workers round-robin, so worker w taking steps w, w+n, ... keeps the order.
+        for step in itertools.count(self.start_step + first, stride):
+            yield self.batch(step)
+
+
+class ValWindows(Dataset):
+    """`count` fixed windows with evenly spaced starts over the validation stream."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, count: int) -> None:
+        self.stream, self.seq_len = stream, seq_len
+        self.starts = np.linspace(0, len(stream) - seq_len - 1, count).round().astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.from_numpy(self.stream.read(int(self.starts[i]), self.seq_len + 1))
+        return window[:-1], window[1:]
+
+
+class LMDataModule(L.LightningDataModule):
+    """Train/val loaders over a prepared directory. `data.batch_size` is per device."""
+
+    def __init__(self, data: DataConfig, model: ModelConfig, seed: int) -> None:
+        super().__init__()
+        self.cfg, self.model_cfg, self.seed = data, model, seed
+        self.train_stream: TokenStream | None = None
+        self.val_stream: TokenStream | None = None
+
+    def check(self) -> None:
+        """Open both splits (raises a one-line DataError); cheap, so entry points call it up front."""
+        self.train_stream = open_split(self.cfg.path, "train", self.model_cfg)
+        self.val_stream = open_split(self.cfg.path, "val", self.model_cfg)
+
+    def setup(self, stage: str) -> None:
+        if self.train_stream is None:
+            self.check()
+
+    def _loader(self, dataset: Dataset | IterableDataset, **kw: Any) -> DataLoader:
+        # Own generator: creating a loader iterator must not consume the global torch RNG.
+        return DataLoader(dataset, num_workers=self.cfg.num_workers, generator=torch.Generator(), **kw)
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        assert trainer is not None and self.train_stream is not None
+        batches = TrainBatches(
+            self.train_stream, self.model_cfg.seq_len, self.cfg.batch_size, self.seed,
+            start_step=trainer.global_step, rank=trainer.global_rank, world_size=trainer.world_size,
+        )
+        return self._loader(batches, batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_stream is not None
+        windows = ValWindows(self.val_stream, self.model_cfg.seq_len, self.cfg.val_batches * self.cfg.batch_size)
+        return self._loader(windows, batch_size=self.cfg.batch_size, shuffle=False)

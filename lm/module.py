@@ -1,0 +1,157 @@
+"""LightningModule: next-token cross-entropy plus the head groups' auxiliary losses, AdamW with the
+MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` after every validation.
+
+Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
+by its head group), train/loss_total (CE + aux, the optimised loss), train/lr, train/tokens_seen,
+train/tokens_per_s (mean over timed training steps of this process), val/loss, val/ppl.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from lm.checkpoint import atomic_write, rng_state, set_rng_state
+from lm.config import Config
+from lm.model import build_model
+from lm.schedule import lr_factor
+
+
+class LMModule(L.LightningModule):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = build_model(cfg.model)
+        self.val_history: list[dict[str, float]] = []  # one entry per validation, kept across resumes
+        self._resume_rng: dict[str, Any] | None = None
+        self._last_time: float | None = None  # end of the previous timed training step
+        self._timed = [0, 0.0]  # [steps, seconds] of timed training steps in this process
+        self._last_train_loss = math.nan
+        self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
+
+    # ---- loss -------------------------------------------------------------------------------
+    def losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(optimised loss = CE + sum(aux), mean token CE, aux losses) for inputs x and targets y [B, T]."""
+        logits = self.model(x)
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        aux = self.model.aux_losses
+        return ce + sum(aux.values()), ce, aux
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step over all devices."""
+        return self.cfg.data.batch_size * self.cfg.model.seq_len * self.trainer.world_size
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, ce, aux = self.losses(*batch)
+        self.log("train/loss", ce, prog_bar=True)
+        self.log("train/ppl", ce.exp())
+        for name, value in aux.items():
+            self.log(f"train/aux/{name}", value)
+        if aux:
+            self.log("train/loss_total", loss)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self._last_train_loss = float(ce.detach())
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_time is not None:  # the first step after start or validation is not timed
+            self._timed[0] += 1
+            self._timed[1] += now - self._last_time
+        self._last_time = now
+        self.log("train/tokens_seen", float(self.trainer.global_step * self.tokens_per_step))
+        if self._timed[0]:
+            self.log("train/tokens_per_s", self.tokens_per_s(), prog_bar=True)
+
+    def tokens_per_s(self) -> float:
+        steps, seconds = self._timed
+        return steps * self.tokens_per_step / seconds if seconds > 0 else math.nan
+
+    # ---- validation -------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        ce = F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
+        self._val_sums += torch.stack([ce.double(), torch.tensor(y.numel(), dtype=torch.float64, device=self.device)])
+
+    def on_validation_epoch_end(self) -> None:
+        total, count = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
+        loss = total / count
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", math.exp(loss))
+        if self.trainer.sanity_checking:
+            return
+        step = self.trainer.global_step
+        if not self.val_history or self.val_history[-1]["step"] != step:
+            self.val_history.append({"step": step, "tokens_seen": step * self.tokens_per_step,
+                                     "val_loss": loss, "val_ppl": math.exp(loss)})
+        self.print(f"step {step:>6} | val loss {loss:.4f} | val ppl {math.exp(loss):9.2f} | "
+                   f"{step * self.tokens_per_step / 1e6:7.2f}M tokens | {self.tokens_per_s():8.0f} tokens/s")
+        if self.trainer.is_global_zero:
+            self.write_metrics()
+
+    def on_validation_end(self) -> None:
+        self._last_time = None  # do not count validation time as training time
+
+    def metrics(self) -> dict[str, Any]:
+        """The last validation, throughput, size, and the validation history (metrics.json)."""
+        last = self.val_history[-1] if self.val_history else {}
+        return {
+            "step": self.trainer.global_step,
+            "tokens_seen": self.trainer.global_step * self.tokens_per_step,
+            "val_loss": last.get("val_loss"),
+            "val_ppl": last.get("val_ppl"),
+            "val_step": last.get("step"),
+            "train_loss": self._last_train_loss,
+            "tokens_per_s": self.tokens_per_s(),
+            "params": self.model.num_params(),
+            "kv_total": self.model.kv_total(),
+            "seq_len": self.cfg.model.seq_len,
+            "history": self.val_history,
+        }
+
+    def write_metrics(self) -> None:
+        """Write `metrics()` to `<trainer.out_dir>/metrics.json` (atomically)."""
+        text = json.dumps(self.metrics(), indent=1)
+        atomic_write(Path(self.cfg.trainer.out_dir) / "metrics.json", lambda f: f.write(text.encode()))
+
+    # ---- optimisation -----------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (weight decay on matrices only) with linear warmup + cosine (lm/schedule.py)."""
+        o = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        factor = functools.partial(lr_factor, warmup_steps=o.warmup_steps, max_steps=self.cfg.trainer.max_steps,
+                                   min_lr_ratio=o.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["config"] = OmegaConf.to_container(OmegaConf.structured(self.cfg))
+        checkpoint["rng"] = rng_state()
+        checkpoint["val_history"] = self.val_history
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_rng = checkpoint["rng"]
+        self.val_history = list(checkpoint["val_history"])

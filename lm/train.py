@@ -1,0 +1,108 @@
+"""Build the Lightning Trainer for a Config and run training (used by train_lm.py and quickstart.py).
+
+Outputs under `trainer.out_dir`: `tb/` (TensorBoard), `checkpoints/step<N>.ckpt` every
+`trainer.ckpt_every` steps and at the end, `checkpoints/last.ckpt` (the newest), `metrics.json`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import OmegaConf
+
+from heads import ConfigError
+from lm.checkpoint import AtomicCheckpointIO, StepCheckpoints
+from lm.config import Config, TrainerConfig
+from lm.data import LMDataModule
+from lm.module import LMModule
+
+
+def resolve_precision(t: TrainerConfig) -> str:
+    """`auto`: bf16-mixed on a GPU, 32-true on CPU (bf16 matmuls are ~20x slower there)."""
+    if t.precision != "auto":
+        return t.precision
+    gpu = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
+    return "bf16-mixed" if gpu else "32-true"
+
+
+def build_strategy(t: TrainerConfig) -> Any:
+    if t.strategy != "deepspeed_stage_2":
+        return t.strategy  # "auto" or "ddp" (gloo on CPU, NCCL on GPU)
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "trainer.strategy=deepspeed_stage_2 needs DeepSpeed (CUDA machines): pip install -e '.[deepspeed]'"
+        ) from None
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return DeepSpeedStrategy(stage=2)
+
+
+def ckpt_dir(cfg: Config) -> Path:
+    return Path(cfg.trainer.out_dir) / "checkpoints"
+
+
+def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
+    t = cfg.trainer
+    strategy = build_strategy(t)
+    deepspeed = t.strategy == "deepspeed_stage_2"
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+        precision=resolve_precision(t),  # type: ignore[arg-type]
+        max_steps=t.max_steps, val_check_interval=t.val_every, check_val_every_n_epoch=None,
+        num_sanity_val_steps=0, log_every_n_steps=t.log_every,
+        gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
+        logger=TensorBoardLogger(t.out_dir, name="tb", version=""),
+        callbacks=[checkpoints], enable_checkpointing=False, default_root_dir=t.out_dir,
+        # DeepSpeed writes its own sharded checkpoint directories.
+        plugins=None if deepspeed else [AtomicCheckpointIO()],
+    )
+
+
+def resume_path(cfg: Config, resume: str | None) -> str | None:
+    """`--resume` -> last.ckpt of this run (None, i.e. a fresh start, if there is none yet);
+    `--resume PATH` -> PATH. The checkpoint's model config must equal this run's."""
+    if resume is None:
+        return None
+    path = ckpt_dir(cfg) / "last.ckpt" if resume == "last" else Path(resume)
+    if not path.is_file():
+        if resume != "last":
+            raise ConfigError(f"--resume: checkpoint {path} not found")
+        rank_zero_info(f"--resume: no checkpoint at {path} yet; starting from scratch")
+        return None
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]["model"]
+    current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
+    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
+    if differ:
+        raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
+    return str(path)
+
+
+def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+    """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
+    checkpoint the final step, and return the metrics written to metrics.json."""
+    data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
+    data.check()  # one-line DataError before any Lightning set-up
+    ckpt = resume_path(cfg, resume)
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = LMModule(cfg)
+    t = cfg.trainer
+    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2")
+    trainer = build_trainer(cfg, checkpoints)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    step = trainer.global_step
+    if not module.val_history or module.val_history[-1]["step"] != step:
+        trainer.validate(module, datamodule=data, verbose=False)
+    if step % t.ckpt_every:
+        checkpoints.save(trainer)
+    out = Path(t.out_dir)
+    rank_zero_info(
+        f"outputs: TensorBoard `tensorboard --logdir {out / 'tb'}` | checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | "
+        f"metrics {out / 'metrics.json'}"
+    )
+    return module.metrics()

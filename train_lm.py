@@ -1,0 +1,37 @@
+"""Train a decoder LM: python train_lm.py --config configs/X.yaml [section.key=value ...] [--resume [PATH]]
+
+Overrides are OmegaConf dotlist entries (e.g. model.n_layers=4 trainer.max_steps=100 data.path=data/c4).
+--resume continues from <trainer.out_dir>/checkpoints/last.ckpt (or PATH) with the same data order,
+RNG, optimizer and scheduler state. Config and data errors print one line and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from heads import ConfigError
+from lm.config import load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML file (configs/*.yaml)")
+    parser.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH",
+                        help="continue from last.ckpt of trainer.out_dir, or from PATH")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
+    args = parser.parse_args(argv)
+    from lm.data import DataError  # after argument parsing: --help stays fast
+
+    try:
+        cfg = load_config(args.config, *args.overrides)
+        from lm.train import train
+
+        train(cfg, resume=args.resume)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
