@@ -1,5 +1,6 @@
 """Attention head types. Importing this package registers every type under its config name."""
 from heads import dense  # noqa: F401  (one import per head type registers it)
+from heads import mosaic  # noqa: F401
 from heads import mosa  # noqa: F401
 from heads import fixed  # noqa: F401
 from heads import local  # noqa: F401

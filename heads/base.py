@@ -98,7 +98,13 @@ class HeadGroup(nn.Module):
         return self.forward_reference(x, positions)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        """Incremental decoding with a KV cache (lm/generate.py). Types that support it override."""
+        """Incremental decoding with a KV cache (lm/generate.py): the first call on a fresh cache is the
+        prefill (any length), later calls decode one token each. Types that support it override."""
+        raise NotImplementedError(f"head type {self.type_name!r} does not support KV-cached decoding")
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> Any:
+        """An empty decoding cache for up to max_len tokens; it has `nbytes()` (allocated bytes)."""
         raise NotImplementedError(f"head type {self.type_name!r} does not support KV-cached decoding")
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from heads.attention import attend
 from heads.base import GroupContext, HeadGroup, HeadOptions, register
+from heads.kv_cache import SlotKV
 
 
 @register("dense")
@@ -44,4 +45,17 @@ class DenseHeads(HeadGroup):
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
         a = attend(q, k, v, causal=True)  # positions are increasing within a sequence
+        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> SlotKV:
+        return SlotKV.empty(batch, self.count, max_len, self.ctx.head_dim, device, dtype)  # all T tokens
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Prefill (empty cache): causal attention over the chunk; later: attend to every cached key."""
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions)
+        prefill = cache.is_empty
+        cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand(-1, self.count, -1))
+        a = attend(q, k, v, causal=True) if prefill else cache.attend(q, positions)
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
