@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
@@ -101,40 +101,89 @@ class MiTAHeads(DenseHeads):
         return self.out(torch.cat(heads, dim=-1))
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Algorithm 1 made causal: landmarks and experts batched, queries grouped by routed expert
+        (padded per expert) for one batched attention per expert, merged with the shared + own-block
+        softmax by log-sum-exp (Alg. 1 line 16)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         B, H, T, d = q.shape
         b, scale = self.options.block, d**-0.5
-        n, nb = T // b, -(-T // b)
-        dev = q.device
-        lq = block_pool(q, b)  # [B, H, n, d] landmark queries
-        S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~prefix_mask(n, T, b, dev), NEG_INF)  # [B, H, n, T]
-        idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] routed experts (eq. 7)
-        eligible = earlier_blocks(T, n, b, dev)  # [T, n]
+        n = T // b
+        lq = block_pool(q, b)  # [B, H, n, d] landmark queries (Alg. 1 line 2)
+        S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~prefix_mask(n, T, b, q.device), NEG_INF)  # line 4
+        idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
+        eligible = earlier_blocks(T, n, b, q.device)  # [T, n]
         R = q @ lq.transpose(-1, -2) * scale  # [B, H, T, n] routing logits = shared-expert scores
-        sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s']
-        # Keys of each query's chosen experts: [B, H, T, E = s' k'], sorted so repeats are adjacent.
-        E = sel.shape[-1] * idx.shape[-1]
-        eok = (_rows(idx_ok, sel) & sel_ok[..., None]).view(B, H, T, E)  # [B, H, T, s', k'] -> flat
-        eidx = _rows(idx, sel).view(B, H, T, E).masked_fill(~eok, T).sort(-1).values  # invalid -> T, last
-        eok = eidx < T
-        eok[..., 1:] &= eidx[..., 1:] != eidx[..., :-1]  # union of experts: a repeated key counts once
-        eidx = eidx.clamp(max=T - 1)
-        kg, vg = _rows(k, eidx), _rows(v, eidx)  # [B, H, T, E, d] batched gathers (eq. 6)
-        s_exp = torch.einsum("bhtd,bhtjd->bhtj", q, kg) * scale
-        # Own block, causal: query blocks of b rows against the same block's keys.
-        pad = nb * b - T
-        qb, kb, vb = (F.pad(z, (0, 0, 0, pad)).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
-        s_own = (qb @ kb.transpose(-1, -2) * scale).masked_fill(
-            ~torch.ones(b, b, dtype=torch.bool, device=dev).tril(), NEG_INF
-        )  # [B, H, nb, b, b]
-        s_own = s_own.flatten(2, 3)[:, :, :T]  # [B, H, T, b]
-        shared = n if self.options.shared else 0
-        parts = [R.masked_fill(~eligible, NEG_INF)] if shared else []  # shared entries (eq. 9 keys q~_j)
-        p = torch.cat(parts + [s_exp.masked_fill(~eok, NEG_INF), s_own], -1).softmax(-1)  # eq. 10
-        p_sh, p_ex, p_own = p.split((shared, E, b), -1)
-        out = torch.einsum("bhtj,bhtjd->bhtd", p_ex, vg)
-        if shared:  # eq. 9 with eq. 8's landmark values (keys <= e_j)
-            out = out + p_sh @ attend(lq, k, v, mask=prefix_mask(n, T, b, dev))
-        own = F.pad(p_own, (0, 0, 0, pad)).unflatten(2, (nb, b)) @ vb  # [B, H, nb, b, d]
-        out = out + own.flatten(2, 3)[:, :, :T]
+        lv = S.softmax(-1) @ v if self.options.shared and n else None  # landmark values (line 9, eq. 8)
+        out, lse = self._shared_and_own_block(q, k, v, R, eligible, lv, scale)
+        sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s'] (line 13)
+        if sel_ok.any():
+            out_e, lse_e = self._routed(q, _rows(k, idx), _rows(v, idx), idx, idx_ok, sel, sel_ok, scale)
+            parts = torch.cat((lse[..., None], lse_e), -1)  # [B, H, T, 1 + s']
+            w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
+            out = w[..., :1] * out + (w[..., 1:, None] * out_e).sum(-2)
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
+
+    def _shared_and_own_block(
+        self, q: Tensor, k: Tensor, v: Tensor, R: Tensor, eligible: Tensor, lv: Tensor | None, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's own block,
+        causally. Returns out [B, H, T, d] and its log-sum-exp [B, H, T]."""
+        B, H, T, d = q.shape
+        b = self.options.block
+        nb, pad = -(-T // b), -(-T // b) * b - T
+        qb, kb, vb = (F.pad(z, (0, 0, 0, pad)).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
+        causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
+        s_own = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~causal, NEG_INF).flatten(2, 3)[:, :, :T]  # [B, H, T, b]
+        scores = torch.cat((R.masked_fill(~eligible, NEG_INF), s_own), -1) if lv is not None else s_own
+        p = scores.softmax(-1)
+        p_own = F.pad(p[..., -b:], (0, 0, 0, pad)).unflatten(2, (nb, b))  # [B, H, nb, b, b]
+        out = (p_own @ vb).flatten(2, 3)[:, :, :T]
+        if lv is not None:
+            out = out + p[..., :-b] @ lv  # eq. 9
+        return out, scores.logsumexp(-1)
+
+    def _routed(
+        self, q: Tensor, kexp: Tensor, vexp: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Each query's attention over each of its s' routed experts (eq. 5), as Alg. 1 line 14: the
+        (query, expert) pairs are grouped by expert and padded, then one batched attention per
+        expert's k' keys. For s' > 1 a key held by c of the query's chosen experts gets logit
+        - log c in each, so the merged softmax counts it once (the union). Returns out
+        [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
+        B, H, T, d = q.shape
+        n, kk, s = kexp.shape[2], kexp.shape[3], sel.shape[-1]
+        P = T * s
+        expert = sel.masked_fill(~sel_ok, n).flatten(2)  # [B, H, P], n = "unused" bucket
+        counts = torch.zeros(B, H, n + 1, dtype=torch.long, device=q.device).scatter_add_(-1, expert, torch.ones_like(expert))
+        width = int(counts[..., :n].max())  # queries of the busiest expert
+        order = expert.argsort(dim=-1, stable=True)
+        sorted_expert = expert.gather(-1, order)
+        rank = torch.arange(P, device=q.device) - (counts.cumsum(-1) - counts).gather(-1, sorted_expert)
+        slot_sorted = torch.where(sorted_expert < n, sorted_expert * width + rank, n * width)  # unused -> dump row
+        slot = torch.empty_like(slot_sorted).scatter_(-1, order, slot_sorted)  # [B, H, P] padded row of each pair
+
+        def to_padded(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, X] -> [B, H, n, width, X]
+            buf = t.new_zeros(B, H, n * width + 1, t.shape[-1])
+            return buf.scatter(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]), t)[:, :, :-1].unflatten(2, (n, width))
+
+        scores = to_padded(q[:, :, :, None].expand(B, H, T, s, d).reshape(B, H, P, d)) @ kexp.transpose(-1, -2) * scale
+        if s > 1:
+            scores = scores - to_padded(self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk).to(q.dtype).log())
+        scores = scores.masked_fill(~idx_ok[:, :, :, None], NEG_INF)  # [B, H, n, width, k']
+        out = scores.softmax(-1) @ vexp  # [B, H, n, width, d]
+        lse = scores.logsumexp(-1, keepdim=True)
+        flat = torch.cat((out, lse), -1).flatten(2, 3)  # [B, H, n * width, d + 1]
+        flat = _rows(F.pad(flat, (0, 0, 0, 1)), slot).view(B, H, T, s, d + 1)  # back to pairs
+        return flat[..., :d], flat[..., d].masked_fill(~sel_ok, NEG_INF)
+
+    @staticmethod
+    def _repeats(idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor) -> Tensor:
+        """[B, H, T, s', k']: in how many of query t's chosen experts the key in slot (r, c) is (>= 1)."""
+        B, H, n, kk = idx.shape
+        T = sel.shape[2]
+        member = torch.zeros(B, H, n, T + 1, dtype=torch.long, device=idx.device).scatter_(-1, idx.masked_fill(~idx_ok, T), 1)
+        holds = member.gather(-1, idx.flatten(2)[:, :, None].expand(-1, -1, n, -1))  # [B, H, n(j'), n*k'] j' holds key (j, c)
+        holds = holds.view(B, H, n, n, kk).flatten(2, 3)  # row j' * n + j
+        pair = sel[..., :, None] * n + sel[..., None, :]  # [B, H, T, s'(r'), s'(r)]
+        counted = _rows(holds, pair) * sel_ok[..., :, None, None]  # [B, H, T, r', r, k']
+        return counted.sum(3).clamp_min(1)
