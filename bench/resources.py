@@ -1,0 +1,200 @@
+"""Resource use of training configs side by side (MoSA Table 2): wall time per step, peak memory,
+parameters, tokens/s, KV entries, analytic FLOPs.
+
+    python -m bench.resources --pair table2-tiny --seq-len 256 --batch 2 [--out bench/results/resources_cpu.md]
+    python -m bench.resources --config configs/a.yaml --config configs/b.yaml [--device cuda]
+
+Every config is measured in a fresh subprocess (honest peak RSS; no allocator state shared): random
+tokens, AdamW, forward + cross-entropy (+ auxiliary losses) + backward + step; `--warmup` steps are
+discarded, then the median of `--steps` timed steps. Peak memory is torch.cuda.max_memory_allocated
+on GPU and the process's peak RSS (ru_maxrss) on CPU, also shown above the RSS once torch, heads/
+and lm/ are imported (model, activations, gradients, optimizer state).
+KV is MoSA Table 2's "KV Total" (one layer: T*H_dense + k*H_sparse) and the sum over layers. Ratios
+are to the first config. fp32 on CPU, bf16 autocast on GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flops.model import model_cost
+from flops.presets import baseline
+from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
+
+
+def table2_pair(size: str, sparsity: int, mosa_heads: int, dense_kept: int = 4) -> list[tuple[str, ModelConfig]]:
+    """MoSA Table 2's perplexity-matched pair: the dense baseline vs dense_kept dense + mosa_heads MoSA."""
+    dense = baseline(size)
+    hybrid = dataclasses.replace(
+        dense, heads=[HeadGroupConfig("dense", dense_kept), HeadGroupConfig("mosa", mosa_heads, {"sparsity": sparsity})]
+    )
+    return [(f"{size} dense", dense), (f"{size} {dense_kept}+{mosa_heads} MoSA rho={sparsity}", hybrid)]
+
+
+PAIRS = {  # Table 2 head counts and sparsities
+    "table2-tiny": lambda: table2_pair("tiny", 32, 17),
+    "table2-small": lambda: table2_pair("small", 32, 14),
+    "table2-medium": lambda: table2_pair("medium", 32, 12),
+    "table2-large": lambda: table2_pair("large", 16, 16),
+}
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, threads: int) -> dict[str, Any]:
+    """Runs in the worker subprocess: train steps on random tokens and report time and memory."""
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    from lm.model import build_model
+
+    torch.set_num_threads(threads)
+    rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + heads + lm loaded
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) + model.aux_loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    return {
+        "step_ms": 1000 * step_s,
+        "tokens_per_s": batch * cfg.seq_len / step_s,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_after_import_bytes": None if cuda else rss_after_import,
+        "params": model.num_params(),
+        "kv_total": model.kv_total(),
+        "device_name": torch.cuda.get_device_name() if cuda else _cpu_name(),
+        "torch": torch.__version__,
+    }
+
+
+def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace) -> dict[str, Any]:
+    """Measure one config in a fresh Python process."""
+    spec = json.dumps({"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+                       "device": a.device, "threads": a.threads})
+    out = subprocess.run([sys.executable, "-m", "bench.resources", "--worker", spec], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines()
+        raise RuntimeError(f"{name}: worker failed: {lines[-1] if lines else out.returncode}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    cost = model_cost(cfg)
+    return {**result, "name": name, "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
+            "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
+
+
+ROWS = [  # (label, key, format, scale)
+    ("Heads per layer", "heads", "{}", None),
+    ("Parameters (M)", "params", "{:.2f}", 1e-6),
+    ("FLOPs per pass (G, analytic)", "flops_per_pass", "{:.3f}", 1e-9),
+    ("Wall-time/step (ms, median)", "step_ms", "{:.1f}", 1),
+    ("Tokens/s", "tokens_per_s", "{:.0f}", 1),
+    ("Peak memory (MB)", "peak_mem_bytes", "{:.0f}", 1e-6),
+    ("Peak memory above import (MB)", "mem_above_import", "{:.0f}", 1e-6),
+    ("KV Total, one layer (Table 2)", "kv_per_layer", "{:,}", 1),
+    ("KV Total, all layers", "kv_total", "{:,}", 1),
+]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Table-2-style markdown: one column per config, and the change vs the first config."""
+    for r in results:
+        r["mem_above_import"] = r["peak_mem_bytes"] - r["rss_after_import_bytes"] if r["rss_after_import_bytes"] else None
+    head = "| | " + " | ".join(f"{r['name']} | change" if i else r["name"] for i, r in enumerate(results)) + " |"
+    lines = [head, "|---" * (1 + len(results) + len(results) - 1) + "|"]
+    for label, key, fmt, scale in ROWS:
+        cells = []
+        for i, r in enumerate(results):
+            v = r.get(key)
+            cells.append("-" if v is None else fmt.format(v * scale if scale else v))
+            if i:
+                base = results[0].get(key)
+                change = f"{100 * (v / base - 1):+.1f}%" if scale and v is not None and base else ""
+                cells.append(change)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.resources", description=__doc__.split("\n")[0])
+    p.add_argument("--pair", action="append", default=[], help=f"built-in pair: {', '.join(PAIRS)}")
+    p.add_argument("--config", action="append", default=[], help="YAML training config (its model section)")
+    p.add_argument("--seq-len", type=int, help="override T of every config (sparsity rho is kept, so k = T/rho)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", type=Path, help="also write the markdown table here")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        spec = json.loads(a.worker)
+        cfg = from_dict({"model": spec["model"]}).model
+        print(json.dumps(measure(cfg, spec["batch"], spec["steps"], spec["warmup"], spec["device"], spec["threads"])))
+        return 0
+    configs: list[tuple[str, ModelConfig]] = []
+    try:
+        for pair in a.pair:
+            if pair not in PAIRS:
+                raise ValueError(f"unknown pair {pair!r}; known: {', '.join(PAIRS)}")
+            configs += PAIRS[pair]()
+        configs += [(Path(c).stem, load_config(c).model) for c in a.config]
+        if not configs:
+            raise ValueError("give at least one --pair or --config")
+        if a.seq_len:
+            configs = [(n, dataclasses.replace(c, seq_len=a.seq_len)) for n, c in configs]
+        results = [run_worker(name, cfg, a) for name, cfg in configs]
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    r0 = results[0]
+    header = (
+        f"Command: `python -m bench.resources {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Machine: {platform.platform()}, {r0['device_name']}, device `{a.device}`, torch {r0['torch']}, "
+        f"{a.threads} thread(s)  \n"
+        f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "
+        f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
+        f"each config in a fresh process.\n"
+    )
+    text = header + "\n" + table(results)
+    print(text)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
