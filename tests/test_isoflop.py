@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from flops.formulas import group_cost
 from flops.isoflop import main as isoflop_main
 from flops.isoflop import solve
 from flops.model import model_cost
@@ -156,3 +157,11 @@ def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.C
 def test_cli_error_exit_status_in_a_subprocess() -> None:
     out = _cli("--size", "tiny", "--head", "mosa", "--sparsity", "3")
     assert out.returncode == 2 and out.stderr.strip() == "error: sparsity 3 does not divide seq_len 1024"
+
+
+def test_long_sequence_mosa_vs_routing_ratio() -> None:
+    """Sec. 3 (long sequences): at T = 8192, k = 64 (rho = 128), h = 1024, 60 MoSA heads cost 22.99% of
+    4 Routing heads as printed; App. C's formulas give 22.96% (same to 0.1 percentage point)."""
+    mosa = group_cost("mosa", 1024, 64, 8192, 60, {"sparsity": 128}).flops
+    routing = group_cost("routing", 1024, 64, 8192, 4, {"sparsity": 128}).flops
+    assert round(100 * mosa / routing, 2) == 22.96 and round(100 * mosa / routing, 1) == round(22.99, 1)
