@@ -18,7 +18,7 @@ def topics() -> dict[str, str]:
     try:
         from pydoc_data.topics import topics as table
     except ImportError:  # some distributions strip pydoc_data
-        raise DataError(f"--source builtin: this Python has no {NAME} module (it was left out of the install)") from None
+        raise DataError(f"--source builtin: this Python install has no {NAME} module") from None
     return table
 
 

@@ -125,6 +125,69 @@ def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_d
     return n, skips
 
 
+def _train_tokenizer(out: Path, settings: dict, sampler: LineSampler, splitter: Splitter, threads: int) -> dict:
+    """Train on the sampled training lines, save tokenizer.model, and start a fresh progress record."""
+    lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
+    model = tokenizer.train(lines, settings["vocab_size"], threads)
+    write_atomic(out / TOKENIZER, model)
+    state = {"settings": settings, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
+             "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
+    write_json(out / PROGRESS, state)
+    return state
+
+
+def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_skips: Skips, n_docs: int,
+              max_docs: int | None, threads: int, progress: bool) -> Skips:
+    """Pass 2: tokenise documents in batches into the split writers, skipping finished shards."""
+    sp = tokenizer.load((out / TOKENIZER).read_bytes())
+    writers = {split: SplitWriter(out, split, state["settings"]["shard_tokens"], state["splits"][split],
+                                  on_shard=lambda: write_json(out / PROGRESS, state)) for split in SPLITS}
+    skips = scan_skips.new_pass()  # counted afresh; warnings already shown are not repeated
+    batch: list[tuple[SplitWriter, str]] = []
+
+    def encode_batch() -> None:
+        encoded = tokenizer.encode_documents(sp, [text for _, text in batch], threads)
+        for (writer, _), tokens in zip(batch, encoded):
+            writer.add(tokens)
+        batch.clear()
+
+    batch_chars = 0
+    for doc in _documents(corpus, skips, max_docs, "tokenise", n_docs, progress):
+        writer = writers[splitter(doc.id)]
+        if writer.wants():
+            batch.append((writer, doc.text))
+            batch_chars += len(doc.text)
+            if batch_chars >= ENCODE_BATCH_CHARS:
+                encode_batch()
+                batch_chars = 0
+    encode_batch()
+    for writer in writers.values():
+        writer.flush()
+    return skips
+
+
+def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: Skips) -> dict:
+    """Write index.json, drop progress.json and any shard file the index does not list."""
+    vocab_size = tokenizer.load((out / TOKENIZER).read_bytes()).vocab_size()
+    index = {
+        "format": FORMAT, "vocab_size": vocab_size, "eos_id": tokenizer.EOS_ID,
+        "newline_id": tokenizer.NEWLINE_ID, "dtype": "uint16", "tokenizer": TOKENIZER,
+        "tokenizer_type": tokenizer.MODEL_TYPE, "tokenizer_sha256": state["tokenizer_sha256"],
+        "source": corpus.kind, "sources": corpus.sources, "settings": state["settings"],
+        "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),
+                           "documents": state["splits"][split]["documents"],
+                           "shards": state["splits"][split]["shards"]} for split in SPLITS},
+        "forced_split": splitter.forced, "skipped": skips.summary(),
+    }
+    write_json(out / INDEX, index)
+    (out / PROGRESS).unlink()
+    listed = {s["file"] for split in SPLITS for s in index["splits"][split]["shards"]}
+    for stale in out.glob("*_*.bin"):
+        if stale.name.split("_")[0] in SPLITS and stale.name not in listed:
+            stale.unlink()
+    return index
+
+
 def prepare(
     source: str, src: str | None, out: str | Path, *, vocab_size: int = 8000, max_docs: int | None = None,
     val_fraction: float = 0.01, shard_tokens: int = 50_000_000, sample_chars: int = 20_000_000,
@@ -138,7 +201,7 @@ def prepare(
     tokenizer.check_vocab_size(vocab_size)
     splitter = Splitter(val_fraction)
     threads = threads or min(4, len(os.sched_getaffinity(0)))
-    started = time.perf_counter()
+    clock = time.perf_counter()
     corpus = open_source(source, src, hub_split, data_files)
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
@@ -155,63 +218,15 @@ def prepare(
     reuse = state is not None and model_file.is_file() and \
         hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
     sampler = None if reuse else LineSampler(sample_chars)
+    times = {}
     n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
-    times = {"scan": time.perf_counter() - started}
-
-    if reuse:
-        model = model_file.read_bytes()
-    else:
-        lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
-        model = tokenizer.train(lines, vocab_size, threads)
-        write_atomic(model_file, model)
-        state = {"settings": settings, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
-                 "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
-        write_json(out / PROGRESS, state)
-    sp = tokenizer.load(model)
-    times["tokenizer"] = time.perf_counter() - started - sum(times.values())
-
-    def save_progress() -> None:
-        write_json(out / PROGRESS, state)
-
-    writers = {split: SplitWriter(out, split, shard_tokens, state["splits"][split], save_progress) for split in SPLITS}
-    skips = scan_skips.new_pass()  # counted afresh; warnings already shown are not repeated
-    batch: list[tuple[SplitWriter, str]] = []
-
-    def encode_batch() -> None:
-        for writer, tokens in zip((w for w, _ in batch), tokenizer.encode_documents(sp, [t for _, t in batch], threads)):
-            writer.add(tokens)
-        batch.clear()
-
-    batch_chars = 0
-    for doc in _documents(corpus, skips, max_docs, "tokenise", n_docs, progress):
-        writer = writers[splitter(doc.id)]
-        if writer.wants():
-            batch.append((writer, doc.text))
-            batch_chars += len(doc.text)
-            if batch_chars >= ENCODE_BATCH_CHARS:
-                encode_batch()
-                batch_chars = 0
-    encode_batch()
-    for writer in writers.values():
-        writer.flush()
-
-    index = {
-        "format": FORMAT, "vocab_size": sp.vocab_size(), "eos_id": tokenizer.EOS_ID,
-        "newline_id": tokenizer.NEWLINE_ID, "dtype": "uint16", "tokenizer": TOKENIZER,
-        "tokenizer_type": tokenizer.MODEL_TYPE, "tokenizer_sha256": state["tokenizer_sha256"],
-        "source": corpus.kind, "sources": corpus.sources, "settings": settings,
-        "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),
-                           "documents": state["splits"][split]["documents"],
-                           "shards": state["splits"][split]["shards"]} for split in SPLITS},
-        "forced_split": splitter.forced, "skipped": skips.summary(),
-    }
-    write_json(out / INDEX, index)
-    (out / PROGRESS).unlink()
-    listed = {s["file"] for split in SPLITS for s in index["splits"][split]["shards"]}
-    for stale in out.glob("*_*.bin"):
-        if stale.name.split("_")[0] in SPLITS and stale.name not in listed:
-            stale.unlink()
-    times["tokenise"] = time.perf_counter() - started - sum(times.values())
+    times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
+    if not reuse:
+        state = _train_tokenizer(out, settings, sampler, splitter, threads)
+    times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
+    skips = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, max_docs, threads, progress)
+    index = _finish(out, corpus, state, splitter, skips)
+    times["tokenise"] = time.perf_counter() - clock
     _report(out, index, times)
     return index
 

@@ -28,7 +28,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> None:
-    write_atomic(path, tokens.astype(np.uint16, copy=False).tobytes())
+    write_atomic(path, tokens.astype("<u2", copy=False).tobytes())  # little-endian uint16
 
 
 class SplitWriter:
