@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from heads.attention import attend
-from heads.base import ConfigError, GroupContext, HeadOptions, register
+from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.dense import DenseHeads
 from routing.landmarks import block_ends, block_pool, prefix_mask
 
@@ -55,6 +55,9 @@ class AgentHeads(DenseHeads):
     """Causal agent attention heads: pooled-block agents plus a local window, one softmax."""
 
     Options = AgentOptions
+    # No KV-cached decoding yet: take the base class's NotImplementedError, not dense's decoding.
+    new_cache = HeadGroup.new_cache
+    forward_cached = HeadGroup.forward_cached
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from heads.base import ConfigError, GroupContext, HeadOptions, register
+from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.dense import DenseHeads
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
@@ -67,6 +67,9 @@ class MiTAHeads(DenseHeads):
     """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + own block."""
 
     Options = MiTAOptions
+    # No KV-cached decoding yet: take the base class's NotImplementedError, not dense's decoding.
+    new_cache = HeadGroup.new_cache
+    forward_cached = HeadGroup.forward_cached
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']

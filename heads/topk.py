@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
+from heads.kv_cache import SlotKV
 
 
 @dataclass
@@ -108,4 +109,22 @@ class TopKHeads(DenseHeads):
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
         a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
+        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Decoding (cache from DenseHeads.new_cache, all T keys): the prefill runs the chunked path;
+        each later query keeps its k best scores among the cached keys at positions <= its own."""
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions)
+        prefill = cache.fresh
+        cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand(-1, self.count, -1))
+        if prefill:
+            a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
+        else:
+            n = int(cache.fill.max())
+            kpos = cache.pos[:, :, None, :n]  # [B, H, 1, n]
+            visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, n]
+            scores = (q @ cache.k[:, :, :n].transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))
+            top, idx = scores.topk(min(self.options.k, n), dim=-1)
+            a = torch.zeros_like(scores).scatter_add_(-1, idx, top.softmax(-1)) @ cache.v[:, :, :n]
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))

@@ -91,3 +91,13 @@ def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
 
     result = solve(baseline("tiny"), "topk", dense_heads=4, options={"k": 64})
     assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
+
+
+def test_cached_decoding_matches_full_forward() -> None:
+    from lm.generate import cached_logits
+
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}], seq_len=40)
+    model = lm.build_model(cfg.model).double().eval()
+    tokens = torch.randint(0, 97, (2, 40))
+    logits, _ = cached_logits(model, tokens, prefill=13)  # 13-token prompt, then one token at a time
+    assert (logits - model(tokens)).abs().max().item() < TOL
