@@ -207,7 +207,7 @@ def test_hybrid_kv_total() -> None:
     assert model.kv_total(16) == 2 * (4 * 16 + 17 * 2) + (5 * 2 + 2 * 16)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "experiments" / "*.yaml"))))
+@pytest.mark.parametrize("path", sorted(glob.glob(str(ROOT / "configs" / "experiments" / "mosa_*.yaml"))))
 def test_experiment_configs_load_and_run(path: str) -> None:
     cfg = lm.load_config(path, "model.d_model=32", "model.head_dim=8", "model.seq_len=64", "model.vocab_size=97")
     model = lm.build_model(cfg.model)

@@ -1,0 +1,232 @@
+"""Small real experiment (issue 3, item 6): dense vs MoSA (causal, faithful) vs fixed vs Routing attention
+on Gutenberg at matched forward FLOPs, reporting standard and leak-free validation perplexity.
+
+    python -m bench.gutenberg_compare [--config configs/experiments/gutenberg_compare.yaml]
+        [--only NAME,NAME] [--force] [--lock /tmp/cpu_heavy.lock] [section.key=value ...]
+
+Every variant shares `base` of the settings file (data, tokenizer, seed, schedule, size); its head mix is
+FLOP-matched to the dense baseline with MoSA App. C (flops.isoflop.solve). The data directory is prepared
+once (data_prep.prepare). Each variant trains with train_lm.py in its own process (OMP_NUM_THREADS=1;
+with --lock, holding that file lock for its training and evaluation only), then its final checkpoint is
+evaluated on `eval.windows` evenly spaced validation windows: teacher-forced and leak-free (lm/leakfree.py).
+Results are merged by variant name into bench/results/gutenberg_compare.csv (a variant already there is
+skipped unless --force or named in --only) and the markdown table is rewritten from the csv, so adding a
+variant means adding one entry to the settings file and running only that one.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import csv
+import fcntl
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"
+COLUMNS = ["variant", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
+           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch"]
+
+
+def head_mix(base_model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The variant's per-layer head mix: the baseline's, an explicit list, or FLOP-matched by App. C."""
+    from flops.isoflop import solve
+
+    if not spec:
+        return [dataclasses.asdict(g) for g in base_model.heads]
+    if "heads" in spec:
+        return list(spec["heads"])
+    result = solve(base_model, spec["head"], spec.get("sparsity"), spec.get("dense_heads", 4), dict(spec.get("options", {})))
+    return result.heads
+
+
+def base_config(settings: Any, overrides: list[str]) -> Any:
+    """The shared Config (`base` + CLI overrides); its heads are the dense baseline."""
+    from lm.config import load_config
+
+    return load_config(None, *[f"{k}={v}" for k, v in _flat(OmegaConf.to_container(settings.base))], *overrides)
+
+
+def run_config(settings: Any, name: str, overrides: list[str]) -> Any:
+    """The full validated Config of one variant (base + its head mix + CLI overrides)."""
+    from lm.config import from_dict
+
+    base = base_config(settings, overrides)
+    heads = head_mix(base.model, OmegaConf.to_container(settings.variants[name]))
+    cfg = OmegaConf.merge(OmegaConf.structured(base), {"model": {"heads": heads},
+                                                       "trainer": {"out_dir": f"{base.trainer.out_dir}/{name}"}})
+    return from_dict(OmegaConf.to_container(cfg))
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            yield from _flat(v, key + ".")
+        else:
+            yield key, json.dumps(v) if isinstance(v, (list, dict)) else v
+
+
+@contextlib.contextmanager
+def locked(path: str | None) -> Iterator[None]:
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def prepare_data(settings: Any, data_path: str) -> None:
+    if (ROOT / data_path / "index.json").is_file():
+        return
+    p = settings.prepare
+    cmd = [sys.executable, "-m", "data_prep.prepare", "--source", p.source, "--src", str((ROOT / p.src).resolve()),
+           "--out", data_path, "--vocab-size", str(p.vocab_size), "--sample-chars", str(p.sample_chars), "--no-progress"]
+    print("preparing data:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int) -> dict[str, Any]:
+    """Train one variant from scratch, then evaluate its last checkpoint (standard and leak-free).
+    `budget`: the dense baseline's forward FLOPs per sequence."""
+    import torch
+
+    from flops.model import model_cost
+    from lm.checkpoint import load_model
+    from lm.config import to_yaml
+    from lm.data import ValWindows, open_split
+    from lm.leakfree import evaluate
+
+    out = ROOT / cfg.trainer.out_dir
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: same seed, same data order as every variant
+    out.mkdir(parents=True)
+    (out / "config.yaml").write_text(to_yaml(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.time()
+    with open(out / "train.log", "w") as log:
+        subprocess.run([sys.executable, str(ROOT / "train_lm.py"), "--config", str(out / "config.yaml")],
+                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    train_s = time.time() - start
+    metrics = json.loads((out / "metrics.json").read_text())
+    torch.set_num_threads(1)
+    model, _ = load_model(out / "checkpoints" / "last.ckpt")
+    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
+    full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()  # [N, T+1]
+    result = evaluate(model, full.split(cfg.data.batch_size), leak_free=True)
+    cost = model_cost(cfg.model)
+    return {
+        "variant": name,
+        "heads": " + ".join(f"{g.count} {g.type}" + (f" {dict(g.options)}" if g.options else "") for g in cfg.model.heads),
+        "causal": model.causal,
+        "params": model.num_params(),
+        "fwd_gflop": round(cost.flops_per_pass / 1e9, 4),
+        "flop_ratio": round(cost.flops_per_pass / budget, 4),
+        "kv_total": model.kv_total(),
+        "steps": metrics["step"],
+        "tokens": metrics["tokens_seen"],
+        "train_s": round(train_s, 1),
+        "tokens_per_s": round(metrics["tokens_per_s"]),
+        "val_loss": round(result["loss"], 4),
+        "val_ppl": round(result["ppl"], 2),
+        "leakfree_loss": round(result["leakfree_loss"], 4),
+        "leakfree_ppl": round(result["leakfree_ppl"], 2),
+        "windows": windows,
+        "torch": torch.__version__,
+    }
+
+
+def read_rows() -> dict[str, dict[str, Any]]:
+    path = RESULTS.with_suffix(".csv")
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return {row["variant"]: row for row in csv.DictReader(f)}
+
+
+def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[str]) -> None:
+    names = [n for n in order if n in rows] + sorted(set(rows) - set(order))
+    with open(RESULTS.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        for n in names:
+            writer.writerow({c: rows[n].get(c, "") for c in COLUMNS})
+    b = settings.base
+    lines = [
+        "# Gutenberg: dense vs sparse heads at matched forward FLOPs (bench/gutenberg_compare.py)",
+        "",
+        f"Machine: {platform.machine()} CPU, 1 thread per run (shared 2-core box), {platform.system()}; "
+        f"torch {rows[names[0]].get('torch', '?')}, fp32.",
+        f"Data: `{b.data.path}` prepared once from ../shared/data/gutenberg (SentencePiece vocab "
+        f"{settings.prepare.vocab_size}); same tokenizer, data order and seed ({b.trainer.seed}) for every run.",
+        f"Model: {b.model.n_layers} layers, h = {b.model.d_model}, h' = {b.model.head_dim}, T = {b.model.seq_len}; "
+        f"baseline {b.model.heads[0].count} dense heads; sparse variants keep 4 dense heads and add the most sparse "
+        f"heads whose MoSA App. C forward FLOPs fit the baseline's (flops.isoflop.solve).",
+        f"Training: AdamW lr {b.optim.lr}, warmup {b.optim.warmup_steps}, cosine to {b.optim.min_lr_ratio}x, "
+        f"clip {b.optim.grad_clip}, batch {b.data.batch_size} x {b.model.seq_len} tokens, {b.trainer.max_steps} steps.",
+        f"Evaluation: the final checkpoint on {rows[names[0]].get('windows', '?')} evenly spaced validation windows of "
+        f"T tokens: `val_ppl` teacher-forced (one pass per window), `leakfree_ppl` with every prediction recomputed "
+        f"from its own prefix (lm/leakfree.py; expert-choice / top-k selections re-made on the prefix).",
+        "",
+        "Reproduce: `python -m bench.gutenberg_compare` (all variants; `--only NAME` for one, `--force` to rerun; "
+        "`--lock /tmp/cpu_heavy.lock` on a shared machine).",
+        "",
+        "| variant | heads per layer | causal | params | fwd GFLOP (/ dense) | KV total | steps | train s | val ppl | leak-free ppl |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in names:
+        r = rows[n]
+        lines.append(f"| {n} | {r['heads']} | {r['causal']} | {int(r['params']):,} | {float(r['fwd_gflop']):.3f} ({float(r['flop_ratio']):.3f}) | "
+                     f"{r['kv_total']} | {r['steps']} | {r['train_s']} | {float(r['val_ppl']):.2f} | "
+                     f"{float(r['leakfree_ppl']):.2f} |")
+    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"))
+    parser.add_argument("--only", default=None, help="comma-separated variant names (rerun even if present)")
+    parser.add_argument("--force", action="store_true", help="rerun variants that already have results")
+    parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
+    args = parser.parse_args(argv)
+    from flops.model import model_cost
+
+    settings = OmegaConf.load(args.config)
+    order = list(settings.variants)
+    wanted = order if args.only is None else args.only.split(",")
+    unknown = sorted(set(wanted) - set(order))
+    if unknown:
+        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
+        return 2
+    rows = read_rows()
+    for name in wanted:
+        if name in rows and not (args.force or args.only):
+            print(f"{name}: already in {RESULTS.with_suffix('.csv').name}, skipped (--force to rerun)")
+            continue
+        cfg = run_config(settings, name, args.overrides)
+        with locked(args.lock):
+            prepare_data(settings, cfg.data.path)
+            print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)
+            budget = model_cost(base_config(settings, args.overrides).model).flops_per_pass
+            rows[name] = train_and_evaluate(cfg, name, int(settings.eval.windows), budget)
+        print(json.dumps(rows[name]), flush=True)
+        write_results(rows, settings, order)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

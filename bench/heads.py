@@ -1,0 +1,154 @@
+"""Forward+backward time and peak memory of a MoSA head group vs dense heads at equal forward FLOPs.
+
+    flock /tmp/cpu_heavy.lock env OMP_NUM_THREADS=1 .venv/bin/python -m bench.heads --out bench/results/heads_cpu.md
+    python -m bench.heads --device cuda --d-model 512 --head-dim 64 --out bench/results/heads_gpu.md
+
+For each T, `--dense-heads` dense heads set the budget; each MoSA variant gets the largest head count
+whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 +
+2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh subprocess, one after the
+other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS increase of the
+process over its state after building the group and input (ru_maxrss); CUDA = max_memory_allocated
+minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one warm-up step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name -> (head type, options without sparsity)
+    "dense": ("dense", {}),
+    "mosa-threshold": ("mosa", {"selection": "threshold"}),
+    "mosa-expert_choice": ("mosa", {"selection": "expert_choice"}),
+}
+
+
+def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
+    """(heads, forward FLOPs, options) of `variant` FLOP-matched to args.dense_heads dense heads."""
+    from flops.formulas import group_cost
+
+    budget = group_cost("dense", args.d_model, args.head_dim, T, args.dense_heads).flops
+    head_type, options = VARIANTS[variant]
+    if head_type == "dense":
+        return args.dense_heads, budget, {}
+    options = {**options, "sparsity": args.sparsity}
+    per_head = group_cost(head_type, args.d_model, args.head_dim, T, 1, options).flops
+    n = budget // per_head
+    return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
+
+
+def worker(spec: dict) -> dict:
+    """Build one head group, run fwd+bwd steps, return time and peak memory."""
+    from heads import GroupContext, head_class, make_options
+
+    torch.manual_seed(0)
+    device = torch.device(spec["device"])
+    T, h = spec["T"], spec["d_model"]
+    ctx = GroupContext(h, spec["head_dim"], T)
+    group = head_class(spec["type"])(ctx, spec["count"], make_options(spec["type"], spec["options"], ctx)).to(device)
+    for p in group.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(spec["batch"], T, h, device=device, requires_grad=True)
+    pos = torch.arange(T, device=device).expand(spec["batch"], T)
+
+    def step() -> None:
+        group(x, pos).sum().backward()
+        x.grad = None
+        group.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        step()
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024  # KiB -> bytes (Linux)
+    times = []
+    for _ in range(spec["repeats"]):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "peak_bytes": peak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--dense-heads", type=int, default=4)
+    parser.add_argument("--sparsity", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="write a markdown table here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    rows = []
+    for T in args.T:
+        for variant in args.variants:
+            count, flops, options = matched_count(variant, T, args)
+            spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
+                        head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
+            out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
+                                 capture_output=True, text=True, check=True)
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **result))
+            print(f"T={T:5d} {variant:20s} heads={count:5d} {rows[-1]['gflops']:8.2f} GFLOP fwd  "
+                  f"{result['seconds'] * 1e3:9.1f} ms  {result['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+    table = format_table(rows, args, " ".join(sys.argv))
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
+
+
+def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    dense = {r["T"]: r for r in rows if r["variant"] == "dense"}
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine())
+    lines = [
+        "# MoSA head group vs dense heads at equal forward FLOPs (bench/heads.py)",
+        "",
+        f"Machine: {device}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
+        f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
+        f"{args.dense_heads} heads, each MoSA group the most heads whose App. C forward FLOPs fit the same budget. "
+        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up; memory = "
+        + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase of a fresh process (ru_maxrss)."),
+        "",
+        f"Command: `{command}`",
+        "",
+        "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        d = dense.get(r["T"])
+        t_ratio = f"{r['seconds'] / d['seconds']:.2f}" if d else "-"
+        m_ratio = f"{r['peak_bytes'] / d['peak_bytes']:.2f}" if d and d["peak_bytes"] > 0 else "-"
+        lines.append(f"| {r['T']} | {r['variant']} | {r['heads']} | {r['gflops']:.2f} | {r['seconds'] * 1e3:.1f} | "
+                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
