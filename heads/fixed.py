@@ -16,6 +16,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
+from heads.kv_cache import SlotKV, gathered_prefill, gathered_step
 from routing.selection import Selection
 
 
@@ -59,3 +60,20 @@ class FixedHeads(HeadGroup):
         sel = Selection(I, torch.ones_like(I, dtype=torch.bool))
         gate = torch.ones(I.shape, device=x.device, dtype=x.dtype)
         return gathered_heads_fast(x, positions, sel, gate, self.qkv.weight, self.out.weight, self.rope)
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> SlotKV:
+        """K/V of the strided tokens only: ceil(max_len / ρ) slots per head."""
+        return SlotKV.empty(batch, self.count, self.options.kv_per_head(max_len), self.ctx.head_dim, device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Prefill (empty cache, positions from 0): the fast path, caching the strided tokens; later: one
+        token, which joins every head iff its position is a multiple of ρ."""
+        B = x.shape[0]
+        if cache.fresh:
+            I = self.indices(x.shape[1], x.device).expand(B, self.count, -1)
+            gathered_prefill(cache, x, positions, I, torch.ones_like(I, dtype=torch.bool), self.qkv.weight, self.rope)
+            return self.forward_fast(x, positions)
+        member = (positions[:, :1] % self.options.sparsity == 0).expand(B, self.count)
+        ones = torch.ones(member.shape, device=x.device, dtype=x.dtype)  # r = 1
+        return gathered_step(cache, x, positions, member, ones, self.qkv.weight, self.out.weight, self.rope)

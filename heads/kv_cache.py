@@ -22,6 +22,7 @@ class SlotKV:
     pos: torch.Tensor  # [B, H, S] int32 original position of the token in each slot, -1 = empty
     fill: torch.Tensor  # [B, H] slots written so far (for a ring buffer it keeps counting)
     ring: bool = False  # True: slot = fill % S, overwriting the oldest entry
+    fresh: bool = True  # nothing written yet: the next call is the prefill
 
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, dim: int, device: torch.device | str = "cpu",
@@ -29,10 +30,6 @@ class SlotKV:
         kv = torch.zeros(2, batch, heads, slots, dim, device=device, dtype=dtype)
         pos = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         return cls(kv[0], kv[1], pos, torch.zeros(batch, heads, dtype=torch.long, device=device), ring)
-
-    @property
-    def is_empty(self) -> bool:
-        return not bool(self.fill.any())
 
     def nbytes(self) -> int:
         """Bytes allocated for keys, values and their positions."""
@@ -42,6 +39,7 @@ class SlotKV:
         """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T]."""
         S = self.k.shape[2]
         rank = keep.long().cumsum(-1) - 1  # order of each kept entry within this write
+        written = keep.sum(-1)
         if self.ring:  # only the last S kept entries can survive
             keep = keep & (keep.sum(-1, keepdim=True) - 1 - rank < S)
         slot = self.fill[..., None] + rank
@@ -50,7 +48,8 @@ class SlotKV:
         b, h, t = keep.nonzero(as_tuple=True)
         s = slot[b, h, t] % S
         self.k[b, h, s], self.v[b, h, s], self.pos[b, h, s] = k[b, h, t], v[b, h, t], pos[b, h, t].to(self.pos.dtype)
-        self.fill += keep.sum(-1)
+        self.fill += written  # a ring buffer keeps counting past S: the next slot is fill % S
+        self.fresh = False
 
     def attend(self, q: torch.Tensor, qpos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """q[B, H, Tq, d] at positions qpos[B, Tq] over the cached keys at positions <= qpos (and
@@ -66,3 +65,31 @@ class SlotKV:
         seen = mask.any(-1, keepdim=True)
         out = attend(q, self.k[:, :, :n], self.v[:, :, :n], mask=mask | ~seen)  # no all-masked rows
         return out * seen
+
+
+def gathered_prefill(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor,
+                     qkv_weight: torch.Tensor, rope: torch.nn.Module) -> None:
+    """Cache the keys/values of heads that each process their own tokens (heads/gathered.py layout:
+    W^QKV [3*H*h', h]): idx[B, H, c] token indices per head, keep[B, H, c] the slots to store."""
+    B, T, h = x.shape
+    H, c = idx.shape[1:]
+    w = qkv_weight.view(3, H, -1, h)
+    flat = idx.reshape(B, H * c)
+    xs = x.gather(1, flat[..., None].expand(-1, -1, h)).view(B, H, c, h)
+    pos = positions.gather(1, flat).view(B, H, c)
+    k = rope(torch.einsum("bnch,ndh->bncd", xs, w[1]), pos)
+    cache.write(keep, k, torch.einsum("bnch,ndh->bncd", xs, w[2]), pos)
+
+
+def gathered_step(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, member: torch.Tensor, gate: torch.Tensor,
+                  qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: torch.nn.Module) -> torch.Tensor:
+    """One decoding step of such heads: x[B, 1, h] joins the heads where member[B, H]; those heads
+    store its K/V and attend from it over their cached tokens; output sum_i gate_i member_i A_i W^O_i."""
+    B, _, h = x.shape
+    H = member.shape[1]
+    pos = positions[:, None, :1].expand(B, H, 1)
+    q, k, v = torch.einsum("bh,sndh->sbnd", x[:, 0], qkv_weight.view(3, H, -1, h))[..., None, :].unbind(0)
+    cache.write(member[..., None], rope(k, pos), v, pos)
+    a = cache.attend(rope(q, pos), positions[:, :1])  # [B, H, 1, h']
+    out = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, -1)) * (gate * member)[..., None, None]
+    return out.sum(1)

@@ -15,6 +15,7 @@ from torch import nn
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.kv_cache import SlotKV
 
 
 @dataclass
@@ -82,3 +83,18 @@ class LocalHeads(HeadGroup):
         mask = (band & first).expand(H, n, w, 2 * w).reshape(1, H * n, w, 2 * w)
         a = attend(qb.reshape(B, H * n, w, d), kk.reshape(B, H * n, 2 * w, d), vv.reshape(B, H * n, 2 * w, d), mask=mask)
         return self._merge(a.view(B, H, n * w, d)[:, :, :T])
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> SlotKV:
+        """A ring buffer of the last `window` tokens."""
+        slots = min(self.options.window, max_len)
+        return SlotKV.empty(batch, self.count, slots, self.ctx.head_dim, device, dtype, ring=True)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Prefill (empty cache): the fast path, keeping the last `window` keys; later: one token."""
+        q, k, v = self._qkv(x, positions)
+        prefill = cache.fresh
+        cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand_as(k[..., 0]))
+        if prefill:
+            return self.forward_fast(x, positions)
+        return self._merge(cache.attend(q, positions, window=self.options.window))

@@ -26,6 +26,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
+from heads.kv_cache import SlotKV, gathered_prefill, gathered_step
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.selection import Selection, earliest_first
 from routing.threshold import RunningQuantileThreshold
@@ -133,6 +134,27 @@ class MoSAHeads(HeadGroup):
         counts = torch.tensor([[len(I) for I in row] for row in index_sets], device=x.device)
         self._after_forward(logits, counts)
         return y
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> SlotKV:
+        """K/V of the selected tokens only: `capacity` slots per head (threshold selection)."""
+        if not self.causal:
+            raise ValueError("mosa: selection 'expert_choice' is not causal and cannot be decoded incrementally")
+        return SlotKV.empty(batch, self.count, min(self.capacity, max_len), self.ctx.head_dim, device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Prefill (empty cache): the fast path, caching the selected tokens; later: one token, which
+        joins head i iff its logit is above tau_i and the head has a free slot (earliest_first)."""
+        logits = self.router_logits(x)  # [B, H, T]
+        if cache.fresh:
+            sel = self.select(logits)
+            gathered_prefill(cache, x, positions, sel.idx, sel.valid, self.qkv.weight, self.rope)
+            return self.forward_fast(x, positions)
+        member = self.threshold.above(logits)[..., 0] & (cache.fill < cache.k.shape[2])
+        if self.options.keep_first:
+            member |= positions[:, :1] == 0
+        gate = torch.sigmoid(logits[..., 0])
+        return gathered_step(cache, x, positions, member, gate, self.qkv.weight, self.out.weight, self.rope)
 
     def _after_forward(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
         """Stats; in training, move the running thresholds using this batch (used from the next pass)."""
