@@ -12,6 +12,7 @@ read next to the analytic count `DecoderLM.kv_total(T)` (MoSA Table 2).
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,3 +96,64 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
         if t + 1 < T0 + max_new_tokens:
             logits = model(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
     return torch.cat(tokens, dim=1)
+
+
+def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -> tuple[DecoderLM, Any]:
+    """(model in eval mode, SentencePiece processor) from a train_lm.py checkpoint; the tokenizer
+    defaults to <data.path>/tokenizer.model of the checkpoint's config. One-line ValueError on failure."""
+    import sentencepiece as spm
+
+    from heads import ConfigError
+    from lm.checkpoint import load_model
+
+    path = Path(ckpt)
+    if not path.is_file():
+        raise ValueError(f"checkpoint not found: {path}")
+    try:
+        model, cfg = load_model(path)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
+    except ConfigError as err:
+        raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as err:  # not a torch file, or weights that do not fit
+        raise ValueError(f"{path}: incompatible checkpoint: {str(err).splitlines()[0]}") from None
+    tok_path = Path(tokenizer) if tokenizer else Path(cfg.data.path) / "tokenizer.model"
+    if not tok_path.is_file():
+        raise ValueError(f"tokenizer not found: {tok_path} (pass --tokenizer PATH)")
+    sp = spm.SentencePieceProcessor(model_file=str(tok_path))
+    if sp.get_piece_size() != cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {tok_path} has {sp.get_piece_size()} pieces, model.vocab_size is {cfg.model.vocab_size}")
+    return model.eval(), sp
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Sample from a train_lm.py checkpoint with the KV cache.")
+    ap.add_argument("--ckpt", required=True, help="Lightning checkpoint written by train_lm.py")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=100)
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", default=None, help="default: <data.path>/tokenizer.model of the checkpoint")
+    args = ap.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+            raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+        model, sp = load_for_generation(args.ckpt, args.tokenizer)
+        ids = sp.encode(args.prompt)
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens")
+        prompt = torch.tensor([ids])
+        g = torch.Generator().manual_seed(args.seed)
+        out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
+                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(sp.decode(out[0].tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -93,3 +93,51 @@ def test_greedy_generation_agrees_with_full_forward() -> None:
     with torch.no_grad():
         greedy = model(out[:, :-1]).argmax(-1)[:, 4:]
     assert torch.equal(greedy, out[:, 5:])
+
+
+def _checkpoint(tmp_path, vocab: int = 60):
+    """A train_lm.py-style checkpoint (config + 'model.'-prefixed state dict) and its tokenizer."""
+    import sentencepiece as spm
+    from omegaconf import OmegaConf
+
+    data = tmp_path / "data"
+    data.mkdir()
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home", "tree", "big"]
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=g).tolist()) for _ in range(300)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(data / "tokenizer"),
+                                   vocab_size=vocab, model_type="bpe", minloglevel=2)
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosaic", "count": 4}], vocab_size=vocab)
+    cfg.data.path = str(data)
+    model = build_model(cfg.model)
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+    return ckpt, cfg
+
+
+def test_cli_samples_from_a_checkpoint(tmp_path, capsys) -> None:
+    from lm.generate import main
+
+    ckpt, _ = _checkpoint(tmp_path)
+    assert main(["--ckpt", str(ckpt), "--prompt", "the cat", "--max-new-tokens", "8", "--top-k", "5"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
+    from lm.generate import main
+
+    ckpt, cfg = _checkpoint(tmp_path)
+    bad = tmp_path / "bad.ckpt"
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["model"]["d_model"] = 64  # weights no longer fit the config
+    torch.save(state, bad)
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"not a checkpoint")
+    (tmp_path / "data" / "tokenizer.model").rename(tmp_path / "tok.model")
+    cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "incompatible checkpoint"),
+             (bad, "incompatible checkpoint"), (ckpt, "tokenizer not found")]
+    for path, message in cases:
+        assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
