@@ -9,42 +9,54 @@
           k chunks are compressed one after another, each together with the previous memory.
 Every sample is one window of k P + S + 1 tokens cut from inside ONE document (a Gutenberg book, a C4
 page), so the prefix is context for the suffix.
+
+Training reuses the stack's LightningModule / Trainer (lm/module.py, lm/train.py): CompressedModule
+swaps in a CompressedLM and the suffix loss, CompressedDataModule serves (tokens, layout) batches.
+    python -m lm.compressed_training --config configs/experiments/compression.yaml [overrides]
 """
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
-import math
-import random
+import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Iterator
 
+import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import IterableDataset
 
+from heads import ConfigError
+from lm.checkpoint import StepCheckpoints
 from lm.compression import CompressedLM, Layout, tokens_for
-from lm.config import CompressionConfig
+from lm.config import CompressionConfig, Config, from_dict, load_config
+from lm.data import DataError, LMDataModule, open_split
+from lm.module import LMModule
+from lm.train import build_trainer, ckpt_dir, resume_path
 
 
 class LayoutSampler:
     """Draws the Layout of each batch for a regime (module docstring)."""
 
-    def __init__(self, comp: CompressionConfig, suffix: int, seed: int = 0) -> None:
+    def __init__(self, comp: CompressionConfig, suffix: int) -> None:
         self.comp, self.suffix = comp, suffix
-        self.rng = random.Random(seed)
 
     def spread(self, step: int) -> float:
         """w in [0, 1]: how far the random regime's ranges have opened at `step`."""
         return 1.0 if self.comp.ramp_steps == 0 else min(1.0, step / self.comp.ramp_steps)
 
-    def sample(self, step: int) -> Layout:
-        c, rng = self.comp, self.rng
+    def sample(self, step: int, rng: np.random.Generator) -> Layout:
+        c = self.comp
         P, ratio = c.prefix_len, c.ratio
         if c.regime == "random":
             w = self.spread(step)
-            P = round(rng.uniform(P * (1 - w * c.prefix_spread), P * (1 + w * c.prefix_spread)))
+            P = max(1, round(rng.uniform(P * (1 - w * c.prefix_spread), P * (1 + w * c.prefix_spread))))
             ratio = rng.uniform(ratio * (1 - w * c.ratio_spread), ratio * (1 + w * c.ratio_spread))
-        depth = rng.randint(1, c.max_depth)
-        return Layout((max(1, P),) * depth, tokens_for(ratio, max(1, P)), self.suffix)
+        depth = int(rng.integers(1, c.max_depth + 1))
+        return Layout((P,) * depth, tokens_for(ratio, P), self.suffix)
 
     def longest(self) -> int:
         """The longest window any batch can need (to check the documents are long enough)."""
@@ -85,61 +97,125 @@ class DocumentWindows:
         return torch.stack(rows)
 
 
-def load_split(path: str | Path, split: str) -> tuple[list[np.ndarray], dict]:
-    """The shards of a split of a data_prep directory (index.json + <split>_NNNNN.bin) and the index."""
-    root = Path(path)
-    index_file = root / "index.json"
-    if not index_file.is_file():
-        raise FileNotFoundError(f"{index_file} not found: run `python -m data_prep.prepare ...` first")
-    index = json.loads(index_file.read_text())
-    if split not in index["splits"]:
-        raise ValueError(f"{root}: no split {split!r}; have {', '.join(index['splits'])}")
-    shards = [np.memmap(root / s["file"], dtype=np.uint16, mode="r") for s in index["splits"][split]["shards"]]
-    return shards, index
+def document_windows(path: str | Path, split: str, cfg: Config) -> DocumentWindows:
+    """DocumentWindows over a split of a prepared directory (checked by lm.data.open_split)."""
+    stream = open_split(path, split, cfg.model)
+    eos = int(json.loads((Path(path) / "index.json").read_text())["eos_id"])
+    return DocumentWindows([np.memmap(p, dtype=np.uint16, mode="r") for p in stream.paths], eos, cfg.trainer.seed)
 
 
-def batches(windows: DocumentWindows, sampler: LayoutSampler, batch: int) -> Iterator[tuple[Layout, torch.Tensor]]:
-    """Endless (layout, tokens[batch, layout.window]) pairs, the layout drawn per batch."""
-    step = 0
-    while True:
-        layout = sampler.sample(step)
-        yield layout, windows.sample(batch, layout.window)
-        step += 1
+def encode(layout: Layout) -> torch.Tensor:
+    """A Layout as a small int64 tensor [t, suffix, *spans], so it can travel in a Lightning batch."""
+    return torch.tensor([layout.t, layout.suffix, *layout.spans])
 
 
-def train_steps(
-    model: CompressedLM,
-    data: Iterator[tuple[Layout, torch.Tensor]],
-    steps: int,
-    lr: float,
-    warmup: int,
-    grad_clip: float,
-    lr_factor: Callable[[int], float] | None = None,
-    log: Callable[[int, float, Layout], None] | None = None,
-) -> list[float]:
-    """AdamW on the suffix loss (+ head aux losses); returns the per-step losses.
-    Default schedule: linear warmup then cosine to 10% of lr."""
-    if lr_factor is None:
-        def lr_factor(s: int) -> float:
-            if s < warmup:
-                return (s + 1) / warmup
-            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, steps - warmup))))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    model.train()
-    losses = []
-    for step in range(steps):
-        layout, tokens = next(data)
-        loss = model.suffix_loss(tokens, layout) + model.aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if log is not None:
-            log(step, losses[-1], layout)
-    return losses
+def decode(meta: torch.Tensor) -> Layout:
+    t, suffix, *spans = meta.tolist()
+    return Layout(tuple(spans), t, suffix)
+
+
+class LayoutBatches(IterableDataset):
+    """Endless (tokens[B, window], encode(layout)) from step `start_step` on; batch s is a pure
+    function of (seed, s), so a resumed run sees the batches an uninterrupted one would (one device)."""
+
+    def __init__(self, windows: DocumentWindows, sampler: LayoutSampler, batch: int, seed: int, start_step: int = 0) -> None:
+        self.windows, self.sampler, self.batch_size, self.seed, self.start_step = windows, sampler, batch, seed, start_step
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, step])
+        layout = self.sampler.sample(step, rng)
+        return self.windows.sample(self.batch_size, layout.window, rng), encode(layout)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for step in itertools.count(self.start_step):
+            yield self.batch(step)
+
+
+class CompressedDataModule(LMDataModule):
+    """Long-document windows from a prepared directory: training batches laid out by the regime,
+    validation = val_batches fixed batches with one chunk of prefix_len at the centre ratio."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg.data, cfg.model, cfg.trainer.seed)
+        self.full = cfg
+        self.sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
+
+    def check(self) -> None:
+        super().check()
+        self.train_windows = document_windows(self.cfg.path, "train", self.full)
+        self.val_windows = document_windows(self.cfg.path, "val", self.full)
+        need = self.sampler.longest()
+        for name, w in (("train", self.train_windows), ("val", self.val_windows)):
+            if w.lengths.max(initial=0) < need:
+                raise DataError(f"data.path: no {name} document has the {need} tokens compression windows need")
+
+    def val_layout(self) -> Layout:
+        c = self.full.compression
+        return Layout((c.prefix_len,), tokens_for(c.ratio, c.prefix_len), self.model_cfg.seq_len)
+
+    def train_dataloader(self) -> Any:
+        assert self.trainer is not None
+        data = LayoutBatches(self.train_windows, self.sampler, self.cfg.batch_size, self.seed, self.trainer.global_step)
+        return self._loader(data, batch_size=None)
+
+    def val_dataloader(self) -> Any:
+        layout = self.val_layout()
+        meta = encode(layout)
+        windows = fixed_windows(self.val_windows, self.cfg.val_batches, self.cfg.batch_size, layout.window, self.seed)
+        return self._loader([(w, meta) for w in windows], batch_size=None)
+
+
+class CompressedModule(LMModule):
+    """LMModule training a CompressedLM on the suffix loss (logging, schedule, checkpoints reused)."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__(cfg)
+        self.model = CompressedLM(cfg.model, cfg.compression)  # replaces the plain DecoderLM
+
+    def losses(self, tokens: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        ce = self.model.suffix_loss(tokens, decode(meta))
+        aux = self.model.lm.aux_losses
+        return ce + sum(aux.values()), ce, aux
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        tokens, meta = batch
+        layout = decode(meta)
+        ce = self.model.suffix_loss(tokens, layout, reduce=False).sum() * layout.suffix
+        count = torch.tensor(tokens.shape[0] * layout.suffix, dtype=torch.float64, device=self.device)
+        self._val_sums += torch.stack([ce.double(), count])
+
+
+def train_compressed(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+    """lm.train.train with CompressedModule / CompressedDataModule: train to trainer.max_steps,
+    validate and checkpoint the last step, return metrics.json's content."""
+    if cfg.compression is None:
+        raise ConfigError("compression: the config has no compression section")
+    data = CompressedDataModule(cfg)
+    data.check()
+    ckpt = resume_path(cfg, resume)
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = CompressedModule(cfg)
+    t = cfg.trainer
+    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every)
+    trainer = build_trainer(cfg, checkpoints)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=data, verbose=False)
+    if trainer.global_step % t.ckpt_every:
+        checkpoints.save(trainer)
+    rank_zero_info(f"checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | metrics {Path(t.out_dir) / 'metrics.json'}")
+    return module.metrics()
+
+
+def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:
+    """The CompressedLM saved in a train_compressed checkpoint, weights loaded, in eval mode."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    cfg = from_dict(ckpt["config"])
+    if cfg.compression is None:
+        raise ConfigError(f"{path}: not a compressed-model checkpoint (no compression section)")
+    model = CompressedLM(cfg.model, cfg.compression)
+    model.load_state_dict({k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")})
+    return model.eval(), cfg
 
 
 def fixed_windows(windows: DocumentWindows, n_batches: int, batch: int, n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -157,3 +233,22 @@ def evaluate(model: CompressedLM, windows: list[torch.Tensor], layout: Layout) -
     total = sum(model.suffix_loss(w[:, w.shape[1] - layout.window :], layout).item() for w in windows)
     model.train(was)
     return total / len(windows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a CompressedLM: python -m lm.compressed_training --config X.yaml [overrides]")
+    parser.add_argument("--config", required=True, help="YAML with a compression section (configs/experiments/compression*.yaml)")
+    parser.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compression.ratio=0.25")
+    args = parser.parse_args(argv)
+    try:
+        metrics = train_compressed(load_config(args.config, *args.overrides), resume=args.resume)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -199,6 +199,13 @@ class CompressedLM(nn.Module):
     def aux_loss(self) -> torch.Tensor | float:
         return self.lm.aux_loss
 
+    def kv_total(self, seq_len: int | None = None) -> int:
+        """KV entries while decoding a window of T tokens with a memory of t = ratio * prefix_len
+        states: blocks [0, L) keep T per head, blocks [L, n) keep t + T (lm/compressed_generate.py)."""
+        T = seq_len or self.cfg.seq_len
+        t = tokens_for(self.comp.ratio, self.comp.prefix_len)
+        return sum(g.kv_entries(T if i < self.layer else t + T) for i, b in enumerate(self.lm.blocks) for g in b.attn.groups)
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

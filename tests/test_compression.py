@@ -1,6 +1,8 @@
 """Compression layer (lm/compression.py), its training regimes and online cache compression."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,10 @@ from conftest import tiny_config
 from heads import ConfigError
 from lm.causality import future_leak
 from lm.compressed_generate import CompressedGenerator
-from lm.compressed_training import DocumentWindows, LayoutSampler, batches, evaluate, fixed_windows, train_steps
+from lm.compressed_training import (
+    DocumentWindows, LayoutSampler, decode, document_windows, encode, evaluate, fixed_windows, load_compressed,
+    train_compressed,
+)
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, validate
 
@@ -147,17 +152,19 @@ def test_generation_rejects_non_dense_heads():
 
 
 def test_layout_sampler_regimes():
+    rng = np.random.default_rng(0)
     fixed = LayoutSampler(make(prefix_len=40, ratio=0.25).comp, suffix=16)
-    assert {fixed.sample(s) for s in range(20)} == {Layout((40,), 10, 16)}
+    assert {fixed.sample(s, rng) for s in range(20)} == {Layout((40,), 10, 16)}
     comp = make(regime="random", prefix_len=40, ratio=0.25, ramp_steps=100, max_depth=3).comp
-    rand = LayoutSampler(comp, suffix=16, seed=3)
-    assert {len(rand.sample(0).spans) for _ in range(60)} == {1, 2, 3}
-    assert {(ly.spans[0], ly.t) for ly in (rand.sample(0) for _ in range(30))} == {(40, 10)}
-    early = [rand.sample(25) for _ in range(400)]
-    late = [rand.sample(1000) for _ in range(400)]
+    rand = LayoutSampler(comp, suffix=16)
+    assert {len(rand.sample(0, rng).spans) for _ in range(60)} == {1, 2, 3}
+    assert {(ly.spans[0], ly.t) for ly in (rand.sample(0, rng) for _ in range(30))} == {(40, 10)}
+    early = [rand.sample(25, rng) for _ in range(400)]
+    late = [rand.sample(1000, rng) for _ in range(400)]
     for ly in early + late:
         assert 20 <= ly.spans[0] <= 60 and 1 <= ly.t <= ly.spans[0]
         assert ly.spans[0] * 0.125 - 1 <= ly.t <= ly.spans[0] * 0.375 + 1
+        assert decode(encode(ly)) == ly
     std = lambda ls, f: np.std([f(ly) for ly in ls])  # noqa: E731
     assert std(late, lambda ly: ly.spans[0]) > 2.5 * std(early, lambda ly: ly.spans[0])
     assert std(late, lambda ly: ly.t / ly.spans[0]) > 2.5 * std(early, lambda ly: ly.t / ly.spans[0])
@@ -179,22 +186,42 @@ def test_document_windows_stay_inside_one_document():
         w.sample(1, 41)
 
 
-def test_training_regimes_lower_the_suffix_loss():
-    """Random ratios with recursion train end to end on a task where the memory matters: each
-    document repeats one random 6-token pattern, so the suffix's first tokens are predictable only
-    from the (compressed) prefix. Loss falls, and is lower with the memory than without it."""
-    model = make(regime="random", ramp_steps=20, max_depth=2).train()
+def _prepared(root, docs: list[np.ndarray], eos: int = 0) -> str:
+    """A minimal data_prep-format directory: one train and one val shard of the given documents."""
+    index = {"vocab_size": V, "eos_id": eos, "splits": {}}
+    for split, part in (("train", docs[:-4]), ("val", docs[-4:])):
+        flat = np.concatenate([np.concatenate([d, [eos]]) for d in part]).astype(np.uint16)
+        flat.tofile(root / f"{split}_00000.bin")
+        shard = {"file": f"{split}_00000.bin", "tokens": len(flat), "documents": len(part)}
+        index["splits"][split] = {"tokens": len(flat), "documents": len(part), "shards": [shard]}
+    (root / "index.json").write_text(json.dumps(index))
+    return str(root)
+
+
+def test_training_regimes_lower_the_suffix_loss(tmp_path):
+    """Random ratios with recursion train end to end through the Lightning stack on a task where
+    the memory matters: each document repeats its own random 6-token pattern, so the suffix's first
+    tokens follow from the (compressed) prefix. On training windows the loss falls and is lower
+    with the memory than without it; the validation loss is logged; the checkpoint reloads."""
     rng = np.random.default_rng(0)
-    pattern = [np.tile(rng.integers(1, V, 6), 40) for _ in range(50)]
-    flat = np.concatenate([np.concatenate([p, [0]]) for p in pattern]).astype(np.uint16)
-    windows = DocumentWindows([flat], eos_id=0, seed=0)
-    sampler = LayoutSampler(model.comp, suffix=8)
-    evalset = fixed_windows(windows, 2, 8, sampler.longest())
+    path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
+    cfg = make(regime="random", ramp_steps=20, max_depth=2).comp
+    full = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    full.compression = cfg
+    for key, value in dict(max_steps=100, val_every=100, ckpt_every=100, log_every=50, out_dir=str(tmp_path / "run")).items():
+        setattr(full.trainer, key, value)
+    full.data.path, full.data.batch_size, full.data.val_batches = path, 8, 2
+    full.optim.lr, full.optim.warmup_steps, full.optim.grad_clip = 3e-3, 5, 1.0
+    torch.manual_seed(0)
+    before = CompressedLM(full.model, cfg)
+    metrics = train_compressed(full)
+    model, _ = load_compressed(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    val = fixed_windows(document_windows(path, "val", full), 2, 8, 12 + 8 + 1, seed=full.trainer.seed)
     with_memory, without = Layout((12,), 3, 8), Layout((), 0, 8)
-    before = evaluate(model, evalset, with_memory)
-    losses = train_steps(model, batches(windows, sampler, 8), steps=100, lr=3e-3, warmup=5, grad_clip=1.0)
+    assert metrics["step"] == 100 and abs(metrics["val_loss"] - evaluate(model, val, with_memory)) < 1e-5
+    evalset = fixed_windows(document_windows(path, "train", full), 4, 8, 12 + 8 + 1)
     after = evaluate(model, evalset, with_memory)
-    assert len(losses) == 100 and after < before - 0.8
+    assert after < evaluate(before, evalset, with_memory) - 0.8
     assert after < evaluate(model, evalset, without) - 0.04
 
 
