@@ -178,3 +178,14 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     shared = 4 * hd * m * T if o.get("shared", True) else 0
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * min(b, T)
     return Cost(flops=n * (8 * h * hd * T + attend), kv=n * T, params=n * 4 * h * hd)
+
+
+@formula("compression")
+def compression(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """Adaptive-attention compression layer (lm/compression.py), T = span length N compressed into
+    t states: per head 2hh't (Q) + 4hh'N (K, V on the span) + 2h'th (O) + 4h'tN (scores and AV over
+    all N, the post's O(Nt)), plus a SwiGLU MLP on the t states, 3 * 2th*m with m = 2/3 * ffn_mult * h.
+    KV: none of its own (the t states' keys and values are counted by the blocks above it)."""
+    t, m = int(o.require("t")), 2 * int(o.get("ffn_mult", 4)) * h // 3
+    attn = n * (4 * h * hd * t + 4 * h * hd * T + 4 * hd * t * T)
+    return Cost(flops=attn + 6 * t * h * m, kv=0, params=n * 4 * h * hd + 3 * h * m)
