@@ -155,6 +155,16 @@ def topk(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     return Cost(flops=n * (8 * h * hd * T + 2 * hd * T * T + 2 * hd * T * k), kv=n * T, params=n * 4 * h * hd)
 
 
+@formula("mosaic")
+def mosaic(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+    """MoSAIC (App. E): MoSA's per-head cost on its k = max(floor(capacity_factor * T / rho), 2)
+    slots, 8hh'k + 4h'k^2 + h'k (output scaled by the router probability), plus the token-choice
+    router X W^r with W^r in R^{h x n}: 2hT per head, as MoSA's. Softmax and top-s not counted.
+    KV: k per head. Params: 4hh' + h per head (projections + router column)."""
+    k = min(max(int(float(o.get("capacity_factor", 1.0)) * T // float(o.require("sparsity"))), 2), T)
+    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), kv=n * k, params=n * (4 * h * hd + h))
+
+
 @formula("agent")
 def agent(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
