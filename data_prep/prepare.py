@@ -38,7 +38,7 @@ from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError
 from data_prep.sample import LineSampler
 from data_prep.shards import SplitWriter, write_atomic, write_json
-from data_prep.sources import SOURCES, open_source
+from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
 
 FORMAT = "data_prep/1"
@@ -50,7 +50,7 @@ ENCODE_BATCH_CHARS = 4_000_000  # documents are tokenised in batches of about th
 def _settings(corpus: Corpus, src: str | None, hub_split: str | None, data_files: Any, vocab_size: int,
               max_docs: int | None, val_fraction: float, shard_tokens: int, sample_chars: int) -> dict:
     """Everything that determines the output; a resumed run must match it exactly."""
-    local = src is not None and corpus.kind in ("gutenberg", "c4", "text")
+    local = src is not None and corpus.kind in LOCAL
     return {
         "format": FORMAT, "source": corpus.kind, "src": str(Path(src).expanduser().resolve()) if local else src,
         "hub_split": hub_split, "data_files": data_files, "vocab_size": vocab_size,

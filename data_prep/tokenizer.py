@@ -50,7 +50,7 @@ def _vocab_error(message: str, vocab_size: int, chars: int) -> DataError:
     if m := re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message):
         return DataError(
             f"--vocab-size {vocab_size} is too large for this corpus: its tokenizer sample ({chars:,} characters) "
-            f"supports at most {m.group(1)} pieces; lower --vocab-size or give more text")
+            f"supports at most {m.group(1)} pieces; lower --vocab-size or give more text (documents, --sample-chars)")
     if m := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
         return DataError(
             f"--vocab-size {vocab_size} is too small: this corpus needs at least {m.group(1)} pieces "

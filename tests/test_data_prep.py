@@ -310,7 +310,7 @@ def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFix
     code, err = run_cli(capsys, *args, "5000")
     assert code == 2 and "\n" not in err
     assert err.startswith("error: --vocab-size 5000 is too large for this corpus: its tokenizer sample (")
-    assert err.endswith("pieces; lower --vocab-size or give more text")
+    assert err.endswith("pieces; lower --vocab-size or give more text (documents, --sample-chars)")
     code, err = run_cli(capsys, *args, "100")
     assert code == 2 and err.startswith("error: --vocab-size 100 is too small: this corpus needs at least ")
     code, err = run_cli(capsys, *args, "70000")
