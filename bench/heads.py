@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **result))
             print(f"T={T:5d} {variant:20s} heads={count:5d} {rows[-1]['gflops']:8.2f} GFLOP fwd  "
                   f"{result['seconds'] * 1e3:9.1f} ms  {result['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
-    table = format_table(rows, args, " ".join(sys.argv))
+    table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
     print(table)
     if args.out:
         Path(args.out).write_text(table)

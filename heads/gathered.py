@@ -43,7 +43,7 @@ def gathered_heads_reference(
             scores = (q @ k.T / d**0.5).masked_fill(~allowed, float("-inf"))
             a = scores.softmax(-1) @ v  # [k, h']
             x_o = (gates[b][i][:, None] * a) @ w_o[:, i].T  # diag(r) A W^O_i  [k, h]
-            y = y.index_add(0, I, x_o)  # back to the original positions
+            y = y.index_add(0, I, x_o.to(y.dtype))  # back to the original positions
         out.append(y)
     return torch.stack(out)
 
@@ -69,5 +69,5 @@ def gathered_heads_fast(
     a = attend(rope(q, pos), rope(k, pos), v, causal=True)  # one batched call over all heads
     a = a * gate[..., None]  # diag(r) A; padding slots -> 0
     x_o = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, d))  # per-head W^O [B, H, c, h]
-    y = x.new_zeros(B, T, h)
+    y = x_o.new_zeros(B, T, h)  # x_o's dtype (bf16 under autocast)
     return y.scatter_add(1, sel.idx.reshape(B, H * c, 1).expand(B, H * c, h), x_o.reshape(B, H * c, h))

@@ -104,7 +104,7 @@ class RoutingHeads(HeadGroup):
                     qc = self.rope(q[b, i, I], positions[b, I])  # shared Q = K
                     allowed = I[:, None] >= I[None, :]  # M_jl = 0 iff I_j >= I_l
                     scores = (qc @ qc.T / d**0.5).masked_fill(~allowed, float("-inf"))
-                    a_sum[b, i] = a_sum[b, i].index_add(0, I, scores.softmax(-1) @ v[b, i, I])
+                    a_sum[b, i] = a_sum[b, i].index_add(0, I, (scores.softmax(-1) @ v[b, i, I]).to(x.dtype))
                     counts[b, i] = counts[b, i].index_add(0, I, torch.ones_like(I, dtype=x.dtype))
         return self._finish(a_sum, counts, u)
 
@@ -118,6 +118,6 @@ class RoutingHeads(HeadGroup):
         qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
         a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True)  # ascending slots: causal in each cluster
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
-        a_sum = x.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
-        counts = x.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(x.dtype))
+        a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
+        counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))
         return self._finish(a_sum, counts, u)
