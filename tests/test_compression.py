@@ -232,3 +232,19 @@ def test_config_errors_name_the_field():
         make(mode="zip")
     with pytest.raises(ConfigError, match="compression.ratio"):
         make(ratio=0.9, ratio_spread=0.5)
+
+
+def test_flop_formula_matches_counted_matmuls():
+    """flops/formulas.py's "compression" = the matmuls torch's FlopCounterMode sees in the layer
+    (projections and SwiGLU) + 4 h' t N per head for the scores and AV, which the counter does not
+    see in CPU SDPA."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flops.formulas import group_cost
+
+    model = make()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model.compress(torch.randn(1, 37, 32), 5)
+    cost = group_cost("compression", 32, 8, 37, 2, {"t": 5, "ffn_mult": 4})
+    assert cost.flops == counter.get_total_flops() + 2 * 4 * 8 * 5 * 37
+    assert cost.params == sum(p.numel() for n, p in model.compressor.named_parameters() if "norm" not in n)

@@ -1,0 +1,187 @@
+"""Issue 7 experiment: suffix perplexity of a compression model vs its FLOP-matched baseline after
+1, 2 and 3 compressions (adaptive_attention_compression.txt, "Evaluations"), online cache
+compression during decoding, and the ratio predictor's choices for tolerances Delta*.
+
+Both models are trained first (each run <= 4 min on CPU, under the shared lock):
+    flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml
+    flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml
+then
+    python bench/compression_experiment.py --compressed runs/compression --baseline runs/compression_baseline \
+        --data data/gutenberg_v2k --out bench/results/compression.md
+
+Every model/depth is scored on the same suffix tokens: fixed validation windows of 3P + S + 1 tokens
+from one book, depth k using the last kP + S + 1 of them. FLOPs: forward, one sample, MoSA App. C
+convention (flops/formulas.py), vocabulary projection excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flops.formulas import group_cost  # noqa: E402
+from flops.model import model_cost  # noqa: E402
+from lm.compressed_generate import CompressedGenerator  # noqa: E402
+from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
+from lm.compression import CompressedLM, Layout, tokens_for  # noqa: E402
+from lm.config import ModelConfig  # noqa: E402
+from lm.ratio_data import generate, measure  # noqa: E402
+from lm.ratio_predictor import RatioPredictor, choose_ratio, fit  # noqa: E402
+
+
+def blocks_flops(cfg: ModelConfig, layers: int, tokens: int) -> int:
+    """Forward FLOPs of `layers` blocks of this (uniform) head mix on one window of `tokens`."""
+    return model_cost(dataclasses.replace(cfg, n_layers=layers, seq_len=tokens, layer_heads={})).flops_per_pass
+
+
+def forward_flops(model: CompressedLM, layout: Layout) -> int:
+    """Blocks [0, L) on every chunk and the suffix, the compressions, blocks [L, n) on t + S. The
+    `recent` baseline needs blocks [0, L) on the last chunk only (the only one it keeps states of)."""
+    cfg, comp, L = model.cfg, model.comp, model.layer
+    chunks = layout.spans if model.compressor is not None else layout.spans[-1:]
+    total = sum(blocks_flops(cfg, L, n) for n in (*chunks, layout.suffix))
+    if model.compressor is not None:
+        spans = [n + (layout.t if i else 0) for i, n in enumerate(layout.spans)]
+        total += sum(group_cost("compression", cfg.d_model, cfg.head_dim, n, comp.n_heads,
+                                {"t": layout.t, "ffn_mult": comp.ffn_mult}).flops for n in spans)
+    return total + blocks_flops(cfg, cfg.n_layers - L, layout.memory + layout.suffix)
+
+
+def heads_per_layer(model: CompressedLM) -> int:
+    return sum(g.count for g in model.lm.blocks[0].attn.groups)
+
+
+def perplexity_table(models: dict[str, CompressedLM], windows: list[torch.Tensor], P: int, t: int, S: int) -> list[str]:
+    rows = ["| model | compressions k | context seen (tokens) | suffix loss (nats) | suffix ppl | ppl vs baseline | forward GFLOPs / sample | KV entries (compressed / full cache) |",
+            "|---|---|---|---|---|---|---|---|"]
+    base_ppl = {}
+    for name, model in models.items():
+        for k in range(4):
+            layout = Layout((P,) * k, t, S)
+            loss = evaluate(model, windows, layout)
+            ppl = math.exp(loss)
+            if name == "baseline":
+                base_ppl[k] = ppl
+            H, n, L = heads_per_layer(model), model.cfg.n_layers, model.layer
+            kv = H * (L * S + (n - L) * (layout.memory + S))
+            rel = f"{ppl / base_ppl[k]:.3f}" if k in base_ppl and name != "baseline" else "1"
+            rows.append(f"| {name} | {k} | {k * P + S} | {loss:.4f} | {ppl:.2f} | {rel} | "
+                        f"{forward_flops(model, layout) / 1e9:.3f} | {kv} / {H * n * (k * P + S)} |")
+    return rows
+
+
+def online_generation(model: CompressedLM, window: torch.Tensor, P: int, t: int) -> list[str]:
+    """Feed a long prompt through the online-compressing decoder; check its logits against the
+    training-time forward pass and report the cache it keeps."""
+    gen = CompressedGenerator(model, window=P, t=t)
+    cache = gen.new_cache()
+    n = window.shape[1]
+    logits = torch.cat([gen.feed(cache, window[:, i : i + 7]) for i in range(0, n, 7)], dim=1)  # odd pieces
+    k, rest = divmod(n, P)
+    layout = Layout((P,) * k, t, rest) if rest else Layout((P,) * (k - 1), t, P)
+    with torch.no_grad():
+        ref = model(window, layout)
+    err = (ref - logits[:, -layout.suffix :]).abs().max().item()
+    t0 = time.perf_counter()
+    seq, cache2 = gen.generate(window[:, :P], 3 * P)
+    dt = time.perf_counter() - t0
+    return [f"- prompt of {n} tokens fed online in pieces of 7 tokens: KV entries kept {cache.kv_entries()} vs "
+            f"{cache.kv_uncompressed()} for an uncompressed dense cache ({cache.kv_entries() / cache.kv_uncompressed():.3f}x); "
+            f"max |logit difference| vs the training-time forward pass with layout {len(layout.spans)} x {P} "
+            f"+ {layout.suffix}: {err:.2e}",
+            f"- generation of {3 * P} tokens after a {P}-token prompt ({seq.shape[1]} total): KV entries at the end "
+            f"{cache2.kv_entries()} vs {cache2.kv_uncompressed()} uncompressed; {dt:.1f} s "
+            f"({3 * P * seq.shape[0] / dt:.0f} tokens/s, batch {seq.shape[0]}, CPU)"]
+
+
+def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], val_windows: list[torch.Tensor],
+                      P: int, probe: float, tolerances: list[float]) -> list[str]:
+    ratios = [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2]
+    data = generate(model, train_windows, P, ratios, probe)
+    torch.manual_seed(0)
+    predictor = RatioPredictor(model.cfg.d_model)
+    fit(predictor, data["states"], data["prompt"], data["delta"], data["ratio"], steps=1500)
+    held = generate(model, val_windows, P, ratios, probe)
+    mean_delta = held["delta"].view(len(ratios), -1).mean(1).tolist()
+    rows = [f"Delta = Loss(compressed at r) - Loss(full), nats/token, {len(data['states'])} training prompts "
+            f"(train split), {len(held['states'])} held-out prompts (val book); mean held-out Delta per ratio: "
+            + ", ".join(f"r={r:.4g}: {d:+.4f}" for r, d in zip(ratios, mean_delta)),
+            "", "| tolerance Delta* | mean chosen r | min / max chosen r | mean achieved Delta (held-out, at the chosen r) |",
+            "|---|---|---|---|"]
+    rows_flat = torch.cat(val_windows)
+    for tol in tolerances:
+        chosen = choose_ratio(predictor, held["states"], tol, lo=min(ratios))
+        achieved = [measure(model, w[None], P, [float(r)], probe)["delta"].item() for w, r in zip(rows_flat, chosen)]
+        rows.append(f"| {tol:+.3f} | {chosen.mean():.4f} | {chosen.min():.4f} / {chosen.max():.4f} | {sum(achieved) / len(achieved):+.4f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compressed", required=True, help="run dir of configs/experiments/compression.yaml")
+    parser.add_argument("--baseline", required=True, help="run dir of configs/experiments/compression_baseline.yaml")
+    parser.add_argument("--fixed", default=None, help="optional run dir of configs/experiments/compression_fixed.yaml")
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", default="bench/results/compression.md")
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--tolerances", default="0.02,0.05,0.1,0.2")
+    parser.add_argument("--predictor-batches", type=int, default=16, help="x 16 training prompts for the predictor")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    models, cfgs = {}, {}
+    runs = [("baseline", args.baseline), ("compressed", args.compressed)] + ([("compressed, fixed r", args.fixed)] if args.fixed else [])
+    for name, run in runs:
+        models[name], cfgs[name] = load_compressed(Path(run) / "checkpoints" / "last.ckpt")
+    cfg = cfgs["compressed"]
+    P, S = cfg.compression.prefix_len, cfg.model.seq_len
+    t = tokens_for(cfg.compression.ratio, P)
+    val = fixed_windows(document_windows(args.data, "val", cfg), args.batches, args.batch, 3 * P + S + 1, seed=0)
+    started = time.time()
+    table = perplexity_table(models, val, P, t, S)
+    online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
+    train = fixed_windows(document_windows(args.data, "train", cfg), args.predictor_batches, 16, P + S + 1, seed=1)
+    held = [w[:, -(P + S + 1):] for w in val[:2]]
+    pred = predictor_section(models["compressed"], train, held, P, cfg.compression.ratio,
+                             [float(x) for x in args.tolerances.split(",")])
+    c = cfg.compression
+    lines = [
+        "# Adaptive-attention compression on Gutenberg (issue 7)", "",
+        f"Machine: {platform.machine()} CPU, {platform.system()}, Python {platform.python_version()}, torch {torch.__version__}, 1 thread. "
+        f"Evaluation took {time.time() - started:.0f} s.", "",
+        "Commands (each training run <= 4 min, under the shared lock):", "```",
+        "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out data/gutenberg_v2k --vocab-size 2048 --max-docs 40",
+        "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml data.path=data/gutenberg_v2k",
+        "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml data.path=data/gutenberg_v2k",
+        "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml data.path=data/gutenberg_v2k",
+        f"python bench/compression_experiment.py --compressed {args.compressed} --baseline {args.baseline}"
+        + (f" --fixed {args.fixed}" if args.fixed else "") + f" --data {args.data} --out {args.out}",
+        "```", "",
+        f"Model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, {heads_per_layer(models['compressed'])} dense heads x {cfg.model.head_dim}, "
+        f"vocab {cfg.model.vocab_size}; compression before block L = {c.layer}, {c.n_heads} heads; P = {P}, t = {t} (r = {c.ratio}), S = {S}. "
+        f"Trained {cfg.trainer.max_steps} steps x {cfg.data.batch_size} samples, regime `{c.regime}` (P and r uniform, spread "
+        f"{c.prefix_spread}/{c.ratio_spread} reached at step {c.ramp_steps}), recursion depth 1..{c.max_depth} per batch. "
+        f"Baseline: identical, but the t states prepended above L are the previous chunk's last t raw depth-L states "
+        f"(`compression.mode=recent`), so blocks above L see the same t + S positions (FLOP-matched up to the "
+        f"compression layer itself, shown in the FLOPs column).", "",
+        f"Validation: {args.batches} x {args.batch} windows of {3 * P + S + 1} tokens from the held-out book; "
+        "each row scores the same suffix tokens (the last S + 1 of each window).", "",
+        *table, "",
+        "## Online KV-cache compression while decoding (compressed model)", "", *online, "",
+        "## Ratio predictor", "", *pred, "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
