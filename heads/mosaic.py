@@ -134,11 +134,12 @@ class MosaicHeads(HeadGroup):
         wq, wk, wv = self.qkv.weight.view(3, self.count, d, h)
         wo = self.out.weight.view(h, self.count, d)
         y = x.new_zeros(B, T, h)
-        n_member = n_selected = 0
+        member = torch.zeros(B, self.count, T, dtype=torch.bool, device=x.device)
+        is_selected = torch.zeros_like(member)
         for b in range(B):
             for i in range(self.count):
                 members, selected = plan[b][i]
-                n_member, n_selected = n_member + len(members), n_selected + len(selected)
+                member[b, i, members], is_selected[b, i, selected] = True, True
                 if not members:
                     continue
                 idx = torch.tensor(members, device=x.device)
@@ -155,8 +156,7 @@ class MosaicHeads(HeadGroup):
                 a = scores.softmax(-1) @ v  # [rows, h']
                 gate = probs[b, idx[rows], i]  # p_{t,i}
                 y = y.index_put((torch.full_like(idx[rows], b), idx[rows]), gate[:, None] * (a @ wo[:, i].T), accumulate=True)
-        self.stats["mosaic_dropped"] = 1.0 - n_selected / max(float(chosen.sum()), 1.0)
-        self.stats["mosaic_padded"] = 1.0 - n_selected / max(n_member, 1)
+        self._record(chosen, member, is_selected)
         return y
 
     # ---- fast path: all heads at once (gather, batched projections, masked SDPA, scatter-add) -----

@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    T = out.shape[1]
+    print(f"KV cache for {T} tokens: {cache_nbytes(new_cache(model, 1, T))} bytes allocated; analytic "
+          f"kv_total = {model.kv_total(T)} entries = {kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
     print(sp.decode(out[0].tolist()))
     return 0
 
