@@ -12,97 +12,72 @@ beside generation; here it runs at the window boundary. Position ids never excee
 `CompressedCache.kv_entries()` counts the entries kept (sum over layers and heads) and
 `kv_uncompressed()` what a plain dense cache of every token so far would keep.
 
-Dense heads only: lm/generate.py's head-cache interface had not landed when this was written, so the
-cached attention of a dense group is done here, with the group's own projections (`_qkv`, `out`).
+The per-layer caches are the head groups' own decoding caches (`HeadGroup.new_cache`, used through
+`Block.forward(x, positions, cache)` as in lm/generate.py), fresh ones for every window: blocks
+below L get room for W tokens, blocks above L for t + W, prefilled with the memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from heads.attention import attend
-from heads.dense import DenseHeads
 from lm.compression import CompressedLM
-from lm.model import Block
-
-
-@dataclass
-class _KV:
-    """Keys and values [B, H, n, hd] of one dense group, and the positions [n] they were rotated by."""
-
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-
-def _cached_attention(group: DenseHeads, x: torch.Tensor, positions: torch.Tensor, kv: _KV) -> torch.Tensor:
-    """x[B, n, h] at positions[n] -> y[B, n, h]; appends the new keys/values to kv. Query i sees
-    every cached key and the new keys at positions <= its own (MoSA eq. 1 with the causal mask)."""
-    B, n, _ = x.shape
-    q, k, v = group._qkv(x, positions.expand(B, -1))
-    if kv.k is not None:
-        k, v, pos = torch.cat([kv.k, k], 2), torch.cat([kv.v, v], 2), torch.cat([kv.pos, positions])
-    else:
-        pos = positions
-    kv.k, kv.v, kv.pos = k, v, pos
-    mask = pos[None, :] <= positions[:, None]  # [n, keys]
-    a = attend(q, k, v, mask=mask)
-    return group.out(a.transpose(1, 2).reshape(B, n, group.count * group.ctx.head_dim))
-
-
-def _block_step(block: Block, x: torch.Tensor, positions: torch.Tensor, kvs: list[_KV]) -> torch.Tensor:
-    """Block.forward with cached dense attention: x + HeadMix(LN(x)); x + FFN(LN(x))."""
-    h = block.norm_attn(x)
-    x = x + sum(_cached_attention(g, h, positions, kv) for g, kv in zip(block.attn.groups, kvs))
-    return x + block.ffn(block.norm_ffn(x))
 
 
 @dataclass
 class CompressedCache:
-    """Per block, per head group, a _KV; the window's depth-L states; the memory."""
+    """Per block, one decoding cache per head group; the window's depth-L states; the memory."""
 
-    layers: list[list[_KV]]
+    batch: int
+    layers: list[list[Any]] = field(default_factory=list)
     window_states: list[torch.Tensor] = field(default_factory=list)  # [B, n_i, d] pieces
     memory: torch.Tensor | None = None  # [B, t, d] at depth L
     seen: int = 0  # tokens processed so far
-    group_heads: list[list[int]] = field(default_factory=list)
+    heads: int = 0  # attention heads summed over all layers
 
     def window_len(self) -> int:
         return sum(s.shape[1] for s in self.window_states)
 
     def kv_entries(self) -> int:
-        """Entries kept now: sum over layers and heads of the cached keys."""
-        return sum(h * len(kv) for kvs, heads in zip(self.layers, self.group_heads) for kv, h in zip(kvs, heads))
+        """Entries kept now for one sequence: cached keys summed over layers and heads."""
+        return sum(int(c.fill[0].clamp(max=c.k.shape[2]).sum()) for layer in self.layers for c in layer)
 
     def kv_uncompressed(self) -> int:
         """Entries a dense cache of all `seen` tokens would keep."""
-        return self.seen * sum(sum(heads) for heads in self.group_heads)
+        return self.seen * self.heads
 
 
 class CompressedGenerator:
-    """Online-compressing decoder around a trained CompressedLM with dense heads."""
+    """Online-compressing decoder around a trained CompressedLM."""
 
     def __init__(self, model: CompressedLM, window: int | None = None, t: int | None = None) -> None:
-        for g in model.lm.head_groups():
-            if not isinstance(g, DenseHeads):
-                raise ValueError(f"compressed generation supports dense heads only, got {type(g).__name__}")
         comp = model.comp
         self.model = model
         self.window = window or comp.prefix_len
         self.t = t or max(1, round(comp.ratio * self.window))
         if not 1 <= self.t <= self.window:
             raise ValueError(f"t must be in [1, window={self.window}], got {self.t}")
+        for g in model.lm.head_groups():
+            try:
+                g.new_cache(1, 1)
+            except NotImplementedError as err:
+                raise ValueError(f"compressed generation needs KV-cached decoding: {err}") from None
 
-    def new_cache(self) -> CompressedCache:
-        blocks = self.model.lm.blocks
-        return CompressedCache(
-            layers=[[_KV() for _ in b.attn.groups] for b in blocks],
-            group_heads=[[g.count for g in b.attn.groups] for b in blocks],
-        )
+    def new_cache(self, batch: int) -> CompressedCache:
+        cache = CompressedCache(batch, heads=sum(g.count for g in self.model.lm.head_groups()))
+        self._reset(cache)
+        return cache
+
+    def _reset(self, cache: CompressedCache) -> None:
+        """Fresh per-window caches: W slots below L, t + W above."""
+        p = next(self.model.parameters())
+        cache.layers = [
+            [g.new_cache(cache.batch, self.window + (self.t if i >= self.model.layer else 0), p.device, p.dtype)
+             for g in block.attn.groups]
+            for i, block in enumerate(self.model.lm.blocks)
+        ]
 
     @torch.no_grad()
     def feed(self, cache: CompressedCache, tokens: torch.Tensor) -> torch.Tensor:
@@ -110,8 +85,11 @@ class CompressedGenerator:
         window fills."""
         out = []
         while tokens.shape[1] > 0:
-            room = self.window - cache.window_len()
-            piece, tokens = tokens[:, :room], tokens[:, room:]
+            # The decoding-cache contract (lm/generate.py): a prefill on fresh caches, then one token
+            # per call. Only the first window starts with every cache fresh.
+            fresh = cache.memory is None and cache.window_len() == 0
+            n = self.window if fresh else 1
+            piece, tokens = tokens[:, :n], tokens[:, n:]
             out.append(self._feed_window(cache, piece))
             if cache.window_len() == self.window:
                 self._compress(cache)
@@ -119,15 +97,16 @@ class CompressedGenerator:
 
     def _feed_window(self, cache: CompressedCache, tokens: torch.Tensor) -> torch.Tensor:
         m, L, j = self.model, self.model.layer, cache.window_len()
-        pos = torch.arange(j, j + tokens.shape[1], device=tokens.device)  # window-local below L
+        B, n = tokens.shape
+        pos = torch.arange(j, j + n, device=tokens.device).expand(B, -1)  # window-local below L
         x = m.lm.embed(tokens)
-        for block, kvs in zip(m.lm.blocks[:L], cache.layers[:L]):
-            x = _block_step(block, x, pos, kvs)
+        for block, caches in zip(m.lm.blocks[:L], cache.layers[:L]):
+            x = block(x, pos, caches)
         cache.window_states.append(x)
         mem = 0 if cache.memory is None else cache.memory.shape[1]
-        for block, kvs in zip(m.lm.blocks[L:], cache.layers[L:]):
-            x = _block_step(block, x, pos + mem, kvs)
-        cache.seen += tokens.shape[1]
+        for block, caches in zip(m.lm.blocks[L:], cache.layers[L:]):
+            x = block(x, pos + mem, caches)
+        cache.seen += n
         return m.lm.lm_head(m.lm.norm(x))
 
     def _compress(self, cache: CompressedCache) -> None:
@@ -135,12 +114,11 @@ class CompressedGenerator:
         m, L = self.model, self.model.layer
         cache.memory = m.memory([torch.cat(cache.window_states, dim=1)], self.t, cache.memory)
         cache.window_states = []
-        for kvs in cache.layers:
-            for kv in kvs:
-                kv.k = kv.v = kv.pos = None
-        x, pos = cache.memory, torch.arange(self.t, device=cache.memory.device)
-        for block, kvs in zip(m.lm.blocks[L:], cache.layers[L:]):
-            x = _block_step(block, x, pos, kvs)
+        self._reset(cache)
+        x = cache.memory
+        pos = torch.arange(self.t, device=x.device).expand(cache.batch, -1)
+        for block, caches in zip(m.lm.blocks[L:], cache.layers[L:]):
+            x = block(x, pos, caches)  # prefill: the memory states attend causally among themselves
 
     @torch.no_grad()
     def generate(
@@ -151,7 +129,7 @@ class CompressedGenerator:
         was = self.model.training
         self.model.eval()
         g = torch.Generator(device="cpu").manual_seed(seed)
-        cache = self.new_cache()
+        cache = self.new_cache(prompt.shape[0])
         logits = self.feed(cache, prompt)[:, -1]
         out = [prompt]
         for i in range(max_new_tokens):

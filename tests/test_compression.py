@@ -10,6 +10,7 @@ from torch import nn
 
 from conftest import tiny_config
 from heads import ConfigError
+from heads.base import HeadGroup, HeadOptions
 from lm.causality import future_leak
 from lm.compressed_generate import CompressedGenerator
 from lm.compressed_training import (
@@ -22,8 +23,8 @@ from lm.config import CompressionConfig, validate
 V = 61
 
 
-def make(mode: str = "compress", detach: bool = True, seed: int = 0, **comp) -> CompressedLM:
-    cfg = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=16, vocab_size=V)
+def make(mode: str = "compress", detach: bool = True, seed: int = 0, heads: list[dict] | None = None, **comp) -> CompressedLM:
+    cfg = tiny_config(heads or [{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=16, vocab_size=V)
     values = dict(layer=2, n_heads=2, prefix_len=12, ratio=0.25, mode=mode, detach_prefix=detach)
     cfg.compression = CompressionConfig(**{**values, **comp})
     validate(cfg)
@@ -121,14 +122,19 @@ def test_recursion_depth(depth, mode):
     assert (moved > 1e-4) if reaches else (moved == 0.0)
 
 
-def test_generation_matches_training_forward_and_counts_entries():
-    """Online compression while decoding gives the logits of the training-time forward pass with
-    layout ((W,) * k, t, n) for the k full windows seen and the n tokens of the current window."""
-    model = make()
+LOCAL = [{"type": "dense", "count": 2}, {"type": "local", "count": 2, "options": {"window": 5}}]
+
+
+@pytest.mark.parametrize("heads", [None, LOCAL], ids=["dense", "dense+local"])
+def test_generation_matches_training_forward_and_counts_entries(heads):
+    """Online compression while decoding (the head groups' own decoding caches) gives the logits of
+    the training-time forward pass with layout ((W,) * k, t, n) for the k full windows seen and the
+    n tokens of the current window."""
+    model = make(heads=heads)
     gen = CompressedGenerator(model)
     W, t = 12, 3
     x = tokens(3 * W + 7)
-    cache = gen.new_cache()
+    cache = gen.new_cache(2)
     pieces = [gen.feed(cache, x[:, :5]), gen.feed(cache, x[:, 5:30])]
     pieces += [gen.feed(cache, x[:, i : i + 1]) for i in range(30, x.shape[1])]
     logits = torch.cat(pieces, dim=1)
@@ -137,17 +143,19 @@ def test_generation_matches_training_forward_and_counts_entries():
         with torch.no_grad():
             ref = model(x[:, : W * k + layout.suffix], layout)
         assert (ref - logits[:, W * k : W * k + layout.suffix]).abs().max() < 1e-5
-    heads = 4  # per layer; 2 layers below L keep the 7-token window, 2 above keep t + 7
-    assert cache.kv_entries() == 2 * heads * 7 + 2 * heads * (t + 7)
-    assert cache.kv_uncompressed() == 4 * heads * x.shape[1]
+    # per layer 2 dense heads keep the window (below L: 7 tokens, above: t + 7); local heads <= 5
+    local = 0 if heads is None else 4 * 2 * 5
+    dense = 4 if heads is None else 2
+    assert cache.kv_entries() == 2 * dense * 7 + 2 * dense * (t + 7) + local
+    assert cache.kv_uncompressed() == 4 * 4 * x.shape[1]  # 4 layers x 4 heads, every token
     seq, cache = gen.generate(x[:, :5], 30)
     assert seq.shape == (2, 35) and torch.equal(seq[:, :5], x[:, :5])
 
 
-def test_generation_rejects_non_dense_heads():
+def test_generation_needs_cached_decoding():
     model = make()
-    model.lm.blocks[0].attn.groups.append(nn.Module())
-    with pytest.raises(ValueError, match="dense heads only"):
+    model.lm.blocks[0].attn.groups.append(HeadGroup(model.cfg.group_context(0), 1, HeadOptions()))
+    with pytest.raises(ValueError, match="needs KV-cached decoding"):
         CompressedGenerator(model)
 
 
