@@ -23,7 +23,7 @@ install: $(STAMP)
 
 ## The main job on the embedded default: prepare Gutenberg, train a small dense LM on CPU.
 quickstart: $(STAMP)
-	$(BIN)/python -m lm.quickstart --shared $(SHARED)
+	$(BIN)/python quickstart.py --shared $(SHARED)
 
 ## The test suite (CPU; GPU-only tests skip with a reason).
 test: $(STAMP)

@@ -84,6 +84,7 @@ class TrainerConfig:
     val_every: int = 500
     ckpt_every: int = 1000
     out_dir: str = "runs/default"
+    max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
 
 
 @dataclass
@@ -147,6 +148,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     t = cfg.trainer
     _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
+    if t.max_minutes is not None:
+        _positive(t, "max_minutes")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

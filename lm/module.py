@@ -101,8 +101,9 @@ class LMModule(L.LightningModule):
         if not self.val_history or self.val_history[-1]["step"] != step:
             self.val_history.append({"step": step, "tokens_seen": step * self.tokens_per_step,
                                      "val_loss": loss, "val_ppl": math.exp(loss)})
+        speed = f" | {self.tokens_per_s():8.0f} tokens/s" if self._timed[0] else ""
         self.print(f"step {step:>6} | val loss {loss:.4f} | val ppl {math.exp(loss):9.2f} | "
-                   f"{step * self.tokens_per_step / 1e6:7.2f}M tokens | {self.tokens_per_s():8.0f} tokens/s")
+                   f"{step * self.tokens_per_step / 1e6:7.2f}M tokens{speed}")
         if self.trainer.is_global_zero:
             self.write_metrics()
 

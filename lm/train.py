@@ -5,6 +5,7 @@ Outputs under `trainer.out_dir`: `tb/` (TensorBoard), `checkpoints/step<N>.ckpt`
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=resolve_precision(t),  # type: ignore[arg-type]
-        max_steps=t.max_steps, val_check_interval=t.val_every, check_val_every_n_epoch=None,
+        max_steps=t.max_steps, max_time=None if t.max_minutes is None else timedelta(minutes=t.max_minutes),
+        val_check_interval=t.val_every, check_val_every_n_epoch=None,
         num_sanity_val_steps=0, log_every_n_steps=t.log_every,
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=TensorBoardLogger(t.out_dir, name="tb", version=""),
@@ -83,9 +85,10 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     return str(path)
 
 
-def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+def train(cfg: Config, resume: str | None = None, validate_first: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
-    checkpoint the final step, and return the metrics written to metrics.json."""
+    checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
+    also validate the untrained model (step 0) when starting from scratch."""
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
     ckpt = resume_path(cfg, resume)
@@ -94,6 +97,8 @@ def train(cfg: Config, resume: str | None = None) -> dict[str, Any]:
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2")
     trainer = build_trainer(cfg, checkpoints)
+    if validate_first and ckpt is None:
+        trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     step = trainer.global_step
     if not module.val_history or module.val_history[-1]["step"] != step:

@@ -46,3 +46,15 @@ def write_prepared(
              "splits": splits}
     (out / "index.json").write_text(json.dumps(index))
     return out
+
+
+def run_overrides(data: Path, out: Path, **trainer: object) -> list[str]:
+    """Dotted overrides for a tiny CPU training run on a `write_prepared` directory."""
+    values = {
+        "model.vocab_size": 64, "model.n_layers": 2, "model.d_model": 32, "model.head_dim": 8, "model.seq_len": 32,
+        "model.heads": "[{type: dense, count: 4}]", "data.path": data, "data.batch_size": 8, "data.val_batches": 2,
+        "optim.lr": 3e-3, "optim.warmup_steps": 5, "trainer.max_steps": 30, "trainer.val_every": 10,
+        "trainer.ckpt_every": 10, "trainer.log_every": 5, "trainer.out_dir": out, "trainer.accelerator": "cpu",
+    }
+    values.update({f"trainer.{k}": v for k, v in trainer.items()})
+    return [f"{k}={v}" for k, v in values.items()]

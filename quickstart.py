@@ -1,0 +1,83 @@
+"""The CPU quickstart (`make quickstart`): prepare a Gutenberg subset, train a small dense LM for a few
+minutes, print the validation perplexity as it falls, and leave TensorBoard logs and a checkpoint.
+
+    python quickstart.py [--shared ../shared/data] [--fresh] [section.key=value ...]
+
+Data: the first 14 books (by file name) of <shared>/gutenberg, SentencePiece vocabulary of
+model.vocab_size; two of them hash into validation (Treasure Island, A Modest Proposal). Without
+<shared>/gutenberg it runs offline on Python's own documentation, which ships with CPython
+(data_prep's `builtin` source). Model and schedule: configs/quickstart.yaml (overrides as in
+train_lm.py). A rerun continues an interrupted run (or just reports a finished one); --fresh retrains.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from heads import ConfigError
+from lm.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parent
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+BOOKS = 14
+VAL_FRACTION = 0.1
+
+
+def prepare_data(cfg: Config, shared: Path) -> None:
+    """Prepare the quickstart corpus and point cfg.data.path (and the run directory) at it."""
+    from data_prep.prepare import prepare
+
+    gutenberg = shared / "gutenberg"
+    vocab = cfg.model.vocab_size
+    if gutenberg.is_dir():
+        print(f"data: the first {BOOKS} Gutenberg books of {gutenberg}, vocab {vocab} -> {cfg.data.path}")
+        prepare("gutenberg", str(gutenberg), cfg.data.path, vocab_size=vocab, max_docs=BOOKS,
+                val_fraction=VAL_FRACTION, progress=False)
+    else:
+        cfg.data.path += "-builtin"
+        cfg.trainer.out_dir += "-builtin"
+        print(f"data: {gutenberg} not found, so training offline on Python's own documentation "
+              f"(pydoc_data, shipped with CPython) -> {cfg.data.path}")
+        prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=VAL_FRACTION, progress=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data",
+                        help="directory holding gutenberg/ (default ../shared/data)")
+    parser.add_argument("--fresh", action="store_true", help="delete an earlier quickstart run and retrain")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
+    args = parser.parse_args(argv)
+    from data_prep import DataError as PrepError
+    from lm.data import DataError
+
+    try:
+        cfg = load_config(CONFIG, *args.overrides)
+        prepare_data(cfg, args.shared)
+        if args.fresh:
+            shutil.rmtree(cfg.trainer.out_dir, ignore_errors=True)
+        from lm.train import train
+
+        metrics = train(cfg, resume="last", validate_first=True)
+    except (ConfigError, DataError, PrepError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = Path(cfg.trainer.out_dir)
+    print("\nvalidation perplexity during training:")
+    for h in metrics["history"]:
+        print(f"  step {h['step']:5d}  {h['tokens_seen'] / 1e6:6.2f}M tokens  val loss {h['val_loss']:.3f}  "
+              f"ppl {h['val_ppl']:9.2f}")
+    print(f"\nquickstart done in {(time.perf_counter() - start) / 60:.1f} min: {metrics['params'] / 1e6:.2f}M params, "
+          f"{metrics['tokens_per_s']:,.0f} training tokens/s")
+    print(f"  TensorBoard: tensorboard --logdir {out / 'tb'}")
+    print(f"  checkpoint:  {out / 'checkpoints' / 'last.ckpt'}")
+    print(f"  metrics:     {out / 'metrics.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

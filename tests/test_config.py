@@ -1,0 +1,96 @@
+"""Config loading (lm/config.py) and the presets in configs/: every error is one line naming the field."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lm
+from heads import ConfigError
+from lm.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def error_of(*args: object, **kw: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(*args, **kw)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "\n" not in message and message, f"not one line: {message!r}"
+    return message
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    assert "model.n_layer" in error_of(write(tmp_path, "model: {n_layer: 4}\n"))
+    assert "trainer.max_step" in error_of(None, "trainer.max_step=5")
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    assert "model.d_model" in error_of(write(tmp_path, "model: {d_model: wide}\n"))
+    assert "optim.lr" in error_of(None, "optim.lr=fast")
+
+
+def test_bad_value() -> None:
+    assert "n_layers" in error_of(None, "model.n_layers=0")
+    assert "rope_fraction" in error_of(None, "model.rope_fraction=1.5")
+    assert "trainer.strategy" in error_of(None, "trainer.strategy=fsdp")
+    assert "trainer.precision" in error_of(None, "trainer.precision=fp8")
+    assert "max_minutes" in error_of(None, "trainer.max_minutes=0")
+
+
+def test_unknown_head_type_and_option(tmp_path: Path) -> None:
+    msg = error_of(write(tmp_path, "model: {heads: [{type: dense_ish, count: 4}]}\n"))
+    assert "dense_ish" in msg and "dense" in msg.replace("dense_ish", "")  # names the known types
+    msg = error_of(write(tmp_path, "model: {heads: [{type: dense, count: 4, options: {window: 8}}]}\n"))
+    assert "window" in msg and "impl" in msg  # names the allowed options
+    assert "heads" in error_of(None, "model.heads.0.kount=4")
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    assert "not found" in error_of(tmp_path / "nope.yaml")
+    msg = error_of(write(tmp_path, "model: {n_layers: [4\n"))
+    assert "YAML" in msg and "c.yaml" in msg
+
+
+def test_overrides_reach_list_items_and_keywords() -> None:
+    cfg = load_config(CONFIGS / "tiny.yaml", "model.heads.0.count=4", "trainer.max_steps=7", optim__lr=1e-3)
+    assert cfg.model.heads[0].count == 4 and cfg.trainer.max_steps == 7 and cfg.optim.lr == 1e-3
+
+
+# MoSA App. H Table 4 (layers, h, heads of h'=64) and Table 5 parameter counts (vocab 8000).
+# Ours: untied input embedding and output projection (8000 x h each), no biases, 2 LayerNorms per
+# block + a final one. Tiny: 6 * (4 * 512 * 576 + 2 * 512 * 2048 + 4 * 512) + 2 * 8000 * 512 + 1024
+# = 27.87M vs the paper's "28M" (rounded); all four agree within 1%, so the paper's counts include
+# both embedding matrices (with tied embeddings Tiny would be 23.8M, 15% off).
+PRESETS = {"tiny": (6, 512, 9, 28e6), "small": (9, 1024, 9, 113e6), "medium": (18, 1024, 9, 210e6),
+           "large": (27, 1280, 16, 516e6)}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_match_mosa_table_4_and_5(name: str) -> None:
+    layers, width, heads, params = PRESETS[name]
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.head_dim, m.ffn_mult * m.d_model) == (layers, width, 64, 4 * width)
+    assert [(g.type, g.count) for g in m.heads] == [("dense", heads)]
+    assert (m.seq_len, m.vocab_size, cfg.data.batch_size, cfg.optim.lr, cfg.optim.grad_clip,
+            cfg.optim.warmup_steps) == (1024, 8000, 64, 2.5e-4, 0.25, 4000)
+    with torch.device("meta"):  # count parameters without allocating them
+        model = lm.build_model(m)
+    assert abs(model.num_params() / params - 1) < 0.01, f"{name}: {model.num_params() / 1e6:.1f}M"
+    assert model.kv_total() == layers * heads * 1024
+
+
+def test_quickstart_preset_is_small() -> None:
+    cfg = load_config(CONFIGS / "quickstart.yaml")
+    with torch.device("meta"):
+        n = lm.build_model(cfg.model).num_params()
+    assert 2e6 <= n <= 3e6, f"{n / 1e6:.2f}M params"
+    assert cfg.trainer.max_minutes is not None

@@ -1,0 +1,137 @@
+"""The dense decoder LM (lm/model.py): shapes, fast vs reference, causality, aux losses, KV count, overfitting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lm
+from heads.attention import attend
+from heads.dense import DenseHeads
+from lm.causality import future_leak
+from tests.conftest import tiny_config
+
+
+def build(impl: str = "fast", **model) -> lm.DecoderLM:
+    cfg = tiny_config(heads=[{"type": "dense", "count": 4, "options": {"impl": impl}}], **model)
+    torch.manual_seed(0)
+    return lm.build_model(cfg.model)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b||_2 / ||b||_2."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_shapes_and_explicit_positions() -> None:
+    model = build()
+    tokens = torch.randint(0, 97, (3, 50))
+    logits = model(tokens)
+    assert logits.shape == (3, 50, 97) and logits.dtype == torch.float32
+    # default positions are 0..T-1; passing them explicitly changes nothing, shifting them does
+    positions = torch.arange(50).expand(3, -1)
+    assert torch.equal(model(tokens, positions), logits)
+    assert not torch.allclose(model(tokens, positions + 7), logits)
+
+
+@pytest.mark.parametrize("T", [100, 257])
+def test_dense_fast_matches_reference_outputs_and_all_gradients(T: int) -> None:
+    """Fast (SDPA) vs reference (explicit masked softmax per head), float32, same weights.
+    Tolerances: relative RMS error <= 1e-5 and max-abs <= 1e-4 for logits and for every parameter's
+    gradient (float32 accumulation-order differences are ~1e-6 relative)."""
+    fast, ref = build("fast", seq_len=T), build("reference", seq_len=T)
+    ref.load_state_dict(fast.state_dict())
+    tokens = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(T))
+    targets = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(T + 1))
+    outs = []
+    for model in (fast, ref):
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        outs.append(logits)
+    assert rel_rms(outs[0], outs[1]) <= 1e-5 and (outs[0] - outs[1]).abs().max() <= 1e-4
+    grads_ref = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        g, g_ref = p.grad, grads_ref[name].grad
+        assert g is not None and g_ref is not None, name
+        assert rel_rms(g, g_ref) <= 1e-5 and (g - g_ref).abs().max() <= 1e-4, f"{name}: rel {rel_rms(g, g_ref):.1e}"
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_dense_model_is_causal(impl: str) -> None:
+    model = build(impl)
+    assert model.causal
+    tokens = torch.randint(0, 97, (2, 64))
+    for t in (0, 31, 62):
+        leak = future_leak(model, tokens, t, 97)
+        assert leak < 1e-5, f"t={t}: logits at <= t moved by {leak:.2e} when later tokens changed"
+
+
+class BidirectionalHeads(DenseHeads):
+    """A deliberately non-causal toy: dense heads without the causal mask."""
+
+    @property
+    def causal(self) -> bool:
+        return False
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, positions)
+        return self.out(attend(q, k, v, causal=False).transpose(1, 2).reshape(B, T, -1))
+
+
+def test_causality_check_detects_a_leak() -> None:
+    """The shared check must be able to fail: swap one layer's group for the bidirectional toy."""
+    model = build()
+    block = model.blocks[1]
+    toy = BidirectionalHeads(block.attn.groups[0].ctx, 4, block.attn.groups[0].options)
+    toy.load_state_dict(block.attn.groups[0].state_dict())
+    block.attn.groups[0] = toy
+    assert not model.causal
+    leak = future_leak(model, torch.randint(0, 97, (2, 64)), 31, 97)
+    print(f"bidirectional toy: future_leak = {leak:.3e}")
+    assert leak > 1e-3
+
+
+class ToyAuxHeads(DenseHeads):
+    """Dense heads that report a fixed auxiliary loss, to check how the model aggregates them."""
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.aux_losses = {"toy": x.new_tensor(0.25), f"layer{self.ctx.layer}": x.new_tensor(1.0)}
+        return super().forward_fast(x, positions)
+
+
+def test_aux_losses_available_after_forward() -> None:
+    model = build()
+    model(torch.randint(0, 97, (1, 20)))
+    assert model.aux_losses == {} and model.aux_loss == 0.0  # dense heads have none
+    for block in model.blocks:
+        g = block.attn.groups[0]
+        block.attn.groups[0] = ToyAuxHeads(g.ctx, g.count, g.options)
+    model(torch.randint(0, 97, (1, 20)))
+    aux = model.aux_losses
+    assert set(aux) == {"toy", "layer0", "layer1"}
+    assert aux["toy"].item() == 0.5  # summed over the 2 layers per name
+    assert float(model.aux_loss) == 2.5
+
+
+@pytest.mark.parametrize("layers, heads, T", [(2, 4, 64), (3, 5, 128)])
+def test_kv_total_is_layers_times_heads_times_T(layers: int, heads: int, T: int) -> None:
+    cfg = tiny_config(heads=[{"type": "dense", "count": heads}], n_layers=layers, seq_len=T)
+    model = lm.build_model(cfg.model)
+    assert model.kv_total() == layers * heads * T
+    assert model.kv_total(100) == layers * heads * 100
+
+
+def test_overfits_one_batch() -> None:
+    """Memorising one batch of random tokens: from ln(97) = 4.57 nats to < 0.05 in 150 Adam steps."""
+    model = build()
+    tokens = torch.randint(0, 97, (4, 33), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 4.0 and losses[-1] < 0.05, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"

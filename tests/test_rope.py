@@ -1,0 +1,104 @@
+"""Position-aware RoPE (heads/rope.py) against a direct complex rotation (MoSA App. H, Su et al. 2021).
+
+Reference: for rotated dims r = int(fraction * d) // 2 * 2 and j < r/2, the pair (x_j, x_{j+r/2})
+is the complex number z_j = x_j + i x_{j+r/2}, rotated to z_j * exp(i * pos * base^(-2j/r)); the
+other d - r dims pass through. The rotation itself is computed in float64.
+Tolerances (float64 inputs): with the module's own float32 angles, only the float32 cos/sin rounding
+remains (~6e-8 relative): max-abs <= 1e-6. Against exact float64 angles, the module's float32 angle
+pos * theta carries a rounding error of up to ~2 * 2^-24 * pos (rad), so the bound is
+3 * 2^-24 * max_pos * max|x|: ~6e-5 for positions < 64 and ~4e-3 for positions < 4096.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.rope import RotaryEmbedding
+
+
+def complex_rotation(x: torch.Tensor, positions: torch.Tensor, fraction: float, base: float = 10000.0,
+                     float32_angles: bool = False) -> torch.Tensor:
+    """x[..., T, d] rotated pairwise as complex numbers (float64) by angles pos * base^(-2j/r), the angles
+    computed in float64, or in float32 exactly as heads/rope.py does when `float32_angles`."""
+    d = x.shape[-1]
+    r = int(d * fraction) // 2 * 2
+    half = r // 2
+    theta = base ** (-torch.arange(half, dtype=torch.float64) * 2 / r)  # [r/2]
+    if float32_angles:
+        angles = (positions.float()[..., None] * theta.float()).double()
+    else:
+        angles = positions.double()[..., None] * theta  # [..., T, r/2]
+    z = torch.complex(x[..., :half].double(), x[..., half:r].double()) * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag, x[..., r:].double()), dim=-1).to(x.dtype)
+
+
+def inputs(max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 37, 64, generator=g, dtype=torch.float64)
+    positions = torch.randint(0, max_pos, (2, 3, 37), generator=g)  # unsorted, repeated: gathered tokens
+    return x, positions
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0, 0.25])
+@pytest.mark.parametrize("max_pos", [64, 4096, 100_000])
+def test_rotation_matches_complex_multiplication(fraction: float, max_pos: int) -> None:
+    x, positions = inputs(max_pos)
+    out = RotaryEmbedding(64, fraction)(x, positions)
+    err = (out - complex_rotation(x, positions, fraction, float32_angles=True)).abs().max().item()
+    assert err <= 1e-6, f"max-abs error {err:.2e} (positions < {max_pos}, fraction {fraction})"
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("max_pos", [64, 4096])
+def test_angles_match_float64_within_float32_rounding(fraction: float, max_pos: int) -> None:
+    x, positions = inputs(max_pos)
+    out = RotaryEmbedding(64, fraction)(x, positions)
+    err = (out - complex_rotation(x, positions, fraction)).abs().max().item()
+    bound = 3 * 2**-24 * max_pos * x.abs().max().item()
+    assert err <= bound, f"max-abs error {err:.2e} > {bound:.1e} (positions < {max_pos})"
+
+
+def test_half_fraction_leaves_other_half_unchanged() -> None:
+    rope = RotaryEmbedding(64, 0.5)
+    assert rope.rot_dim == 32
+    x = torch.randn(4, 50, 64)
+    out = rope(x, torch.randint(1, 1000, (4, 50)))
+    assert torch.equal(out[..., 32:], x[..., 32:])
+    assert (out[..., :32] - x[..., :32]).abs().max() > 0.1  # the rotated half did move
+
+
+def test_norm_preserved_and_position_zero_is_identity() -> None:
+    rope = RotaryEmbedding(32, 0.5)
+    x = torch.randn(3, 20, 32, dtype=torch.float64)
+    out = rope(x, torch.randint(0, 500, (3, 20)))
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-6, atol=0)
+    assert torch.equal(rope(x, torch.zeros(3, 20, dtype=torch.long)), x)
+
+
+def test_gathered_tokens_rotate_by_original_positions() -> None:
+    """A sparse head that gathers X[I] and rotates by positions I gets exactly the rows of the full rotation."""
+    rope = RotaryEmbedding(16, 0.5)
+    x = torch.randn(2, 40, 16)
+    positions = torch.arange(40).expand(2, -1)
+    idx = torch.tensor([[3, 17, 18, 39], [0, 5, 22, 31]])
+    gathered = rope(x.gather(1, idx[..., None].expand(-1, -1, 16)), idx)
+    full = rope(x, positions).gather(1, idx[..., None].expand(-1, -1, 16))
+    assert torch.equal(gathered, full)
+
+
+def test_scores_depend_only_on_relative_position() -> None:
+    """<R_m q, R_n k> = <R_{m+s} q, R_{n+s} k> for any shift s (Su et al. 2021, eq. 16).
+    Positions stay below 1100, so float32 angle rounding keeps the error below 1e-4 on float64 inputs."""
+    g = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(64, 0.5)
+    q, k = torch.randn(64, dtype=torch.float64, generator=g), torch.randn(64, dtype=torch.float64, generator=g)
+    m = torch.randint(0, 100, (50,), generator=g)
+    n = torch.randint(0, 100, (50,), generator=g)
+    for shift in (1, 37, 1000):
+        base = (rope(q.expand(50, -1), m) * rope(k.expand(50, -1), n)).sum(-1)
+        shifted = (rope(q.expand(50, -1), m + shift) * rope(k.expand(50, -1), n + shift)).sum(-1)
+        assert (base - shifted).abs().max() < 1e-4, f"shift {shift}"
+    # ... and the score does change with the relative distance (the test can fail)
+    near = (rope(q[None], torch.tensor([10])) * rope(k[None], torch.tensor([9]))).sum()
+    far = (rope(q[None], torch.tensor([10])) * rope(k[None], torch.tensor([2]))).sum()
+    assert (near - far).abs() > 1e-3

@@ -1,0 +1,191 @@
+"""Training (lm/data.py, lm/module.py, lm/train.py, train_lm.py) on tiny synthetic prepared directories."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from heads import ConfigError
+from heads.dense import DenseHeads
+from lm.checkpoint import load_model
+from lm.config import load_config
+from lm.data import DataError, LMDataModule, TrainBatches, ValWindows, open_split
+from lm.module import LMModule
+from lm.schedule import lr_factor
+from tests.synthetic import run_overrides, write_prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_prepared(tmp_path_factory.mktemp("prepared"))
+
+
+@pytest.fixture(scope="module")
+def trained(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One 30-step run (val and checkpoint every 10 steps), shared by the tests below."""
+    from lm.train import train
+
+    out = tmp_path_factory.mktemp("run")
+    metrics = train(load_config(None, *run_overrides(data, out)))
+    return out, metrics
+
+
+def test_run_writes_metrics_json(trained: tuple[Path, dict]) -> None:
+    out, returned = trained
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics == json.loads(json.dumps(returned))
+    assert metrics["step"] == 30 and metrics["tokens_seen"] == 30 * 8 * 32
+    assert [h["step"] for h in metrics["history"]] == [10, 20, 30]
+    assert metrics["params"] > 0 and metrics["kv_total"] == 2 * 4 * 32 and metrics["tokens_per_s"] > 0
+    assert math.isclose(metrics["val_ppl"], math.exp(metrics["val_loss"]))
+
+
+def test_loss_falls(trained: tuple[Path, dict]) -> None:
+    """The synthetic chain is learnable: validation loss starts near ln 64 = 4.16 and falls clearly."""
+    history = json.loads((trained[0] / "metrics.json").read_text())["history"]
+    losses = [h["val_loss"] for h in history]
+    assert losses[0] > losses[1] > losses[2], losses
+    assert losses[-1] < math.log(64) - 1.0, losses
+
+
+def test_tensorboard_scalars(trained: tuple[Path, dict]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags: set[str] = set()
+    for events in (trained[0] / "tb").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    expected = {"train/loss", "train/ppl", "train/lr", "train/tokens_seen", "train/tokens_per_s", "val/loss", "val/ppl"}
+    assert expected <= tags, expected - tags
+
+
+def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
+    ckpts = trained[0] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step0000010.ckpt", "step0000020.ckpt",
+                                                        "step0000030.ckpt"]
+    ckpt = torch.load(ckpts / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 30 and ckpt["optimizer_states"] and {"config", "rng"} <= set(ckpt)
+    model, cfg = load_model(ckpts / "last.ckpt")
+    assert cfg.model.d_model == 32 and cfg.data.path == str(data)
+    tokens = torch.randint(0, 64, (1, 16))
+    reference = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items()}
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    assert model(tokens).shape == (1, 16, 64)
+
+
+def test_lr_schedule() -> None:
+    """Linear warmup to the peak, then cosine down to min_lr_ratio at max_steps (MoSA App. H)."""
+    f = [lr_factor(s, 10, 110, 0.1) for s in range(120)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
+    assert f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+
+
+def test_aux_losses_are_added_and_logged_separately() -> None:
+    class AuxHeads(DenseHeads):
+        def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            self.aux_losses = {"balance": x.new_tensor(0.125)}
+            return super().forward_fast(x, positions)
+
+    cfg = load_config(None, *run_overrides(Path("unused"), Path("unused")))
+    module = LMModule(cfg)
+    for block in module.model.blocks:
+        g = block.attn.groups[0]
+        block.attn.groups[0] = AuxHeads(g.ctx, g.count, g.options)
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    loss, ce, aux = module.losses(x, y)
+    assert aux == {"balance": pytest.approx(0.25)} and loss.item() == pytest.approx(ce.item() + 0.25)
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def test_train_order_is_a_pure_function_of_seed_and_step(data: Path) -> None:
+    cfg = load_config(None, *run_overrides(data, Path("unused")))
+    stream = open_split(data, "train", cfg.model)
+    a = TrainBatches(stream, 32, 4, seed=7)
+    resumed = iter(TrainBatches(stream, 32, 4, seed=7, start_step=5))
+    batches = [b for _, b in zip(range(8), iter(a))]
+    assert all(torch.equal(batches[5 + i][0], next(resumed)[0]) for i in range(3))
+    x, y = batches[0]
+    assert x.shape == (4, 32) and torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    assert not torch.equal(batches[0][0], batches[1][0])
+    assert not torch.equal(TrainBatches(stream, 32, 4, seed=8).batch(0)[0], x)
+    # 2 ranks x 4 windows = the first 8 windows of one process with batch 8 (same global batch)
+    ranks = [TrainBatches(stream, 32, 4, seed=7, rank=r, world_size=2).batch(3)[0] for r in (0, 1)]
+    assert torch.equal(torch.cat(ranks), TrainBatches(stream, 32, 8, seed=7).batch(3)[0])
+
+
+def test_workers_keep_the_order(data: Path) -> None:
+    cfg = load_config(None, *run_overrides(data, Path("unused")))
+    stream = open_split(data, "train", cfg.model)
+    loader = torch.utils.data.DataLoader(TrainBatches(stream, 32, 4, seed=1, start_step=3), batch_size=None,
+                                         num_workers=2)
+    got = [x for _, (x, _) in zip(range(4), loader)]
+    single = TrainBatches(stream, 32, 4, seed=1)
+    assert all(torch.equal(got[i], single.batch(3 + i)[0]) for i in range(4))
+
+
+def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
+    cfg = load_config(None, *run_overrides(data, Path("unused")))
+    train = open_split(data, "train", cfg.model)
+    flat = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in train.paths])
+    boundary = int(train.starts[1])
+    assert np.array_equal(train.read(boundary - 5, 10), flat[boundary - 5 : boundary + 5])
+    val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
+    assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
+    assert torch.equal(val[2][0], ValWindows(open_split(data, "val", cfg.model), 32, 5)[2][0])
+
+
+def data_error(path: Path, **model: object) -> str:
+    overrides = run_overrides(path, Path("unused")) + [f"model.{k}={v}" for k, v in model.items()]
+    cfg = load_config(None, *overrides)
+    with pytest.raises(DataError) as info:
+        LMDataModule(cfg.data, cfg.model, 0).check()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_data_errors(tmp_path: Path, data: Path) -> None:
+    assert "does not exist" in data_error(tmp_path / "missing")
+    (tmp_path / "empty_dir").mkdir()
+    assert "no index.json" in data_error(tmp_path / "empty_dir")
+    assert "vocab_size 64 > model.vocab_size 50" in data_error(data, vocab_size=50)
+    assert "model.seq_len=4000" in data_error(data, seq_len=4000)  # val has 4000 tokens: needs 4001
+    empty = write_prepared(tmp_path / "no_val", val_tokens=0)
+    assert "'val'" in data_error(empty) and "empty" in data_error(empty)
+    broken = write_prepared(tmp_path / "truncated")
+    (broken / "train_00001.bin").write_bytes(b"\0" * 10)
+    assert "train_00001.bin" in data_error(broken)
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+def test_cli_errors_are_one_line_with_status_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import train_lm
+
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    for args, field in (([quickstart, "model.n_layer=3"], "model.n_layer"),
+                        ([quickstart, f"data.path={tmp_path / 'none'}"], "data.path"),
+                        ([str(tmp_path / "none.yaml")], "not found")):
+        assert train_lm.main(["--config", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.strip().count("\n") == 0 and field in err, err
+
+
+def test_deepspeed_without_deepspeed_says_how_to_install(data: Path, tmp_path: Path) -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("deepspeed is installed here, so there is no missing-package message to check")
+    from lm.train import build_strategy
+
+    cfg = load_config(None, *run_overrides(data, tmp_path), "trainer.strategy=deepspeed_stage_2")
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
+        build_strategy(cfg.trainer)
