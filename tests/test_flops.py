@@ -37,6 +37,15 @@ def test_kv_entries_and_short_sequences() -> None:
     assert group_cost("mosa", h, hd, T, 1, {"sparsity": 8, "capacity_factor": 1.5}).kv == 192
 
 
+def test_options_from_dataclass_dict_or_head_defaults() -> None:
+    from heads import REGISTRY
+
+    as_dataclass = REGISTRY["mosa"].Options(sparsity=16)
+    assert group_cost("mosa", h, hd, T, 2, as_dataclass) == group_cost("mosa", h, hd, T, 2, {"sparsity": 16})
+    default = REGISTRY["mosa"].Options().sparsity  # a dict without sparsity takes the head's default
+    assert group_cost("mosa", h, hd, T, 1, {}) == group_cost("mosa", h, hd, T, 1, {"sparsity": default})
+
+
 def test_unknown_head_type_is_one_line() -> None:
     with pytest.raises(ConfigError, match="no FLOP formula for head type 'nope'; known: .*dense"):
         group_cost("nope", h, hd, T, 1)
