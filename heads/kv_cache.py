@@ -88,8 +88,8 @@ def gathered_step(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, membe
     B, _, h = x.shape
     H = member.shape[1]
     pos = positions[:, None, :1].expand(B, H, 1)
-    q, k, v = torch.einsum("bh,sndh->sbnd", x[:, 0], qkv_weight.view(3, H, -1, h))[..., None, :].unbind(0)
+    q, k, v = torch.nn.functional.linear(x, qkv_weight).view(B, 3, H, 1, -1).unbind(1)  # each [B, H, 1, h']
     cache.write(member[..., None], rope(k, pos), v, pos)
     a = cache.attend(rope(q, pos), positions[:, :1])  # [B, H, 1, h']
-    out = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, -1)) * (gate * member)[..., None, None]
-    return out.sum(1)
+    a = a * (gate * member)[..., None, None]  # diag(r) A; heads the token did not join give 0
+    return torch.nn.functional.linear(a.reshape(B, 1, -1), out_weight)  # sum_i A_i W^O_i

@@ -225,12 +225,13 @@ class MosaicHeads(HeadGroup):
         cache.members += member
         cache.seen += 1
         spos = p[:, :, None].expand(B, N, 1)
-        q, k, v = self._heads_qkv(x[:, None].expand(B, N, 1, h), spos)
+        q, k, v = self.qkv(x).view(B, 3, N, 1, self.ctx.head_dim).unbind(1)  # every head, one token
+        q, k = self.rope(q, spos), self.rope(k, spos)
         visible = member if o.padded == "include" else sel
         cache.kv.write(visible[..., None], k, v, spos)
         a = cache.kv.attend(q, p)  # [B, N, 1, h']
         if o.padded == "identity":  # a padded token sees only itself: softmax over one key = its value
             a = torch.where(pad[..., None, None], v, a)
         counted = sel if o.padded == "ignore" else member
-        gate = (probs[:, 0] * counted)[..., None]  # [B, N, 1]
-        return self._heads_out(a, gate).sum(1)  # [B, 1, h]
+        a = a * (probs[:, 0] * counted)[..., None, None]  # diag(p) A; heads the token is not in give 0
+        return self.out(a.reshape(B, 1, N * self.ctx.head_dim))  # sum_i A_i W^O_i
