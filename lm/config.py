@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -202,8 +203,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
-    except ValueError as err:  # an override that is not key=value
-        raise ConfigError(f"override: {err}") from None
+    except (ValueError, yaml.YAMLError) as err:  # an override that is not key=value or not valid YAML
+        raise ConfigError(f"overrides {' '.join(dotlist)}: {' '.join(str(err).split())}") from None
     return validate(cfg)
 
 

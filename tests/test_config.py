@@ -57,6 +57,7 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     assert "not found" in error_of(tmp_path / "nope.yaml")
     msg = error_of(write(tmp_path, "model: {n_layers: [4\n"))
     assert "YAML" in msg and "c.yaml" in msg
+    assert "model.heads" in error_of(None, "model.heads=[{type: dense")  # a bad YAML value on the command line
 
 
 def test_overrides_reach_list_items_and_keywords() -> None:
