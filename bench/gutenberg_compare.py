@@ -10,7 +10,8 @@ once (data_prep.prepare). Each variant trains with train_lm.py in its own proces
 with --lock, holding that file lock for its training and evaluation only), then its final checkpoint is
 evaluated on `eval.windows` evenly spaced validation windows: teacher-forced and leak-free (lm/leakfree.py).
 Results are merged by variant name into bench/results/gutenberg_compare.csv (a variant already there is
-skipped unless --force or named in --only) and the markdown table is rewritten from the csv, so adding a
+skipped unless --force or named in --only; a finished run directory of the identical config is only
+re-evaluated, not retrained) and the markdown table is rewritten from the csv, so adding a
 variant means adding one entry to the settings file and running only that one.
 """
 from __future__ import annotations
@@ -100,6 +101,16 @@ def prepare_data(settings: Any, data_path: str) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
+def finished_run(out: Path, cfg: Any) -> bool:
+    """`out` holds a completed training run of exactly this config (then only the evaluation is redone)."""
+    from lm.config import load_config
+
+    needed = [out / "config.yaml", out / "metrics.json", out / "train_seconds.txt", out / "checkpoints" / "last.ckpt"]
+    if not all(p.is_file() for p in needed):
+        return False
+    return load_config(out / "config.yaml") == cfg and json.loads((out / "metrics.json").read_text())["step"] >= cfg.trainer.max_steps
+
+
 def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int) -> dict[str, Any]:
     """Train one variant from scratch, then evaluate its last checkpoint (standard and leak-free).
     `budget`: the dense baseline's forward FLOPs per sequence."""
@@ -112,15 +123,19 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int) -> dict[s
     from lm.leakfree import evaluate
 
     out = ROOT / cfg.trainer.out_dir
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run: same seed, same data order as every variant
-    out.mkdir(parents=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.time()
-    with open(out / "train.log", "w") as log:
-        subprocess.run([sys.executable, str(ROOT / "train_lm.py"), "--config", str(out / "config.yaml")],
-                       cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    train_s = time.time() - start
+    if finished_run(out, cfg):
+        print(f"{name}: reusing the finished run in {out}", flush=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run: same seed, same data order as every variant
+        out.mkdir(parents=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        start = time.time()
+        with open(out / "train.log", "w") as log:
+            subprocess.run([sys.executable, str(ROOT / "train_lm.py"), "--config", str(out / "config.yaml")],
+                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+        (out / "train_seconds.txt").write_text(f"{time.time() - start:.1f}\n")
+    train_s = float((out / "train_seconds.txt").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     torch.set_num_threads(1)
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
