@@ -5,9 +5,10 @@ compression during decoding, and the ratio predictor's choices for tolerances De
 Both models are trained first (each run <= 4 min on CPU, under the shared lock):
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml
+    flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml  # optional
 then
     python bench/compression_experiment.py --compressed runs/compression --baseline runs/compression_baseline \
-        --data data/gutenberg_v2k --out bench/results/compression.md
+        [--fixed runs/compression_fixed] --data data/gutenberg_v2k --out bench/results/compression.md
 
 Every model/depth is scored on the same suffix tokens: fixed validation windows of 3P + S + 1 tokens
 from one book, depth k using the last kP + S + 1 of them. FLOPs: forward, one sample, MoSA App. C

@@ -120,7 +120,9 @@ def _positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
 class CompressedLM(nn.Module):
     """A DecoderLM (its embedding, blocks, norm and head, unchanged) with a compression layer
     before block `comp.layer`. mode="recent" is the FLOP-matched baseline: the memory is the last t
-    raw states at depth L instead of compressed ones (same t + S positions above L)."""
+    raw states at depth L instead of compressed ones (same t + S positions above L).
+    Head groups with auxiliary losses report those of each block's last call in a forward pass
+    (for blocks below L: the prefix chunks)."""
 
     def __init__(self, cfg: ModelConfig, comp: CompressionConfig) -> None:
         super().__init__()
@@ -194,10 +196,6 @@ class CompressedLM(nn.Module):
         target = tokens[:, P + 1 : P + S + 1]
         loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
         return loss.mean() if reduce else loss.mean(1)
-
-    @property
-    def aux_loss(self) -> torch.Tensor | float:
-        return self.lm.aux_loss
 
     def kv_total(self, seq_len: int | None = None) -> int:
         """KV entries while decoding a window of T tokens with a memory of t = ratio * prefix_len
