@@ -91,6 +91,10 @@ class MosaicHeads(HeadGroup):
     def causal(self) -> bool:
         return self.options.priority == "recency"
 
+    def kv_entries(self, seq_len: int) -> int:
+        """k slots per head, k fixed by the training length (a shorter sequence fills at most T)."""
+        return self.count * min(self.k, seq_len)
+
     # ---- routing -------------------------------------------------------------------------------
     def _priority(self, positions: torch.Tensor) -> torch.Tensor:
         """Random priorities [B, T]: fresh in training; in eval a fixed draw per position (seeded by the
@@ -213,7 +217,7 @@ class MosaicHeads(HeadGroup):
             return y
         if x.shape[1] != 1:
             raise ValueError("mosaic: after the prefill, decode one token at a time")
-        B, _, h = x.shape
+        B = x.shape[0]
         N, o = self.count, self.options
         probs, chosen = self._route(x)
         c = chosen[:, 0]  # [B, N]
