@@ -32,7 +32,7 @@ class SlotKV:
         return cls(kv[0], kv[1], pos, torch.zeros(batch, heads, dtype=torch.long, device=device), ring)
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys, values and their positions."""
+        """Bytes allocated for keys, values, their positions and the fill counters."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.fill))
 
     def write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
