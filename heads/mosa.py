@@ -113,9 +113,9 @@ class MoSAHeads(HeadGroup):
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(x)  # [B, H, T]
         B, H, T = logits.shape
-        index_sets, gates = [], []
+        index_sets: list[list[torch.Tensor]] = [[] for _ in range(B)]
+        gates: list[list[torch.Tensor]] = [[] for _ in range(B)]
         for b in range(B):
-            index_sets.append([]), gates.append([])
             for i in range(H):
                 s = logits[b, i]  # [T]
                 if self.options.selection == "expert_choice":

@@ -67,25 +67,25 @@ class RoutingHeads(HeadGroup):
     def causal(self) -> bool:
         return self.options.assignment != "topk"
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
-        """x[B, T, h] -> q(=k), v [B, H, T, h'], u = normalize(q), and the clusters' Selection [B, H, C, c]."""
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
+        """x[B, T, h] -> q(=k), v [B, H, T, h'], u = normalize(q), each token's nearest centroid [B, H, T],
+        and the clusters' Selection [B, H, C, c]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
         u = F.normalize(q, dim=-1)
         sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
+        nearest = sim.argmax(2)  # [B, H, T]
         if self.options.assignment == "topk":
             sel = expert_choice(sim, tokens_per_head(T, self.options.sparsity))
         else:
-            nearest = sim.argmax(2)  # [B, H, T]
             members = nearest[:, :, None, :] == torch.arange(sim.shape[2], device=x.device)[:, None]
             sel = earliest_first(members, self.capacity)
-        return q, v, u, sel
+        return q, v, u, nearest, sel
 
-    def _finish(self, a_sum: torch.Tensor, counts: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def _finish(self, a_sum: torch.Tensor, counts: torch.Tensor, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
         """a_sum[B, H, T, h'] summed cluster outputs, counts[B, H, T] memberships -> y[B, T, h]; aux loss, EMA."""
         B, H, T, d = a_sum.shape
         a = a_sum / counts.clamp(min=1)[..., None]  # mean over the clusters a token belongs to
-        nearest = self.kmeans.similarity(u.detach()).argmax(2)
         self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(u, nearest)}
         self.stats = {"routed_frac": (counts > 0).float().mean().item()}
         if self.training:
@@ -93,7 +93,7 @@ class RoutingHeads(HeadGroup):
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, v, u, sel = self._route(x)
+        q, v, u, nearest, sel = self._route(x)
         B, H, C, _ = sel.idx.shape
         T, d = x.shape[1], self.ctx.head_dim
         a_sum, counts = x.new_zeros(B, H, T, d), x.new_zeros(B, H, T)
@@ -106,10 +106,10 @@ class RoutingHeads(HeadGroup):
                     scores = (qc @ qc.T / d**0.5).masked_fill(~allowed, float("-inf"))
                     a_sum[b, i] = a_sum[b, i].index_add(0, I, (scores.softmax(-1) @ v[b, i, I]).to(x.dtype))
                     counts[b, i] = counts[b, i].index_add(0, I, torch.ones_like(I, dtype=x.dtype))
-        return self._finish(a_sum, counts, u)
+        return self._finish(a_sum, counts, u, nearest)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, v, u, sel = self._route(x)
+        q, v, u, nearest, sel = self._route(x)
         B, H, C, c = sel.idx.shape
         T, d = x.shape[1], self.ctx.head_dim
         flat = sel.idx.reshape(B, H, C * c)  # every slot of every cluster
@@ -120,4 +120,4 @@ class RoutingHeads(HeadGroup):
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))
-        return self._finish(a_sum, counts, u)
+        return self._finish(a_sum, counts, u, nearest)

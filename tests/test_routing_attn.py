@@ -24,7 +24,7 @@ def test_fast_matches_reference(T: int, sparsity: int, assignment: str) -> None:
 def test_balanced_topk_clusters_have_k_tokens() -> None:
     T, rho = 96, 4
     group: RoutingHeads = make_group("routing", dict(sparsity=rho, assignment="topk"), T)
-    _, _, _, sel = group._route(torch.randn(2, T, 32))
+    _, _, _, _, sel = group._route(torch.randn(2, T, 32))
     assert sel.idx.shape == (2, 3, rho, T // rho) and sel.valid.all()
     assert (sel.idx.diff(dim=-1) > 0).all()
 
@@ -32,7 +32,7 @@ def test_balanced_topk_clusters_have_k_tokens() -> None:
 def test_nearest_clusters_partition_up_to_capacity() -> None:
     T, rho = 96, 4
     group: RoutingHeads = make_group("routing", dict(sparsity=rho, capacity_factor=100.0), T)
-    _, _, _, sel = group._route(torch.randn(2, T, 32))
+    _, _, _, _, sel = group._route(torch.randn(2, T, 32))
     members = sel.idx[sel.valid].numel()
     assert members == 2 * 3 * T  # every token in exactly one cluster when nothing overflows
 
