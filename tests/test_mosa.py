@@ -218,3 +218,22 @@ def test_experiment_configs_load_and_run(path: str) -> None:
 
 def test_tokens_per_head_rule() -> None:
     assert [tokens_per_head(T, 32) for T in (1024, 100, 64, 63, 10, 1)] == [32, 3, 2, 2, 2, 1]
+
+
+def test_gutenberg_compare_variants_are_flop_matched() -> None:
+    """Every variant of the Gutenberg experiment is a valid config within 5% below the dense baseline's FLOPs."""
+    from omegaconf import OmegaConf
+
+    from bench.gutenberg_compare import base_config, run_config
+    from flops.model import model_cost
+
+    settings = OmegaConf.load(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml")
+    budget = model_cost(base_config(settings, []).model).flops_per_pass
+    causal = {}
+    for name in settings.variants:
+        cfg = run_config(settings, name, [])
+        assert 0.95 <= model_cost(cfg.model).flops_per_pass / budget <= 1.0, name
+        assert cfg.trainer.out_dir.endswith(name) and cfg.trainer.seed == settings.base.trainer.seed
+        causal[name] = lm.build_model(cfg.model).causal
+    mine = {"dense": True, "mosa_causal": True, "mosa_faithful": False, "fixed": True, "routing": True, "routing_balanced": False}
+    assert {name: causal[name] for name in mine} == mine
