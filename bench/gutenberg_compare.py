@@ -2,7 +2,7 @@
 on Gutenberg at matched forward FLOPs, reporting standard and leak-free validation perplexity.
 
     python -m bench.gutenberg_compare [--config configs/experiments/gutenberg_compare.yaml]
-        [--only NAME,NAME] [--force] [--lock /tmp/cpu_heavy.lock] [section.key=value ...]
+        [--only NAME,NAME] [--force] [--lock /tmp/cpu_heavy.lock [--hold-lock]] [section.key=value ...]
 
 Every variant shares `base` of the settings file (data, tokenizer, seed, schedule, size); its head mix is
 FLOP-matched to the dense baseline with MoSA App. C (flops.isoflop.solve). The data directory is prepared
@@ -216,10 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated variant names (rerun even if present)")
     parser.add_argument("--force", action="store_true", help="rerun variants that already have results")
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
+    parser.add_argument("--hold-lock", action="store_true", help="hold --lock once for all selected variants")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
-    from flops.model import model_cost
-
     settings = OmegaConf.load(args.config)
     order = list(settings.variants)
     wanted = order if args.only is None else args.only.split(",")
@@ -228,19 +227,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
         return 2
     rows = read_rows()
-    for name in wanted:
-        if name in rows and not (args.force or args.only):
-            print(f"{name}: already in {RESULTS.with_suffix('.csv').name}, skipped (--force to rerun)")
-            continue
-        cfg = run_config(settings, name, args.overrides)
-        with locked(args.lock):
-            prepare_data(settings, cfg.data.path)
-            print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)
-            budget = model_cost(base_config(settings, args.overrides).model).flops_per_pass
-            rows[name] = train_and_evaluate(cfg, name, int(settings.eval.windows), budget)
-        print(json.dumps(rows[name]), flush=True)
-        write_results(rows, settings, order)
+    with locked(args.lock if args.hold_lock else None):
+        for name in wanted:
+            if name in rows and not (args.force or args.only):
+                print(f"{name}: already in {RESULTS.with_suffix('.csv').name}, skipped (--force to rerun)")
+                continue
+            row = run_variant(settings, name, args)
+            rows = {**read_rows(), name: row}  # merge with rows other processes may have written meanwhile
+            write_results(rows, settings, order)
     return 0
+
+
+def run_variant(settings: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    from flops.model import model_cost
+
+    cfg = run_config(settings, name, args.overrides)
+    with locked(None if args.hold_lock else args.lock):
+        prepare_data(settings, cfg.data.path)
+        print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)
+        budget = model_cost(base_config(settings, args.overrides).model).flops_per_pass
+        row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":
