@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         header = [
             "# Decoding: dense vs MoSA and MoSAIC hybrids (KV cache, lm/generate.py)", "",
             f"Command: `{cmd}`  ",
-            f"Machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} thread(s), "
+            f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} thread(s), "
             f"device {args.device}; Python {platform.python_version()}, torch {torch.__version__}  ",
             f"Model: {args.layers} layers, d_model {args.d_model}, head_dim {args.head_dim}, vocab {args.vocab}, "
             f"fp32, batch 1, random weights; seq_len = prompt + {args.new_tokens}; {args.new_tokens} greedy "
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "for prompt + new tokens (MoSA: capacity slots per head); analytic KV = kv_total(T) x 2 x "
             "head_dim x 4 bytes (MoSA Table 2).", "",
         ]
-        Path(args.out).write_text("\n".join(header) + table + "\n")
+        Path(args.out).write_text("\n".join(header) + "\n" + table + "\n")
     return 0
 
 
