@@ -1,13 +1,14 @@
 """Algorithmic generalisation (MiTA App. C; top-k attention §4.4): a dense-trained checkpoint evaluated
 with its dense heads swapped, at evaluation only and with the same weights, for top-k (several k),
 MiTA (several block sizes b -> m = T // b landmarks, expert widths k, routed experts s) and causal
-agent attention; validation perplexity against the dense original.
+agent attention, with sliding-window heads as a control (the local context alone); validation
+perplexity against the dense original.
 
-    python -m bench.generalisation --ckpt runs/gen_dense/checkpoints/last.ckpt \\
-        --topk 8 16 32 64 --mita 64:32:1 32:32:1 32:64:1 16:64:2 --agent 32:32 \\
+    python -m bench.generalisation --ckpt runs/gutenberg-exp/dense/checkpoints/last.ckpt \\
+        --topk 8 16 32 64 --mita 64:32:1 32:32:1 32:64:1 16:64:2 --agent 32:32 --local 32 \\
         --out bench/results/generalisation.md
 
-All three types share dense's `qkv` / `out` parameter layout, so `swap_heads` only rewrites the
+All these types share dense's `qkv` / `out` parameter layout, so `swap_heads` only rewrites the
 config and loads the dense state dict strictly.
 """
 from __future__ import annotations
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mita", nargs="*", default=[], help="block:k:s triples for MiTA heads")
     parser.add_argument("--mita-no-shared", nargs="*", default=[], help="block:k:s triples, MiTA without shared expert")
     parser.add_argument("--agent", nargs="*", default=[], help="block:window pairs for agent heads")
+    parser.add_argument("--local", type=int, nargs="*", default=[],
+                        help="control: sliding-window heads (heads/local.py) of these widths, i.e. the local context alone")
     parser.add_argument("--val-windows", type=int, default=64, help="validation windows of seq_len tokens")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", default=None, help="write the markdown table here")
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         variants += [("mita", _parse(s, ("block", "k", "s"))) for s in args.mita]
         variants += [("mita", {**_parse(s, ("block", "k", "s")), "shared": False}) for s in args.mita_no_shared]
         variants += [("agent", _parse(s, ("block", "window"))) for s in args.agent]
+        variants += [("local", {"window": w}) for w in args.local]
         rows = []
         for head_type, options in variants:
             model = dense.eval() if head_type == "dense" else swap_heads(dense, head_type, options)
@@ -112,6 +116,8 @@ def _describe(head_type: str, options: dict[str, Any], T: int) -> str:
         return f"b = {options['block']} (m = {T // options['block']}), k = {options['k']}, s = {options['s']}{shared}"
     if head_type == "agent":
         return f"b = {options['block']} ({T // options['block']} agents), window = {options['window']}"
+    if head_type == "local":
+        return f"window = {options['window']} (control: local context only)"
     return "(trained)"
 
 
