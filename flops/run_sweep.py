@@ -1,6 +1,7 @@
 """Train the points of a sweep (flops/sweep.py) one after another; resumable and failure-tolerant.
 
-    python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows 8] [trainer.max_steps=500 ...]
+    python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows 8] [--lock /tmp/cpu_heavy.lock] \
+        [trainer.max_steps=500 ...]
 
 For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
 trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml --resume [overrides]`
@@ -13,12 +14,14 @@ validation windows, written to `<out_dir>/leakfree.json`. Exit status 1 if any p
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,11 +73,26 @@ def run_point(entry: dict[str, Any], overrides: list[str], leakfree_windows: int
     return status
 
 
+@contextlib.contextmanager
+def _locked(path: Path | None) -> Iterator[None]:
+    """Exclusive flock on `path` (shared heavy-job queue) for the duration of the block; no-op if None."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flops.run_sweep", description=__doc__.split("\n")[0])
     p.add_argument("sweep", type=Path, help="directory written by python -m flops.sweep")
     p.add_argument("--only", help="comma-separated point names (default: all)")
     p.add_argument("--leakfree-windows", type=int, default=8, help="validation windows for leak-free evaluation")
+    p.add_argument("--lock", type=Path, help="hold this lock file (flock) while training each point, e.g. /tmp/cpu_heavy.lock")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")
     a = p.parse_args(argv)
     manifest_file = a.sweep / "sweep.json"
@@ -97,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             status.setdefault(entry["name"], {"status": "done"})
             continue
         print(f"{entry['name']:>14}: training ...", flush=True)
-        status[entry["name"]] = run_point(entry, a.overrides, a.leakfree_windows)
+        with _locked(a.lock):
+            status[entry["name"]] = run_point(entry, a.overrides, a.leakfree_windows)
         print(f"{entry['name']:>14}: {status[entry['name']]}", flush=True)
         status_file.write_text(json.dumps(status, indent=1))
     status_file.write_text(json.dumps(status, indent=1))
