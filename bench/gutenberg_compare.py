@@ -197,7 +197,12 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         f"from its own prefix (lm/leakfree.py; expert-choice / top-k selections re-made on the prefix).",
         "",
         "Reproduce: `python -m bench.gutenberg_compare` (all variants; `--only NAME` for one, `--force` to rerun; "
-        "`--lock /tmp/cpu_heavy.lock` on a shared machine).",
+        "`--lock /tmp/cpu_heavy.lock [--hold-lock]` on a shared machine; `--report` rewrites this file from the csv).",
+        "",
+        "Caveats: a few hundred steps of a tiny model on a shared CPU: differences of a few percent in perplexity are "
+        "within run-to-run noise (one seed each). `train s` is wall time including start-up and depends on the "
+        "machine's load at the time, so it does not compare speeds. `causal = False` rows are leaky as published; "
+        "their honest number is the leak-free perplexity.",
         "",
         "| variant | heads per layer | causal | params | fwd GFLOP (/ dense) | KV total | steps | train s | val ppl | leak-free ppl |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -217,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rerun variants that already have results")
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
     parser.add_argument("--hold-lock", action="store_true", help="hold --lock once for all selected variants")
+    parser.add_argument("--report", action="store_true", help="only rewrite the markdown table from the csv")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
     settings = OmegaConf.load(args.config)
@@ -227,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
         return 2
     rows = read_rows()
+    if args.report:
+        write_results(rows, settings, order)
+        return 0
     with locked(args.lock if args.hold_lock else None):
         for name in wanted:
             if name in rows and not (args.force or args.only):
