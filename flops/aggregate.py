@@ -98,6 +98,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     if base:
         ax.axhline(base[0], color="grey", linestyle="--", linewidth=1, label="dense baseline")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["sparsity"] for r in rows})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
     ax.set_ylabel("validation perplexity")
     ax.set_title(title)
