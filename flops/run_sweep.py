@@ -1,6 +1,6 @@
 """Train the points of a sweep (flops/sweep.py) one after another; resumable and failure-tolerant.
 
-    python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows 8] [--lock /tmp/cpu_heavy.lock] \
+    python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows N] [--lock /tmp/cpu_heavy.lock] \
         [trainer.max_steps=500 ...]
 
 For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
@@ -9,7 +9,8 @@ trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml -
 point is recorded in `<dir>/status.json` with its exit code and the log's last line, and the sweep
 goes on. For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
 evaluated leak-free (lm/leakfree.py: every prediction from its own prefix) on `--leakfree-windows`
-validation windows, written to `<out_dir>/leakfree.json`. Exit status 1 if any point failed.
+validation windows (default: the same windows as training's validation), written to
+`<out_dir>/leakfree.json`; a point trained but not yet evaluated is only evaluated. Exit status 1 if any point failed.
 """
 from __future__ import annotations
 
@@ -26,20 +27,24 @@ from typing import Any, Iterator
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def finished(entry: dict[str, Any], overrides: list[str]) -> bool:
-    """The point's metrics.json reports the final step (and, if needed, its leak-free evaluation exists)."""
+def trained(entry: dict[str, Any], overrides: list[str]) -> bool:
+    """The point's metrics.json reports the final step."""
     from lm.config import load_config
 
     metrics = Path(entry["out_dir"]) / "metrics.json"
     if not metrics.is_file():
         return False
     max_steps = load_config(entry["config"], *overrides).trainer.max_steps
-    done = json.loads(metrics.read_text()).get("step", 0) >= max_steps
-    return done and (entry["causal"] or (Path(entry["out_dir"]) / "leakfree.json").is_file())
+    return json.loads(metrics.read_text()).get("step", 0) >= max_steps
 
 
-def leak_free_eval(entry: dict[str, Any], windows: int) -> dict[str, float]:
-    """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows."""
+def needs_leak_free(entry: dict[str, Any]) -> bool:
+    return not entry["causal"] and not (Path(entry["out_dir"]) / "leakfree.json").is_file()
+
+
+def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, float]:
+    """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows
+    (default: the data.val_batches * data.batch_size windows that training validated on)."""
     import torch
 
     from lm.checkpoint import load_model
@@ -47,6 +52,7 @@ def leak_free_eval(entry: dict[str, Any], windows: int) -> dict[str, float]:
     from lm.leakfree import evaluate
 
     model, cfg = load_model(Path(entry["out_dir"]) / "checkpoints" / "last.ckpt")
+    windows = windows or cfg.data.val_batches * cfg.data.batch_size
     val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
     full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))])  # [N, T+1]
     result = evaluate(model, full.long().split(cfg.data.batch_size), leak_free=True)
@@ -54,7 +60,8 @@ def leak_free_eval(entry: dict[str, Any], windows: int) -> dict[str, float]:
     return result
 
 
-def run_point(entry: dict[str, Any], overrides: list[str], leakfree_windows: int) -> dict[str, Any]:
+def train_point(entry: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Run train_lm.py for one point (resuming from its last checkpoint); status with the log's last line on failure."""
     out = Path(entry["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -62,15 +69,18 @@ def run_point(entry: dict[str, Any], overrides: list[str], leakfree_windows: int
     with open(out / "train.log", "a") as log:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
     status: dict[str, Any] = {"status": "done" if rc == 0 else "failed", "rc": rc, "seconds": round(time.time() - start, 1)}
-    if rc == 0 and not entry["causal"]:
-        try:
-            status["leakfree_ppl"] = leak_free_eval(entry, leakfree_windows)["leakfree_ppl"]
-        except Exception as err:  # recorded, not fatal: the sweep goes on
-            status.update(status="failed", error=f"leak-free evaluation: {type(err).__name__}: {err}")
-    if status["status"] == "failed" and "error" not in status:
+    if rc != 0:
         lines = (out / "train.log").read_text(errors="replace").strip().splitlines()
         status["error"] = lines[-1] if lines else f"exit status {rc}"
     return status
+
+
+def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int | None) -> dict[str, Any]:
+    """Add the leak-free evaluation of a trained non-causal point to its status (a failure is recorded)."""
+    try:
+        return {**status, "leakfree_ppl": leak_free_eval(entry, windows)["leakfree_ppl"]}
+    except Exception as err:  # recorded, not fatal: the sweep goes on
+        return {**status, "status": "failed", "error": f"leak-free evaluation: {type(err).__name__}: {err}"}
 
 
 @contextlib.contextmanager
@@ -91,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flops.run_sweep", description=__doc__.split("\n")[0])
     p.add_argument("sweep", type=Path, help="directory written by python -m flops.sweep")
     p.add_argument("--only", help="comma-separated point names (default: all)")
-    p.add_argument("--leakfree-windows", type=int, default=8, help="validation windows for leak-free evaluation")
+    p.add_argument("--leakfree-windows", type=int, help="validation windows for the leak-free evaluation "
+                   "(default: the val_batches * batch_size windows of training's validation)")
     p.add_argument("--lock", type=Path, help="hold this lock file (flock) while training each point, e.g. /tmp/cpu_heavy.lock")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")
     a = p.parse_args(argv)
@@ -110,14 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     status_file = a.sweep / "status.json"
     status = json.loads(status_file.read_text()) if status_file.is_file() else {}
     for entry in points:
-        if finished(entry, a.overrides):
-            print(f"{entry['name']:>14}: finished, skipped")
-            status.setdefault(entry["name"], {"status": "done"})
+        name = entry["name"]
+        if trained(entry, a.overrides) and not needs_leak_free(entry):
+            print(f"{name:>14}: finished, skipped")
+            status.setdefault(name, {"status": "done"})
             continue
-        print(f"{entry['name']:>14}: training ...", flush=True)
         with _locked(a.lock):
-            status[entry["name"]] = run_point(entry, a.overrides, a.leakfree_windows)
-        print(f"{entry['name']:>14}: {status[entry['name']]}", flush=True)
+            if not trained(entry, a.overrides):
+                print(f"{name:>14}: training ...", flush=True)
+                status[name] = train_point(entry, a.overrides)
+            if status.get(name, {"status": "done"})["status"] == "done" and needs_leak_free(entry):
+                print(f"{name:>14}: leak-free evaluation ...", flush=True)
+                status[name] = evaluate_point(entry, status.get(name, {"status": "done"}), a.leakfree_windows)
+        print(f"{name:>14}: {status[name]}", flush=True)
         status_file.write_text(json.dumps(status, indent=1))
     status_file.write_text(json.dumps(status, indent=1))
     failed = [name for name, s in status.items() if s["status"] == "failed"]
