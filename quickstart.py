@@ -12,6 +12,7 @@ train_lm.py). A rerun continues an interrupted run (or just reports a finished o
 from __future__ import annotations
 
 import argparse
+import math
 import shutil
 import sys
 import time
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     for h in metrics["history"]:
         print(f"  step {h['step']:5d}  {h['tokens_seen'] / 1e6:6.2f}M tokens  val loss {h['val_loss']:.3f}  "
               f"ppl {h['val_ppl']:9.2f}")
-    print(f"\nquickstart done in {(time.perf_counter() - start) / 60:.1f} min: {metrics['params'] / 1e6:.2f}M params, "
-          f"{metrics['tokens_per_s']:,.0f} training tokens/s")
+    speed = metrics["tokens_per_s"]
+    print(f"\nquickstart done in {(time.perf_counter() - start) / 60:.1f} min: {metrics['params'] / 1e6:.2f}M params"
+          + ("" if math.isnan(speed) else f", {speed:,.0f} training tokens/s"))
     print(f"  TensorBoard: tensorboard --logdir {out / 'tb'}")
     print(f"  checkpoint:  {out / 'checkpoints' / 'last.ckpt'}")
     print(f"  metrics:     {out / 'metrics.json'}")

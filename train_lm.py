@@ -1,7 +1,7 @@
 """Train a decoder LM: python train_lm.py --config configs/X.yaml [section.key=value ...] [--resume [PATH]]
 
 Overrides are OmegaConf dotlist entries (e.g. model.n_layers=4 trainer.max_steps=100 data.path=data/c4).
---resume continues from <trainer.out_dir>/checkpoints/last.ckpt (or PATH) with the same data order,
+--resume continues from the newest checkpoint in <trainer.out_dir>/checkpoints (or PATH) with the same data order,
 RNG, optimizer and scheduler state. Config and data errors print one line and exit with status 2.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="YAML file (configs/*.yaml)")
     parser.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH",
-                        help="continue from last.ckpt of trainer.out_dir, or from PATH")
+                        help="continue from the newest checkpoint of trainer.out_dir, or from PATH")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
     args = parser.parse_args(argv)
     from lm.data import DataError  # after argument parsing: --help stays fast

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     device, slug = device_name()
+    load = os.getloadavg()  # the machine may be shared: record how busy it was
     rows = []
     for path, cfg in configs:
         r = measure(cfg, device, args.steps, args.warmup)
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tokens_per_s']:,.0f} tokens/s")
         rows.append(f"| {path} | {r['params'] / 1e6:.2f}M | {B} x {T} | {r['precision']} | {r['median_s']:.4f} "
                     f"| {r['min_s']:.4f} / {r['max_s']:.4f} | {r['tokens_per_s']:,.0f} |")
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    threads_env = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if "OMP_NUM_THREADS" in os.environ else []
+    command = shlex.join([*threads_env, "python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     lines = [
         f"# Training throughput on {slug}",
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.steps} timed steps after {args.warmup} warm-up steps.",
         "",
         f"- command: `{command}` (overrides: {' '.join(args.overrides) or 'none'})",
-        f"- device: {hardware}; torch threads: {torch.get_num_threads()}",
+        f"- device: {hardware}; torch threads: {torch.get_num_threads()}; load average before the run: "
+        f"{load[0]:.2f} (1 min)",
         f"- python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
         f"{platform.platform()}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

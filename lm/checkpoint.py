@@ -58,6 +58,7 @@ class StepCheckpoints(L.Callback):
 
     def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True) -> None:
         self.dirpath, self.every, self.val_every, self.link_last = Path(dirpath), every, val_every, link_last
+        self.saved_step: int | None = None  # step of the newest checkpoint written by this process
 
     def save(self, trainer: L.Trainer) -> None:
         step_path = self.dirpath / f"step{trainer.global_step:07d}.ckpt"
@@ -70,6 +71,7 @@ class StepCheckpoints(L.Callback):
             tmp.unlink(missing_ok=True)
             os.link(step_path, tmp)
             os.replace(tmp, last)
+        self.saved_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         step = trainer.global_step

@@ -66,12 +66,19 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     )
 
 
+def newest_checkpoint(directory: Path) -> Path:
+    """The step<N>.ckpt with the largest N (a kill may land between writing it and linking last.ckpt),
+    else last.ckpt."""
+    steps = sorted(directory.glob("step*.ckpt"), key=lambda p: int(p.stem.removeprefix("step")))
+    return steps[-1] if steps else directory / "last.ckpt"
+
+
 def resume_path(cfg: Config, resume: str | None) -> str | None:
-    """`--resume` -> last.ckpt of this run (None, i.e. a fresh start, if there is none yet);
-    `--resume PATH` -> PATH. The checkpoint's model config must equal this run's."""
+    """`--resume` -> the newest checkpoint of this run (None, i.e. a fresh start, if there is none
+    yet); `--resume PATH` -> PATH. The checkpoint's model config must equal this run's."""
     if resume is None:
         return None
-    path = ckpt_dir(cfg) / "last.ckpt" if resume == "last" else Path(resume)
+    path = newest_checkpoint(ckpt_dir(cfg)) if resume == "last" else Path(resume)
     if not path.is_file():
         if resume != "last":
             raise ConfigError(f"--resume: checkpoint {path} not found")
@@ -103,7 +110,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False) 
     step = trainer.global_step
     if not module.val_history or module.val_history[-1]["step"] != step:
         trainer.validate(module, datamodule=data, verbose=False)
-    if step % t.ckpt_every:
+    if checkpoints.saved_step != step:
         checkpoints.save(trainer)
     out = Path(t.out_dir)
     rank_zero_info(
