@@ -75,15 +75,18 @@ def newest_checkpoint(directory: Path) -> Path:
 
 def resume_path(cfg: Config, resume: str | None) -> str | None:
     """`--resume` -> the newest checkpoint of this run (None, i.e. a fresh start, if there is none
-    yet); `--resume PATH` -> PATH. The checkpoint's model config must equal this run's."""
+    yet); `--resume PATH` -> PATH. The checkpoint's model config must equal this run's (checked for
+    single-file checkpoints; DeepSpeed writes directories)."""
     if resume is None:
         return None
     path = newest_checkpoint(ckpt_dir(cfg)) if resume == "last" else Path(resume)
-    if not path.is_file():
+    if not path.exists():
         if resume != "last":
             raise ConfigError(f"--resume: checkpoint {path} not found")
         rank_zero_info(f"--resume: no checkpoint at {path} yet; starting from scratch")
         return None
+    if path.is_dir():
+        return str(path)
     saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]["model"]
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]

@@ -189,3 +189,16 @@ def test_deepspeed_without_deepspeed_says_how_to_install(data: Path, tmp_path: P
     cfg = load_config(None, *run_overrides(data, tmp_path), "trainer.strategy=deepspeed_stage_2")
     with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
         build_strategy(cfg.trainer)
+
+
+def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -> None:
+    from lm.train import resume_path
+
+    out = trained[0]
+    same = load_config(None, *run_overrides(data, out))
+    assert resume_path(same, "last") == str(out / "checkpoints" / "step0000030.ckpt")  # the newest step file
+    assert resume_path(load_config(None, *run_overrides(data, tmp_path)), "last") is None  # nothing yet: fresh
+    with pytest.raises(ConfigError, match="model.n_layers"):
+        resume_path(load_config(None, *run_overrides(data, out), "model.n_layers=3"), "last")
+    with pytest.raises(ConfigError, match="not found"):
+        resume_path(same, str(tmp_path / "nope.ckpt"))
