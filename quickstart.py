@@ -6,8 +6,9 @@ minutes, print the validation perplexity as it falls, and leave TensorBoard logs
 Data: the first 14 books (by file name) of <shared>/gutenberg, SentencePiece vocabulary of
 model.vocab_size; two of them hash into validation (Treasure Island, A Modest Proposal). Without
 <shared>/gutenberg it runs offline on Python's own documentation, which ships with CPython
-(data_prep's `builtin` source). Model and schedule: configs/quickstart.yaml (overrides as in
-train_lm.py). A rerun continues an interrupted run (or just reports a finished one); --fresh retrains.
+(data_prep's `builtin` source; ~113k tokens, so training stops at 120 steps). Model and schedule:
+configs/quickstart.yaml (overrides as in train_lm.py). A rerun continues an interrupted run (or just
+reports a finished one); --fresh retrains.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ROOT = Path(__file__).resolve().parent
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 BOOKS = 14
 VAL_FRACTION = 0.1
+BUILTIN_STEPS = 120  # the builtin corpus has ~113k training tokens: ~4 epochs, before overfitting sets in
 
 
 def prepare_data(cfg: Config, shared: Path) -> None:
@@ -40,8 +42,9 @@ def prepare_data(cfg: Config, shared: Path) -> None:
     else:
         cfg.data.path += "-builtin"
         cfg.trainer.out_dir += "-builtin"
+        cfg.trainer.max_steps = min(cfg.trainer.max_steps, BUILTIN_STEPS)
         print(f"data: {gutenberg} not found, so training offline on Python's own documentation "
-              f"(pydoc_data, shipped with CPython) -> {cfg.data.path}")
+              f"(pydoc_data, shipped with CPython; small, so at most {BUILTIN_STEPS} steps) -> {cfg.data.path}")
         prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=VAL_FRACTION, progress=False)
 
 
