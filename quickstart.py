@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(cfg.trainer.out_dir, ignore_errors=True)
         from lm.train import train
 
-        metrics = train(cfg, resume="last", validate_first=True)
+        earlier = (Path(cfg.trainer.out_dir) / "checkpoints").is_dir()
+        metrics = train(cfg, resume="last" if earlier else None, validate_first=True)
     except (ConfigError, DataError, PrepError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
