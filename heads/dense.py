@@ -55,7 +55,7 @@ class DenseHeads(HeadGroup):
         """Prefill (empty cache): causal attention over the chunk; later: attend to every cached key."""
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
-        prefill = cache.is_empty
+        prefill = cache.fresh
         cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand(-1, self.count, -1))
         a = attend(q, k, v, causal=True) if prefill else cache.attend(q, positions)
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
