@@ -1,4 +1,6 @@
-"""Helpers for my head tests (mosa, fixed, local, routing): fast-vs-reference comparison in fp32."""
+"""Shared head-test helpers: build a head group, compare its fast path against its reference.
+
+fp32 for most heads; float64 where a selection (top-k, landmarks) could flip on rounding noise."""
 from __future__ import annotations
 
 from typing import Callable
@@ -14,25 +16,28 @@ REL_MAX_TOL = 1e-4
 
 
 def make_group(head_type: str, options: dict, T: int, count: int = 3, d_model: int = 32, head_dim: int = 8,
-               std: float = 0.3, seed: int = 0) -> HeadGroup:
-    """A head group with weights ~ N(0, std^2) (large enough that attention is far from uniform)."""
+               std: float | None = 0.3, seed: int = 0, dtype: torch.dtype = torch.float32) -> HeadGroup:
+    """A head group with weights ~ N(0, std^2) (large enough that attention is far from uniform);
+    std=None keeps the layers' default initialisation."""
     torch.manual_seed(seed)
     ctx = GroupContext(d_model=d_model, head_dim=head_dim, seq_len=T)
-    group = head_class(head_type)(ctx, count, make_options(head_type, dict(options), ctx))
-    for p in group.parameters():
-        torch.nn.init.normal_(p, std=std)
+    group = head_class(head_type)(ctx, count, make_options(head_type, dict(options), ctx)).to(dtype)
+    if std is not None:
+        for p in group.parameters():
+            torch.nn.init.normal_(p, std=std)
     return group.eval()
 
 
 def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
                       before: Callable[[HeadGroup], None] | None = None) -> dict[str, tuple[float, float]]:
-    """Run `group` with impl=reference and impl=fast on the same fp32 input; return
+    """Run `group` with impl=reference and impl=fast on the same input (in the group's dtype); return
     {name: (relative RMS error, max-abs error / max-abs of reference)} for the output, d/dx and every
     parameter gradient (a random cotangent). `before(group)` runs before each pass (e.g. to reset state)."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, T, group.ctx.d_model, generator=gen, requires_grad=True)
+    dtype = next(group.parameters()).dtype
+    x = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype, requires_grad=True)
     positions = torch.arange(T).expand(batch, T)
-    cot = torch.randn(batch, T, group.ctx.d_model, generator=gen)
+    cot = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype)
     params = [p for p in group.parameters()]
     results = []
     for impl in ("reference", "fast"):
@@ -40,7 +45,7 @@ def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
             before(group)
         group.options.impl = impl
         y = group(x, positions)
-        loss = (y * cot).sum() + sum((v for v in group.aux_losses.values()), torch.zeros(()))
+        loss = (y * cot).sum() + sum((v for v in group.aux_losses.values()), torch.zeros((), dtype=dtype))
         results.append([y, *torch.autograd.grad(loss, [x, *params])])
     names = ["output", "grad_x"] + [f"grad_{n}" for n, _ in group.named_parameters()]
     errors = {}
