@@ -198,8 +198,11 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
     try:
         merged = OmegaConf.merge(schema, *layers)
+        updates = [*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())]
+        if merged.compression is None and any(u.startswith("compression.") for u in updates):
+            merged.compression = CompressionConfig()  # `compression.x=...` switches the optional section on
         # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4
-        merged.merge_with_dotlist([*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())])
+        merged.merge_with_dotlist(updates)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None

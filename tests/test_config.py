@@ -95,3 +95,9 @@ def test_quickstart_preset_is_small() -> None:
         n = lm.build_model(cfg.model).num_params()
     assert 2e6 <= n <= 3e6, f"{n / 1e6:.2f}M params"
     assert cfg.trainer.max_minutes is not None
+
+
+def test_compression_override_switches_the_optional_section_on() -> None:
+    assert load_config(CONFIGS / "tiny.yaml").compression is None
+    cfg = load_config(CONFIGS / "tiny.yaml", "compression.ratio=0.25", "compression.layer=3")
+    assert (cfg.compression.ratio, cfg.compression.layer) == (0.25, 3)
