@@ -17,10 +17,8 @@ variant means adding one entry to the settings file and running only that one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import csv
-import fcntl
 import json
 import os
 import platform
@@ -32,6 +30,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from omegaconf import OmegaConf
+
+from flops.run_sweep import locked
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"
@@ -76,19 +76,6 @@ def _flat(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from _flat(v, key + ".")
         else:
             yield key, json.dumps(v) if isinstance(v, (list, dict)) else v
-
-
-@contextlib.contextmanager
-def locked(path: str | None) -> Iterator[None]:
-    if path is None:
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def prepare_data(settings: Any, data_path: str) -> None:

@@ -84,7 +84,7 @@ def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int |
 
 
 @contextlib.contextmanager
-def _locked(path: Path | None) -> Iterator[None]:
+def locked(path: str | Path | None) -> Iterator[None]:
     """Exclusive flock on `path` (shared heavy-job queue) for the duration of the block; no-op if None."""
     if path is None:
         yield
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>14}: finished, skipped")
             status.setdefault(name, {"status": "done"})
             continue
-        with _locked(a.lock):
+        with locked(a.lock):
             if not trained(entry, a.overrides):
                 print(f"{name:>14}: training ...", flush=True)
                 status[name] = train_point(entry, a.overrides)

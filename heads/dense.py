@@ -31,6 +31,11 @@ class DenseHeads(HeadGroup):
         pos = positions[:, None, :]  # [B, 1, T] broadcasts over heads
         return self.rope(q, pos), self.rope(k, pos), v
 
+    def _merge(self, a: torch.Tensor) -> torch.Tensor:
+        """Per-head outputs a[B, H, T, h'] -> sum_i A_i W^O_i [B, T, h] (eq. 2, as concat then W^O)."""
+        B, _, T, _ = a.shape
+        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
+
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)
         allowed = positions[:, :, None] >= positions[:, None, :]  # [B, T, T]: M_jl = 0 iff pos_j >= pos_l
@@ -39,13 +44,11 @@ class DenseHeads(HeadGroup):
             scores = q[:, i] @ k[:, i].transpose(-1, -2) / self.ctx.head_dim**0.5  # [B, T, T]
             scores = scores.masked_fill(~allowed, float("-inf"))
             heads.append(scores.softmax(-1) @ v[:, i])  # [B, T, h']
-        return self.out(torch.cat(heads, dim=-1))  # concat then W^O == sum_i A_i W^O_i
+        return self._merge(torch.stack(heads, dim=1))
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
-        a = attend(q, k, v, causal=True)  # positions are increasing within a sequence
-        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
+        return self._merge(attend(q, k, v, causal=True))  # positions are increasing within a sequence
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> SlotKV:
@@ -53,9 +56,7 @@ class DenseHeads(HeadGroup):
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
         """Prefill (empty cache): causal attention over the chunk; later: attend to every cached key."""
-        B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
         prefill = cache.fresh
         cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand(-1, self.count, -1))
-        a = attend(q, k, v, causal=True) if prefill else cache.attend(q, positions)
-        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
+        return self._merge(attend(q, k, v, causal=True) if prefill else cache.attend(q, positions))

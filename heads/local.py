@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from heads.attention import attend
-from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.base import ConfigError, GroupContext, HeadOptions, register
+from heads.dense import DenseHeads
 from heads.kv_cache import SlotKV
 
 
@@ -32,25 +32,11 @@ class LocalOptions(HeadOptions):
 
 
 @register("local")
-class LocalHeads(HeadGroup):
+class LocalHeads(DenseHeads):
+    """Sliding-window heads: the dense heads' projections (`qkv`, `out`) with a band mask."""
+
     Options = LocalOptions
     options: LocalOptions
-
-    def __init__(self, ctx: GroupContext, count: int, options: LocalOptions) -> None:
-        super().__init__(ctx, count, options)
-        self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)
-        self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
-
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x[B, T, h] -> q, k, v each [B, H, T, h'], q and k rotated by positions."""
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
-        pos = positions[:, None, :]
-        return self.rope(q, pos), self.rope(k, pos), v
-
-    def _merge(self, a: torch.Tensor) -> torch.Tensor:
-        B, _, T, _ = a.shape
-        return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)
