@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  TensorBoard: tensorboard --logdir {out / 'tb'}")
     print(f"  checkpoint:  {out / 'checkpoints' / 'last.ckpt'}")
     print(f"  metrics:     {out / 'metrics.json'}")
+    print(f"  val curve:   {out / 'val_curve.png'}")
     return 0
 
 

@@ -20,6 +20,7 @@ from lm.checkpoint import AtomicCheckpointIO, StepCheckpoints
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.plots import plot_val_curve
 
 
 def resolve_precision(t: TrainerConfig) -> str:
@@ -116,8 +117,10 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False) 
     if checkpoints.saved_step != step:
         checkpoints.save(trainer)
     out = Path(t.out_dir)
+    if trainer.is_global_zero:
+        plot_val_curve(module.val_history, out / "val_curve.png", title=out.name)
     rank_zero_info(
         f"outputs: TensorBoard `tensorboard --logdir {out / 'tb'}` | checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | "
-        f"metrics {out / 'metrics.json'}"
+        f"metrics {out / 'metrics.json'} | curve {out / 'val_curve.png'}"
     )
     return module.metrics()

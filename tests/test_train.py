@@ -54,6 +54,11 @@ def test_loss_falls(trained: tuple[Path, dict]) -> None:
     assert losses[-1] < math.log(64) - 1.0, losses
 
 
+def test_validation_curve_png(trained: tuple[Path, dict]) -> None:
+    png = trained[0] / "val_curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
 def test_tensorboard_scalars(trained: tuple[Path, dict]) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
