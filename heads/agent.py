@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from heads.attention import attend
-from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
+from heads.kv_cache import BlockKV
 from routing.landmarks import block_ends, block_pool, prefix_mask
 
 
@@ -55,9 +56,6 @@ class AgentHeads(DenseHeads):
     """Causal agent attention heads: pooled-block agents plus a local window, one softmax."""
 
     Options = AgentOptions
-    # No KV-cached decoding yet: take the base class's NotImplementedError, not dense's decoding.
-    new_cache = HeadGroup.new_cache
-    forward_cached = HeadGroup.forward_cached
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
@@ -104,3 +102,25 @@ class AgentHeads(DenseHeads):
         )  # [nb, b, n + 2b]
         out = attend(qb, keys, values, mask=mask).flatten(2, 3)[:, :, :T]  # [B, H, T, d]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> BlockKV:
+        """All T keys/values, the current block's queries, and each completed block's (A_j, V_A_j)."""
+        return BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, None, device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
+        """Prefill: the full forward over the prompt. A later token at row t (which may complete a
+        block, whose agent it then already sees) attends in one softmax to the agents of all completed
+        blocks and to the keys t-w < p <= t."""
+        q, k, v = self._qkv(x, positions)  # [B, H, T, h']
+        prefill = cache.kv.fresh
+        if not prefill and x.shape[1] != 1:
+            raise ValueError(f"agent: decoding takes one token per call after the prefill, got {x.shape[1]}")
+        cache.write(q, k, v, positions)
+        if prefill:
+            return self.forward(x, positions)
+        t, n = cache.rows - 1, cache.blocks
+        window = slice(max(t - self.options.window + 1, 0), t + 1)
+        keys = torch.cat((cache.landmarks[:, :, :n], cache.kv.k[:, :, window]), 2)
+        values = torch.cat((cache.values[:, :, :n], cache.kv.v[:, :, window]), 2)
+        return self._merge(attend(q, keys, values))  # broadcast + local, one softmax

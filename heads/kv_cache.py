@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from heads.attention import attend
+from routing.landmarks import block_ends, landmark_topk
 
 
 @dataclass
@@ -65,6 +66,64 @@ class SlotKV:
         seen = mask.any(-1, keepdim=True)
         out = attend(q, self.k[:, :, :n], self.v[:, :, :n], mask=mask | ~seen)  # no all-masked rows
         return out * seen
+
+
+@dataclass
+class BlockKV:
+    """Decoding cache of the causal block-landmark heads (heads/agent.py, heads/mita.py): every
+    token's key/value (`kv`, as dense), the rotated queries of the current incomplete block, and per
+    completed block j its landmark / agent query q~_j = mean of the block's queries, its value
+    v~_j = softmax(q~_j K^T / sqrt(h')) V over rows <= e_j, and (MiTA) its expert's top-k key rows
+    (-1 = none: a young landmark saw fewer than k keys). Rows are slot indices (all tokens kept)."""
+
+    kv: SlotKV
+    queries: torch.Tensor  # [B, H, b, d] rotated queries of the current block, rows r - r % b .. r
+    landmarks: torch.Tensor  # [B, H, n_max, d] q~_j of the completed blocks
+    values: torch.Tensor  # [B, H, n_max, d] v~_j
+    experts: torch.Tensor | None = None  # [B, H, n_max, k'] int64 key rows of expert j, -1 = unused
+    blocks: int = 0  # completed blocks so far
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, max_len: int, dim: int, block: int, topk: int | None = None,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> BlockKV:
+        n_max = max_len // block
+        state = torch.zeros(2, batch, heads, n_max, dim, device=device, dtype=dtype)
+        experts = (torch.full((batch, heads, n_max, min(topk, max_len)), -1, dtype=torch.long, device=device)
+                   if topk is not None else None)
+        return cls(SlotKV.empty(batch, heads, max_len, dim, device, dtype),
+                   torch.zeros(batch, heads, block, dim, device=device, dtype=dtype), state[0], state[1], experts)
+
+    @property
+    def rows(self) -> int:
+        """Tokens cached so far (the row of the next token)."""
+        return int(self.kv.fill.max())
+
+    def nbytes(self) -> int:
+        extra = [self.queries, self.landmarks, self.values] + ([self.experts] if self.experts is not None else [])
+        return self.kv.nbytes() + sum(t.numel() * t.element_size() for t in extra)
+
+    def write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append a chunk of rotated q, k and v [B, H, T, d] (positions[B, T]) and build the state of
+        every block it completes, from the blocks' queries and all keys up to each block's end."""
+        b, r0 = self.queries.shape[2], self.rows
+        start = r0 - r0 % b  # first row of the incomplete block
+        self.kv.write(torch.ones(k.shape[:3], dtype=torch.bool, device=k.device), k, v,
+                      positions[:, None].expand(-1, k.shape[1], -1))
+        qq = torch.cat((self.queries[:, :, : r0 - start], q), 2)  # [B, H, rows start .., d]
+        m = qq.shape[2] // b  # blocks completed by this chunk
+        if m:
+            N = self.rows
+            lq = qq[:, :, : m * b].unflatten(2, (m, b)).mean(3)  # [B, H, m, d] (MiTA Alg. 1 line 2)
+            sees = torch.arange(N, device=q.device)[None, :] <= start + block_ends(m, b, q.device)[:, None]  # [m, N]
+            S = (lq @ self.kv.k[:, :, :N].transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
+            j = slice(self.blocks, self.blocks + m)
+            self.landmarks[:, :, j], self.values[:, :, j] = lq, S.softmax(-1) @ self.kv.v[:, :, :N]
+            if self.experts is not None:  # MiTA eq. 7: each new landmark's top-k keys among rows <= e_j
+                idx, ok = landmark_topk(S, self.experts.shape[-1])
+                self.experts[:, :, j, : idx.shape[-1]] = idx.masked_fill(~ok, -1)
+            self.blocks += m
+        rest = qq[:, :, m * b :]
+        self.queries[:, :, : rest.shape[2]] = rest
 
 
 def gathered_prefill(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor,

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
+from heads.kv_cache import BlockKV
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
 NEG_INF = float("-inf")
@@ -67,9 +68,6 @@ class MiTAHeads(DenseHeads):
     """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + own block."""
 
     Options = MiTAOptions
-    # No KV-cached decoding yet: take the base class's NotImplementedError, not dense's decoding.
-    new_cache = HeadGroup.new_cache
-    forward_cached = HeadGroup.forward_cached
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
@@ -125,6 +123,38 @@ class MiTAHeads(DenseHeads):
             w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
             out = w[..., :1] * out + (w[..., 1:, None] * out_e).sum(-2)
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> BlockKV:
+        """All T keys/values, the current block's queries, and per completed block its landmark
+        query q~_j, landmark value v~_j and expert's top-k key rows I_j."""
+        return BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, self.options.k,
+                             device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
+        """Prefill: the full forward over the prompt. A later token at row t, with the n = t // b
+        eligible landmarks: one softmax over their shared entries (q~_j, v~_j), the keys of its top-s
+        routed experts (union) and its own block's keys at rows <= t (eqs. 10-12)."""
+        q, k, v = self._qkv(x, positions)  # [B, H, T, d]
+        prefill = cache.kv.fresh
+        if not prefill and x.shape[1] != 1:
+            raise ValueError(f"mita: decoding takes one token per call after the prefill, got {x.shape[1]}")
+        cache.write(q, k, v, positions)
+        if prefill:
+            return self.forward(x, positions)
+        t, b, scale = cache.rows - 1, self.options.block, self.ctx.head_dim**-0.5
+        n = t // b  # eligible landmarks: blocks that ended before t's block starts
+        R = q @ cache.landmarks[:, :, :n].transpose(-1, -2) * scale  # [B, H, 1, n] routing logits
+        sel, sel_ok = route(R, torch.ones(1, n, dtype=torch.bool, device=x.device), self.options.s)  # [B, H, 1, s']
+        experts = _rows(cache.experts[:, :, :n], sel)  # [B, H, 1, s', k'] key rows of the chosen experts
+        experts = experts.masked_fill(~sel_ok[..., None] | (experts < 0), t + 1).flatten(3)  # t + 1 = unused
+        routed = torch.zeros(*R.shape[:3], t + 2, dtype=torch.bool, device=x.device).scatter_(-1, experts, True)
+        keys_ok = routed[..., : t + 1] | (torch.arange(t + 1, device=x.device) >= n * b)  # routed | own block
+        scores = (q @ cache.kv.k[:, :, : t + 1].transpose(-1, -2) * scale).masked_fill(~keys_ok, NEG_INF)
+        values = cache.kv.v[:, :, : t + 1]
+        if self.options.shared:
+            scores, values = torch.cat((R, scores), -1), torch.cat((cache.values[:, :, :n], values), 2)
+        return self._merge(scores.softmax(-1) @ values)
 
     def _shared_and_own_block(
         self, q: Tensor, k: Tensor, v: Tensor, R: Tensor, eligible: Tensor, lv: Tensor | None, scale: float

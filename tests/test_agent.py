@@ -75,9 +75,3 @@ def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
 
     result = solve(baseline("tiny"), "agent", dense_heads=4, options={"block": 64, "window": 64})
     assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
-
-
-def test_cached_decoding_is_refused_not_silently_dense() -> None:
-    model = lm.build_model(tiny_config(heads=[{"type": "agent", "count": 2, "options": {"block": 8, "window": 8}}]).model)
-    with pytest.raises(NotImplementedError, match="agent"):
-        model.blocks[0].attn.groups[0].new_cache(1, 16)

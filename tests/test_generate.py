@@ -25,7 +25,14 @@ CAUSAL_TYPES = {
     **{f"mosaic_{p}_rho{r}": [{"type": "dense", "count": 1},
                               {"type": "mosaic", "count": 4, "options": {"sparsity": r, "padded": p}}]
        for p in ("include", "identity", "ignore") for r in (2, 8)},
+    # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
+    "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3}}],
+    "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
+    "mita_route_only": [{"type": "dense", "count": 1},
+                        {"type": "mita", "count": 2, "options": {"block": 5, "k": 3, "s": 1, "shared": False}}],
 }
+PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 3 = shorter than a block
+            "agent": (3, 17), "mita": (3, 17), "mita_route_only": (3, 17)}
 
 
 def model_for(heads: list[dict], seed: int = 0):
@@ -41,7 +48,7 @@ def test_incremental_decoding_matches_full_forward(name: str) -> None:
     tokens = torch.randint(0, 97, (2, T))
     with torch.no_grad():
         full = model(tokens)
-    for prefill in (1, 17) if name in ("dense", "mosaic_include_rho2") else (17,):
+    for prefill in PREFILLS.get(name, (17,)):
         inc, cache = cached_logits(model, tokens, prefill)
         assert (inc - full).abs().max().item() <= 1e-4 * full.abs().max().item()
     for block, caches in zip(model.blocks, cache):
