@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                              [float(x) for x in args.tolerances.split(",")] if args.tolerances else None)
     c = cfg.compression
     lines = [
-        "# Adaptive-attention compression on Gutenberg (issue 7)", "",
+        "# Adaptive-attention compression on Gutenberg", "",
         f"Machine: {platform.machine()} CPU, {platform.system()}, Python {platform.python_version()}, torch {torch.__version__}, 1 thread. "
         f"Evaluation took {time.time() - started:.0f} s.", "",
         "Commands (each training run <= 4 min, under the shared lock):", "```",

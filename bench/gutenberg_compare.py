@@ -1,4 +1,4 @@
-"""Small real experiment (issue 3, item 6): dense vs MoSA (causal, faithful) vs fixed vs Routing attention
+"""Small real experiment: dense vs MoSA (causal, faithful) vs fixed vs Routing attention
 on Gutenberg at matched forward FLOPs, reporting standard and leak-free validation perplexity.
 
     python -m bench.gutenberg_compare [--config configs/experiments/gutenberg_compare.yaml]

@@ -114,7 +114,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (issue 7)
+    compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (lm/compression.py)
 
 
 def _positive(section: object, *names: str) -> None:
