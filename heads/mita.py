@@ -37,6 +37,7 @@ from torch import Tensor
 
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
+from heads import varlen
 from heads.kv_cache import BlockKV
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
@@ -117,7 +118,10 @@ class MiTAHeads(DenseHeads):
         lv = S.softmax(-1) @ v if self.options.shared and n else None  # landmark values (line 9, eq. 8)
         out, lse = self._shared_and_own_block(q, k, v, R, eligible, lv, scale)
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s'] (line 13)
-        if sel_ok.any():
+        backend = varlen.flash_backend(q) if sel.shape[-1] == 1 else None
+        if sel_ok.any() and backend is not None:
+            out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)
+        elif sel_ok.any():
             out_e, lse_e = self._routed(q, _rows(k, idx), _rows(v, idx), idx, idx_ok, sel, sel_ok, scale)
             parts = torch.cat((lse[..., None], lse_e), -1)  # [B, H, T, 1 + s']
             w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
@@ -208,6 +212,25 @@ class MiTAHeads(DenseHeads):
         flat = torch.cat((out, lse), -1).flatten(2, 3)  # [B, H, n * width, d + 1]
         flat = _rows(F.pad(flat, (0, 0, 0, 1)), slot).view(B, H, T, s, d + 1)  # back to pairs
         return flat[..., :d], flat[..., d].masked_fill(~sel_ok, NEG_INF)
+
+    @staticmethod
+    def _routed_varlen(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor,
+                       out: Tensor, lse: Tensor, scale: float, backend: varlen.VarlenBackend) -> Tensor:
+        """s = 1, Alg. 1 lines 14-16 without padding: one segment per (sequence, head, expert) holding the
+        queries routed to it (sel[B, H, T]) and its valid key rows (idx[B, H, n, k'] where idx_ok), one
+        varlen attention over all segments, merged into the shared + own-block softmax (out, lse)."""
+        B, H, T, d = q.shape
+        n = idx.shape[2]
+        bh = torch.arange(B * H, device=q.device).view(B, H, 1)
+        segment = (bh * n + sel).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
+        rows = sel_ok.flatten().nonzero()[:, 0]  # queries with a routed expert (rows of block 0 have none)
+        rows = rows[segment[rows].argsort(stable=True)]  # grouped by expert
+        key_rows = (bh[..., None] * T + idx)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
+        seg = varlen.Segments.from_counts(segment[rows].bincount(minlength=B * H * n), idx_ok.sum(-1).flatten())
+        q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
+        merged = varlen.merge_varlen(out.reshape(B * H * T, d), lse.flatten(), q2[rows], k2[key_rows], v2[key_rows],
+                                     rows, seg, scale, backend)
+        return merged.view(B, H, T, d)
 
     @staticmethod
     def _repeats(idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor) -> Tensor:

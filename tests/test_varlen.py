@@ -1,0 +1,165 @@
+"""Packed varlen attention and its log-sum-exp merge (heads/varlen.py), and MiTA's routed experts through
+it (heads/mita.py `_routed_varlen`, the path flash-attn takes on CUDA).
+
+On CPU the varlen contract runs through `TorchVarlen`; its backward takes the *merged* output and
+log-sum-exp exactly as flash-attn's backward does, so these tests check the merge identity that the flash
+path relies on. The flash-attn kernels themselves are compared against it on CUDA only."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.head_checks import fast_vs_reference, make_group
+
+from heads import varlen
+from heads.varlen import Segments, TorchVarlen, flash_backend, merge_varlen
+
+TOL = 1e-12  # float64: max-abs error relative to the reference's max-abs, outputs and all gradients
+
+
+def _packed(q_counts: list[int], k_counts: list[int], d: int, dtype: torch.dtype = torch.float64, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(c), d, generator=gen, dtype=torch.float64).to(device, dtype).requires_grad_()
+               for c in (q_counts, k_counts, k_counts))
+    seg = Segments.from_counts(torch.tensor(q_counts, device=device), torch.tensor(k_counts, device=device))
+    return q, k, v, seg
+
+
+def _block_diagonal(q_counts: list[int], k_counts: list[int], device: str = "cpu") -> torch.Tensor:
+    """[Nq, Nk] bool: query row and key row belong to the same segment."""
+    qs, ks = (torch.repeat_interleave(torch.arange(len(c)), torch.tensor(c)).to(device) for c in (q_counts, k_counts))
+    return qs[:, None] == ks[None, :]
+
+
+def _rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
+
+
+Q_COUNTS, K_COUNTS = [5, 0, 17, 1, 9], [3, 7, 20, 1, 33]  # an empty query segment, odd sizes
+
+
+def test_torch_varlen_matches_block_diagonal_attention() -> None:
+    """Forward (out, lse) against one masked softmax; the backward given (out, lse) against autograd."""
+    q, k, v, seg = _packed(Q_COUNTS, K_COUNTS, 8)
+    scale = 8**-0.5
+    s = (q @ k.T * scale).masked_fill(~_block_diagonal(Q_COUNTS, K_COUNTS), float("-inf"))
+    ref_out, ref_lse = s.softmax(-1) @ v, s.logsumexp(-1)
+    out, lse = TorchVarlen().forward(q.detach(), k.detach(), v.detach(), seg, scale)
+    assert _rel_max(out, ref_out) < TOL and _rel_max(lse, ref_lse) < TOL
+    dout = torch.randn_like(out)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    grads = TorchVarlen().backward(dout, q.detach(), k.detach(), v.detach(), out, lse, seg, scale)
+    for g, r in zip(grads, ref_grads):
+        assert _rel_max(g, r) < TOL
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, TOL), (torch.bfloat16, 2e-2)])
+def test_merge_is_one_softmax_over_both_key_sets(dtype: torch.dtype, tol: float) -> None:
+    """Part A: each of N rows attends to its own 6 keys (a plain autograd computation); packed queries
+    (a subset of the rows, in shuffled order) add their segment's keys. The merge must equal one softmax
+    over the union, in output and in every gradient (part A's through its out and lse). bf16: the merge
+    accumulates in float32; tolerance on relative RMS error for bf16 operands."""
+    N, d, scale = sum(Q_COUNTS) + 4, 8, 0.4  # 4 rows with no packed part
+    gen = torch.Generator().manual_seed(1)
+    ka, va = (torch.randn(N, 6, d, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    q, k, v, seg = _packed(Q_COUNTS, K_COUNTS, d)
+    rows = torch.randperm(N, generator=gen)[: sum(Q_COUNTS)]
+    q_rows = torch.zeros(N, d, dtype=torch.float64).index_put((rows,), q)  # the packed query is row r's query
+
+    def part_a(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        s_a = (q_rows.to(dtype)[:, None, :] * ka.to(dtype)).sum(-1) * scale  # [N, 6] part A logits
+        return (s_a.softmax(-1)[..., None] * va.to(dtype)).sum(1), s_a.logsumexp(-1)
+
+    merged = merge_varlen(*part_a(dtype), q.to(dtype), k.to(dtype), v.to(dtype), rows, seg, scale, TorchVarlen())
+    s_b = (q_rows @ k.T * scale).masked_fill(
+        ~torch.zeros(N, k.shape[0], dtype=torch.bool).index_put((rows,), _block_diagonal(Q_COUNTS, K_COUNTS)),
+        float("-inf"))  # [N, Nk] each row's packed keys
+    s_a = (q_rows[:, None, :] * ka).sum(-1) * scale
+    p = torch.cat((s_a, s_b), -1).softmax(-1)  # one softmax over both key sets
+    ref = (p[:, :6, None] * va).sum(1) + p[:, 6:] @ v
+    cot = torch.randn_like(ref)
+    inputs = (q, k, v, ka, va)
+    fast = [merged, *torch.autograd.grad(merged, inputs, cot.to(dtype), retain_graph=True)]
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dka", "dva"], fast, [ref, *torch.autograd.grad(ref, inputs, cot)]):
+        err = _rel_max(a.double(), b) if dtype == torch.float64 else _rel_rms(a.double(), b)
+        assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize(
+    "T,options",
+    [
+        (100, {"block": 8, "k": 6}),
+        (257, {"block": 16, "k": 300}),  # k > T: young experts have fewer valid keys than k
+        (101, {"block": 8, "k": 5, "shared": False}),
+    ],
+)
+def test_mita_routed_varlen_matches_reference(T: int, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MiTA (s = 1) with its routed experts as packed varlen segments, as on CUDA with flash-attn, against
+    the explicit-mask reference: outputs, d/dx and all parameter gradients."""
+    calls = []
+
+    def backend(q: torch.Tensor) -> TorchVarlen:
+        calls.append(q.shape)
+        return TorchVarlen()
+
+    monkeypatch.setattr(varlen, "flash_backend", backend)
+    errors = fast_vs_reference(make_group("mita", {**options, "s": 1}, T, std=None, dtype=torch.float64), T)
+    assert calls, "the varlen path was not taken"
+    for name, (rel_rms, rel_max) in errors.items():
+        assert rel_rms < TOL and rel_max < TOL, (name, rel_rms, rel_max)
+
+
+def test_flash_backend_is_only_offered_where_it_can_run() -> None:
+    assert flash_backend(torch.zeros(4, 8)) is None  # CPU, fp32
+    assert flash_backend(torch.zeros(4, 12, dtype=torch.bfloat16)) is None  # head dim not a multiple of 8
+
+
+def _flash_or_skip(dtype: torch.dtype = torch.bfloat16, d: int = 64) -> varlen.FlashVarlen:
+    if not torch.cuda.is_available():
+        pytest.skip("flash-attn varlen runs on CUDA only; no GPU here")
+    backend = flash_backend(torch.zeros(1, d, dtype=dtype, device="cuda"))
+    if backend is None:
+        pytest.skip("flash-attn (>= 2.7) is not installed")
+    return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_varlen_matches_torch_varlen(dtype: torch.dtype) -> None:
+    """flash-attn's kernels (low precision) against the float64 contract: forward out and lse, and the
+    backward given the same (out, lse). Relative RMS error < 1e-2 (bf16/fp16 operands)."""
+    q_counts, k_counts = [130, 0, 257, 1, 64] * 3, [70, 9, 300, 1, 128] * 3
+    backend, scale = _flash_or_skip(dtype), 64**-0.5
+    q, k, v, seg = _packed(q_counts, k_counts, 64, dtype, "cuda")
+    ref = TorchVarlen()
+    out, lse = backend.forward(q.detach(), k.detach(), v.detach(), seg, scale)
+    ref_out, ref_lse = ref.forward(*(z.detach().double() for z in (q, k, v)), seg, scale)
+    dout = torch.randn_like(out)
+    grads = backend.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, seg, scale)
+    ref_grads = ref.backward(dout.double(), *(z.detach().double() for z in (q, k, v)), ref_out, ref_lse, seg, scale)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, *grads], [ref_out, ref_lse, *ref_grads]):
+        assert _rel_rms(a.double(), b) < 1e-2, (name, _rel_rms(a.double(), b))
+
+
+def test_mita_on_cuda_uses_flash_and_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MiTA's fast path in bf16 on CUDA (routed experts through flash-attn varlen) against the float64
+    reference: relative RMS error < 2e-2 on the output and all gradients."""
+    _flash_or_skip(torch.bfloat16, 32)
+    used = []
+    monkeypatch.setattr(varlen, "flash_backend", lambda q, real=flash_backend: used.append(real(q)) or used[-1])
+    group = make_group("mita", {"block": 32, "k": 48, "s": 1}, 300, d_model=128, head_dim=32, std=None)
+    bf16 = make_group("mita", {"block": 32, "k": 48, "s": 1}, 300, d_model=128, head_dim=32, std=None)
+    gen = torch.Generator().manual_seed(3)
+    x, cot = torch.randn(2, 300, 128, generator=gen), torch.randn(2, 300, 128, generator=gen)
+    positions = torch.arange(300).expand(2, 300)
+    results = []
+    for g, dtype, device, impl in ((group, torch.float64, "cpu", "reference"), (bf16, torch.bfloat16, "cuda", "fast")):
+        g.to(device, dtype).options.impl = impl
+        xi = x.to(device, dtype).requires_grad_()
+        y = g(xi, positions.to(device))
+        results.append([z.double().cpu() for z in (y, *torch.autograd.grad((y * cot.to(device, dtype)).sum(), [xi, *g.parameters()]))])
+    assert used and all(isinstance(b, varlen.FlashVarlen) for b in used)
+    for ref, fast in zip(*results):
+        assert _rel_rms(fast, ref) < 2e-2
