@@ -1,10 +1,13 @@
 """Routing Transformer attention (Roy et al. 2021) as MoSA's content-based baseline (App. A, App. C).
 
 Per head: shared query/key projection (W^Q = W^K, so queries and keys fall in the same clusters), value
-projection, all T tokens projected (cost 6hh'T incl. W^O). The unit-normalised queries u are clustered
-by online k-means (routing/kmeans.py) into ρ clusters; each cluster attends within itself with the
-causal mask M_jl = 0 iff I_j >= I_l and RoPE at original positions. A token's head output is the mean
-of its outputs over the clusters it belongs to (0 if none). Auxiliary loss: commitment
+projection, all T tokens projected (cost 6hh'T incl. W^O). The shared queries are layer-normed without
+scale or bias (RT Alg. 1: Q <- LayerNorm(Q), K <- LayerNorm(K)); their unit-normalised directions u are
+clustered by online k-means (routing/kmeans.py) into ρ clusters; each cluster attends within itself,
+causally, with RoPE at original positions. With Q = K a token's score with itself is the largest
+possible (|q|^2), so as in RT (and Reformer's shared-QK attention) a token does not attend to itself
+unless it is its cluster's first member and has nothing else: M_jl = 0 iff I_j > I_l, or j = l = the
+first slot. A token's head output is the mean of its outputs over the clusters it belongs to (0 if none). Auxiliary loss: commitment
 `commitment * ||u - mu_nearest||^2`. KV entries per head: T (any future token may route to any cluster).
 
 Cluster assignment (option `assignment`):
@@ -51,6 +54,13 @@ class RoutingOptions(HeadOptions):
             raise ConfigError("routing: need capacity_factor > 0, decay in [0, 1), commitment >= 0")
 
 
+def _strictly_earlier(c: int, device: torch.device) -> torch.Tensor:
+    """[c, c] slot mask: slot j sees slots l < j, and slot 0 sees itself (its only possible key)."""
+    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril(-1)
+    mask[0, 0] = True
+    return mask
+
+
 @register("routing")
 class RoutingHeads(HeadGroup):
     Options = RoutingOptions
@@ -68,10 +78,11 @@ class RoutingHeads(HeadGroup):
         return self.options.assignment != "topk"
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
-        """x[B, T, h] -> q(=k), v [B, H, T, h'], u = normalize(q), each token's nearest centroid [B, H, T],
-        and the clusters' Selection [B, H, C, c]."""
+        """x[B, T, h] -> q(=k) = LayerNorm(x W^Q), v [B, H, T, h'], u = normalize(q), each token's nearest
+        centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
+        q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
         u = F.normalize(q, dim=-1)
         sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
         nearest = sim.argmax(2)  # [B, H, T]
@@ -102,7 +113,8 @@ class RoutingHeads(HeadGroup):
                 for c in range(C):
                     I = sel.idx[b, i, c][sel.valid[b, i, c]]  # cluster members
                     qc = self.rope(q[b, i, I], positions[b, I])  # shared Q = K
-                    allowed = I[:, None] >= I[None, :]  # M_jl = 0 iff I_j >= I_l
+                    allowed = I[:, None] > I[None, :]  # M_jl = 0 iff I_j > I_l: no attention to itself ...
+                    allowed[0, 0] = True  # ... except the first member, which has nothing else
                     scores = (qc @ qc.T / d**0.5).masked_fill(~allowed, float("-inf"))
                     a_sum[b, i] = a_sum[b, i].index_add(0, I, (scores.softmax(-1) @ v[b, i, I]).to(x.dtype))
                     counts[b, i] = counts[b, i].index_add(0, I, torch.ones_like(I, dtype=x.dtype))
@@ -116,7 +128,7 @@ class RoutingHeads(HeadGroup):
         qs = q.gather(2, flat[..., None].expand(-1, -1, -1, d))  # [B, H, C*c, d]
         vs = v.gather(2, flat[..., None].expand(-1, -1, -1, d))
         qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
-        a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True)  # ascending slots: causal in each cluster
+        a = attend(qs, qs, vs.view(B, H * C, c, d), mask=_strictly_earlier(c, x.device))  # slots ascending
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))

@@ -37,6 +37,24 @@ def test_nearest_clusters_partition_up_to_capacity() -> None:
     assert members == 2 * 3 * T  # every token in exactly one cluster when nothing overflows
 
 
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_one_cluster_is_layer_normed_shared_qk_attention_without_self(impl: str) -> None:
+    """ρ = 1 with room for every token: one cluster holding the whole sequence. RT's attention is then
+    softmax over LayerNorm(x W^Q) (RoPE) with itself as keys, each token seeing only earlier tokens
+    (token 0 sees itself), written out here directly."""
+    T, d = 40, 8
+    group: RoutingHeads = make_group("routing", dict(sparsity=1, impl=impl), T)
+    x, positions = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+    q, v = group.qv(x).view(2, T, 2, 3, d).permute(2, 0, 3, 1, 4)  # [B, H, T, d]
+    q = group.rope((q - q.mean(-1, keepdim=True)) / (q.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt(),
+                   positions[:, None])
+    allowed = torch.ones(T, T, dtype=torch.bool).tril(-1)
+    allowed[0, 0] = True
+    p = (q @ q.transpose(-1, -2) / d**0.5).masked_fill(~allowed, float("-inf")).softmax(-1)
+    expected = group.out((p @ v).transpose(1, 2).reshape(2, T, 3 * d))
+    assert torch.allclose(group(x, positions), expected, atol=1e-5)
+
+
 def test_commitment_loss_and_centroid_updates() -> None:
     T = 64
     group: RoutingHeads = make_group("routing", dict(sparsity=4), T).train()
