@@ -11,7 +11,7 @@ with --lock, holding that file lock for its training and evaluation only), then 
 evaluated on `eval.windows` evenly spaced validation windows: teacher-forced and leak-free (lm/leakfree.py).
 Results are merged by variant name into bench/results/gutenberg_compare.csv (a variant already there is
 skipped unless --force or named in --only; a finished run directory of the identical config is only
-re-evaluated, not retrained) and the markdown table is rewritten from the csv, so adding a
+re-evaluated, not retrained, unless --force: after a code change, --force retrains) and the markdown table is rewritten from the csv, so adding a
 variant means adding one entry to the settings file and running only that one.
 """
 from __future__ import annotations
@@ -98,8 +98,9 @@ def finished_run(out: Path, cfg: Any) -> bool:
     return load_config(out / "config.yaml") == cfg and json.loads((out / "metrics.json").read_text())["step"] >= cfg.trainer.max_steps
 
 
-def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int) -> dict[str, Any]:
-    """Train one variant from scratch, then evaluate its last checkpoint (standard and leak-free).
+def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: bool) -> dict[str, Any]:
+    """Train one variant from scratch (unless a finished run of the same config exists and not
+    `retrain`), then evaluate its last checkpoint (standard and leak-free).
     `budget`: the dense baseline's forward FLOPs per sequence."""
     import torch
 
@@ -110,7 +111,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int) -> dict[s
     from lm.leakfree import evaluate
 
     out = ROOT / cfg.trainer.out_dir
-    if finished_run(out, cfg):
+    if not retrain and finished_run(out, cfg):
         print(f"{name}: reusing the finished run in {out}", flush=True)
     else:
         shutil.rmtree(out, ignore_errors=True)  # a fresh run: same seed, same data order as every variant
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"))
     parser.add_argument("--only", default=None, help="comma-separated variant names (rerun even if present)")
-    parser.add_argument("--force", action="store_true", help="rerun variants that already have results")
+    parser.add_argument("--force", action="store_true", help="rerun variants that already have results, retraining even a finished run directory")
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
     parser.add_argument("--hold-lock", action="store_true", help="hold --lock once for all selected variants")
     parser.add_argument("--report", action="store_true", help="only rewrite the markdown table from the csv")
@@ -242,7 +243,7 @@ def run_variant(settings: Any, name: str, args: argparse.Namespace) -> dict[str,
         prepare_data(settings, cfg.data.path)
         print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)
         budget = model_cost(base_config(settings, args.overrides).model).flops_per_pass
-        row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget)
+        row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget, args.force)
     print(json.dumps(row), flush=True)
     return row
 
