@@ -17,7 +17,6 @@ convention (flops/formulas.py), vocabulary projection excluded.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import platform
 import sys
@@ -28,32 +27,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flops.formulas import group_cost  # noqa: E402
-from flops.model import model_cost  # noqa: E402
+from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
 from lm.compression import CompressedLM, Layout, tokens_for  # noqa: E402
-from lm.config import ModelConfig  # noqa: E402
 from lm.ratio_data import generate, measure  # noqa: E402
 from lm.ratio_predictor import RatioPredictor, choose_ratio, fit  # noqa: E402
 
 
-def blocks_flops(cfg: ModelConfig, layers: int, tokens: int) -> int:
-    """Forward FLOPs of `layers` blocks of this (uniform) head mix on one window of `tokens`."""
-    return model_cost(dataclasses.replace(cfg, n_layers=layers, seq_len=tokens, layer_heads={})).flops_per_pass
-
-
 def forward_flops(model: CompressedLM, layout: Layout) -> int:
-    """Blocks [0, L) on every chunk and the suffix, the compressions, blocks [L, n) on t + S. The
-    `recent` baseline needs blocks [0, L) on the last chunk only (the only one it keeps states of)."""
-    cfg, comp, L = model.cfg, model.comp, model.layer
-    chunks = layout.spans if model.compressor is not None else layout.spans[-1:]
-    total = sum(blocks_flops(cfg, L, n) for n in (*chunks, layout.suffix))
-    if model.compressor is not None:
-        spans = [n + (layout.t if i else 0) for i, n in enumerate(layout.spans)]
-        total += sum(group_cost("compression", cfg.d_model, cfg.head_dim, n, comp.n_heads,
-                                {"t": layout.t, "ffn_mult": comp.ffn_mult}).flops for n in spans)
-    return total + blocks_flops(cfg, cfg.n_layers - L, layout.memory + layout.suffix)
+    """Forward FLOPs of one sample (flops.model.compressed_flops)."""
+    return compressed_flops(model.cfg, model.comp, layout)
 
 
 def heads_per_layer(model: CompressedLM) -> int:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flops.formulas import group_cost
-from lm.config import ModelConfig
+from lm.compression import Layout
+from lm.config import CompressionConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,29 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
         kv_per_layer=tuple(kv_layers),
         params=params,
     )
+
+
+def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
+    """Forward FLOPs of block `layer` (its head mix and FFN) on one window of `seq_len` tokens."""
+    groups = sum(group_cost(g.type, cfg.d_model, cfg.head_dim, seq_len, g.count, g.options).flops for g in cfg.mix(layer))
+    return groups + ffn_flops(cfg.d_model, cfg.ffn_mult, seq_len)
+
+
+def compressed_flops(cfg: ModelConfig, comp: CompressionConfig, layout: Layout) -> int:
+    """Forward FLOPs of one sample of a CompressedLM (lm/compression.py) laid out as prefix chunks,
+    each compressed to t states, then a suffix: blocks [0, L) on every chunk and on the suffix
+    separately, the compressions (chunk j > 1 is compressed together with the t memory states before
+    it), blocks [L, n) on t + suffix. comp.mode = "recent" (the baseline) runs blocks [0, L) only on the
+    last chunk(s) holding its t states and compresses nothing. Vocabulary projection excluded, as in
+    model_cost."""
+    L, compress, t = comp.layer, comp.mode == "compress", layout.t
+    chunks = layout.chunks_used(compress)
+    below = sum(layer_flops(cfg, i, n) for n in (*chunks, layout.suffix) for i in range(L))
+    above = sum(layer_flops(cfg, i, layout.memory + layout.suffix) for i in range(L, cfg.n_layers))
+    options = {"t": t, "ffn_mult": comp.ffn_mult}
+    compressions = sum(group_cost("compression", cfg.d_model, cfg.head_dim, n + (t if j else 0), comp.n_heads, options).flops
+                       for j, n in enumerate(chunks)) if compress else 0
+    return below + compressions + above
 
 
 def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = False) -> int:

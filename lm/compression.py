@@ -60,6 +60,16 @@ class Layout:
         """States prepended to the suffix above L."""
         return self.t if self.spans else 0
 
+    def chunks_used(self, compress: bool) -> tuple[int, ...]:
+        """The chunks whose depth-L states the memory depends on: all of them when compressing; for
+        the `recent` baseline only the last ones, enough to hold its t states."""
+        if compress:
+            return self.spans
+        used: tuple[int, ...] = ()
+        while sum(used) < self.t and len(used) < len(self.spans):
+            used = (self.spans[-1 - len(used)], *used)
+        return used
+
 
 def tokens_for(ratio: float, span: int) -> int:
     """t = round(ratio * span), at least 1: the number of states a span compresses to."""
@@ -176,7 +186,8 @@ class CompressedLM(nn.Module):
         if tokens.shape[1] < P + S:
             raise ValueError(f"CompressedLM: need {P + S} tokens for {layout}, got {tokens.shape[1]}")
         x = self.lower(tokens[:, P : P + S], hidden)  # the suffix cannot see the prefix below L
-        mem = self.memory(self._lower_chunks(tokens[:, :P], layout.spans), layout.t)
+        used = layout.chunks_used(self.compressor is not None)
+        mem = self.memory(self._lower_chunks(tokens[:, P - sum(used) : P], used), layout.t)
         return self.lm.lm_head(self.upper(x, mem, hidden))
 
     def _lower_chunks(self, prefix: torch.Tensor, spans: tuple[int, ...]) -> list[torch.Tensor]:

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 import lm
 from conftest import tiny_config
 from flops.formulas import FORMULAS, group_cost, sparse_k
-from flops.model import mfu, model_cost, peak_flops, training_flops
+from flops.model import compressed_flops, mfu, model_cost, peak_flops, training_flops
 from heads import ConfigError
 
 h, hd, T = 512, 64, 1024
@@ -63,8 +63,18 @@ def test_training_flops_and_mfu() -> None:
 
 
 def _counted(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(tokens)
+    return _counted_with(model, tokens)
+
+
+def _cpu_sdpa_flops(q: tuple, k: tuple, v: tuple, *args: object, out_shape: object = None, **kwargs: object) -> int:
+    return sdpa_flop_count(q, k, v)  # CPU's fused SDPA kernel, which the counter does not know
+
+
+def _counted_with(model: torch.nn.Module, *inputs: object) -> int:
+    """Matmul FLOPs (linear, bmm, SDPA incl. its CPU kernel) of one forward pass."""
+    cpu_sdpa = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=cpu_sdpa) as counter:
+        model(*inputs)
     return counter.get_total_flops()
 
 
@@ -100,6 +110,25 @@ def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: 
     assert abs(counted - expected) / expected < 0.02, (counted, expected)
     assert cost.params == model.num_params()
     assert cost.kv_total == model.kv_total()
+
+
+@pytest.mark.parametrize("mode,spans", [("compress", (12,)), ("compress", (12, 9, 12)), ("recent", (12, 9)),
+                                        ("recent", (12, 9, 2)), ("compress", ())])
+def test_compressed_model_matches_flop_counter(mode: str, spans: tuple[int, ...]) -> None:
+    """A CompressedLM forward (blocks below L on each chunk and the suffix, the compressions, blocks
+    above L on t + S; the `recent` baseline only on the chunks holding its t states): counted matmul
+    FLOPs = compressed_flops + the vocabulary projection on the suffix."""
+    from lm.compression import CompressedLM, Layout
+    from lm.config import CompressionConfig
+
+    torch.manual_seed(0)
+    cfg = tiny_config([{"type": "dense", "count": 3}], n_layers=4, d_model=32, head_dim=8, seq_len=16).model
+    comp = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, mode=mode)
+    layout, B = Layout(spans, 3, 10), 2
+    counted = _counted_with(CompressedLM(cfg, comp).eval(), torch.randint(0, cfg.vocab_size, (B, layout.window)), layout)
+    analytic = compressed_flops(cfg, comp, layout)
+    expected = B * (analytic + 2 * cfg.d_model * cfg.vocab_size * layout.suffix)
+    assert abs(counted - expected) / expected < 0.02, (counted, expected)
 
 
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:
