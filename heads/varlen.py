@@ -1,5 +1,6 @@
 """Packed variable-length attention, merged into another softmax by log-sum-exp: flash-attn's varlen
-kernels on CUDA, a plain PyTorch implementation of the same contract everywhere else.
+kernels on CUDA where flash-attn is installed, else Triton kernels of the same contract
+(heads/varlen_triton.py), and a plain PyTorch implementation of it as the reference.
 
 Packed layout (flash-attn's): q[Nq, d], k/v[Nk, d]; `Segments` cuts them into S segments with int32
 offsets cu_q[S + 1], cu_k[S + 1]; query rows of segment s attend (not causally) to the key rows of
@@ -115,6 +116,23 @@ def _flash_interface() -> Any:
     except ImportError:
         return None
     return flash_attn_interface if hasattr(flash_attn_interface, "_flash_attn_varlen_backward") else None
+
+
+def cuda_backend(q: Tensor) -> VarlenBackend | None:
+    """The varlen kernels for q's device: flash-attn where it can run, else the Triton kernels on any
+    CUDA device; None on CPU (callers keep their padded PyTorch path there)."""
+    if not q.is_cuda:
+        return None
+    return flash_backend(q) or _triton_backend()
+
+
+@functools.cache
+def _triton_backend() -> VarlenBackend | None:
+    try:
+        from heads.varlen_triton import TritonVarlen
+    except ImportError:
+        return None
+    return TritonVarlen()
 
 
 def flash_backend(q: Tensor) -> FlashVarlen | None:

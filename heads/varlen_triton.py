@@ -1,0 +1,145 @@
+"""The varlen contract of heads/varlen.py as Triton kernels (FlashAttention-2's algorithm over packed
+segments), for CUDA machines without flash-attn. On CPU they run under TRITON_INTERPRET=1 (tests).
+
+Forward (one program per BLOCK_M query rows of one segment): online softmax over the segment's key
+blocks, out = acc / l, lse = m + log l (FlashAttention-2 Alg. 1). Backward, given out and lse (which
+may be those of a larger merged softmax, see heads/varlen.py): delta = rowsum(dO * O);
+one program per key block accumulates dK, dV over the segment's query blocks, one per query block
+accumulates dQ over its key blocks (Alg. 2, split in two so no atomics are needed):
+    P = exp(Q K^T * scale - lse),  dV = P^T dO,  dS = P (dO V^T - delta),  dQ = dS K scale,  dK = dS^T Q scale.
+Rows are [N, D] contiguous; D is padded to a power of two >= 16 inside the kernels (masked).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 32  # rows per query / key block (tl.dot needs >= 16)
+
+
+@triton.jit
+def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr):
+    seg = tl.program_id(1)
+    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
+    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    start = q0 + tl.program_id(0) * BLOCK_M
+    if start < q1:
+        rows, d = start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+        rmask, dmask = rows < q1, d < D
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(k0, k1, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            cmask = cols < k1
+            kv_mask = cmask[:, None] & dmask[None, :]
+            k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.where(cmask[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [M, N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(O + rows[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        tl.store(LSE + rows, m_i + tl.log(l_i), mask=rmask)
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seg = tl.program_id(1)
+    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
+    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    start = k0 + tl.program_id(0) * BLOCK_N
+    if start < k1:
+        cols, d = start + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+        cmask, dmask = cols < k1, d < D
+        kv_mask = cmask[:, None] & dmask[None, :]
+        k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for m0 in range(q0, q1, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < q1
+            q_mask = rmask[:, None] & dmask[None, :]
+            q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(DO + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
+            lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+            delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale  # [M, N]
+            p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+        tl.store(DK + cols[:, None] * D + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + cols[:, None] * D + d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seg = tl.program_id(1)
+    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
+    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    start = q0 + tl.program_id(0) * BLOCK_M
+    if start < q1:
+        rows, d = start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+        rmask, dmask = rows < q1, d < D
+        q_mask = rmask[:, None] & dmask[None, :]
+        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DO + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+        delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(k0, k1, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            cmask = cols < k1
+            kv_mask = cmask[:, None] & dmask[None, :]
+            k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(s - lse[:, None]), 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def _meta(q: Tensor) -> dict:
+    D = q.shape[-1]
+    return dict(D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK, BLOCK_N=BLOCK)
+
+
+class TritonVarlen:
+    """heads/varlen.VarlenBackend on the Triton kernels above (any float dtype; accumulation in fp32)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, seg, scale: float) -> tuple[Tensor, Tensor]:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        lse = torch.full(q.shape[:1], float("-inf"), dtype=torch.float32, device=q.device)
+        S = seg.cu_q.numel() - 1
+        if S and seg.max_q:
+            _fwd[(triton.cdiv(seg.max_q, BLOCK), S)](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **_meta(q))
+        return out, lse
+
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1)  # [Nq] rowsum(dO * O)
+        lse = lse.float().contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        S = seg.cu_q.numel() - 1
+        if S and seg.max_k:
+            _bwd_dkdv[(triton.cdiv(seg.max_k, BLOCK), S)](q, k, v, dout, lse, delta, dk, dv, seg.cu_q, seg.cu_k, scale,
+                                                          **_meta(q))
+        if S and seg.max_q:
+            _bwd_dq[(triton.cdiv(seg.max_q, BLOCK), S)](q, k, v, dout, lse, delta, dq, seg.cu_q, seg.cu_k, scale,
+                                                        **_meta(q))
+        return dq, dk, dv
