@@ -36,7 +36,17 @@ from flops.run_sweep import locked
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"
 COLUMNS = ["variant", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
-           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch"]
+           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code"]
+CODE_DIRS = ["heads", "routing", "lm", "flops", "train_lm.py"]  # what a variant's numbers depend on
+
+
+def code_version() -> str:
+    """The git commit the code is at, + "+dirty" if CODE_DIRS differ from it ("" outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+dirty" if head and git("status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS) else "")
 
 
 def head_mix(base_model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -117,6 +127,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         shutil.rmtree(out, ignore_errors=True)  # a fresh run: same seed, same data order as every variant
         out.mkdir(parents=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
+        (out / "code_version.txt").write_text(code_version() + "\n")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         start = time.time()
         with open(out / "train.log", "w") as log:
@@ -149,6 +160,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         "leakfree_ppl": round(result["leakfree_ppl"], 2),
         "windows": windows,
         "torch": torch.__version__,
+        "code": (out / "code_version.txt").read_text().strip() if (out / "code_version.txt").is_file() else "",
     }
 
 
@@ -190,16 +202,18 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         "Caveats: a few hundred steps of a tiny model on a shared CPU: differences of a few percent in perplexity are "
         "within run-to-run noise (one seed each). `train s` is wall time including start-up and depends on the "
         "machine's load at the time, so it does not compare speeds. `causal = False` rows are leaky as published; "
-        "their honest number is the leak-free perplexity.",
+        "their honest number is the leak-free perplexity. `code`: the commit the variant was trained at (a row "
+        "is re-trained with `--only NAME --force` when its head's code changes); `-`: trained before the column "
+        "existed, at or before commit 518026b.",
         "",
-        "| variant | heads per layer | causal | params | fwd GFLOP (/ dense) | KV total | steps | train s | val ppl | leak-free ppl |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | heads per layer | causal | params | fwd GFLOP (/ dense) | KV total | steps | train s | val ppl | leak-free ppl | code |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for n in names:
         r = rows[n]
         lines.append(f"| {n} | {r['heads']} | {r['causal']} | {int(r['params']):,} | {float(r['fwd_gflop']):.3f} ({float(r['flop_ratio']):.3f}) | "
                      f"{r['kv_total']} | {r['steps']} | {r['train_s']} | {float(r['val_ppl']):.2f} | "
-                     f"{float(r['leakfree_ppl']):.2f} |")
+                     f"{float(r['leakfree_ppl']):.2f} | {r.get('code') or '-'} |")
     RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
