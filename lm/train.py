@@ -31,7 +31,20 @@ def resolve_precision(t: TrainerConfig) -> str:
     return "bf16-mixed" if gpu else "32-true"
 
 
-def build_strategy(t: TrainerConfig) -> Any:
+def deepspeed_config(cfg: Config) -> dict[str, Any]:
+    """DeepSpeed ZeRO-2 (optimizer states and gradients partitioned over the ranks) around the
+    LMModule's own AdamW and schedule, clipping by global norm at optim.grad_clip. Lightning adds
+    gradient_accumulation_steps and the bf16 section from the trainer's settings."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+        "zero_allow_untested_optimizer": True,  # torch.optim.AdamW as DeepSpeed's client optimizer
+    }
+
+
+def build_strategy(cfg: Config) -> Any:
+    t = cfg.trainer
     if t.strategy != "deepspeed_stage_2":
         return t.strategy  # "auto" or "ddp" (gloo on CPU, NCCL on GPU)
     try:
@@ -40,9 +53,12 @@ def build_strategy(t: TrainerConfig) -> Any:
         raise ConfigError(
             "trainer.strategy=deepspeed_stage_2 needs DeepSpeed (CUDA machines): pip install -e '.[deepspeed]'"
         ) from None
+    if t.accelerator == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("trainer.strategy=deepspeed_stage_2 needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses "
+                          "CPU); use strategy=ddp on CPU")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(stage=2)
+    return DeepSpeedStrategy(config=deepspeed_config(cfg))
 
 
 def ckpt_dir(cfg: Config) -> Path:
@@ -51,7 +67,7 @@ def ckpt_dir(cfg: Config) -> Path:
 
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     t = cfg.trainer
-    strategy = build_strategy(t)
+    strategy = build_strategy(cfg)
     deepspeed = t.strategy == "deepspeed_stage_2"
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,

@@ -182,20 +182,6 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path: Path, capsys: pytest.Ca
         assert err.startswith("error: ") and err.strip().count("\n") == 0 and field in err, err
 
 
-def test_deepspeed_without_deepspeed_says_how_to_install(data: Path, tmp_path: Path) -> None:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("deepspeed is installed here, so there is no missing-package message to check")
-    from lm.train import build_strategy
-
-    cfg = load_config(None, *run_overrides(data, tmp_path), "trainer.strategy=deepspeed_stage_2")
-    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
-        build_strategy(cfg.trainer)
-
-
 def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -> None:
     from lm.train import resume_path
 
