@@ -16,7 +16,9 @@ merged O and lse (FlashAttention-2 App. B.2), so the packed part gets exact grad
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,10 +120,24 @@ def _flash_interface() -> Any:
     return flash_attn_interface if hasattr(flash_attn_interface, "_flash_attn_varlen_backward") else None
 
 
+_DISABLED = False
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside this block cuda_backend gives None, so callers take their padded path (benchmarks)."""
+    global _DISABLED
+    before, _DISABLED = _DISABLED, True
+    try:
+        yield
+    finally:
+        _DISABLED = before
+
+
 def cuda_backend(q: Tensor) -> VarlenBackend | None:
     """The varlen kernels for q's device: flash-attn where it can run, else the Triton kernels on any
-    CUDA device; None on CPU (callers keep their padded PyTorch path there)."""
-    if not q.is_cuda:
+    CUDA device; None on CPU (callers keep their padded PyTorch path there) or inside `disabled()`."""
+    if not q.is_cuda or _DISABLED:
         return None
     return flash_backend(q) or _triton_backend()
 

@@ -137,10 +137,24 @@ def test_mita_routed_triton_matches_reference(T: int, options: dict, monkeypatch
     assert_match(errors)
 
 
-def test_cuda_backend_is_only_offered_where_it_can_run() -> None:
+def test_cuda_backend_is_only_offered_where_it_can_run(capsys: pytest.CaptureFixture) -> None:
     assert varlen.cuda_backend(torch.zeros(4, 8)) is None  # CPU: MiTA keeps its padded PyTorch path
     assert flash_backend(torch.zeros(4, 8)) is None  # CPU, fp32
     assert flash_backend(torch.zeros(4, 12, dtype=torch.bfloat16)) is None  # head dim not a multiple of 8
+    if not CUDA:
+        from bench.mita_varlen import main
+
+        assert main(["--T", "64"]) == 2  # the benchmark times CUDA kernels only, and says so in one line
+        assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="the varlen kernels are offered on CUDA only; no GPU here")
+def test_disabled_turns_the_cuda_kernels_off() -> None:
+    q = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
+    assert varlen.cuda_backend(q) is not None
+    with varlen.disabled():
+        assert varlen.cuda_backend(q) is None
+    assert varlen.cuda_backend(q) is not None
 
 
 def _backend(name: str, dtype: torch.dtype, d: int) -> varlen.VarlenBackend:
