@@ -7,12 +7,13 @@ offsets cu_q[S + 1], cu_k[S + 1]; query rows of segment s attend (not causally) 
 segment s only. No padding: work is sum_s |q_s| |k_s|, whatever the spread of segment sizes.
 
 `merge_varlen` adds such an attention to a part already computed elsewhere (its output and log-sum-exp)
-as ONE softmax over both key sets (MiTA Alg. 1 line 16). flash-attn's log-sum-exp is not
-differentiable, so the merge cannot just combine the two parts' outputs under autograd. Its backward
+as ONE softmax over both key sets (MiTA Alg. 1 line 16). The kernels' log-sum-exp is not
+differentiable (flash-attn's never is), so the merge cannot just combine the two parts' outputs under
+autograd. Its backward
 uses the identity behind ring attention instead: for a softmax over the union of key sets, the gradient
 of the merged output O w.r.t. one part's logits is P (dO V^T - rowsum(dO * O)) with P = exp(S - lse),
 O and lse the *merged* output and log-sum-exp. That is exactly flash-attn's backward called with the
-merged O and lse (FlashAttention-2 App. B.2), so the packed part gets exact gradients from the kernel.
+merged O and lse (FlashAttention-2 App. B.2), so the packed part gets exact gradients from the kernels.
 """
 from __future__ import annotations
 

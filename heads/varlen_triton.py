@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from heads.varlen import Segments
+
 BLOCK = 32  # rows per query / key block (tl.dot needs >= 16)
 
 
@@ -120,7 +122,7 @@ def _meta(q: Tensor) -> dict:
 class TritonVarlen:
     """heads/varlen.VarlenBackend on the Triton kernels above (any float dtype; accumulation in fp32)."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, seg, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> tuple[Tensor, Tensor]:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         lse = torch.full(q.shape[:1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -129,7 +131,7 @@ class TritonVarlen:
             _fwd[(triton.cdiv(seg.max_q, BLOCK), S)](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **_meta(q))
         return out, lse
 
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg,
+    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # [Nq] rowsum(dO * O)
