@@ -7,7 +7,8 @@ may be those of a larger merged softmax, see heads/varlen.py): delta = rowsum(dO
 one program per key block accumulates dK, dV over the segment's query blocks, one per query block
 accumulates dQ over its key blocks (Alg. 2, split in two so no atomics are needed):
     P = exp(Q K^T * scale - lse),  dV = P^T dO,  dS = P (dO V^T - delta),  dQ = dS K scale,  dK = dS^T Q scale.
-Rows are [N, D] contiguous; D is padded to a power of two >= 16 inside the kernels (masked).
+Rows are [N, D] contiguous (row offsets in int64); D is padded to a power of two >= 16 inside the kernels
+(masked).
 """
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.conste
     k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
-        rows, d = start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+        rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
         rmask, dmask = rows < q1, d < D
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(k0, k1, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
+            cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
             kv_mask = cmask[:, None] & dmask[None, :]
             k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
@@ -61,7 +62,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexp
     k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
     start = k0 + tl.program_id(0) * BLOCK_N
     if start < k1:
-        cols, d = start + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+        cols, d = start + tl.arange(0, BLOCK_N).to(tl.int64), tl.arange(0, BLOCK_D)
         cmask, dmask = cols < k1, d < D
         kv_mask = cmask[:, None] & dmask[None, :]
         k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
@@ -69,7 +70,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexp
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         for m0 in range(q0, q1, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
+            rows = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
             rmask = rows < q1
             q_mask = rmask[:, None] & dmask[None, :]
             q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
@@ -93,7 +94,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLO
     k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
-        rows, d = start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+        rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
         rmask, dmask = rows < q1, d < D
         q_mask = rmask[:, None] & dmask[None, :]
         q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
@@ -102,7 +103,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLO
         delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(k0, k1, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
+            cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
             kv_mask = cmask[:, None] & dmask[None, :]
             k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
