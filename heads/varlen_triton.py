@@ -23,96 +23,98 @@ BLOCK = 32  # rows per query / key block (tl.dot needs >= 16)
 
 
 @triton.jit
+def _segment(CU_Q, CU_K):
+    """Row ranges [q0, q1) and [k0, k1) of this program's segment (grid axis 1)."""
+    seg = tl.program_id(1)
+    return tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1), tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+
+
+@triton.jit
+def _load(X, idx, valid, d, D: tl.constexpr):
+    """Rows idx (int64) of a contiguous [N, D] tensor as a [len(idx), BLOCK_D] tile, 0 where not valid."""
+    return tl.load(X + idx[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _store(X, idx, valid, d, D: tl.constexpr, tile):
+    tl.store(X + idx[:, None] * D + d[None, :], tile.to(X.dtype.element_ty), mask=valid[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale):
+    """One [M, N] tile of P = exp(Q K^T scale - lse) and dS = P (dO V^T - delta) (Alg. 2)."""
+    p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
+    return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+
+
+@triton.jit
 def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
          BLOCK_N: tl.constexpr):
-    seg = tl.program_id(1)
-    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
-    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
         rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
-        rmask, dmask = rows < q1, d < D
-        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        rmask = rows < q1
+        q = _load(Q, rows, rmask, d, D)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(k0, k1, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
-            kv_mask = cmask[:, None] & dmask[None, :]
-            k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+            k, v = _load(K, cols, cmask, d, D), _load(V, cols, cmask, d, D)
             s = tl.where(cmask[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [M, N]
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + rows[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        _store(O, rows, rmask, d, D, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
         tl.store(LSE + rows, m_i + tl.log(l_i), mask=rmask)
 
 
 @triton.jit
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    seg = tl.program_id(1)
-    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
-    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = k0 + tl.program_id(0) * BLOCK_N
     if start < k1:
         cols, d = start + tl.arange(0, BLOCK_N).to(tl.int64), tl.arange(0, BLOCK_D)
-        cmask, dmask = cols < k1, d < D
-        kv_mask = cmask[:, None] & dmask[None, :]
-        k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        cmask = cols < k1
+        k, v = _load(K, cols, cmask, d, D), _load(V, cols, cmask, d, D)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         for m0 in range(q0, q1, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
             rmask = rows < q1
-            q_mask = rmask[:, None] & dmask[None, :]
-            q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(DO + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
-            lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-            delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale  # [M, N]
-            p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(s - lse[:, None]), 0.0)
+            q, do = _load(Q, rows, rmask, d, D), _load(DO, rows, rmask, d, D)
+            lse, delta = tl.load(LSE + rows, mask=rmask, other=0.0), tl.load(DELTA + rows, mask=rmask, other=0.0)
+            p, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale)
             dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dk += tl.dot(tl.trans(ds).to(q.dtype), q)
-        tl.store(DK + cols[:, None] * D + d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + cols[:, None] * D + d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+        _store(DK, cols, cmask, d, D, dk * scale)
+        _store(DV, cols, cmask, d, D, dv)
 
 
 @triton.jit
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    seg = tl.program_id(1)
-    q0, q1 = tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1)
-    k0, k1 = tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
+    q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
         rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
-        rmask, dmask = rows < q1, d < D
-        q_mask = rmask[:, None] & dmask[None, :]
-        q = tl.load(Q + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + rows[:, None] * D + d[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-        delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
+        rmask = rows < q1
+        q, do = _load(Q, rows, rmask, d, D), _load(DO, rows, rmask, d, D)
+        lse, delta = tl.load(LSE + rows, mask=rmask, other=0.0), tl.load(DELTA + rows, mask=rmask, other=0.0)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(k0, k1, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
-            kv_mask = cmask[:, None] & dmask[None, :]
-            k = tl.load(K + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(V + cols[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(s - lse[:, None]), 0.0)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            k, v = _load(K, cols, cmask, d, D), _load(V, cols, cmask, d, D)
+            _, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale)
             dq += tl.dot(ds.to(k.dtype), k)
-        tl.store(DQ + rows[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+        _store(DQ, rows, rmask, d, D, dq * scale)
 
 
 def _meta(q: Tensor) -> dict:
