@@ -7,6 +7,9 @@ TRITON  ?= triton==3.7.1
 STAMP   := $(VENV)/.installed
 SHARED  ?= ../shared/data
 
+# Triton kernels run compiled where there is an NVIDIA GPU, in Triton's interpreter elsewhere.
+TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo 1)
+
 export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 
@@ -27,7 +30,7 @@ quickstart: $(STAMP)
 
 ## The test suite (CPU; GPU-only tests skip with a reason).
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest tests
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(BIN)/python -m pytest tests
 
 clean:
 	rm -rf $(VENV) runs data
