@@ -34,7 +34,11 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
     ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "zero2_worker.py"), str(out)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in ranks]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()  # no-op for a finished rank; never leave one waiting for its peer
     assert all(p.returncode == 0 for p in ranks), logs[0][-3000:] + logs[1][-3000:]
 
     from lm.module import LMModule
