@@ -8,18 +8,20 @@ memory-efficient / math kernels).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
 @functools.cache
-def _flash_attn_func():
+def flash_attn_interface() -> Any:
+    """flash_attn.flash_attn_interface if flash-attn is installed, else None (one import attempt)."""
     try:
-        from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+        from flash_attn import flash_attn_interface as fa  # type: ignore[import-not-found]
     except ImportError:
         return None
-    return flash_attn_func
+    return fa
 
 
 def attend(
@@ -34,14 +36,14 @@ def attend(
     (top-left aligned, so it requires Tq == Tk)."""
     if causal and mask is not None:
         raise ValueError("attend: pass either causal=True or an explicit mask, not both")
-    flash = _flash_attn_func()
+    fa = flash_attn_interface()
     if (
-        flash is not None
+        fa is not None
         and mask is None
         and q.is_cuda
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= 256
     ):
-        out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return out.transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)

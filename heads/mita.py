@@ -118,14 +118,15 @@ class MiTAHeads(DenseHeads):
         lv = S.softmax(-1) @ v if self.options.shared and n else None  # landmark values (line 9, eq. 8)
         out, lse = self._shared_and_own_block(q, k, v, R, eligible, lv, scale)
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s'] (line 13)
-        backend = varlen.cuda_backend(q) if sel.shape[-1] == 1 else None
-        if sel_ok.any() and backend is not None:
-            out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)
-        elif sel_ok.any():
-            out_e, lse_e = self._routed(q, _rows(k, idx), _rows(v, idx), idx, idx_ok, sel, sel_ok, scale)
-            parts = torch.cat((lse[..., None], lse_e), -1)  # [B, H, T, 1 + s']
-            w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
-            out = w[..., :1] * out + (w[..., 1:, None] * out_e).sum(-2)
+        if sel_ok.any():  # else no query has an eligible landmark (T < 2b): shared + own block only
+            backend = varlen.cuda_backend(q) if sel.shape[-1] == 1 else None  # kernels take no logit offset
+            if backend is not None:
+                out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)
+            else:
+                out_e, lse_e = self._routed(q, _rows(k, idx), _rows(v, idx), idx, idx_ok, sel, sel_ok, scale)
+                parts = torch.cat((lse[..., None], lse_e), -1)  # [B, H, T, 1 + s']
+                w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
+                out = w[..., :1] * out + (w[..., 1:, None] * out_e).sum(-2)
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -224,9 +225,10 @@ class MiTAHeads(DenseHeads):
         bh = torch.arange(B * H, device=q.device).view(B, H, 1)
         segment = (bh * n + sel).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
         rows = sel_ok.flatten().nonzero()[:, 0]  # queries with a routed expert (rows of block 0 have none)
-        rows = rows[segment[rows].argsort(stable=True)]  # grouped by expert
+        expert = segment[rows]
+        rows = rows[expert.argsort(stable=True)]  # grouped by expert
         key_rows = (bh[..., None] * T + idx)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
-        seg = varlen.Segments.from_counts(segment[rows].bincount(minlength=B * H * n), idx_ok.sum(-1).flatten())
+        seg = varlen.Segments.from_counts(expert.bincount(minlength=B * H * n), idx_ok.sum(-1).flatten())
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
         merged = varlen.merge_varlen(out.reshape(B * H * T, d), lse.flatten(), q2[rows], k2[key_rows], v2[key_rows],
                                      rows, seg, scale, backend)

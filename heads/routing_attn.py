@@ -5,9 +5,10 @@ projection, all T tokens projected (cost 6hh'T incl. W^O). The shared queries ar
 scale or bias (RT Alg. 1: Q <- LayerNorm(Q), K <- LayerNorm(K)); their unit-normalised directions u are
 clustered by online k-means (routing/kmeans.py) into ρ clusters; each cluster attends within itself,
 causally, with RoPE at original positions. With Q = K a token's score with itself is the largest
-possible (|q|^2), so as in RT (and Reformer's shared-QK attention) a token does not attend to itself
-unless it is its cluster's first member and has nothing else: M_jl = 0 iff I_j > I_l, or j = l = the
-first slot. A token's head output is the mean of its outputs over the clusters it belongs to (0 if none). Auxiliary loss: commitment
+possible (|q|^2), so, as in Reformer's shared-QK attention (the RT paper does not spell this out),
+a token does not attend to itself unless it is its cluster's first member and has nothing else:
+M_jl = 0 iff I_j > I_l, or j = l = the first slot. A token's head output is the mean of its outputs
+over the clusters it belongs to (0 if none). Auxiliary loss: commitment
 `commitment * ||u - mu_nearest||^2`. KV entries per head: T (any future token may route to any cluster).
 
 Cluster assignment (option `assignment`):

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from heads.attention import flash_attn_interface
+
 
 @dataclass(frozen=True)
 class Segments:
@@ -112,15 +114,6 @@ class FlashVarlen:
         return dq[:, 0], dk[:, 0], dv[:, 0]
 
 
-@functools.cache
-def _flash_interface() -> Any:
-    try:
-        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return flash_attn_interface if hasattr(flash_attn_interface, "_flash_attn_varlen_backward") else None
-
-
 _DISABLED = False
 
 
@@ -154,10 +147,10 @@ def _triton_backend() -> VarlenBackend | None:
 
 def flash_backend(q: Tensor) -> FlashVarlen | None:
     """flash-attn's varlen kernels if they can run on q (CUDA, fp16/bf16, head dim a multiple of 8 up
-    to 256, flash-attn installed), else None."""
-    fa = _flash_interface()
+    to 256, flash-attn >= 2.7 installed), else None."""
+    fa = flash_attn_interface()
     d = q.shape[-1]
-    if fa is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+    if not hasattr(fa, "_flash_attn_varlen_backward") or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return None
     return FlashVarlen(fa)
 
@@ -169,8 +162,10 @@ class _MergeVarlen(torch.autograd.Function):
         out_b, lse_b = backend.forward(q, k, v, seg, scale)
         acc, lse_in_dtype = torch.promote_types(out_a.dtype, torch.float32), lse_a.dtype
         lse_a = lse_a.to(acc)
-        lse = lse_a.index_put((rows,), torch.logaddexp(lse_a[rows], lse_b.to(acc)))
-        w_a, w_b = (lse_a[rows] - lse[rows]).exp()[:, None], (lse_b - lse[rows]).exp()[:, None]
+        lse_a_rows = lse_a[rows]
+        lse_rows = torch.logaddexp(lse_a_rows, lse_b.to(acc))  # merged log-sum-exp of the packed rows
+        lse = lse_a.index_put((rows,), lse_rows)
+        w_a, w_b = (lse_a_rows - lse_rows).exp()[:, None], (lse_b - lse_rows).exp()[:, None]
         out = out_a.index_put((rows,), (w_a * out_a[rows].to(acc) + w_b * out_b.to(acc)).to(out_a.dtype))
         ctx.save_for_backward(out_a, lse_a, q, k, v, rows, out, lse)
         ctx.seg, ctx.scale, ctx.backend, ctx.lse_dtype = seg, scale, backend, lse_in_dtype

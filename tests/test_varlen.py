@@ -4,8 +4,8 @@ the path MiTA takes on CUDA).
 
 `TorchVarlen` is the reference of the contract; its backward takes the *merged* output and log-sum-exp
 exactly as flash-attn's and the Triton backward do, so the merge tests check the identity those paths
-rely on. The Triton kernels run under TRITON_INTERPRET=1 on CPU (set here when there is no GPU) and for
-real on CUDA; flash-attn's kernels only on CUDA with flash-attn installed."""
+rely on. The Triton kernels run under TRITON_INTERPRET=1 on CPU (set by conftest.py when there is no
+GPU) and for real on CUDA; flash-attn's kernels only on CUDA with flash-attn installed."""
 from __future__ import annotations
 
 import os
@@ -18,9 +18,7 @@ from heads import varlen
 from heads.varlen import Segments, TorchVarlen, flash_backend, merge_varlen
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before heads.varlen_triton is first imported
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton kernels on CPU tensors, in Python
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton kernels on CPU tensors, in Python (conftest.py)
 
 TOL = 1e-12  # float64: max-abs error relative to the reference's max-abs, outputs and all gradients
 
