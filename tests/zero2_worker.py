@@ -57,6 +57,8 @@ def main(out: str) -> None:
         engine.step()
     if rank == 0:
         torch.save(module.model.state_dict(), out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # a clean exit: no communication thread left behind
 
 
 if __name__ == "__main__":
