@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from routing.distributed import all_reduce_sum
+
 
 class OnlineKMeans(nn.Module):
     def __init__(self, heads: int, clusters: int, dim: int, decay: float) -> None:
@@ -30,11 +32,12 @@ class OnlineKMeans(nn.Module):
 
     @torch.no_grad()
     def update(self, u: torch.Tensor, nearest: torch.Tensor) -> None:
-        """EMA step of every centroid toward the mean of the vectors nearest to it."""
+        """EMA step of every centroid toward the mean of the vectors nearest to it (over the global
+        batch under DDP/DeepSpeed: sums and counts are all-reduced before the step)."""
         B, H, T, d = u.shape
         C = self.means.shape[1]
-        one_hot = F.one_hot(nearest, C).to(u.dtype)  # [B, H, T, C]
-        sums = torch.einsum("bhtc,bhtd->hcd", one_hot, u.detach())
-        counts = one_hot.sum((0, 2))[..., None]  # [H, C, 1]
+        one_hot = F.one_hot(nearest, C).float()  # [B, H, T, C]
+        sums = all_reduce_sum(torch.einsum("bhtc,bhtd->hcd", one_hot, u.detach().float()))
+        counts = all_reduce_sum(one_hot.sum((0, 2))[..., None])  # [H, C, 1]
         moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
         self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from routing.distributed import all_gather_cat
+
 
 class RunningQuantileThreshold(nn.Module):
     """tau[H]: EMA of the batch (1 - fraction)-quantile of each head's router logits."""
@@ -33,8 +35,10 @@ class RunningQuantileThreshold(nn.Module):
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor) -> None:
-        """Move tau toward this batch's (1 - fraction)-quantile per head (first call: set it)."""
+        """Move tau toward this batch's (1 - fraction)-quantile per head (first call: set it). Under
+        DDP/DeepSpeed the quantile is of the global batch (every rank's logits gathered)."""
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
+        per_head = all_gather_cat(per_head, dim=1)  # [H, ranks*B*T]
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
         q = per_head.kthvalue(rank, dim=1).values
