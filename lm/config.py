@@ -3,7 +3,8 @@
 One file holds four sections, `model`, `data`, `optim`, `trainer`. `load_config(path, **overrides)`
 merges the YAML over the dataclass defaults, then dotted overrides (`model.n_layers=4`, the same
 syntax as on the `train_lm.py` command line), checks types and unknown keys (OmegaConf), and checks
-values (`validate`). Every problem is a one-line ConfigError naming the field.
+values (`validate`). Every problem is a one-line ConfigError naming the field; settings that are
+valid but suspect (lm/sanity.py) print one-line warnings.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
+from lm.sanity import config_warnings, warn
 
 
 @dataclass
@@ -208,7 +210,9 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         raise ConfigError(_one_line(err)) from None
     except (ValueError, yaml.YAMLError) as err:  # an override that is not key=value or not valid YAML
         raise ConfigError(f"overrides {' '.join(dotlist)}: {' '.join(str(err).split())}") from None
-    return validate(cfg)
+    for message in config_warnings(validate(cfg)):
+        warn(message)
+    return cfg
 
 
 def to_yaml(cfg: Config) -> str:

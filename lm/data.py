@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lm.config import DataConfig, ModelConfig
+from lm.sanity import validation_warnings, warn
 
 PREPARE_HINT = "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out DIR"
 
@@ -143,9 +144,12 @@ class LMDataModule(L.LightningDataModule):
         self.val_stream: TokenStream | None = None
 
     def check(self) -> None:
-        """Open both splits (raises a one-line DataError); cheap, so entry points call it up front."""
+        """Open both splits (raises a one-line DataError; warns about overlapping validation windows);
+        cheap, so entry points call it up front."""
         self.train_stream = open_split(self.cfg.path, "train", self.model_cfg)
         self.val_stream = open_split(self.cfg.path, "val", self.model_cfg)
+        for message in validation_warnings(self.cfg, self.model_cfg, len(self.val_stream)):
+            warn(message)
 
     def setup(self, stage: str) -> None:
         if self.train_stream is None:

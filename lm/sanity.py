@@ -1,0 +1,47 @@
+"""Config sanity warnings: settings that are valid but almost certainly not what was meant.
+
+Each is one line on stderr (rank 0 only), never an error: a shrunk run (`trainer.max_steps=30` on a
+preset) that keeps the preset's warm-up never leaves it (the loss stays near ln V), one whose
+`val_every` exceeds `max_steps` validates only at the end, and validation windows that overlap (or a
+validation split shorter than one batch of windows) measure fewer distinct tokens than they count.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from lightning.pytorch.utilities import rank_zero_only
+
+if TYPE_CHECKING:
+    from lm.config import Config, DataConfig, ModelConfig
+
+
+@rank_zero_only
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Warnings that follow from the config alone."""
+    o, t = cfg.optim, cfg.trainer
+    out = []
+    if o.warmup_steps >= t.max_steps:
+        out.append(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
+                   f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")
+    if t.val_every > t.max_steps:
+        out.append(f"trainer.val_every={t.val_every} > trainer.max_steps={t.max_steps}: validation runs only at the end")
+    return out
+
+
+def validation_warnings(data: DataConfig, model: ModelConfig, val_tokens: int) -> list[str]:
+    """Warnings about the validation windows on a split of `val_tokens` tokens (lm/data.py ValWindows)."""
+    window = model.seq_len + 1
+    windows = data.val_batches * data.batch_size
+    if val_tokens < data.batch_size * window:
+        return [f"the validation split has {val_tokens} tokens, fewer than one batch of windows "
+                f"(data.batch_size={data.batch_size} x {window}): every validation window overlaps others"]
+    if val_tokens < windows * window:
+        return [f"validation windows overlap: data.val_batches x data.batch_size = {windows} windows of {window} "
+                f"tokens need {windows * window} but the validation split has {val_tokens} "
+                f"(lower data.val_batches to {val_tokens // (data.batch_size * window)})"]
+    return []

@@ -1,0 +1,44 @@
+"""Config sanity warnings (lm/sanity.py): one line on stderr each, never an error."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lm.config import load_config
+from lm.data import LMDataModule
+from tests.synthetic import run_overrides, write_prepared
+
+
+def warnings_of(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("warning: ")]
+
+
+def test_shrunk_run_warns_about_warmup_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
+    load_config("configs/tiny.yaml", "trainer.max_steps=30")
+    lines = warnings_of(capsys.readouterr().err)
+    assert len(lines) == 2
+    assert "optim.warmup_steps=4000 >= trainer.max_steps=30" in lines[0]
+    assert "trainer.val_every=1000 > trainer.max_steps=30" in lines[1]
+
+
+def test_sensible_config_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
+    load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10")
+    assert warnings_of(capsys.readouterr().err) == []
+
+
+@pytest.mark.parametrize(("val_tokens", "expected"), [
+    (4000, None),  # 16 windows of 33 tokens = 528 <= 4000
+    (400, "validation windows overlap: data.val_batches x data.batch_size = 16 windows of 33 tokens need 528"),
+    (200, "the validation split has 200 tokens, fewer than one batch of windows (data.batch_size=8 x 33)"),
+])
+def test_validation_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str], val_tokens: int,
+                            expected: str | None) -> None:
+    cfg = load_config(None, *run_overrides(write_prepared(tmp_path, val_tokens=val_tokens), tmp_path / "run"))
+    capsys.readouterr()
+    LMDataModule(cfg.data, cfg.model, cfg.trainer.seed).check()
+    lines = warnings_of(capsys.readouterr().err)
+    if expected is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and expected in lines[0], lines
