@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(cfg.trainer.out_dir, ignore_errors=True)
         from lm.train import train
 
-        earlier = (Path(cfg.trainer.out_dir) / "checkpoints").is_dir()
-        metrics = train(cfg, resume="last" if earlier else None, validate_first=True)
+        metrics = train(cfg, resume="last", validate_first=True)  # a fresh run when there is none yet
     except (ConfigError, DataError, PrepError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -49,15 +50,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class StepCheckpoints(L.Callback):
-    """`step<N>.ckpt` every `every` optimizer steps, and `last.ckpt` pointing at the newest one.
+    """`step<N>.ckpt` every `every` optimizer steps, and `last.ckpt` pointing at the newest one; only
+    the newest `keep` step checkpoints are kept (0: all).
 
     At a step that also validates, the checkpoint is written after the validation, so it carries
     that validation's result and a resumed run does not repeat it. `last.ckpt` is an atomic hard
     link to the step file (no second write), except for DeepSpeed, whose checkpoints are directories.
     """
 
-    def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True) -> None:
+    def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0) -> None:
         self.dirpath, self.every, self.val_every, self.link_last = Path(dirpath), every, val_every, link_last
+        self.keep = keep
         self.saved_step: int | None = None  # step of the newest checkpoint written by this process
 
     def save(self, trainer: L.Trainer) -> None:
@@ -71,6 +74,10 @@ class StepCheckpoints(L.Callback):
             tmp.unlink(missing_ok=True)
             os.link(step_path, tmp)
             os.replace(tmp, last)
+        if self.keep and trainer.is_global_zero:
+            steps = sorted(self.dirpath.glob("step*.ckpt"), key=lambda p: int(p.stem.removeprefix("step")))
+            for old in steps[: -self.keep]:  # last.ckpt is a link of its own (or a copy): unaffected
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
         self.saved_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:

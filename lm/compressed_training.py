@@ -196,7 +196,7 @@ def train_compressed(cfg: Config, resume: str | None = None) -> dict[str, Any]:
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CompressedModule(cfg)
     t = cfg.trainer
-    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every)
+    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:

@@ -86,6 +86,7 @@ class TrainerConfig:
     log_every: int = 10
     val_every: int = 500
     ckpt_every: int = 1000
+    keep_last_k: int = 3  # step checkpoints kept (the newest k; 0 = all)
     out_dir: str = "runs/default"
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
 
@@ -153,6 +154,8 @@ def validate(cfg: Config) -> Config:
     _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
     if t.max_minutes is not None:
         _positive(t, "max_minutes")
+    if t.keep_last_k < 0:
+        raise ConfigError(f"trainer.keep_last_k must be >= 0 (0 = keep every checkpoint), got {t.keep_last_k}")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

@@ -100,7 +100,8 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
 
 def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -> tuple[DecoderLM, Any]:
     """(model in eval mode, SentencePiece processor) from a train_lm.py checkpoint; the tokenizer
-    defaults to <data.path>/tokenizer.model of the checkpoint's config. One-line ValueError on failure."""
+    defaults to the one the checkpoint carries (lm/run_dir.py), else <data.path>/tokenizer.model of its
+    config. One-line ValueError on failure."""
     import sentencepiece as spm
 
     from heads import ConfigError
@@ -117,10 +118,14 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except (RuntimeError, pickle.UnpicklingError, EOFError) as err:  # not a torch file, or weights that do not fit
         raise ValueError(f"{path}: incompatible checkpoint: {str(err).splitlines()[0]}") from None
-    tok_path = Path(tokenizer) if tokenizer else Path(cfg.data.path) / "tokenizer.model"
-    if not tok_path.is_file():
-        raise ValueError(f"tokenizer not found: {tok_path} (pass --tokenizer PATH)")
-    sp = spm.SentencePieceProcessor(model_file=str(tok_path))
+    carried = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("run", {}).get("tokenizer_model")
+    if tokenizer is None and carried is not None:
+        tok_path, sp = path, spm.SentencePieceProcessor(model_proto=carried)
+    else:
+        tok_path = Path(tokenizer) if tokenizer else Path(cfg.data.path) / "tokenizer.model"
+        if not tok_path.is_file():
+            raise ValueError(f"tokenizer not found: {tok_path} (pass --tokenizer PATH)")
+        sp = spm.SentencePieceProcessor(model_file=str(tok_path))
     if sp.get_piece_size() != cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {sp.get_piece_size()} pieces, model.vocab_size is {cfg.model.vocab_size}")
     return model.eval(), sp
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=None, help="default: <data.path>/tokenizer.model of the checkpoint")
+    ap.add_argument("--tokenizer", default=None,
+                    help="default: the tokenizer the checkpoint carries, else <data.path>/tokenizer.model of its config")
     args = ap.parse_args(argv)
     try:
         if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:

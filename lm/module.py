@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model
+from lm.run_dir import provenance
 from lm.schedule import lr_factor
 
 
@@ -152,6 +153,7 @@ class LMModule(L.LightningModule):
         checkpoint["config"] = OmegaConf.to_container(OmegaConf.structured(self.cfg))
         checkpoint["rng"] = rng_state()
         checkpoint["val_history"] = self.val_history
+        checkpoint["run"] = provenance(self.cfg)  # data hashes and tokenizer bytes: usable elsewhere
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint["rng"]

@@ -1,7 +1,8 @@
 """Build the Lightning Trainer for a Config and run training (used by train_lm.py and quickstart.py).
 
-Outputs under `trainer.out_dir`: `tb/` (TensorBoard), `checkpoints/step<N>.ckpt` every
-`trainer.ckpt_every` steps and at the end, `checkpoints/last.ckpt` (the newest), `metrics.json`.
+Outputs under `trainer.out_dir`: `config.yaml`, `run.json`, `tokenizer.model` (lm/run_dir.py),
+`tb/` (TensorBoard), `checkpoints/step<N>.ckpt` every `trainer.ckpt_every` steps and at the end (the
+newest `trainer.keep_last_k`), `checkpoints/last.ckpt` (the newest), `metrics.json`.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.module import LMModule
 from lm.plots import plot_val_curve
+from lm.run_dir import claim
 
 
 def resolve_precision(t: TrainerConfig) -> str:
@@ -65,6 +67,13 @@ def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
 
+def tensorboard_logger(cfg: Config) -> TensorBoardLogger:
+    """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config."""
+    logger = TensorBoardLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False)
+    logger.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))  # type: ignore[arg-type]
+    return logger
+
+
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     t = cfg.trainer
     strategy = build_strategy(cfg)
@@ -76,7 +85,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         val_check_interval=t.val_every, check_val_every_n_epoch=None,
         num_sanity_val_steps=0, log_every_n_steps=t.log_every,
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
-        logger=TensorBoardLogger(t.out_dir, name="tb", version=""),
+        logger=tensorboard_logger(cfg),
         callbacks=[checkpoints], enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
@@ -112,17 +121,20 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     return str(path)
 
 
-def train(cfg: Config, resume: str | None = None, validate_first: bool = False) -> dict[str, Any]:
+def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
     checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
-    also validate the untrained model (step 0) when starting from scratch."""
+    also validate the untrained model (step 0) when starting from scratch. The run directory must be
+    new, or this run's (`resume`), or given up (`overwrite`): lm/run_dir.py."""
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
+    claim(cfg, resume is not None, overwrite)
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = LMModule(cfg)
     t = cfg.trainer
-    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2")
+    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
+                                  keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints)
     if validate_first and ckpt is None:
         trainer.validate(module, datamodule=data, verbose=False)

@@ -1,0 +1,141 @@
+"""A run directory (`trainer.out_dir`) owns one run, and records what that run is.
+
+At start, `claim` writes into the directory
+    config.yaml       the resolved run config (defaults <- YAML <- overrides), as trained
+    run.json          data.path (absolute), the data's fingerprint and tokenizer hash, the command
+    tokenizer.model   a copy of the data's SentencePiece model (when the data has one)
+and refuses, with one line, a directory that already holds a run: `--resume` continues it (after
+checking that config, tokenizer and data are the run's own), `--overwrite` deletes that run's outputs
+and starts again. `provenance` is what every checkpoint carries besides the config (lm/module.py), so
+that it can be evaluated and decoded on another machine: the data hashes and the tokenizer's bytes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import OmegaConf
+
+from heads import ConfigError
+from lm.checkpoint import atomic_write
+from lm.config import Config, from_dict, to_yaml
+
+CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
+CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
+# What a run writes into its directory (the only things --overwrite deletes; train.log is the sweep's).
+OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
+# Fields a resumed run may change (each change is printed): how long, how often, on what hardware, and
+# the optimiser's settings; not the model, the data order (data.batch_size, trainer.seed) or validation.
+# data.path may move: the data's hash is checked instead. A section named None: any of its fields.
+RESUMABLE: dict[str, set[str] | None] = {
+    "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",
+                "accelerator", "devices", "num_nodes", "strategy", "out_dir"},
+    "optim": None,
+    "data": {"path", "num_workers"},
+}
+
+
+def _sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def data_fingerprint(data: Path, index: dict[str, Any]) -> str:
+    """sha256 over index.json and, for every shard it lists, its size and its first and last MiB:
+    cheap on a corpus of any size, and different for data prepared again (other tokens, other split)."""
+    h = hashlib.sha256((data / "index.json").read_bytes())
+    for split in sorted(index.get("splits", {})):
+        for shard in index["splits"][split].get("shards", []):
+            path = data / shard["file"]
+            size = path.stat().st_size if path.is_file() else -1
+            h.update(f"{shard['file']}:{size}".encode())
+            if size > 0:
+                with open(path, "rb") as f:
+                    h.update(f.read(CHUNK))
+                    f.seek(max(size - CHUNK, 0))
+                    h.update(f.read(CHUNK))
+    return h.hexdigest()
+
+
+def provenance(cfg: Config) -> dict[str, Any]:
+    """Data identity and tokenizer of a run: {data_path, data_sha256, tokenizer_sha256, tokenizer_model}."""
+    data = Path(cfg.data.path).resolve()
+    index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
+    model = data / index.get("tokenizer", TOKENIZER)
+    return {
+        "data_path": str(data),
+        "data_sha256": data_fingerprint(data, index) if index else None,
+        "tokenizer_sha256": index.get("tokenizer_sha256") or _sha256(model),
+        "tokenizer_model": model.read_bytes() if model.is_file() else None,
+    }
+
+
+def holds_run(out: Path) -> bool:
+    """Whether `out` already holds (part of) a run: its record, checkpoints or metrics."""
+    return (out / RECORD).is_file() or (out / "metrics.json").is_file() or any((out / "checkpoints").glob("*"))
+
+
+def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]]:
+    """(fields that may not change on resume, fields that may), each as 'section.key: old -> new'."""
+    a = OmegaConf.to_container(OmegaConf.structured(saved))
+    b = OmegaConf.to_container(OmegaConf.structured(current))
+    fixed, free = [], []
+    for section in sorted(set(a) | set(b)):  # type: ignore[arg-type]
+        old, new = a.get(section), b.get(section)  # type: ignore[union-attr]
+        keys = sorted(set(old) | set(new)) if isinstance(old, dict) and isinstance(new, dict) else [None]
+        for key in keys:
+            x, y = (old, new) if key is None else (old.get(key), new.get(key))  # type: ignore[union-attr]
+            if x != y:
+                line = f"{section}{'' if key is None else '.' + key}: {x} -> {y}"
+                allowed = section in RESUMABLE and (RESUMABLE[section] is None or key in RESUMABLE[section])  # type: ignore[operator]
+                (free if allowed else fixed).append(line)
+    return fixed, free
+
+
+def check_resume(cfg: Config, out: Path, here: dict[str, Any]) -> list[str]:
+    """ConfigError if the run in `out` was trained on other data, another tokenizer or another model;
+    the resumable fields that changed otherwise."""
+    record = json.loads((out / RECORD).read_text())
+    for key, what in (("tokenizer_sha256", "tokenizer"), ("data_sha256", "data")):
+        if record.get(key) != here[key]:
+            raise ConfigError(f"--resume: {out} was trained on another {what} (sha256 {str(record.get(key))[:12]}, "
+                              f"{here['data_path']} has {str(here[key])[:12]}); use --overwrite to start again")
+    fixed, free = config_changes(from_dict(OmegaConf.to_container(OmegaConf.load(out / CONFIG))), cfg)  # type: ignore[arg-type]
+    if fixed:
+        raise ConfigError(f"--resume: {out} was trained with a different config ({'; '.join(fixed)}); "
+                          f"use --overwrite to start again")
+    return free
+
+
+@rank_zero_only
+def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
+    """Make `trainer.out_dir` this run's directory (module doc). Rank 0 only: the other ranks are
+    started after it and find the directory claimed. One-line ConfigError when refused."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    out = Path(cfg.trainer.out_dir)
+    here = provenance(cfg)
+    if resume and (out / RECORD).is_file():
+        for change in check_resume(cfg, out, here):
+            print(f"resume: {change}", file=sys.stderr)
+    elif holds_run(out) and not resume:
+        if not overwrite:
+            raise ConfigError(f"trainer.out_dir {out} already holds a run; pass --resume to continue it "
+                              f"or --overwrite to start again")
+        for name in OUTPUTS:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    tokenizer = here.pop("tokenizer_model")
+    record = {**here, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv}
+    if resume and (out / RECORD).is_file():
+        record = {**json.loads((out / RECORD).read_text()), "resumed": record["started"]}
+    text = to_yaml(cfg)
+    atomic_write(out / CONFIG, lambda f: f.write(text.encode()))
+    atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    if tokenizer is not None:
+        atomic_write(out / TOKENIZER, lambda f: f.write(tokenizer))

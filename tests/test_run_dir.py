@@ -1,0 +1,133 @@
+"""Run directories (lm/run_dir.py): one run per directory, its provenance saved, resume checks,
+keep_last_k, and checkpoints that carry their tokenizer."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from heads import ConfigError
+from lm.config import load_config
+from lm.run_dir import claim, holds_run
+from tests.synthetic import run_overrides, write_prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 10
+
+
+def tokenizer(data: Path, vocab: int = 64) -> None:
+    """A real SentencePiece model of the synthetic data's vocabulary size at <data>/tokenizer.model."""
+    import sentencepiece as spm
+
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home", "tree", "big"]
+    g = torch.Generator().manual_seed(0)
+    lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=g).tolist()) for _ in range(300)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(data / "tokenizer"),
+                                   vocab_size=vocab, model_type="bpe", minloglevel=2)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(data, out) of one 10-step run with a checkpoint every 2 steps, keeping the newest 2."""
+    from lm.train import train
+
+    data = write_prepared(tmp_path_factory.mktemp("data"))
+    tokenizer(data)
+    out = tmp_path_factory.mktemp("run")
+    train(load_config(None, *overrides(data, out)))
+    return data, out
+
+
+def overrides(data: Path, out: Path, *extra: str) -> list[str]:
+    return [*run_overrides(data, out, max_steps=STEPS, ckpt_every=2, val_every=5, keep_last_k=2), *extra]
+
+
+def test_run_saves_config_tokenizer_and_data_hash(run: tuple[Path, Path]) -> None:
+    data, out = run
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["d_model"] == 32 and saved["trainer"]["max_steps"] == STEPS
+    assert load_config(out / "config.yaml") == load_config(None, *overrides(data, out))
+    record = json.loads((out / "run.json").read_text())
+    assert len(record["data_sha256"]) == 64 and record["command"]
+    assert record["tokenizer_sha256"] == "synthetic" and record["data_path"] == str(data.resolve())
+    assert (out / "tokenizer.model").read_bytes() == (data / "tokenizer.model").read_bytes()
+    hparams = yaml.safe_load((out / "tb" / "hparams.yaml").read_text())  # TensorBoard's copy (was {})
+    assert hparams["model"]["d_model"] == 32
+
+
+def test_keep_last_k(run: tuple[Path, Path]) -> None:
+    names = sorted(p.name for p in (run[1] / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step0000008.ckpt", "step0000010.ckpt"]
+    assert torch.load(run[1] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == STEPS
+
+
+def test_a_directory_holding_a_run_is_refused(run: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import train_lm
+
+    data, out = run
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert train_lm.main(["--config", str(ROOT / "configs" / "quickstart.yaml"), *overrides(data, out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: trainer.out_dir {out} already holds a run; pass --resume to continue it or --overwrite " \
+                  f"to start again"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing touched
+
+
+def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    data, out = run
+    claim(load_config(None, *overrides(data, out, "trainer.max_steps=20", "optim.lr=1e-3")), True, False)
+    assert capsys.readouterr().err.splitlines() == ["resume: optim.lr: 0.003 -> 0.001",
+                                                    "resume: trainer.max_steps: 10 -> 20"]
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["max_steps"] == 20  # as trained now
+    claim(load_config(None, *overrides(data, out)), True, False)  # back to the run's own config
+
+    other = write_prepared(tmp_path / "other", seed=1)  # same format, other tokens
+    with pytest.raises(ConfigError, match=r"trained on another data \(sha256 "):
+        claim(load_config(None, *overrides(other, out)), True, False)
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)  # the same data elsewhere: allowed
+    claim(load_config(None, *overrides(moved, out)), True, False)
+    index = json.loads((moved / "index.json").read_text())
+    (moved / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "retrained"}))
+    with pytest.raises(ConfigError, match=r"trained on another tokenizer \(sha256 synthetic, .* has retrained\)"):
+        claim(load_config(None, *overrides(moved, out)), True, False)
+    with pytest.raises(ConfigError, match=r"different config \(model.n_layers: 2 -> 3; trainer.seed: 1234 -> 5\)"):
+        claim(load_config(None, *overrides(data, out, "model.n_layers=3", "trainer.seed=5")), True, False)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        claim(load_config(None, *overrides(data, out)), True, True)
+
+
+def test_overwrite_deletes_only_the_runs_outputs(run: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = run
+    out = tmp_path / "run"
+    shutil.copytree(run[1], out)
+    (out / "notes.txt").write_text("mine")
+    (out / "train.log").write_text("sweep log")
+    claim(load_config(None, *overrides(data, out)), False, True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "notes.txt", "run.json", "tokenizer.model",
+                                                      "train.log"]
+    assert not holds_run(out / "nothing") and holds_run(out)
+
+
+def test_checkpoint_carries_its_tokenizer(run: tuple[Path, Path], tmp_path: Path) -> None:
+    """Decoding elsewhere: the checkpoint alone, without the data directory it was trained on."""
+    from lm.generate import load_for_generation
+
+    data, out = run
+    ckpt = tmp_path / "copy.ckpt"
+    shutil.copy(out / "checkpoints" / "last.ckpt", ckpt)
+    carried = torch.load(ckpt, weights_only=True)["run"]
+    assert carried["tokenizer_model"] == (data / "tokenizer.model").read_bytes()
+    assert carried["data_sha256"] == json.loads((out / "run.json").read_text())["data_sha256"]
+    hidden = data.with_name(data.name + "_hidden")
+    data.rename(hidden)
+    try:
+        model, sp = load_for_generation(ckpt)
+    finally:
+        hidden.rename(data)
+    assert sp.get_piece_size() == 64 and sp.encode("the cat")
