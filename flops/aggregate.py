@@ -1,11 +1,16 @@
-"""Collect a sweep's results: `results.csv`, a markdown table and a PNG IsoFLOP curve (MoSA Fig. 3).
+"""Collect sweeps' results: `results.csv`, a markdown table and a PNG of IsoFLOP curves (MoSA Fig. 3).
 
-    python -m flops.aggregate sweeps/tiny [--out bench/results/isoflop_tiny] [--note "how it was run"]
+    python -m flops.aggregate sweeps/tiny [sweeps/small ...] [--out bench/results/isoflop] [--note "how it was run"]
 
-Reads `<dir>/sweep.json`, each point's `metrics.json` (last validation) and, for points whose heads are
-not causal, `leakfree.json` (the perplexity plotted and tabulated for them is the leak-free one).
-Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<dir>/results`). The curve is validation
-perplexity against sparsity (log2 axis), one line per head type, each starting at the dense baseline.
+Reads each `<dir>/sweep.json`, `status.json`, and every point's `metrics.json` (last validation),
+`config.yaml` (trainer.max_steps as trained; lm/run_dir.py) and, for points whose heads are not causal,
+`leakfree.json` (the perplexity used for them is the leak-free one). A point counts only when it is
+done: its run reached trainer.max_steps (and, if not causal, was evaluated leak-free). Points that
+stopped early are `partial`: listed with the step they reached, marked in the tables and drawn as
+hollow markers, never part of a curve or a mean. Replicas (`flops.sweep --seeds N`) of a point are
+summarised as mean ± sample standard deviation over the done ones. The PNG has one panel per model
+size (one per sweep directory's size), a line per head type with error bars, each starting at that
+size's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
 """
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ import argparse
 import csv
 import json
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 COLUMNS = [
-    "name", "head", "sparsity", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
-    "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "val_ppl", "leakfree_ppl", "ppl",
+    "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
+    "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "val_ppl", "leakfree_ppl", "ppl",
     "tokens_per_s",
 ]
 
@@ -28,31 +34,71 @@ def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def max_steps(entry: dict[str, Any]) -> int | None:
+    """trainer.max_steps the point was trained to (its run's config.yaml), else the one it was written with."""
+    import yaml
+
+    for path in (Path(entry["out_dir"]) / "config.yaml", Path(entry["config"])):
+        if path.is_file():
+            return int(yaml.safe_load(path.read_text())["trainer"]["max_steps"])
+    return None
+
+
+def point_status(recorded: str | None, step: int | None, target: int | None, ppl: float | None) -> str:
+    """done | partial | failed | interrupted | running | not run (module doc)."""
+    finished = step is not None and target is not None and step >= target and ppl is not None
+    if finished and recorded not in ("failed", "interrupted", "running"):
+        return "done"
+    if recorded in ("failed", "interrupted", "running"):
+        return recorded
+    return "partial" if step is not None else "not run"
+
+
 def collect(sweep: Path) -> list[dict[str, Any]]:
     """One row per point; `ppl` is val_ppl for causal heads and leakfree_ppl otherwise (None if missing)."""
+    manifest = json.loads((sweep / "sweep.json").read_text())
     status = _json(sweep / "status.json")
     rows = []
-    for e in json.loads((sweep / "sweep.json").read_text())["points"]:
+    for e in manifest["points"]:
         out = Path(e["out_dir"])
         m, lf = _json(out / "metrics.json"), _json(out / "leakfree.json")
         row = {c: e.get(c) for c in COLUMNS}
-        row.update(
-            status=status.get(e["name"], {}).get("status", "not run"), step=m.get("step"), val_ppl=m.get("val_ppl"),
-            leakfree_ppl=lf.get("leakfree_ppl"), tokens_per_s=m.get("tokens_per_s"),
-        )
+        row.update(size=manifest["size"], step=m.get("step"), max_steps=max_steps(e), val_ppl=m.get("val_ppl"),
+                   leakfree_ppl=lf.get("leakfree_ppl"), tokens_per_s=m.get("tokens_per_s"))
         row["ppl"] = row["val_ppl"] if e["causal"] else row["leakfree_ppl"]
+        row["status"] = point_status(status.get(e["name"], {}).get("status"), row["step"], row["max_steps"], row["ppl"])
         rows.append(row)
     return rows
 
 
-def curves(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """head type -> [(sparsity, ppl)] sorted, each starting at the dense baseline (sparsity 1)."""
-    base = [(1, r["ppl"]) for r in rows if r["head"] == "dense" and r["ppl"] is not None]
-    out: dict[str, list[tuple[int, float]]] = {}
+def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
+    """(size, head, sparsity) -> {mean, std, n (done replicas), partial (rows not done), rows}."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
-        if r["head"] != "dense" and r["ppl"] is not None:
-            out.setdefault(r["head"], list(base)).append((r["sparsity"], r["ppl"]))
-    return {head: sorted(points) for head, points in out.items()}
+        groups.setdefault((r["size"], r["head"], r["sparsity"]), []).append(r)
+    out = {}
+    for key, members in groups.items():
+        done = [r["ppl"] for r in members if r["status"] == "done"]
+        out[key] = {
+            "mean": statistics.fmean(done) if done else None,
+            "std": statistics.stdev(done) if len(done) > 1 else 0.0 if done else None,
+            "n": len(done), "partial": [r for r in members if r["status"] != "done" and r["ppl"] is not None],
+        }
+    return out
+
+
+def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[int, float, float]]]:
+    """(size, head type) -> [(sparsity, mean ppl, std)] over done points, sorted, each starting at that
+    size's dense baseline (sparsity 1) when it is done."""
+    s = summary(rows)
+    out: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
+    for (size, head, rho), g in s.items():
+        if head == "dense" or g["mean"] is None:
+            continue
+        base = s.get((size, "dense", 1))
+        start = [(1, base["mean"], base["std"])] if base and base["mean"] is not None else []
+        out.setdefault((size, head), start).append((rho, g["mean"], g["std"]))
+    return {key: sorted(points) for key, points in out.items()}
 
 
 def _fmt(value: Any) -> str:
@@ -63,23 +109,29 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def cell(g: dict[str, Any] | None) -> str:
+    """'mean ± std (n=N)' over done replicas; partial points marked with their ppl and step, never averaged."""
+    if g is None:
+        return "-"
+    text = "-" if g["mean"] is None else f"{g['mean']:.2f}" + (f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else "")
+    partial = [f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}" for r in g["partial"]]
+    return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
+
+
 def markdown(rows: list[dict[str, Any]], note: str) -> str:
-    sparsities = sorted({r["sparsity"] for r in rows})
-    heads = sorted({r["head"] for r in rows if r["head"] != "dense"})
-    by = {(r["head"], r["sparsity"]): r for r in rows}
-    base = next((r for r in rows if r["head"] == "dense"), None)
-
-    def cell(head: str, rho: int, key: str) -> str:
-        r = base if rho == 1 else by.get((head, rho))
-        return _fmt(r[key]) if r else "-"
-
-    lines = [note, "", "Validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass:", ""]
-    lines += ["| head | " + " | ".join(f"rho={s}" for s in sparsities) + " |", "|---" * (len(sparsities) + 1) + "|"]
-    lines += [f"| {h} | " + " | ".join(cell(h, s, "ppl") for s in sparsities) + " |" for h in heads]
-    lines += ["", "Sparse heads per layer (plus the dense heads kept):", ""]
-    lines += ["| head | " + " | ".join(f"rho={s}" for s in sparsities) + " |", "|---" * (len(sparsities) + 1) + "|"]
-    lines += [f"| {h} | " + " | ".join(cell(h, s, "sparse_heads") for s in sparsities) + " |" for h in heads]
-    lines += ["", "All points:", "", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    s = summary(rows)
+    lines = [note, ""]
+    for size in dict.fromkeys(r["size"] for r in rows):
+        mine = [r for r in rows if r["size"] == size]
+        sparsities = sorted({r["sparsity"] for r in mine})
+        heads = sorted({r["head"] for r in mine if r["head"] != "dense"})
+        lines += [f"Size {size}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
+                  "mean ± std over finished seeds; `x* @step/max` = partial run, not in the mean or the curve:", ""]
+        lines += ["| head | " + " | ".join(f"rho={r}" for r in sparsities) + " |", "|---" * (len(sparsities) + 1) + "|"]
+        lines += [f"| {h} | " + " | ".join(cell(s.get((size, "dense" if r == 1 else h, r))) for r in sparsities) + " |"
+                  for h in heads]
+        lines.append("")
+    lines += ["All points:", "", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -90,22 +142,33 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    for head, points in curves(rows).items():
-        xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", label=head)
-    base = [r["ppl"] for r in rows if r["head"] == "dense" and r["ppl"] is not None]
-    if base:
-        ax.axhline(base[0], color="grey", linestyle="--", linewidth=1, label="dense baseline")
-    ax.set_xscale("log", base=2)
-    ticks = sorted({r["sparsity"] for r in rows})
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
-    ax.set_ylabel("validation perplexity")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    lines = curves(rows)
+    colours = {h: f"C{i}" for i, h in enumerate(sorted({r["head"] for r in rows if r["head"] != "dense"}))}
+    s = summary(rows)
+    for ax, size in zip(axes[0], sizes):
+        for (sz, head), points in lines.items():
+            if sz == size:
+                xs, ys, es = zip(*points)
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[head], label=head)
+        partial = [r for g in s.values() for r in g["partial"] if r["size"] == size]
+        if partial:
+            ax.scatter([r["sparsity"] for r in partial], [r["ppl"] for r in partial], facecolors="none",
+                       edgecolors="black", label="partial run (not in the curve)")
+        base = s.get((size, "dense", 1))
+        if base and base["mean"] is not None:
+            ax.axhline(base["mean"], color="grey", linestyle="--", linewidth=1, label="dense baseline")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["sparsity"] for r in rows if r["size"] == size})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
+        ax.set_ylabel("validation perplexity")
+        ax.set_title(f"{size}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -113,25 +176,28 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flops.aggregate", description=__doc__.split("\n")[0])
-    p.add_argument("sweep", type=Path)
-    p.add_argument("--out", type=Path, help="output prefix (default <sweep>/results)")
+    p.add_argument("sweeps", type=Path, nargs="+", help="sweep directories (one panel per model size)")
+    p.add_argument("--out", type=Path, help="output prefix (default <first sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")
     a = p.parse_args(argv)
-    if not (a.sweep / "sweep.json").is_file():
-        print(f"error: {a.sweep / 'sweep.json'} not found", file=sys.stderr)
-        return 2
-    rows = collect(a.sweep)
-    out = a.out or a.sweep / "results"
+    for sweep in a.sweeps:
+        if not (sweep / "sweep.json").is_file():
+            print(f"error: {sweep / 'sweep.json'} not found", file=sys.stderr)
+            return 2
+    rows = [row for sweep in a.sweeps for row in collect(sweep)]
+    out = a.out or a.sweeps[0] / "results"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    size = json.loads((a.sweep / "sweep.json").read_text())["size"]
-    note = a.note or f"IsoFLOP sweep `{a.sweep}` ({size}); {platform.platform()}"
+    sizes = ", ".join(dict.fromkeys(r["size"] for r in rows))
+    note = a.note or f"IsoFLOP sweep(s) {', '.join(f'`{s}`' for s in a.sweeps)} ({sizes}); {platform.platform()}"
     out.with_suffix(".md").write_text(markdown(rows, note))
-    plot(rows, out.with_suffix(".png"), f"IsoFLOP curves ({size}, equal FLOPs per pass)")
-    print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    plot(rows, out.with_suffix(".png"), "IsoFLOP curves (equal FLOPs per pass)")
+    counts = {k: sum(r["status"] == k for r in rows) for k in dict.fromkeys(r["status"] for r in rows)}
+    print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, {out.with_suffix('.png')} "
+          f"({', '.join(f'{n} {k}' for k, n in counts.items())})")
     return 0
 
 

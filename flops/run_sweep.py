@@ -5,9 +5,14 @@
 
 For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
 trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml --resume [overrides]`
-(an interrupted point continues from its last checkpoint), log to `<out_dir>/train.log`. A failing
-point is recorded in `<dir>/status.json` with its exit code and the log's last line, and the sweep
-goes on. For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
+(an interrupted point continues from its last checkpoint), log to `<out_dir>/train.log` (no progress
+bars: the log is not a terminal). `<dir>/status.json` records every point: `running` (with the
+training process id) while it trains, then `done` only when the run reached trainer.max_steps,
+`partial` when it stopped early without an error (trainer.max_minutes), `failed` with its exit code
+and the log's last line (the sweep goes on), or `interrupted`: SIGTERM/SIGINT to the runner is
+forwarded to the training process, the point is recorded as interrupted and the runner exits with
+128 + the signal number (a rerun resumes it). A line per point shows progress and the ETA (mean time
+of the points trained so far). For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
 evaluated leak-free (lm/leakfree.py: every prediction from its own prefix) on `--leakfree-windows`
 validation windows (default: the same windows as training's validation), written to
 `<out_dir>/leakfree.json`; a point trained but not yet evaluated is only evaluated. Exit status 1 if any point failed.
@@ -18,11 +23,12 @@ import argparse
 import contextlib
 import fcntl
 import json
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,15 +66,36 @@ def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, floa
     return result
 
 
-def train_point(entry: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Run train_lm.py for one point (resuming from its last checkpoint); status with the log's last line on failure."""
+def train_point(entry: dict[str, Any], overrides: list[str], started: Callable[[int], None]) -> dict[str, Any]:
+    """Run train_lm.py for one point (resuming from its last checkpoint), calling `started(pid)` once it
+    runs; its status (module doc), with the log's last line on failure. SIGTERM/SIGINT received
+    meanwhile go to the training process (in a session of its own, so a terminal's Ctrl-C reaches it
+    once, through here)."""
     out = Path(entry["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     cmd = [sys.executable, str(ROOT / "train_lm.py"), "--config", entry["config"], "--resume", *overrides]
+    received: list[int] = []
     with open(out / "train.log", "a") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-    status: dict[str, Any] = {"status": "done" if rc == 0 else "failed", "rc": rc, "seconds": round(time.time() - start, 1)}
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def forward(signum: int, frame: Any) -> None:
+            received.append(signum)
+            child.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            started(child.pid)
+            rc = child.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    seconds = round(time.time() - start, 1)
+    if received:
+        return {"status": "interrupted", "signal": signal.Signals(received[0]).name, "rc": rc, "seconds": seconds}
+    finished = rc == 0 and trained(entry, overrides)
+    status: dict[str, Any] = {"status": "done" if finished else "partial" if rc == 0 else "failed", "rc": rc,
+                              "seconds": seconds}
     if rc != 0:
         lines = (out / "train.log").read_text(errors="replace").strip().splitlines()
         status["error"] = lines[-1] if lines else f"exit status {rc}"
@@ -120,22 +147,41 @@ def main(argv: list[str] | None = None) -> int:
         points = [e for e in points if e["name"] in wanted]
     status_file = a.sweep / "status.json"
     status = json.loads(status_file.read_text()) if status_file.is_file() else {}
-    for entry in points:
-        name = entry["name"]
+
+    def save() -> None:
+        status_file.write_text(json.dumps(status, indent=1))
+
+    times: list[float] = []  # seconds of each point trained by this runner
+    for i, entry in enumerate(points):
+        name, left = entry["name"], len(points) - i
+        eta = f"ETA {sum(times) / len(times) * left / 60:.1f} min for {left} point(s)" if times else "ETA after the first point"
+        head = f"[{i + 1}/{len(points)}] {name}"
         if trained(entry, a.overrides) and not needs_leak_free(entry):
-            print(f"{name:>14}: finished, skipped")
-            status.setdefault(name, {"status": "done"})
+            print(f"{head}: finished, skipped", flush=True)
+            status[name] = {**status.get(name, {}), "status": "done"}
             continue
         with locked(a.lock):
             if not trained(entry, a.overrides):
-                print(f"{name:>14}: training ...", flush=True)
-                status[name] = train_point(entry, a.overrides)
-            if status.get(name, {"status": "done"})["status"] == "done" and needs_leak_free(entry):
-                print(f"{name:>14}: leak-free evaluation ...", flush=True)
-                status[name] = evaluate_point(entry, status.get(name, {"status": "done"}), a.leakfree_windows)
-        print(f"{name:>14}: {status[name]}", flush=True)
-        status_file.write_text(json.dumps(status, indent=1))
-    status_file.write_text(json.dumps(status, indent=1))
+                print(f"{head}: training ... ({eta}; log {Path(entry['out_dir']) / 'train.log'})", flush=True)
+
+                def running(pid: int, name: str = name) -> None:
+                    status[name] = {"status": "running", "pid": pid}
+                    save()
+
+                status[name] = train_point(entry, a.overrides, running)
+                times.append(status[name]["seconds"])
+            else:
+                status[name] = {**status.get(name, {}), "status": "done"}
+            if status[name]["status"] == "interrupted":
+                save()
+                print(f"{head}: interrupted by {status[name]['signal']}; rerun to resume it", file=sys.stderr)
+                return 128 + signal.Signals[status[name]["signal"]].value
+            if status[name]["status"] == "done" and needs_leak_free(entry):
+                print(f"{head}: leak-free evaluation ...", flush=True)
+                status[name] = evaluate_point(entry, status[name], a.leakfree_windows)
+        print(f"{head}: {status[name]}", flush=True)
+        save()
+    save()
     failed = [name for name, s in status.items() if s["status"] == "failed"]
     if failed:
         print(f"failed points: {', '.join(failed)} (see {status_file})", file=sys.stderr)

@@ -2,11 +2,12 @@
 
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \
         --out sweeps/tiny [--base configs/base.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \
-        [data.path=data/c4 trainer.max_steps=2000 ...]
+        [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
 `--size` (or the base's own shape with `--size base`) and the head mix solved by flops.isoflop;
-sparsity 1 is the dense baseline, written once as `dense_s1`. Writes `<out>/<name>.yaml`
+sparsity 1 is the dense baseline, written once as `dense_s1`. `--seeds N` writes N replicas of every
+point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
 (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
 FLOPs, KV entries, parameters and causality. Train them with `python -m flops.run_sweep <out>`.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -36,24 +38,27 @@ def is_causal(cfg: Config) -> bool:
 
 def sweep_points(
     cfg: Config, heads: list[str], sparsities: list[int], out: Path, dense_heads: int = 4,
-    options: dict[str, dict[str, Any]] | None = None,
+    options: dict[str, dict[str, Any]] | None = None, seeds: int = 1,
 ) -> list[tuple[Config, dict[str, Any]]]:
-    """(config, manifest entry) of every point; cfg.model must be the dense baseline."""
+    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
     points = []
     wanted = [("dense", 1)] if 1 in sparsities else []
     wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]
-    for head, rho in wanted:
+    for (head, rho), replica in itertools.product(wanted, range(seeds)):
         r = solve(cfg.model, head, rho, dense_heads, options.get(head))
-        name = f"{head}_s{rho}"
+        seed = cfg.trainer.seed + replica
+        name = f"{head}_s{rho}" + (f"_seed{seed}" if seeds > 1 else "")
         point = dataclasses.replace(
             cfg,
             model=dataclasses.replace(cfg.model, heads=[HeadGroupConfig(**g) for g in r.heads]),
-            trainer=dataclasses.replace(cfg.trainer, out_dir=str(out / "runs" / name)),
+            trainer=dataclasses.replace(cfg.trainer, out_dir=str(out / "runs" / name), seed=seed),
         )
         validate(point)
         entry = {
-            "name": name, "head": head, "sparsity": rho, "config": str(out / f"{name}.yaml"),
+            "name": name, "head": head, "sparsity": rho, "seed": seed, "config": str(out / f"{name}.yaml"),
             "out_dir": point.trainer.out_dir, "causal": is_causal(point),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
                                           "baseline_flops_per_pass", "kv_total", "params")},
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
     p.add_argument("--option", action="append", default=[], metavar="HEAD.KEY=VALUE", help="head option, repeatable")
+    p.add_argument("--seeds", type=int, default=1, help="replicas of every point (trainer.seed, seed+1, ...)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the base config, e.g. trainer.max_steps=500")
     a = p.parse_args(argv)
     try:
@@ -91,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
         sparsities = [_number(s) for s in a.sparsity.split(",")]
         heads = [h for h in a.heads.split(",") if h]
-        points = sweep_points(cfg, heads, sparsities, a.out, a.dense_heads, _options(a.option))
+        points = sweep_points(cfg, heads, sparsities, a.out, a.dense_heads, _options(a.option), a.seeds)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     a.out.mkdir(parents=True, exist_ok=True)
     for point, entry in points:
         Path(entry["config"]).write_text(to_yaml(point))
-    manifest = {"size": a.size, "dense_heads": a.dense_heads, "command": " ".join(["python -m flops.sweep", *(argv or sys.argv[1:])]),
+    manifest = {"size": a.size, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": " ".join(["python -m flops.sweep", *(argv or sys.argv[1:])]),
                 "points": [entry for _, entry in points]}
     (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
     for e in manifest["points"]:

@@ -3,7 +3,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 import lm
 from flops.aggregate import collect, curves
@@ -11,6 +18,8 @@ from flops.aggregate import main as aggregate_main
 from flops.model import model_cost
 from flops.run_sweep import main as run_main
 from flops.sweep import main as sweep_main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _sweep(tmp_path: Path, *extra: str) -> dict:
@@ -73,7 +82,9 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
             _fake_metrics(e, fake[e["name"]])
     rows = collect(tmp_path / "sw")
     assert [r["ppl"] for r in rows] == [30.0, 28.0, 27.0, 33.0, None]
-    assert curves(rows) == {"mosa": [(1, 30.0), (4, 28.0), (16, 27.0)], "fixed": [(1, 30.0), (4, 33.0)]}
+    assert [r["status"] for r in rows] == ["done"] * 4 + ["not run"]
+    assert curves(rows) == {("micro", "mosa"): [(1, 30.0, 0.0), (4, 28.0, 0.0), (16, 27.0, 0.0)],
+                            ("micro", "fixed"): [(1, 30.0, 0.0), (4, 33.0, 0.0)]}
     out = tmp_path / "res" / "isoflop"
     assert aggregate_main([str(tmp_path / "sw"), "--out", str(out), "--note", "fake"]) == 0
     with open(out.with_suffix(".csv")) as f:
@@ -81,3 +92,83 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     md = out.with_suffix(".md").read_text()
     assert "| mosa | 30.00 | 28.00 | 27.00 |" in md and "| fixed | 30.00 | 33.00 | - |" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_aggregate_marks_partial_points_and_leaves_them_out(tmp_path: Path) -> None:
+    """A point whose run stopped before trainer.max_steps (3) is 'partial': in the table with its step,
+    not in the curve; so is a point the runner recorded as interrupted, whatever its metrics say."""
+    manifest = _sweep(tmp_path)
+    points = {e["name"]: e for e in manifest["points"]}
+    for name, ppl in (("dense_s1", 30.0), ("mosa_s4", 28.0), ("fixed_s4", 33.0)):
+        _fake_metrics(points[name], ppl)
+    _fake_metrics(points["mosa_s16"], 20.0, step=2)  # stopped early: a better-looking, unfinished number
+    _fake_metrics(points["fixed_s16"], 25.0)
+    (tmp_path / "sw" / "status.json").write_text(json.dumps({"fixed_s16": {"status": "interrupted"}}))
+    rows = collect(tmp_path / "sw")
+    assert [r["status"] for r in rows] == ["done", "done", "partial", "done", "interrupted"]
+    assert curves(rows) == {("micro", "mosa"): [(1, 30.0, 0.0), (4, 28.0, 0.0)],
+                            ("micro", "fixed"): [(1, 30.0, 0.0), (4, 33.0, 0.0)]}
+    out = tmp_path / "isoflop"
+    assert aggregate_main([str(tmp_path / "sw"), "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| mosa | 30.00 | 28.00 | 20.00* @2/3 |" in md and "| fixed | 30.00 | 33.00 | 25.00* @3/3 |" in md
+
+
+def test_seeds_give_replicas_and_mean_std_over_several_sizes(tmp_path: Path) -> None:
+    manifest = _sweep(tmp_path, "--seeds", "2")
+    assert [(e["name"], e["seed"]) for e in manifest["points"]][:3] == [
+        ("dense_s1_seed1234", 1234), ("dense_s1_seed1235", 1235), ("mosa_s4_seed1234", 1234)]
+    assert lm.load_config(manifest["points"][1]["config"]).trainer.seed == 1235
+    for e in manifest["points"]:
+        _fake_metrics(e, {1234: 30.0, 1235: 32.0}[e["seed"]] + e["sparsity"] / 4)
+    other = tmp_path / "other"  # a second size, so the PNG has two panels
+    other.mkdir()
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--out", str(other / "sw"),
+                       "trainer.max_steps=3", "model.n_layers=3"]) == 0
+    small = json.loads((other / "sw" / "sweep.json").read_text())
+    small["size"] = "micro3"
+    (other / "sw" / "sweep.json").write_text(json.dumps(small))
+    for e in small["points"]:
+        _fake_metrics(e, 25.0)
+    rows = collect(tmp_path / "sw") + collect(other / "sw")
+    assert curves(rows)[("micro", "mosa")] == [(1, 31.25, pytest.approx(2 ** 0.5)), (4, 32.0, pytest.approx(2 ** 0.5)),
+                                             (16, 35.0, pytest.approx(2 ** 0.5))]
+    assert curves(rows)[("micro3", "mosa")] == [(1, 25.0, 0.0), (4, 25.0, 0.0)]
+    out = tmp_path / "both"
+    assert aggregate_main([str(tmp_path / "sw"), str(other / "sw"), "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| mosa | 31.25 ± 1.41 (n=2) | 32.00 ± 1.41 (n=2) | 35.00 ± 1.41 (n=2) |" in md
+    assert "Size micro3" in md
+    from PIL import Image
+
+    assert Image.open(out.with_suffix(".png")).size[0] > 1000  # two panels side by side
+
+
+def test_runner_forwards_sigterm_and_records_the_point_as_interrupted(tmp_path: Path) -> None:
+    from tests.synthetic import write_prepared
+
+    data = write_prepared(tmp_path / "data")
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "sw"),
+                       f"data.path={data}", "model.vocab_size=64", "trainer.max_steps=100000",
+                       "optim.warmup_steps=10", "trainer.val_every=1000", "trainer.accelerator=cpu"]) == 0
+    runner = subprocess.Popen([sys.executable, "-m", "flops.run_sweep", str(tmp_path / "sw")], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    status_file = tmp_path / "sw" / "status.json"
+    deadline = time.monotonic() + 60
+    while not status_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = json.loads(status_file.read_text())["dense_s1"]["pid"]
+    log = tmp_path / "sw" / "runs" / "dense_s1" / "train.log"
+    while "Total params" not in log.read_text() and runner.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # until Lightning has started fitting
+    try:
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        runner.kill()
+    with pytest.raises(ProcessLookupError):  # the training process is gone (and was reaped)
+        os.kill(pid, 0)
+    status = json.loads(status_file.read_text())["dense_s1"]
+    assert status["status"] == "interrupted" and status["signal"] == "SIGTERM"
+    assert "[1/1] dense_s1: training ... (ETA after the first point" in runner.stdout.read()
+    assert "\r" not in log.read_text()  # no progress-bar frames in the log
