@@ -85,6 +85,18 @@ def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict
     assert model(tokens).shape == (1, 16, 64)
 
 
+def test_no_progress_bar_when_stderr_is_not_a_terminal(data: Path, tmp_path: Path) -> None:
+    """A log file (flops.run_sweep's train.log) gets validation lines, not progress-bar frames."""
+    import sys
+
+    from lm.checkpoint import StepCheckpoints
+    from lm.train import build_trainer
+
+    cfg = load_config(None, *run_overrides(data, tmp_path))
+    assert not sys.stderr.isatty()  # pytest captures it
+    assert build_trainer(cfg, StepCheckpoints(tmp_path, 10, 10)).progress_bar_callback is None
+
+
 def test_lr_schedule() -> None:
     """Linear warmup to the peak, then cosine down to min_lr_ratio at max_steps (MoSA App. H)."""
     f = [lr_factor(s, 10, 110, 0.1) for s in range(120)]
