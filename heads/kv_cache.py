@@ -4,7 +4,8 @@ A SlotKV holds, for B sequences and H heads, S slots of (key, value, position): 
 pos[B, H, S] (-1 = empty) and fill[B, H] (slots written so far). Heads write only the tokens they keep
 (a dense head all of them, a sparse head only its selected tokens; a ring buffer keeps the last S), so
 the bytes allocated here are the real cache of the head type, next to the analytic KV count
-(MoSA Table 2). Keys are stored already rotated by their original positions (heads/rope.py).
+(MoSA Table 2). `entries()` counts the key/value entries actually stored, `capacity()` the slots
+allocated: a MoSA head that selected 12 tokens fills 12 of its slots, whatever its capacity. Keys are stored already rotated by their original positions (heads/rope.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ class SlotKV:
     def nbytes(self) -> int:
         """Bytes allocated for keys, values, their positions and the fill counters."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.fill))
+
+    def entries(self) -> int:
+        """Key/value entries stored, over sequences and heads (a ring buffer holds at most its slots)."""
+        return int(self.fill.clamp(max=self.k.shape[2]).sum())
+
+    def capacity(self) -> int:
+        """Key/value slots allocated, over sequences and heads."""
+        return self.pos.numel()
 
     def write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T]."""
@@ -97,6 +106,13 @@ class BlockKV:
     def rows(self) -> int:
         """Tokens cached so far (the row of the next token)."""
         return int(self.kv.fill.max())
+
+    def entries(self) -> int:
+        """Token keys/values stored plus one (q~_j, v~_j) pair per completed block, over sequences and heads."""
+        return self.kv.entries() + self.blocks * self.landmarks.shape[0] * self.landmarks.shape[1]
+
+    def capacity(self) -> int:
+        return self.kv.capacity() + self.landmarks.shape[:3].numel()
 
     def nbytes(self) -> int:
         extra = [self.queries, self.landmarks, self.values] + ([self.experts] if self.experts is not None else [])

@@ -71,6 +71,12 @@ class MosaicCache:
     def nbytes(self) -> int:
         return self.kv.nbytes() + self.members.numel() * self.members.element_size()
 
+    def entries(self) -> int:
+        return self.kv.entries()
+
+    def capacity(self) -> int:
+        return self.kv.capacity()
+
 
 @register("mosaic")
 class MosaicHeads(HeadGroup):

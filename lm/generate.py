@@ -3,8 +3,10 @@
 The cache is a list per layer of one cache object per head group (`HeadGroup.new_cache`), passed as
 `DecoderLM.forward(tokens, positions, cache)`: the first call (the prompt) is the prefill, every later
 call feeds one token. Each head type keeps only what its decoding needs (dense: all tokens, local: a
-window, sparse heads: the tokens they selected), so `cache_nbytes` is the real allocated size, to be
-read next to the analytic count `DecoderLM.kv_total(T)` (MoSA Table 2).
+window, sparse heads: the tokens they selected), so `cache_nbytes` is the real allocated size and
+`cache_fill` the entries each head type actually stored, to be read next to its slots and the
+analytic count `DecoderLM.kv_total(T)` (MoSA Table 2). Generating past the training length
+(model.seq_len) warns once, saying what each head type of the model does there (`BEYOND_TRAINING`).
 
     python -m lm.generate --ckpt runs/x/last.ckpt --prompt "Once upon a time" --max-new-tokens 50 \\
         [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0]
@@ -20,8 +22,20 @@ from typing import Any
 import torch
 
 from lm.model import DecoderLM
+from lm.sanity import warn
 
 Cache = list[list[Any]]
+
+# What each head type's decoding does past the training length (its slots are sized from model.seq_len).
+BEYOND_TRAINING = {
+    "dense": "attends to every token, at rotary positions never seen in training",
+    "local": "keeps attending to its last `window` tokens",
+    "fixed": "keeps adding every rho-th token (its cache grows with the length)",
+    "mosa": "adds no token once its capacity slots (sized for the training length) are full",
+    "mosaic": "adds no member once its k slots (sized for the training length) are full",
+    "agent": "keeps every token and adds an agent per block (its cache grows with the length)",
+    "mita": "keeps every token and adds a landmark per block (its cache grows with the length)",
+}
 
 
 def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
@@ -33,6 +47,28 @@ def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
 def cache_nbytes(cache: Cache) -> int:
     """Bytes allocated by every head group's cache."""
     return sum(c.nbytes() for layer in cache for c in layer)
+
+
+def cache_fill(model: DecoderLM, cache: Cache) -> dict[str, tuple[int, int]]:
+    """head type -> (key/value entries stored, slots allocated), summed over layers, sequences and heads."""
+    out: dict[str, tuple[int, int]] = {}
+    for block, layer in zip(model.blocks, cache):
+        for group, c in zip(block.attn.groups, layer):
+            stored, slots = out.get(group.type_name, (0, 0))
+            out[group.type_name] = (stored + c.entries(), slots + c.capacity())
+    return out
+
+
+def format_fill(fill: dict[str, tuple[int, int]]) -> str:
+    """'mosa 612/1088 (56%), dense 2400/2400 (100%)'."""
+    return ", ".join(f"{t} {n}/{c} ({100 * n / max(c, 1):.0f}%)" for t, (n, c) in fill.items())
+
+
+def beyond_training(model: DecoderLM, length: int) -> str:
+    """One line: what each head type of the model does at `length` > model.seq_len."""
+    types = dict.fromkeys(g.type_name for block in model.blocks for g in block.attn.groups)
+    said = "; ".join(f"{t} {BEYOND_TRAINING.get(t, 'has no documented behaviour there')}" for t in types)
+    return f"generating {length} tokens, past the training length {model.cfg.seq_len}: {said}"
 
 
 def kv_bytes_analytic(model: DecoderLM, seq_len: int) -> int:
@@ -77,12 +113,14 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
 @torch.no_grad()
 def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             stop_id: int | None = None) -> torch.Tensor:
+             stop_id: int | None = None, cache: Cache | None = None) -> torch.Tensor:
     """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens (stops early when every sequence
-    produced stop_id)."""
+    produced stop_id). `cache`: an empty one for T0 + max_new_tokens tokens, to read its fill afterwards."""
     model.eval()
     B, T0 = prompt.shape
-    cache = new_cache(model, B, T0 + max_new_tokens)
+    if T0 + max_new_tokens > model.cfg.seq_len:
+        warn(beyond_training(model, T0 + max_new_tokens))
+    cache = new_cache(model, B, T0 + max_new_tokens) if cache is None else cache
     logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
     tokens = [prompt]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
@@ -152,14 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--prompt encodes to no tokens")
         prompt = torch.tensor([ids])
         g = torch.Generator().manual_seed(args.seed)
+        cache = new_cache(model, 1, len(ids) + args.max_new_tokens)
         out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
-                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None)
+                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     T = out.shape[1]
-    print(f"KV cache for {T} tokens: {cache_nbytes(new_cache(model, 1, T))} bytes allocated; analytic "
-          f"kv_total = {model.kv_total(T)} entries = {kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
+    print(f"KV cache after {T} tokens: entries stored / slots allocated {format_fill(cache_fill(model, cache))}; "
+          f"{cache_nbytes(cache)} bytes allocated; analytic kv_total({T}) = {model.kv_total(T)} entries = "
+          f"{kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
     print(sp.decode(out[0].tolist()))
     return 0
 

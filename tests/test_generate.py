@@ -148,3 +148,33 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
         assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_cache_fill_counts_the_entries_stored() -> None:
+    """Measured fill next to the slots: dense and agent/MiTA store every token (plus a landmark per
+    block), local at most its window, MoSA only what its threshold selected (counted from the slots'
+    positions, independently of the fill counters)."""
+    from lm.generate import cache_fill
+
+    for name, expect in (("dense", {"dense": (2 * 2 * 2 * T, 2 * 2 * 2 * T)}),
+                         ("local", {"local": (2 * 2 * 2 * 6, 2 * 2 * 2 * 6)}),
+                         ("mita", {"dense": (2 * 2 * 1 * T, 2 * 2 * 1 * T),
+                                   "mita": (2 * 2 * 3 * (T + T // 4), 2 * 2 * 3 * (T + T // 4))})):
+        _, cache = cached_logits(model_for(CAUSAL_TYPES[name]), torch.randint(0, 97, (2, T)), 17)
+        assert cache_fill(model_for(CAUSAL_TYPES[name]), cache) == expect, name
+    model = model_for(CAUSAL_TYPES["mosa"])
+    _, cache = cached_logits(model, torch.randint(0, 97, (2, T)), 17)
+    stored, slots = cache_fill(model, cache)["mosa"]
+    assert stored == sum(int((layer[1].pos >= 0).sum()) for layer in cache)
+    assert 0 < stored < slots == sum(layer[1].pos.numel() for layer in cache)
+
+
+def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFixture[str]) -> None:
+    model = model_for(CAUSAL_TYPES["mosa"])
+    generate(model, torch.randint(0, 97, (1, 5)), max_new_tokens=T - 5, temperature=0)
+    assert capsys.readouterr().err == ""  # up to the training length: silent
+    generate(model, torch.randint(0, 97, (1, 5)), max_new_tokens=T, temperature=0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"warning: generating {T + 5} tokens, past the training length {T}: dense attends to every "
+                     "token, at rotary positions never seen in training; mosa adds no token once its capacity "
+                     "slots (sized for the training length) are full"]
