@@ -8,7 +8,9 @@ For each prompt length L three models (MoSA Table 2's layout, scaled down: 9 den
 recency/include, top-1; seq_len = L + new tokens) get a random prompt,
 one prefill call, then `--new-tokens` greedy steps through lm/generate.py's cache. Reported: prefill
 seconds, decode tokens/s (median of 3 repeats), the cache's allocated bytes after decoding (keys,
-values, int32 positions, counters) and the analytic KV bytes (kv_total x 2 x head_dim x 4 bytes).
+values, int32 positions, counters), the analytic KV bytes (kv_total x 2 x head_dim x 4 bytes), and
+the measured fill: key/value entries actually stored after decoding, of the slots allocated, per head
+type (lm/generate.py cache_fill), next to the analytic count kv_total.
 MoSA's running thresholds are set by one training-mode pass on a random 1k-token batch so that a
 head selects about 1/rho of the tokens, as after training. Weights are random: this measures cost only.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from lm.config import HeadGroupConfig, ModelConfig
-from lm.generate import cache_nbytes, kv_bytes_analytic, new_cache
+from lm.generate import Cache, cache_fill, cache_nbytes, format_fill, kv_bytes_analytic, new_cache
 from lm.model import DecoderLM, build_model
 
 
@@ -42,8 +44,8 @@ def configs(d_model: int, head_dim: int, layers: int, vocab: int, seq_len: int, 
 
 
 @torch.no_grad()
-def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, int]:
-    """(prefill seconds, decode seconds for new_tokens greedy steps, cache bytes at the end)."""
+def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, Cache]:
+    """(prefill seconds, decode seconds for new_tokens greedy steps, the cache at the end)."""
     B, L = prompt.shape
     cache = new_cache(model, B, L + new_tokens)
     t0 = time.perf_counter()
@@ -53,7 +55,7 @@ def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int) -> tuple[flo
         nxt = logits.argmax(-1, keepdim=True)
         logits = model(nxt, torch.full((B, 1), t), cache)[:, -1]
     t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, cache_nbytes(cache)
+    return t1 - t0, t2 - t1, cache
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,19 +84,24 @@ def main(argv: list[str] | None = None) -> int:
             runs = [decode(model, prompt, args.new_tokens) for _ in range(args.repeats)]
             prefill = statistics.median(r[0] for r in runs)
             tok_s = args.new_tokens / statistics.median(r[1] for r in runs)
-            results[name] = (prefill, tok_s, runs[-1][2], kv_bytes_analytic(model, L + args.new_tokens))
-            print(f"L={L} {name}: prefill {prefill:.3f}s, {tok_s:.1f} tok/s, cache {runs[-1][2] / 2**20:.2f} MiB",
-                  file=sys.stderr)
+            cache, T = runs[-1][2], L + args.new_tokens
+            fill = cache_fill(model, cache)
+            results[name] = (prefill, tok_s, cache_nbytes(cache), kv_bytes_analytic(model, T),
+                             sum(n for n, _ in fill.values()), sum(c for _, c in fill.values()), model.kv_total(T),
+                             format_fill(fill))
+            print(f"L={L} {name}: prefill {prefill:.3f}s, {tok_s:.1f} tok/s, cache {results[name][2] / 2**20:.2f} MiB, "
+                  f"stored/slots {results[name][7]}", file=sys.stderr)
         rows.append((L, results))
     lines = [
-        "| prompt | model | prefill s | decode tok/s | cache MiB (allocated) | analytic KV MiB | tok/s / dense | cache / dense |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| prompt | model | prefill s | decode tok/s | cache MiB (allocated) | analytic KV MiB | tok/s / dense | "
+        "cache / dense | KV entries stored (measured) | slots allocated | analytic kv_total | stored / slots per head type |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for L, results in rows:
         d = next(iter(results.values()))  # the dense baseline
         for name, m in results.items():
             lines.append(f"| {L} | {name} | {m[0]:.3f} | {m[1]:.1f} | {m[2] / 2**20:.3f} | {m[3] / 2**20:.3f} | "
-                         f"{m[1] / d[1]:.2f} | {m[2] / d[2]:.3f} |")
+                         f"{m[1] / d[1]:.2f} | {m[2] / d[2]:.3f} | {m[4]:,} | {m[5]:,} | {m[6]:,} | {m[7]} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             f"steps, median of {args.repeats}. Ratios: each model / dense at the same prompt length.  ",
             "Allocated cache = keys + values + int32 position per slot + per-head counters, preallocated "
             "for prompt + new tokens (MoSA: capacity slots per head); analytic KV = kv_total(T) x 2 x "
-            "head_dim x 4 bytes (MoSA Table 2).", "",
+            "head_dim x 4 bytes (MoSA Table 2). KV entries stored = key/value entries the caches actually hold "
+            "after decoding (measured), of the slots allocated; the per-type column is stored/slots (fill %).", "",
         ]
         Path(args.out).write_text("\n".join(header) + "\n" + table + "\n")
     return 0

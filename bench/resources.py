@@ -9,8 +9,10 @@ tokens, AdamW, forward + cross-entropy (+ auxiliary losses) + backward + step; `
 discarded, then the median of `--steps` timed steps. Peak memory is torch.cuda.max_memory_allocated
 on GPU and the process's peak RSS (ru_maxrss) on CPU, also shown above the RSS once torch, heads/
 and lm/ are imported (model, activations, gradients, optimizer state).
-KV is MoSA Table 2's "KV Total" (one layer: T*H_dense + k*H_sparse) and the sum over layers. Ratios
-are to the first config. fp32 on CPU, bf16 autocast on GPU.
+KV is MoSA Table 2's "KV Total" (one layer: T*H_dense + k*H_sparse) and the sum over layers, next to
+the measured fill: after the timed steps (MoSA's thresholds moved by them), one sequence of T tokens is
+prefilled into lm/generate.py's cache and the key/value entries actually stored are counted, of the
+slots allocated ("-" for head types that cannot decode). Ratios are to the first config. fp32 on CPU, bf16 autocast on GPU.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
         if step >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
+    stored, slots = measured_kv(model, x[:1])
     return {
         "step_ms": 1000 * step_s,
         "tokens_per_s": batch * cfg.seq_len / step_s,
@@ -94,9 +97,29 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
         "rss_after_import_bytes": None if cuda else rss_after_import,
         "params": model.num_params(),
         "kv_total": model.kv_total(),
+        "kv_stored": stored,
+        "kv_slots": slots,
         "device_name": torch.cuda.get_device_name() if cuda else _cpu_name(),
         "torch": torch.__version__,
     }
+
+
+def measured_kv(model: Any, tokens: Any) -> tuple[int | None, int | None]:
+    """(key/value entries stored, slots allocated) after prefilling tokens[1, T] into a decoding cache;
+    (None, None) if a head type of the model cannot decode."""
+    import torch
+
+    from lm.generate import cache_fill, new_cache
+
+    model.eval()
+    try:
+        cache = new_cache(model, 1, tokens.shape[1])
+    except (NotImplementedError, ValueError):
+        return None, None
+    with torch.no_grad():
+        model(tokens, torch.arange(tokens.shape[1], device=tokens.device)[None], cache)
+    fill = cache_fill(model, cache).values()
+    return sum(n for n, _ in fill), sum(c for _, c in fill)
 
 
 def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +147,8 @@ ROWS = [  # (label, key, format, scale)
     ("Peak memory above import (MB)", "mem_above_import", "{:.0f}", 1e-6),
     ("KV Total, one layer (Table 2)", "kv_per_layer", "{:,}", 1),
     ("KV Total, all layers", "kv_total", "{:,}", 1),
+    ("KV entries stored, all layers (measured)", "kv_stored", "{:,}", 1),
+    ("KV slots allocated, all layers", "kv_slots", "{:,}", 1),
 ]
 
 
