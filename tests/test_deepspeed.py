@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-2 (trainer.strategy=deepspeed_stage_2) on CPU: Lightning's DeepSpeedStrategy refuses
 CPU, so two gloo ranks run raw `deepspeed.initialize` with the same config, optimizer and loss
 (tests/zero2_worker.py), and must equal one plain process with the global batch: AdamW, global-norm
-clipping at optim.grad_clip, warmup + cosine. Tolerance: relative RMS 1e-5 per tensor after 5 steps
-(float summation order of the reduce-scatter)."""
+clipping at optim.grad_clip, warmup + cosine; the model has MoSA and Routing heads, whose running
+threshold and k-means centroids (buffers, compared too) must be updated from the global batch.
+Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter)."""
 from __future__ import annotations
 
 import os
@@ -61,6 +62,11 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
     for name, w in module.model.named_parameters():
         assert not torch.equal(w, start[name]), f"{name} did not train"
         rel = ((zero2[name] - w).norm() / w.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
+    buffers = {k: v for k, v in module.model.named_buffers() if k in zero2 and v.is_floating_point()}
+    assert any(k.endswith("threshold.tau") for k in buffers) and any(k.endswith("kmeans.means") for k in buffers)
+    for name, b in buffers.items():
+        rel = ((zero2[name] - b).norm() / b.norm()).item()
         assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
 
 

@@ -14,7 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HEADS = [{"type": "dense", "count": 2}, {"type": "fixed", "count": 3, "options": {"sparsity": 4}}]
+HEADS = [{"type": "dense", "count": 2}, {"type": "fixed", "count": 3, "options": {"sparsity": 4}},
+         # state moved by batch statistics, fast, so that a per-rank update would show (routing/distributed.py)
+         {"type": "mosa", "count": 2, "options": {"sparsity": 4, "threshold_momentum": 0.5}},
+         {"type": "routing", "count": 2, "options": {"sparsity": 4, "decay": 0.5}}]
 GLOBAL_BATCH, STEPS = 8, 5
 
 
