@@ -11,6 +11,7 @@ that it can be evaluated and decoded on another machine: the data hashes and the
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -62,9 +63,9 @@ def data_fingerprint(data: Path, index: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def provenance(cfg: Config) -> dict[str, Any]:
-    """Data identity and tokenizer of a run: {data_path, data_sha256, tokenizer_sha256, tokenizer_model}."""
-    data = Path(cfg.data.path).resolve()
+def read_provenance(data: Path) -> dict[str, Any]:
+    """Data identity and tokenizer of the data directory `data` (resolved): {data_path, data_sha256,
+    tokenizer_sha256, tokenizer_model}."""
     index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
     model = data / index.get("tokenizer", TOKENIZER)
     return {
@@ -73,6 +74,16 @@ def provenance(cfg: Config) -> dict[str, Any]:
         "tokenizer_sha256": index.get("tokenizer_sha256") or _sha256(model),
         "tokenizer_model": model.read_bytes() if model.is_file() else None,
     }
+
+
+def provenance(cfg: Config) -> dict[str, Any]:
+    """`read_provenance` of the run's data, read once per process: every checkpoint carries it."""
+    return dict(_cached(Path(cfg.data.path).resolve()))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(data: Path) -> tuple[tuple[str, Any], ...]:
+    return tuple(read_provenance(data).items())
 
 
 def holds_run(out: Path) -> bool:
@@ -119,7 +130,7 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     out = Path(cfg.trainer.out_dir)
-    here = provenance(cfg)
+    here = read_provenance(Path(cfg.data.path).resolve())
     if resume and (out / RECORD).is_file():
         for change in check_resume(cfg, out, here):
             print(f"resume: {change}", file=sys.stderr)
