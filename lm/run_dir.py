@@ -144,7 +144,7 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     tokenizer = here.pop("tokenizer_model")
     record = {**here, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv}
     if resume and (out / RECORD).is_file():
-        record = {**json.loads((out / RECORD).read_text()), "resumed": record["started"]}
+        record = {**json.loads((out / RECORD).read_text()), "data_path": here["data_path"], "resumed": record["started"]}
     text = to_yaml(cfg)
     atomic_write(out / CONFIG, lambda f: f.write(text.encode()))
     atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode()))
