@@ -2,7 +2,8 @@
 
 Overrides are OmegaConf dotlist entries (e.g. model.n_layers=4 trainer.max_steps=100 data.path=data/c4).
 --resume continues from the newest checkpoint in <trainer.out_dir>/checkpoints (or PATH) with the same data order,
-RNG, optimizer and scheduler state. Config and data errors print one line and exit with status 2.
+RNG, optimizer and scheduler state. Config and data errors print one line and exit with status 2; a NaN/inf
+loss or gradient stops the run with one line naming the step and the last finite checkpoint, exit status 3.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
     args = parser.parse_args(argv)
     from lm.data import DataError  # after argument parsing: --help stays fast
+    from lm.nonfinite import NonFiniteError
 
     try:
         cfg = load_config(args.config, *args.overrides)
@@ -30,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -86,6 +86,7 @@ class TrainerConfig:
     ckpt_every: int = 1000
     out_dir: str = "runs/default"
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
+    max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
 
 
 @dataclass
@@ -151,6 +152,10 @@ def validate(cfg: Config) -> Config:
     _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
     if t.max_minutes is not None:
         _positive(t, "max_minutes")
+    if t.max_bad_steps < 0:
+        raise ConfigError(f"trainer.max_bad_steps must be >= 0, got {t.max_bad_steps}")
+    if t.max_bad_steps and t.strategy == "deepspeed_stage_2":
+        raise ConfigError("trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

@@ -104,13 +104,15 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     import sentencepiece as spm
 
     from heads import ConfigError
-    from lm.checkpoint import load_model
+    from lm.checkpoint import CheckpointError, load_model
 
     path = Path(ckpt)
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}")
     try:
         model, cfg = load_model(path)
+    except CheckpointError as err:  # empty, truncated, garbled or foreign file
+        raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
     except ConfigError as err:

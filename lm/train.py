@@ -5,6 +5,7 @@ Outputs under `trainer.out_dir`: `tb/` (TensorBoard), `checkpoints/step<N>.ckpt`
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,14 +13,16 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import OmegaConf
 
 from heads import ConfigError
-from lm.checkpoint import AtomicCheckpointIO, StepCheckpoints
+from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_loadable, read_checkpoint,
+                           remove_temp_files)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
 
 
@@ -61,6 +64,11 @@ def build_strategy(cfg: Config) -> Any:
     return DeepSpeedStrategy(config=deepspeed_config(cfg))
 
 
+@rank_zero_only
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
@@ -77,38 +85,40 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         num_sanity_val_steps=0, log_every_n_steps=t.log_every,
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=TensorBoardLogger(t.out_dir, name="tb", version=""),
-        callbacks=[checkpoints], enable_checkpointing=False, default_root_dir=t.out_dir,
+        # the guard runs first: a bad update is dropped or stops the run before anything is saved
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: newest_loadable(ckpt_dir(cfg), lambda *_: None)), checkpoints],
+        enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
     )
 
 
-def newest_checkpoint(directory: Path) -> Path:
-    """The step<N>.ckpt with the largest N (a kill may land between writing it and linking last.ckpt),
-    else last.ckpt."""
-    steps = sorted(directory.glob("step*.ckpt"), key=lambda p: int(p.stem.removeprefix("step")))
-    return steps[-1] if steps else directory / "last.ckpt"
-
-
 def resume_path(cfg: Config, resume: str | None) -> str | None:
-    """`--resume` -> the newest checkpoint of this run (None, i.e. a fresh start, if there is none
-    yet); `--resume PATH` -> PATH. The checkpoint's model config must equal this run's (checked for
-    single-file checkpoints; DeepSpeed writes directories)."""
+    """`--resume` -> the newest loadable checkpoint of this run, saying which damaged ones it passed over
+    (None, i.e. a fresh start, if there is none yet); `--resume PATH` -> PATH, which must load. The
+    checkpoint's model config must equal this run's (checked for single-file checkpoints; DeepSpeed
+    writes directories)."""
     if resume is None:
         return None
-    path = newest_checkpoint(ckpt_dir(cfg)) if resume == "last" else Path(resume)
-    if not path.exists():
-        if resume != "last":
-            raise ConfigError(f"--resume: checkpoint {path} not found")
-        rank_zero_info(f"--resume: no checkpoint at {path} yet; starting from scratch")
-        return None
+    if resume == "last":
+        found = newest_loadable(ckpt_dir(cfg), lambda p, why: warn(f"--resume: skipping {p.name}: {why}"))
+        if found is None:
+            rank_zero_info(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
+            return None
+        path = found
+    else:
+        path = Path(resume)
     if path.is_dir():
         return str(path)
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]["model"]
+    try:
+        saved = read_checkpoint(path)["config"]["model"]
+    except CheckpointError as err:
+        raise ConfigError(f"--resume: {err}") from None
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
         raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
+    rank_zero_info(f"--resume: continuing from {path}")
     return str(path)
 
 
@@ -118,6 +128,9 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False) 
     also validate the untrained model (step 0) when starting from scratch."""
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
+    if rank_zero_only.rank == 0:
+        for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
+            warn(f"removed {path}, left by an interrupted write")
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = LMModule(cfg)

@@ -142,7 +142,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
     (tmp_path / "data" / "tokenizer.model").rename(tmp_path / "tok.model")
-    cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "incompatible checkpoint"),
+    cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "truncated or not a torch file"),
              (bad, "incompatible checkpoint"), (ckpt, "tokenizer not found")]
     for path, message in cases:
         assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
