@@ -65,8 +65,9 @@ def build_strategy(cfg: Config) -> Any:
 
 
 @rank_zero_only
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+def say(message: str) -> None:
+    """One line to stderr, from rank 0 only."""
+    print(message, file=sys.stderr)
 
 
 def ckpt_dir(cfg: Config) -> Path:
@@ -101,9 +102,9 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     if resume is None:
         return None
     if resume == "last":
-        found = newest_loadable(ckpt_dir(cfg), lambda p, why: warn(f"--resume: skipping {p.name}: {why}"))
+        found = newest_loadable(ckpt_dir(cfg), lambda p, why: say(f"warning: --resume: skipping {p.name}: {why}"))
         if found is None:
-            rank_zero_info(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
+            say(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
         path = found
     else:
@@ -118,7 +119,7 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
         raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
-    rank_zero_info(f"--resume: continuing from {path}")
+    say(f"--resume: continuing from {path}")
     return str(path)
 
 
@@ -130,7 +131,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False) 
     data.check()  # one-line DataError before any Lightning set-up
     if rank_zero_only.rank == 0:
         for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
-            warn(f"removed {path}, left by an interrupted write")
+            say(f"warning: removed {path}, left by an interrupted write")
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = LMModule(cfg)
