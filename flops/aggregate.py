@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import platform
 import sys
 from pathlib import Path
 from typing import Any
+
+from flops.json_files import read_json
+from heads.base import ConfigError
 
 COLUMNS = [
     "name", "head", "sparsity", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
@@ -24,17 +26,13 @@ COLUMNS = [
 ]
 
 
-def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def collect(sweep: Path) -> list[dict[str, Any]]:
     """One row per point; `ppl` is val_ppl for causal heads and leakfree_ppl otherwise (None if missing)."""
-    status = _json(sweep / "status.json")
+    status = read_json(sweep / "status.json", {})
     rows = []
-    for e in json.loads((sweep / "sweep.json").read_text())["points"]:
+    for e in read_json(sweep / "sweep.json", keys=("points",))["points"]:
         out = Path(e["out_dir"])
-        m, lf = _json(out / "metrics.json"), _json(out / "leakfree.json")
+        m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
         row.update(
             status=status.get(e["name"], {}).get("status", "not run"), step=m.get("step"), val_ppl=m.get("val_ppl"),
@@ -117,17 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="output prefix (default <sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")
     a = p.parse_args(argv)
-    if not (a.sweep / "sweep.json").is_file():
-        print(f"error: {a.sweep / 'sweep.json'} not found", file=sys.stderr)
+    try:
+        rows = collect(a.sweep)
+        size = read_json(a.sweep / "sweep.json", keys=("size",))["size"]
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = collect(a.sweep)
     out = a.out or a.sweep / "results"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    size = json.loads((a.sweep / "sweep.json").read_text())["size"]
     note = a.note or f"IsoFLOP sweep `{a.sweep}` ({size}); {platform.platform()}"
     out.with_suffix(".md").write_text(markdown(rows, note))
     plot(rows, out.with_suffix(".png"), f"IsoFLOP curves ({size}, equal FLOPs per pass)")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
@@ -118,6 +118,9 @@ class Config:
     compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (lm/compression.py)
 
 
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
@@ -144,12 +147,16 @@ def validate(cfg: Config) -> Config:
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
     _positive(cfg.data, "batch_size", "val_batches")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     o = cfg.optim
     _positive(o, "lr", "grad_clip")
     if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     t = cfg.trainer
-    _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
+    _positive(t, "max_steps", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
+    if t.accelerator not in ACCELERATORS:
+        raise ConfigError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
     if t.max_minutes is not None:
         _positive(t, "max_minutes")
     if t.max_bad_steps < 0:
@@ -198,9 +205,12 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            layers.append(OmegaConf.load(p))
+            layer = OmegaConf.load(p)
         except Exception as err:  # yaml.YAMLError has multi-line messages
             raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
+        layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
         updates = [*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())]

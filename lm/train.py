@@ -74,8 +74,18 @@ def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
 
+def check_devices(t: TrainerConfig) -> None:
+    """The devices asked for exist on this machine (a one-line ConfigError, not Lightning's traceback)."""
+    if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
+        raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
+    if t.accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
+
+
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     t = cfg.trainer
+    check_devices(t)
     strategy = build_strategy(cfg)
     deepspeed = t.strategy == "deepspeed_stage_2"
     return L.Trainer(
