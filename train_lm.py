@@ -21,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="continue from the newest checkpoint of trainer.out_dir, or from PATH")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
     args = parser.parse_args(argv)
-    from lm.data import DataError  # after argument parsing: --help stays fast
-    from lm.nonfinite import NonFiniteError
+    from lm.errors import DataError, NonFiniteError  # after argument parsing: --help stays fast
 
     try:
         cfg = load_config(args.config, *args.overrides)

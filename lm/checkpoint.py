@@ -24,7 +24,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from heads import ConfigError
 from lm.config import Config, from_dict
+from lm.errors import NonFiniteError
 from lm.model import DecoderLM, build_model
+from lm.nonfinite import first_nonfinite, owner
 
 REQUIRED = ("state_dict", "config")  # what every train_lm.py checkpoint holds (besides Lightning's own state)
 
@@ -119,8 +121,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def check_weights(trainer: L.Trainer) -> None:
     """Refuse to checkpoint NaN/inf weights (lm/nonfinite.py guards the updates; this guards the files)."""
-    from lm.nonfinite import NonFiniteError, first_nonfinite, owner
-
     module = trainer.lightning_module
     bad = first_nonfinite([(n, p.detach()) for n, p in module.named_parameters()])
     if bad is not None:

@@ -23,12 +23,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lm.config import DataConfig, ModelConfig
+from lm.errors import DataError
 
 PREPARE_HINT = "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out DIR"
-
-
-class DataError(ValueError):
-    """A problem with the prepared data; the message is one line naming what is wrong."""
 
 
 class TokenStream:

@@ -24,10 +24,7 @@ import lightning as L
 import torch
 
 from heads import HeadGroup
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced a NaN/inf loss, gradient or buffer; the message is one line."""
+from lm.errors import NonFiniteError
 
 
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
