@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydoc_data.topics import topics
 
+from data_prep.prepare import prepare
 from tests.conftest import tiny_config
 from tests.synthetic import run_overrides, write_prepared
 
@@ -82,6 +84,9 @@ CASES = [
     # data_prep.prepare
     ("prepare-missing-src", [sys.executable, "-m", "data_prep.prepare", "--source", "gutenberg", "--src", "{tmp}/none",
                              "--out", "{tmp}/prep"], 2, r"--src .*none: no such file or directory"),
+    ("prepare-changed-inputs", [sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", "{texts}",
+                                "--out", "{prepared}", "--vocab-size", "400", "--no-progress"], 2,
+     r"holds a preparation with other inputs \(1 removed \(b\.txt\)\); pass --overwrite"),
 ]
 
 
@@ -123,6 +128,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tokens[100] = 70  # >= vocab_size 64: a damaged shard or another tokenizer's
     tokens.tofile(bad / "train_00000.bin")
     _tokenizer(tmp)
+    texts = tmp / "texts"
+    texts.mkdir()
+    for name, topic in (("a.txt", "class"), ("b.txt", "for"), ("c.txt", "try")):  # real English, offline
+        (texts / name).write_text(topics[topic])
+    prepare("text", str(texts), tmp / "prepared", vocab_size=400, progress=False, threads=1)
+    (texts / "b.txt").unlink()  # the input folder changed after preparation
     (tmp / "list.yaml").write_text("- model\n- data\n")
     (tmp / "empty.yaml").write_text("{}\n")
     (tmp / "empty.ckpt").write_bytes(b"")
@@ -132,7 +143,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (Path(out_dir) / "metrics.json").write_text('{"step": 3, "val_')  # cut short mid-write
     point = {"name": "mosa_s4", "head": "mosa", "causal": True, "out_dir": out_dir, "config": str(tmp / "none.yaml")}
     return {
-        "tmp": str(tmp), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
+        "tmp": str(tmp), "texts": str(texts), "prepared": str(tmp / "prepared"), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
         "run": json.dumps(run_overrides(data, tmp / "run", max_steps=4)), "bad_tokens": str(bad),
         "empty_ckpt": str(tmp / "empty.ckpt"), "garbled_ckpt": str(tmp / "garbled.ckpt"),
         "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),

@@ -148,3 +148,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
         assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan() -> None:
+    """logits / 1e-30 overflows to inf (and softmax to nan) unless the logits are shifted first."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
+    for temperature in (1e-30, 1e-45):
+        assert torch.equal(sample(logits, temperature, generator=torch.Generator().manual_seed(1)), logits.argmax(-1))
