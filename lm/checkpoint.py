@@ -159,19 +159,17 @@ def step_files(directory: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.stem.removeprefix("step")), reverse=True)
 
 
-def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> Path | None:
-    """The newest checkpoint of a run that `read_checkpoint` accepts: step files newest first (a kill may
-    land between writing one and linking last.ckpt), then last.ckpt; `skipped(path, why)` for each
-    damaged one passed over. None if the run has none."""
+def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """(path, contents) of the newest checkpoint of a run that `read_checkpoint` accepts: step files newest
+    first (a kill may land between writing one and linking last.ckpt), then last.ckpt; `skipped(path, why)`
+    for each damaged one passed over. None if the run has none."""
     for path in [*step_files(directory), directory / "last.ckpt"]:
         if not path.is_file():
             continue
         try:
-            read_checkpoint(path)
+            return path, read_checkpoint(path)
         except CheckpointError as err:
             skipped(path, str(err))
-            continue
-        return path
     return None
 
 

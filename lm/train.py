@@ -74,6 +74,12 @@ def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
 
+def last_finite(cfg: Config) -> Path | None:
+    """The checkpoint a run stopped by the non-finite guard can resume from (all saved weights are finite)."""
+    found = newest_loadable(ckpt_dir(cfg), lambda *_: None)
+    return found[0] if found else None
+
+
 def check_devices(t: TrainerConfig) -> None:
     """The devices asked for exist on this machine (a one-line ConfigError, not Lightning's traceback)."""
     if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
@@ -97,7 +103,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=TensorBoardLogger(t.out_dir, name="tb", version=""),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: newest_loadable(ckpt_dir(cfg), lambda *_: None)), checkpoints],
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), checkpoints],
         enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
@@ -116,15 +122,16 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
         if found is None:
             say(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
-        path = found
+        path, ckpt = found
     else:
         path = Path(resume)
-    if path.is_dir():
-        return str(path)
-    try:
-        saved = read_checkpoint(path)["config"]["model"]
-    except CheckpointError as err:
-        raise ConfigError(f"--resume: {err}") from None
+        if path.is_dir():
+            return str(path)
+        try:
+            ckpt = read_checkpoint(path)
+        except CheckpointError as err:
+            raise ConfigError(f"--resume: {err}") from None
+    saved = ckpt["config"]["model"]
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
