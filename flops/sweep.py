@@ -40,6 +40,9 @@ def sweep_points(
 ) -> list[tuple[Config, dict[str, Any]]]:
     """(config, manifest entry) of every point; cfg.model must be the dense baseline."""
     options = options or {}
+    unused = sorted(set(options) - set(heads))
+    if unused:
+        raise ConfigError(f"--option for {', '.join(unused)}, which is not in --heads {','.join(heads)}")
     points = []
     wanted = [("dense", 1)] if 1 in sparsities else []
     wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]

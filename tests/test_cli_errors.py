@@ -74,6 +74,8 @@ CASES = [
      r"not even one mosa head fits .* next to 9 dense heads"),
     ("sweep-no-room", [sys.executable, "-m", "flops.sweep", "--heads", "mosa", "--sparsity", "1,2", "--dense-heads", "9",
                        "--out", "{tmp}/sweep"], 2, r"not even one mosa head fits"),
+    ("sweep-option-unused", [sys.executable, "-m", "flops.sweep", "--heads", "mosa", "--sparsity", "4", "--option",
+                             "fixed.sparsity=2", "--out", "{tmp}/sweep"], 2, r"--option for fixed, which is not in --heads mosa"),
     # flops.run_sweep / flops.aggregate on damaged files
     ("run-sweep-damaged-sweep-json", [sys.executable, "-m", "flops.run_sweep", "{damaged_sweep}"], 2,
      r"sweep\.json is damaged \(JSONDecodeError"),
