@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
     args = parser.parse_args(argv)
     from data_prep import DataError as PrepError
-    from lm.data import DataError
+    from lm.errors import DataError, NonFiniteError
 
     try:
         cfg = load_config(CONFIG, *args.overrides)
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, PrepError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     out = Path(cfg.trainer.out_dir)
     print("\nvalidation perplexity during training:")
     for h in metrics["history"]:

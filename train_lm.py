@@ -4,7 +4,8 @@ Overrides are OmegaConf dotlist entries (e.g. model.n_layers=4 trainer.max_steps
 --resume continues from the newest checkpoint in <trainer.out_dir>/checkpoints (or PATH) with the same data order,
 RNG, optimizer and scheduler state, after checking that config, tokenizer and data are the run's own.
 A trainer.out_dir that already holds a run is refused unless --resume or --overwrite (delete it, start
-again) is given (lm/run_dir.py). Config and data errors print one line and exit with status 2.
+again) is given (lm/run_dir.py). Config and data errors print one line and exit with status 2;
+a NaN/inf loss or gradient stops the run with one line naming the step and the last finite checkpoint, exit status 3.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="delete the run already in trainer.out_dir (checkpoints, logs, metrics) and start again")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=4")
     args = parser.parse_args(argv)
-    from lm.data import DataError  # after argument parsing: --help stays fast
+    from lm.errors import DataError, NonFiniteError  # after argument parsing: --help stays fast
 
     try:
         cfg = load_config(args.config, *args.overrides)
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from data_prep.errors import warn
@@ -56,3 +57,4 @@ class Corpus:
     sources: list[str]  # file names or hub dataset ids, recorded in index.json
     read: Callable[[Skips], Iterator[Document]]
     size_hint: int | None = None  # number of documents or files, for progress bars (None = unknown)
+    files: list[Path] = field(default_factory=list)  # local sources: the input files, in `sources` order

@@ -8,16 +8,19 @@ Output directory:
     val_00000.bin, ...
     index.json              {"vocab_size", "eos_id", "newline_id", "tokenizer": "tokenizer.model",
                              "tokenizer_sha256", "source", "sources": [file names or hub ids], "settings",
+                             "inputs": {file name: {"bytes", "sha256"}},
                              "splits": {"train"|"val": {"tokens", "documents",
-                                        "shards": [{"file", "tokens", "documents"}]}},
+                                        "shards": [{"file", "tokens", "documents", "sha256"}]}},
                              "forced_split": {doc id: split}, "skipped": {...counts}}
 Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
 then tokenisation. The train/val split is by document (data_prep/split.py).
 
-Resuming: `progress.json` records the settings, the tokenizer hash and every finished shard; a rerun
-with the same settings reuses the tokenizer and skips finished shards (their documents are read but
-not tokenised), and a rerun after completion does nothing. A rerun with different settings stops
-with an error naming the differences; `--overwrite` deletes the old outputs and starts fresh.
+Resuming: `progress.json` records the settings, the inputs (name, size, SHA-256 of every local file),
+the tokenizer hash and every finished shard (with its SHA-256); a rerun with the same settings and
+inputs reuses the tokenizer and skips finished shards (their documents are read but not tokenised),
+and a rerun after completion does nothing. Every rerun re-checks the finished shards: a damaged one
+and those after it in its split are redone (data_prep/manifest.py). A rerun with different settings
+or changed inputs stops with one line naming the differences; `--overwrite` starts fresh.
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from tqdm import tqdm
 
 from data_prep import tokenizer
 from data_prep.documents import Corpus, Document, Skips
-from data_prep.errors import DataError
+from data_prep.errors import DataError, warn
+from data_prep.manifest import input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
 from data_prep.shards import SplitWriter, write_atomic, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
@@ -82,21 +86,42 @@ def _remove_outputs(out: Path) -> None:
             path.unlink()
 
 
-def _previous_run(out: Path, settings: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
-    """(finished index, progress) of an earlier run with the same settings; see the module doc."""
+def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
+    """(finished index, progress) of an earlier run with the same settings and inputs, its damaged shards
+    dropped from the progress (data_prep/manifest.py); see the module doc."""
     index, progress = _read_json(out / INDEX), _read_json(out / PROGRESS)
     for found in (index, progress):
-        if found is None or found.get("settings") == settings:
+        if found is None:
+            continue
+        if found.get("settings") != settings:
+            problem = f"other settings ({_differences(found.get('settings') or {}, settings) or 'unreadable'})"
+        elif "inputs" in found and found["inputs"] != inputs:  # not recorded by older versions
+            problem = f"other inputs ({input_changes(found['inputs'], inputs)})"
+        else:
             continue
         if not overwrite:
-            raise DataError(
-                f"--out {out} holds a preparation with other settings "
-                f"({_differences(found.get('settings') or {}, settings) or 'unreadable'}); "
-                "pass --overwrite to replace it, or choose another --out")
+            raise DataError(f"--out {out} holds a preparation with {problem}; "
+                            "pass --overwrite to replace it, or choose another --out")
         _remove_outputs(out)
         return None, None
-    if index is not None and all((out / s["file"]).is_file() for sp in SPLITS for s in index["splits"][sp]["shards"]):
+    if index is not None:
+        progress = {"settings": settings, "inputs": inputs, "tokenizer_sha256": index["tokenizer_sha256"],
+                    "splits": {sp: {"shards": index["splits"][sp]["shards"], "documents": index["splits"][sp]["documents"]}
+                               for sp in SPLITS}}
+    if progress is None:
+        return None, None
+    damaged = False
+    for split in SPLITS:
+        intact, note = intact_prefix(out, progress["splits"][split]["shards"])
+        if note is not None:
+            warn(f"{note}; redoing it and the {split} shards after it")
+            progress["splits"][split] = {"shards": intact, "documents": sum(s["documents"] for s in intact)}
+            damaged = True
+    if index is not None and not damaged:
         return index, None
+    if index is not None:  # from here on an interrupted redo resumes like any interrupted run
+        write_json(out / PROGRESS, progress)
+        (out / INDEX).unlink()
     return None, progress
 
 
@@ -125,12 +150,13 @@ def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_d
     return n, skips
 
 
-def _train_tokenizer(out: Path, settings: dict, sampler: LineSampler, splitter: Splitter, threads: int) -> dict:
+def _train_tokenizer(out: Path, settings: dict, inputs: dict, sampler: LineSampler, splitter: Splitter,
+                     threads: int) -> dict:
     """Train on the sampled training lines, save tokenizer.model, and start a fresh progress record."""
     lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
     model = tokenizer.train(lines, settings["vocab_size"], threads)
     write_atomic(out / TOKENIZER, model)
-    state = {"settings": settings, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
+    state = {"settings": settings, "inputs": inputs, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
              "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
     write_json(out / PROGRESS, state)
     return state
@@ -173,7 +199,7 @@ def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: S
         "format": FORMAT, "vocab_size": vocab_size, "eos_id": tokenizer.EOS_ID,
         "newline_id": tokenizer.NEWLINE_ID, "dtype": "uint16", "tokenizer": TOKENIZER,
         "tokenizer_type": tokenizer.MODEL_TYPE, "tokenizer_sha256": state["tokenizer_sha256"],
-        "source": corpus.kind, "sources": corpus.sources, "settings": state["settings"],
+        "source": corpus.kind, "sources": corpus.sources, "settings": state["settings"], "inputs": state["inputs"],
         "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),
                            "documents": state["splits"][split]["documents"],
                            "shards": state["splits"][split]["shards"]} for split in SPLITS},
@@ -209,7 +235,8 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    done, state = _previous_run(out, settings, overwrite)
+    inputs = input_manifest(corpus.files, corpus.sources)
+    done, state = _previous_run(out, settings, inputs, overwrite)
     if done is not None:
         print(f"{out} is already prepared with these settings; nothing to do")
         return done
@@ -222,7 +249,7 @@ def prepare(
     n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
     if not reuse:
-        state = _train_tokenizer(out, settings, sampler, splitter, threads)
+        state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
     times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
     skips = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, max_docs, threads, progress)
     index = _finish(out, corpus, state, splitter, skips)

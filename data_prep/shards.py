@@ -5,6 +5,7 @@ A shard holds whole documents (each followed by EOS) and is closed as soon as it
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,8 +28,11 @@ def write_json(path: Path, obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-def write_shard(path: Path, tokens: np.ndarray) -> None:
-    write_atomic(path, tokens.astype("<u2", copy=False).tobytes())  # little-endian uint16
+def write_shard(path: Path, tokens: np.ndarray) -> str:
+    """Write the tokens as little-endian uint16 and return the SHA-256 of the bytes written."""
+    data = tokens.astype("<u2", copy=False).tobytes()
+    write_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
 
 
 class SplitWriter:
@@ -59,8 +63,9 @@ class SplitWriter:
         if not self._buffer:
             return
         name = f"{self.split}_{len(self.state['shards']):05d}.bin"
-        write_shard(self.out / name, np.concatenate(self._buffer))
-        self.state["shards"].append({"file": name, "tokens": self._tokens, "documents": len(self._buffer)})
+        digest = write_shard(self.out / name, np.concatenate(self._buffer))
+        self.state["shards"].append({"file": name, "tokens": self._tokens, "documents": len(self._buffer),
+                                     "sha256": digest})
         self.state["documents"] += len(self._buffer)
         self._buffer, self._tokens = [], 0
         self.on_shard()

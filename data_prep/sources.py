@@ -45,7 +45,7 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
             files = find_files(root, TEXT_SUFFIXES, "text")
             read = partial(text_documents, files, root)
         return Corpus(kind, [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files],
-                      read, size_hint=len(files) if kind != "c4" else None)
+                      read, size_hint=len(files) if kind != "c4" else None, files=files)
     if kind == "builtin":
         count = len(builtin.topics())
         return Corpus(kind, [builtin.NAME], builtin.documents, size_hint=count)

@@ -16,22 +16,20 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+from flops.json_files import read_json
+from heads.base import ConfigError
+
 COLUMNS = [
     "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
     "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "val_ppl", "leakfree_ppl", "ppl",
     "tokens_per_s",
 ]
-
-
-def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def max_steps(entry: dict[str, Any]) -> int | None:
@@ -56,12 +54,12 @@ def point_status(recorded: str | None, step: int | None, target: int | None, ppl
 
 def collect(sweep: Path) -> list[dict[str, Any]]:
     """One row per point; `ppl` is val_ppl for causal heads and leakfree_ppl otherwise (None if missing)."""
-    manifest = json.loads((sweep / "sweep.json").read_text())
-    status = _json(sweep / "status.json")
+    manifest = read_json(sweep / "sweep.json", keys=("points", "size"))
+    status = read_json(sweep / "status.json", {})
     rows = []
     for e in manifest["points"]:
         out = Path(e["out_dir"])
-        m, lf = _json(out / "metrics.json"), _json(out / "leakfree.json")
+        m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
         row.update(size=manifest["size"], step=m.get("step"), max_steps=max_steps(e), val_ppl=m.get("val_ppl"),
                    leakfree_ppl=lf.get("leakfree_ppl"), tokens_per_s=m.get("tokens_per_s"))
@@ -180,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="output prefix (default <first sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")
     a = p.parse_args(argv)
-    for sweep in a.sweeps:
-        if not (sweep / "sweep.json").is_file():
-            print(f"error: {sweep / 'sweep.json'} not found", file=sys.stderr)
-            return 2
-    rows = [row for sweep in a.sweeps for row in collect(sweep)]
+    try:
+        rows = [row for sweep in a.sweeps for row in collect(sweep)]
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     out = a.out or a.sweeps[0] / "results"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:

@@ -18,6 +18,7 @@ from typing import Any
 from flops.formulas import FORMULAS, Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
+from heads import REGISTRY, make_options
 from heads.base import ConfigError
 from lm.config import HeadGroupConfig, ModelConfig
 
@@ -68,6 +69,12 @@ def solve(
     if not 0 <= dense_heads <= total_heads:
         raise ConfigError(f"dense_heads must be in [0, {total_heads}], got {dense_heads}")
     options = dict(options or {})
+    if sparsity is not None and options.get("sparsity", sparsity) != sparsity:
+        raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
+    if head in REGISTRY:  # unknown options, wrong types and bad values: the same check as training's
+        has_sparsity = "sparsity" in {f.name for f in dataclasses.fields(REGISTRY[head].Options)}
+        given = {"sparsity": sparsity} if sparsity is not None and has_sparsity else {}
+        make_options(head, {**options, **given}, base.group_context(0))
     if sparsity is None:  # the head type's own option or default, e.g. mosa's sparsity 8
         sparsity = Options(head, options).get("sparsity")
     k = None
@@ -90,8 +97,9 @@ def solve(
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if cost(dense_heads, mid).flops_per_pass <= ref.flops_per_pass else (lo, mid)
         n = lo
-        if dense_heads + n == 0:
-            raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget")
+        if n == 0:  # a "sparse" point without sparse heads would be the dense baseline under another name
+            raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget next to "
+                              f"{dense_heads} dense heads")
     got = cost(dense_heads, n)
     return IsoFlopResult(
         head=head,
@@ -112,13 +120,24 @@ def solve(
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
-    if "=" not in text:
+    if "=" not in text or not text.split("=", 1)[0]:
         raise ConfigError(f"--option expects key=value, got {text!r}")
     key, value = text.split("=", 1)
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
+
+
+def parse_options(texts: list[str]) -> dict[str, Any]:
+    """--option KEY=VALUE ... -> {key: value} (JSON values where they parse); a key given twice with
+    different values is a one-line ConfigError. Types are checked against the head's Options in solve()."""
+    out: dict[str, Any] = {}
+    for key, value in map(_parse_option, texts):
+        if key in out and out[key] != value:
+            raise ConfigError(f"--option {key} given twice: {out[key]!r} and {value!r}")
+        out[key] = value
+    return out
 
 
 def _number(text: str) -> int | float:
@@ -139,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         base = baseline(a.size, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
-        r = solve(base, a.head, a.sparsity, a.dense_heads, dict(_parse_option(o) for o in a.option))
+        r = solve(base, a.head, a.sparsity, a.dense_heads, parse_options(a.option))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

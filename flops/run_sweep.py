@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from flops.json_files import read_json
+from heads.base import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,7 +44,7 @@ def trained(entry: dict[str, Any], overrides: list[str]) -> bool:
     if not metrics.is_file():
         return False
     max_steps = load_config(entry["config"], *overrides).trainer.max_steps
-    return json.loads(metrics.read_text()).get("step", 0) >= max_steps
+    return read_json(metrics).get("step", 0) >= max_steps
 
 
 def needs_leak_free(entry: dict[str, Any]) -> bool:
@@ -133,11 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lock", type=Path, help="hold this lock file (flock) while training each point, e.g. /tmp/cpu_heavy.lock")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")
     a = p.parse_args(argv)
+    try:
+        return run(a)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(a: argparse.Namespace) -> int:
+    """Train and evaluate the sweep's points (see main); ConfigError for a damaged sweep directory."""
     manifest_file = a.sweep / "sweep.json"
     if not manifest_file.is_file():
-        print(f"error: {manifest_file} not found; write it with python -m flops.sweep", file=sys.stderr)
-        return 2
-    points = json.loads(manifest_file.read_text())["points"]
+        raise ConfigError(f"{manifest_file} not found; write it with python -m flops.sweep")
+    points = read_json(manifest_file, keys=("points",))["points"]
     if a.only:
         wanted = set(a.only.split(","))
         unknown = wanted - {e["name"] for e in points}
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         points = [e for e in points if e["name"] in wanted]
     status_file = a.sweep / "status.json"
-    status = json.loads(status_file.read_text()) if status_file.is_file() else {}
+    status = read_json(status_file, {})
 
     def save() -> None:
         status_file.write_text(json.dumps(status, indent=1))

@@ -44,6 +44,9 @@ def sweep_points(
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
+    unused = sorted(set(options) - set(heads))
+    if unused:
+        raise ConfigError(f"--option for {', '.join(unused)}, which is not in --heads {','.join(heads)}")
     points = []
     wanted = [("dense", 1)] if 1 in sparsities else []
     wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]

@@ -16,6 +16,7 @@ Groups report `aux_losses` (name -> scalar tensor, already weighted, added to th
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,6 +52,9 @@ class HeadOptions:
         """Raise ConfigError (one line) for values that cannot work with this context."""
         if self.impl not in ("fast", "reference"):
             raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
+        sparsity = getattr(self, "sparsity", None)  # every sparse type: k = T / sparsity tokens per head
+        if sparsity is not None and sparsity > ctx.seq_len:
+            raise ConfigError(f"sparsity {sparsity} > seq_len {ctx.seq_len} leaves less than one token per head")
 
     def kv_per_head(self, seq_len: int) -> int:
         """KV-cache entries (tokens with a stored key and value) one head keeps for a length-T
@@ -132,15 +136,35 @@ def head_class(name: str) -> type[HeadGroup]:
     return REGISTRY[name]
 
 
+def _typed(name: str, key: str, value: Any, kind: type) -> Any:
+    """`value` checked against the option's declared type (int, float, str or bool); an int is a valid
+    float, an integral float (4.0, from JSON/YAML) a valid int; anything else is a one-line ConfigError."""
+    if kind not in (int, float, str, bool):  # richer annotations are left to the type's own validate()
+        return value
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ConfigError(f"head type {name!r}: option {key} must be {'an' if kind is int else 'a'} {kind.__name__}, "
+                      f"got {value!r}")
+
+
 def make_options(name: str, values: dict[str, Any], ctx: GroupContext) -> HeadOptions:
-    """Build and validate the Options of head type `name` from a plain dict (from YAML)."""
+    """Build and validate the Options of head type `name` from a plain dict (from YAML), each value
+    type-checked against the field's declared type."""
     cls = head_class(name).Options
+    types = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(
             f"head type {name!r}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
         )
-    opts = cls(**values)
-    opts.validate(ctx)
+    opts = cls(**{k: _typed(name, k, v, types[k]) for k, v in values.items()})
+    try:
+        opts.validate(ctx)
+    except ConfigError as err:  # name the head type where the check itself did not
+        raise ConfigError(str(err) if str(err).startswith(f"{name}:") else f"{name}: {err}") from None
     return opts

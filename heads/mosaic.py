@@ -165,7 +165,8 @@ class MosaicHeads(HeadGroup):
                 scores = (q @ k.T / d**0.5).masked_fill(~allowed, float("-inf"))[rows]
                 a = scores.softmax(-1) @ v  # [rows, h']
                 gate = probs[b, idx[rows], i]  # p_{t,i}
-                y = y.index_put((torch.full_like(idx[rows], b), idx[rows]), gate[:, None] * (a @ wo[:, i].T), accumulate=True)
+                y = y.index_put((torch.full_like(idx[rows], b), idx[rows]), (gate[:, None] * (a @ wo[:, i].T)).to(y.dtype),
+                                accumulate=True)
         self._record(chosen, member, is_selected)
         return y
 
@@ -198,7 +199,7 @@ class MosaicHeads(HeadGroup):
         counted = sel if o.padded == "ignore" else valid
         gate = probs.transpose(1, 2).gather(-1, idx) * counted
         contrib = self._heads_out(a, gate).reshape(B, N * K, h)
-        y = x.new_zeros(B, T, h).scatter_add(1, flat[..., None].expand(-1, -1, h), contrib)
+        y = contrib.new_zeros(B, T, h).scatter_add(1, flat[..., None].expand(-1, -1, h), contrib)
         return y, k, v, spos, visible, member.sum(-1)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,8 @@ class RoutingHeads(HeadGroup):
             for i in range(H):
                 for c in range(C):
                     I = sel.idx[b, i, c][sel.valid[b, i, c]]  # cluster members
+                    if not len(I):  # an empty cluster contributes nothing
+                        continue
                     qc = self.rope(q[b, i, I], positions[b, I])  # shared Q = K
                     allowed = I[:, None] > I[None, :]  # M_jl = 0 iff I_j > I_l: no attention to itself ...
                     allowed[0, 0] = True  # ... except the first member, which has nothing else

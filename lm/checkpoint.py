@@ -1,14 +1,20 @@
-"""Checkpoint files: atomic writes, RNG state, and rebuilding a model from a checkpoint.
+"""Checkpoint files: atomic writes, RNG state, checking and choosing checkpoints, rebuilding a model.
 
 A checkpoint is Lightning's dict (state_dict, optimizer/scheduler states, loop state) plus
 `config` (the full run Config as plain values, so `load_model` can rebuild the model) and `rng`
 (every RNG state, so a resumed run continues exactly as an uninterrupted one).
+
+Every reader goes through `read_checkpoint`, which turns an empty, truncated, garbled (zip CRC
+mismatch) or foreign file into a one-line CheckpointError; `newest_loadable` walks a run's step
+files newest first past damaged ones, and `remove_temp_files` clears what a killed write left.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -17,8 +23,17 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from heads import ConfigError
 from lm.config import Config, from_dict
+from lm.errors import NonFiniteError
 from lm.model import DecoderLM, build_model
+from lm.nonfinite import first_nonfinite, owner
+
+REQUIRED = ("state_dict", "config")  # what every train_lm.py checkpoint holds (besides Lightning's own state)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used; the message is one line naming the file and the problem."""
 
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -64,6 +79,7 @@ class StepCheckpoints(L.Callback):
         self.saved_step: int | None = None  # step of the newest checkpoint written by this process
 
     def save(self, trainer: L.Trainer) -> None:
+        check_weights(trainer)
         step_path = self.dirpath / f"step{trainer.global_step:07d}.ckpt"
         last = self.dirpath / "last.ckpt"
         trainer.save_checkpoint(step_path, weights_only=False)
@@ -110,9 +126,71 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def check_weights(trainer: L.Trainer) -> None:
+    """Refuse to checkpoint NaN/inf weights (lm/nonfinite.py guards the updates; this guards the files)."""
+    module = trainer.lightning_module
+    bad = first_nonfinite([(n, p.detach()) for n, p in module.named_parameters()])
+    if bad is not None:
+        raise NonFiniteError(f"non-finite weights after step {trainer.global_step} in {owner(module, bad)}; "
+                             "not checkpointed (lower optim.lr)")
+
+
+def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = True) -> dict[str, Any]:
+    """Load a train_lm.py checkpoint (tensors only, no pickled code), or raise a one-line CheckpointError
+    for a missing, empty, truncated, garbled (zip CRC mismatch) or foreign file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()  # reads every record and checks its CRC-32
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise CheckpointError(f"checkpoint {path} is truncated or not a torch file ({err})") from None
+    if damaged is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged (CRC mismatch in {damaged})")
+    try:
+        ckpt = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded ({(str(err).splitlines() or [''])[0]})") from None
+    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no {', '.join(missing)})")
+    return ckpt
+
+
+def step_files(directory: Path) -> list[Path]:
+    """The `step<N>.ckpt` files of a run, newest (largest N) first."""
+    steps = [p for p in directory.glob("step*.ckpt") if p.stem.removeprefix("step").isdigit()]
+    return sorted(steps, key=lambda p: int(p.stem.removeprefix("step")), reverse=True)
+
+
+def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """(path, contents) of the newest checkpoint of a run that `read_checkpoint` accepts: step files newest
+    first (a kill may land between writing one and linking last.ckpt), then last.ckpt; `skipped(path, why)`
+    for each damaged one passed over. None if the run has none."""
+    for path in [*step_files(directory), directory / "last.ckpt"]:
+        if not path.is_file():
+            continue
+        try:
+            return path, read_checkpoint(path)
+        except CheckpointError as err:
+            skipped(path, str(err))
+    return None
+
+
+def remove_temp_files(directory: Path) -> list[Path]:
+    """Delete `.<name>.tmp<pid>` files that `atomic_write` leaves when the process is killed mid-write."""
+    found = sorted(directory.glob(".*.tmp*")) if directory.is_dir() else []
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[DecoderLM, Config]:
     """Rebuild the model saved in a training checkpoint and load its weights (e.g. for lm/generate.py)."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    ckpt = read_checkpoint(path, map_location, mmap=False)
     cfg = from_dict(ckpt["config"])
     model = build_model(cfg.model)
     prefix = "model."

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
@@ -89,6 +89,7 @@ class TrainerConfig:
     keep_last_k: int = 3  # step checkpoints kept (the newest k; 0 = all)
     out_dir: str = "runs/default"
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
+    max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Config:
     compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (lm/compression.py)
 
 
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
@@ -146,16 +150,24 @@ def validate(cfg: Config) -> Config:
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
     _positive(cfg.data, "batch_size", "val_batches")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     o = cfg.optim
     _positive(o, "lr", "grad_clip")
     if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     t = cfg.trainer
-    _positive(t, "max_steps", "devices", "log_every", "val_every", "ckpt_every")
+    _positive(t, "max_steps", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
+    if t.accelerator not in ACCELERATORS:
+        raise ConfigError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
     if t.max_minutes is not None:
         _positive(t, "max_minutes")
     if t.keep_last_k < 0:
         raise ConfigError(f"trainer.keep_last_k must be >= 0 (0 = keep every checkpoint), got {t.keep_last_k}")
+    if t.max_bad_steps < 0:
+        raise ConfigError(f"trainer.max_bad_steps must be >= 0, got {t.max_bad_steps}")
+    if t.max_bad_steps and t.strategy == "deepspeed_stage_2":
+        raise ConfigError("trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
@@ -198,9 +210,12 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            layers.append(OmegaConf.load(p))
+            layer = OmegaConf.load(p)
         except Exception as err:  # yaml.YAMLError has multi-line messages
             raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
+        layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
         updates = [*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())]

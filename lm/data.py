@@ -24,18 +24,16 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from lm.config import DataConfig, ModelConfig
 from lm.sanity import validation_warnings, warn
+from lm.errors import DataError
 
 PREPARE_HINT = "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out DIR"
-
-
-class DataError(ValueError):
-    """A problem with the prepared data; the message is one line naming what is wrong."""
 
 
 class TokenStream:
     """The shards of one split as one flat uint16 token sequence; memmaps open lazily (worker-safe)."""
 
-    def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]]) -> None:
+    def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int) -> None:
+        """Checks every shard once: present, the size index.json states, token ids < vocab_size."""
         self.split = split
         self.paths = [directory / s["file"] for s in shards]
         sizes = [int(s["tokens"]) for s in shards]
@@ -44,6 +42,7 @@ class TokenStream:
                 raise DataError(f"data.path: shard {path} listed in index.json is missing")
             if path.stat().st_size != 2 * n:
                 raise DataError(f"data.path: shard {path} has {path.stat().st_size} bytes, index.json says {n} uint16 tokens")
+            check_token_range(path, vocab_size)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard i = [starts[i], starts[i+1])
         self._maps: list[np.memmap] | None = None
 
@@ -65,6 +64,16 @@ class TokenStream:
         return out
 
 
+def check_token_range(path: Path, vocab_size: int) -> None:
+    """Every token id of a shard must be < vocab_size (an embedding lookup would fail mid-run); one pass."""
+    tokens = np.memmap(path, dtype=np.uint16, mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= vocab_size:
+        where = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"data.path: shard {path} holds token id {top} >= model.vocab_size {vocab_size} "
+                        f"(first at token {where}); the shard is damaged or from another tokenizer")
+
+
 def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
     """Check a prepared directory against the model config and open one split; DataError if unusable."""
     directory = Path(path)
@@ -83,7 +92,7 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
             f"data.path: {directory} has vocab_size {vocab} > model.vocab_size {model.vocab_size}; "
             f"set model.vocab_size={vocab}"
         )
-    stream = TokenStream(directory, split, shards)
+    stream = TokenStream(directory, split, shards, model.vocab_size)
     if len(stream) == 0:
         raise DataError(f"data.path: split {split!r} of {directory} is empty")
     if len(stream) < model.seq_len + 1:

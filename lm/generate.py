@@ -14,6 +14,8 @@ analytic count `DecoderLM.kv_total(T)` (MoSA Table 2). Generating past the train
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -98,7 +100,8 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     """logits[B, V] -> next tokens[B]. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
     if temperature <= 0:
         return logits.argmax(-1)
-    logits = logits / temperature
+    # shift first: the top logit becomes 0, so a tiny temperature gives -inf elsewhere, never inf - inf = nan
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k > 0:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -143,13 +146,15 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     import sentencepiece as spm
 
     from heads import ConfigError
-    from lm.checkpoint import load_model
+    from lm.checkpoint import CheckpointError, load_model
 
     path = Path(ckpt)
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}")
     try:
         model, cfg = load_model(path)
+    except CheckpointError as err:  # empty, truncated, garbled or foreign file
+        raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
     except ConfigError as err:
@@ -169,6 +174,23 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     return model.eval(), sp
 
 
+def check_memory(model: DecoderLM, max_len: int) -> None:
+    """Refuse a KV cache for `max_len` tokens larger than the free host memory (one-line ValueError)."""
+    need = kv_bytes_analytic(model, max_len)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > free:
+        raise ValueError(f"{max_len} tokens (prompt + --max-new-tokens) need a {need / 2**30:.1f} GiB KV cache, more "
+                         f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
+
+
+def check_decodable(model: DecoderLM) -> None:
+    """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise)."""
+    try:
+        new_cache(model, 1, 1)
+    except NotImplementedError as err:
+        raise ValueError(f"{err}; this checkpoint cannot be sampled with lm.generate") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Sample from a train_lm.py checkpoint with the KV cache.")
     ap.add_argument("--ckpt", required=True, help="Lightning checkpoint written by train_lm.py")
@@ -182,12 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: the tokenizer the checkpoint carries, else <data.path>/tokenizer.model of its config")
     args = ap.parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-            raise ValueError("need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+        if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0 or not 0 < args.top_p <= 1:
+            raise ValueError("need --max-new-tokens >= 1, finite --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
         model, sp = load_for_generation(args.ckpt, args.tokenizer)
+        check_decodable(model)
         ids = sp.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
+        check_memory(model, len(ids) + args.max_new_tokens)
         prompt = torch.tensor([ids])
         g = torch.Generator().manual_seed(args.seed)
         cache = new_cache(model, 1, len(ids) + args.max_new_tokens)

@@ -8,12 +8,13 @@ Cost: sum over t of a length-(t+1) forward pass, about T/2 ordinary passes: fine
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lm.perplexity import perplexity
 
 
 @torch.no_grad()
@@ -52,7 +53,7 @@ def evaluate(model: nn.Module, windows: Iterable[torch.Tensor], leak_free: bool 
         model.train(was_training)
     if count == 0:
         raise ValueError("evaluate: no windows given")
-    out = {"loss": total / count, "ppl": math.exp(total / count)}
+    out = {"loss": total / count, "ppl": perplexity(total / count)}
     if leak_free:
-        out.update(leakfree_loss=total_lf / count, leakfree_ppl=math.exp(total_lf / count))
+        out.update(leakfree_loss=total_lf / count, leakfree_ppl=perplexity(total_lf / count))
     return out

@@ -23,6 +23,8 @@ from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model
 from lm.run_dir import provenance
+from lm.perplexity import perplexity
+from lm.resume_settings import apply_changes
 from lm.schedule import lr_factor
 
 
@@ -37,6 +39,7 @@ class LMModule(L.LightningModule):
         self._timed = [0, 0.0]  # [steps, seconds] of timed training steps in this process
         self._last_train_loss = math.nan
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
+        self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
 
     # ---- loss -------------------------------------------------------------------------------
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -50,6 +53,12 @@ class LMModule(L.LightningModule):
     def tokens_per_step(self) -> int:
         """Tokens per optimizer step over all devices."""
         return self.cfg.data.batch_size * self.cfg.model.seq_len * self.trainer.world_size
+
+    @property
+    def tokens_seen(self) -> int:
+        """Training tokens up to the current step (exact across resumes with another batch size)."""
+        step, tokens = self._tokens_at
+        return tokens + (self.trainer.global_step - step) * self.tokens_per_step
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, ce, aux = self.losses(*batch)
@@ -74,7 +83,7 @@ class LMModule(L.LightningModule):
             self._timed[0] += 1
             self._timed[1] += now - self._last_time
         self._last_time = now
-        self.log("train/tokens_seen", float(self.trainer.global_step * self.tokens_per_step))
+        self.log("train/tokens_seen", float(self.tokens_seen))
         if self._timed[0]:
             self.log("train/tokens_per_s", self.tokens_per_s(), prog_bar=True)
 
@@ -95,16 +104,16 @@ class LMModule(L.LightningModule):
         total, count = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
         loss = total / count
         self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", math.exp(loss))
+        self.log("val/ppl", perplexity(loss))
         if self.trainer.sanity_checking:
             return
         step = self.trainer.global_step
         if not self.val_history or self.val_history[-1]["step"] != step:
-            self.val_history.append({"step": step, "tokens_seen": step * self.tokens_per_step,
-                                     "val_loss": loss, "val_ppl": math.exp(loss)})
+            self.val_history.append({"step": step, "tokens_seen": self.tokens_seen,
+                                     "val_loss": loss, "val_ppl": perplexity(loss)})
         speed = f" | {self.tokens_per_s():8.0f} tokens/s" if self._timed[0] else ""
-        self.print(f"step {step:>6} | val loss {loss:.4f} | val ppl {math.exp(loss):9.2f} | "
-                   f"{step * self.tokens_per_step / 1e6:7.2f}M tokens{speed}")
+        self.print(f"step {step:>6} | val loss {loss:.4f} | val ppl {perplexity(loss):9.2f} | "
+                   f"{self.tokens_seen / 1e6:7.2f}M tokens{speed}")
         if self.trainer.is_global_zero:
             self.write_metrics()
 
@@ -116,7 +125,7 @@ class LMModule(L.LightningModule):
         last = self.val_history[-1] if self.val_history else {}
         return {
             "step": self.trainer.global_step,
-            "tokens_seen": self.trainer.global_step * self.tokens_per_step,
+            "tokens_seen": self.tokens_seen,
             "val_loss": last.get("val_loss"),
             "val_ppl": last.get("val_ppl"),
             "val_step": last.get("step"),
@@ -154,7 +163,13 @@ class LMModule(L.LightningModule):
         checkpoint["rng"] = rng_state()
         checkpoint["val_history"] = self.val_history
         checkpoint["run"] = provenance(self.cfg)  # data hashes and tokenizer bytes: usable elsewhere
+        checkpoint["tokens_seen"] = self.tokens_seen
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint["rng"]
         self.val_history = list(checkpoint["val_history"])
+        step, saved = checkpoint["global_step"], checkpoint["config"]
+        self._tokens_at = (step, checkpoint.get("tokens_seen",  # checkpoints written before it was saved
+                                                step * saved["data"]["batch_size"] * saved["model"]["seq_len"]))
+        for message in apply_changes(checkpoint, self.cfg):
+            self.print(message)

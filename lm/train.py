@@ -14,14 +14,16 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import OmegaConf
 
 from heads import ConfigError
-from lm.checkpoint import AtomicCheckpointIO, StepCheckpoints
+from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_loadable, read_checkpoint,
+                           remove_temp_files)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.module import LMModule
+from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
 from lm.run_dir import claim
 
@@ -64,6 +66,12 @@ def build_strategy(cfg: Config) -> Any:
     return DeepSpeedStrategy(config=deepspeed_config(cfg))
 
 
+@rank_zero_only
+def say(message: str) -> None:
+    """One line to stderr, from rank 0 only."""
+    print(message, file=sys.stderr)
+
+
 def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
@@ -75,8 +83,24 @@ def tensorboard_logger(cfg: Config) -> TensorBoardLogger:
     return logger
 
 
+def last_finite(cfg: Config) -> Path | None:
+    """The checkpoint a run stopped by the non-finite guard can resume from (all saved weights are finite)."""
+    found = newest_loadable(ckpt_dir(cfg), lambda *_: None)
+    return found[0] if found else None
+
+
+def check_devices(t: TrainerConfig) -> None:
+    """The devices asked for exist on this machine (a one-line ConfigError, not Lightning's traceback)."""
+    if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
+        raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
+    if t.accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
+
+
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     t = cfg.trainer
+    check_devices(t)
     strategy = build_strategy(cfg)
     deepspeed = t.strategy == "deepspeed_stage_2"
     return L.Trainer(
@@ -88,38 +112,41 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=tensorboard_logger(cfg),
-        callbacks=[checkpoints], enable_checkpointing=False, default_root_dir=t.out_dir,
+        # the guard runs first: a bad update is dropped or stops the run before anything is saved
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), checkpoints],
+        enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
     )
 
 
-def newest_checkpoint(directory: Path) -> Path:
-    """The step<N>.ckpt with the largest N (a kill may land between writing it and linking last.ckpt),
-    else last.ckpt."""
-    steps = sorted(directory.glob("step*.ckpt"), key=lambda p: int(p.stem.removeprefix("step")))
-    return steps[-1] if steps else directory / "last.ckpt"
-
-
 def resume_path(cfg: Config, resume: str | None) -> str | None:
-    """`--resume` -> the newest checkpoint of this run (None, i.e. a fresh start, if there is none
-    yet); `--resume PATH` -> PATH. The checkpoint's model config must equal this run's (checked for
-    single-file checkpoints; DeepSpeed writes directories)."""
+    """`--resume` -> the newest loadable checkpoint of this run, saying which damaged ones it passed over
+    (None, i.e. a fresh start, if there is none yet); `--resume PATH` -> PATH, which must load. The
+    checkpoint's model config must equal this run's (checked for single-file checkpoints; DeepSpeed
+    writes directories)."""
     if resume is None:
         return None
-    path = newest_checkpoint(ckpt_dir(cfg)) if resume == "last" else Path(resume)
-    if not path.exists():
-        if resume != "last":
-            raise ConfigError(f"--resume: checkpoint {path} not found")
-        rank_zero_info(f"--resume: no checkpoint at {path} yet; starting from scratch")
-        return None
-    if path.is_dir():
-        return str(path)
-    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["config"]["model"]
+    if resume == "last":
+        found = newest_loadable(ckpt_dir(cfg), lambda p, why: say(f"warning: --resume: skipping {p.name}: {why}"))
+        if found is None:
+            say(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
+            return None
+        path, ckpt = found
+    else:
+        path = Path(resume)
+        if path.is_dir():
+            return str(path)
+        try:
+            ckpt = read_checkpoint(path)
+        except CheckpointError as err:
+            raise ConfigError(f"--resume: {err}") from None
+    saved = ckpt["config"]["model"]
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
         raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
+    say(f"--resume: continuing from {path}")
     return str(path)
 
 
@@ -131,6 +158,9 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
     claim(cfg, resume is not None, overwrite)
+    if rank_zero_only.rank == 0:
+        for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
+            say(f"warning: removed {path}, left by an interrupted write")
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = LMModule(cfg)

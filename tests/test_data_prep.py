@@ -218,11 +218,12 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
 
     real_write, written = shards.write_shard, []
 
-    def write_then_maybe_die(path: Path, tokens: np.ndarray) -> None:
+    def write_then_maybe_die(path: Path, tokens: np.ndarray) -> str:
         if die_after is not None and len(written) == die_after:
             raise KeyboardInterrupt
-        real_write(path, tokens)
+        digest = real_write(path, tokens)
         written.append(path.name)
+        return digest
 
     monkeypatch.setattr(shards, "write_shard", write_then_maybe_die)
     die_after = 3
@@ -329,3 +330,35 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
     assert "warning: a.json.gz: skipped 3 broken JSON line(s), first at line 11" in err
+
+
+def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """index.json records every input (size, SHA-256) and every shard's SHA-256. A rerun after an input was
+    edited, removed or added is refused with one line; a finished shard damaged since is redone (with the
+    shards after it in its split), giving the same bytes as before."""
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(12)})
+    kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)
+    out = tmp_path / "out"
+    index = prepare("text", str(src), out, **kw)
+    assert set(index["inputs"]) == {f"d{i:02d}.txt" for i in range(12)}
+    assert index["inputs"]["d00.txt"]["sha256"] == hashlib.sha256((src / "d00.txt").read_bytes()).hexdigest()
+    shards_ = index["splits"]["train"]["shards"]
+    assert len(shards_) >= 3 and all(s["sha256"] == hashlib.sha256((out / s["file"]).read_bytes()).hexdigest()
+                                     for s in shards_)
+    before = {s["file"]: (out / s["file"]).read_bytes() for s in shards_}
+
+    damaged = out / shards_[1]["file"]
+    damaged.write_bytes(bytes(damaged.stat().st_size))  # same size, other bytes
+    capsys.readouterr()
+    assert prepare("text", str(src), out, **kw) == index
+    assert f"{shards_[1]['file']}: SHA-256 mismatch; redoing it and the train shards after it" in capsys.readouterr().err
+    assert {s["file"]: (out / s["file"]).read_bytes() for s in shards_} == before
+
+    (src / "d03.txt").unlink()
+    (src / "d04.txt").write_text(words(99, 40))
+    (src / "new.txt").write_text(words(98, 40))
+    with pytest.raises(DataError, match=r"^--out .* other inputs \(1 added \(new\.txt\), 1 removed \(d03\.txt\), "
+                                        r"1 changed \(d04\.txt\)\); pass --overwrite"):
+        prepare("text", str(src), out, **kw)
+    assert set(prepare("text", str(src), out, overwrite=True, **kw)["inputs"]) == \
+        {f"d{i:02d}.txt" for i in range(12) if i != 3} | {"new.txt"}

@@ -142,7 +142,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
     (tmp_path / "data" / "tokenizer.model").rename(tmp_path / "tok.model")
-    cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "incompatible checkpoint"),
+    cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "truncated or not a torch file"),
              (bad, "incompatible checkpoint"), (ckpt, "tokenizer not found")]
     for path, message in cases:
         assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
@@ -178,3 +178,8 @@ def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFi
     assert lines == [f"warning: generating {T + 5} tokens, past the training length {T}: dense attends to every "
                      "token, at rotary positions never seen in training; mosa adds no token once its capacity "
                      "slots (sized for the training length) are full"]
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan() -> None:
+    """logits / 1e-30 overflows to inf (and softmax to nan) unless the logits are shifted first."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
+    for temperature in (1e-30, 1e-45):
+        assert torch.equal(sample(logits, temperature, generator=torch.Generator().manual_seed(1)), logits.argmax(-1))

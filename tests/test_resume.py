@@ -89,3 +89,37 @@ def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> 
     with pytest.raises(RuntimeError):
         io.save_checkpoint({"z": Unpicklable()}, tmp_path / "new.ckpt")
     assert not (tmp_path / "new.ckpt").exists()
+
+
+def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr(tmp_path: Path, capsys) -> None:
+    """Newest checkpoint truncated, the one before it garbled (zip CRC mismatch) and one empty: --resume
+    continues from the newest loadable one and says why it passed over each; a temp file of an interrupted
+    write is removed; a changed optim.lr and data.batch_size are applied and reported, not ignored."""
+    from lm.config import load_config
+    from lm.train import train
+
+    data, out = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000), tmp_path / "run"
+    train(load_config(None, *run_overrides(data, out, max_steps=8, ckpt_every=2, val_every=100)))
+    ckpts = out / "checkpoints"
+    step8, step6 = (ckpts / "step0000008.ckpt").read_bytes(), bytearray((ckpts / "step0000006.ckpt").read_bytes())
+    (ckpts / "last.ckpt").unlink()
+    (ckpts / "step0000008.ckpt").write_bytes(step8[: len(step8) // 2])
+    step6[len(step6) // 2 : len(step6) // 2 + 64] = bytes(64)
+    (ckpts / "step0000006.ckpt").write_bytes(bytes(step6))
+    (ckpts / "step0000010.ckpt").write_bytes(b"")
+    (ckpts / ".step0000012.ckpt.tmp4242").write_bytes(b"")  # what a kill mid-write leaves
+    capsys.readouterr()
+    overrides = run_overrides(data, out, max_steps=10, ckpt_every=2, val_every=100)
+    metrics = train(load_config(None, *overrides, "optim.lr=1e-3", "data.batch_size=4"), resume="last")
+    err = capsys.readouterr()
+    text = err.err + err.out
+    assert "removed" in text and not (ckpts / ".step0000012.ckpt.tmp4242").exists()
+    assert "skipping step0000010.ckpt: checkpoint" in text and "is empty" in text
+    assert "skipping step0000008.ckpt" in text and "truncated" in text
+    assert "skipping step0000006.ckpt" in text and "CRC mismatch" in text
+    assert f"continuing from {ckpts / 'step0000004.ckpt'}" in text
+    assert "optim.lr changed 0.003 -> 0.001: applied" in text and "data.batch_size changed 8 -> 4" in text
+    last = load(ckpts / "last.ckpt")
+    assert last["global_step"] == 10 and last["lr_schedulers"][0]["base_lrs"] == [1e-3, 1e-3]
+    assert all(g["initial_lr"] == 1e-3 for g in last["optimizer_states"][0]["param_groups"])
+    assert metrics["tokens_seen"] == 4 * 8 * 32 + 6 * 4 * 32  # 4 steps of batch 8, then 6 of batch 4

@@ -1,0 +1,59 @@
+"""What a preparation was made from, and whether what it wrote is still intact.
+
+- Inputs: every local input file's name (relative to --src), size and SHA-256, recorded in
+  progress.json and index.json. A rerun over changed inputs (a file added, removed or edited) is
+  refused with one line naming them: the split, the tokenizer sample and every shard depend on the
+  whole input set, so the only correct redo is a fresh one (`--overwrite`).
+- Shards: each finished shard's SHA-256 is recorded with its token count. A rerun re-checks every
+  shard (present, size, hash); the first damaged one and those after it in its split are redone.
+Hub sources have no local files to hash; their settings (dataset id, split, data_files) identify them.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_manifest(files: list[Path], names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} for the corpus' local input files."""
+    return {name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)} for path, name in zip(files, names)}
+
+
+def input_changes(old: dict[str, dict], new: dict[str, dict]) -> str:
+    """'' if equal, else e.g. '1 added (c.txt), 1 removed (a.txt), 1 changed (b.txt)'."""
+    added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+    parts = [f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+             for what, names in (("added", added), ("removed", removed), ("changed", changed)) if names]
+    return ", ".join(parts)
+
+
+def shard_problem(out: Path, shard: dict) -> str | None:
+    """Why a finished shard cannot be used (missing, wrong size, hash mismatch), or None."""
+    path = out / shard["file"]
+    if not path.is_file():
+        return "missing"
+    if path.stat().st_size != 2 * shard["tokens"]:
+        return f"{path.stat().st_size} bytes, expected {2 * shard['tokens']}"
+    if "sha256" in shard and sha256_file(path) != shard["sha256"]:
+        return "SHA-256 mismatch"
+    return None
+
+
+def intact_prefix(out: Path, shards: list[dict]) -> tuple[list[dict], str | None]:
+    """The finished shards before the first damaged one, and a note on that one (None if all intact)."""
+    for i, shard in enumerate(shards):
+        problem = shard_problem(out, shard)
+        if problem is not None:
+            return shards[:i], f"{shard['file']}: {problem}"
+    return shards, None

@@ -1,0 +1,11 @@
+"""The error types entry points turn into one line and an exit status (no Lightning import, so a bad
+config is reported before the slow imports)."""
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """A problem with the prepared data; the message is one line naming what is wrong."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN/inf loss, gradient, buffer or validation loss; the message is one line."""

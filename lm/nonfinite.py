@@ -1,0 +1,100 @@
+"""The non-finite guard: a NaN/inf loss or gradient never reaches the weights.
+
+After every backward pass (before gradient clipping and the optimizer step) the guard checks the
+optimised loss, every gradient and every buffer (routing EMAs, thresholds). On a bad step it either
+- stops the run (`trainer.max_bad_steps: 0`, the default): NonFiniteError naming the step, the
+  first offending parameter (and its head group) and the newest checkpoint on disk, which was
+  written before the bad step and so holds finite weights; or
+- skips the update (up to `trainer.max_bad_steps` bad steps over the whole run, as large-scale
+  stacks do after a loss spike): the gradients are dropped so AdamW leaves weights and moments
+  untouched; the step still counts (data order and LR schedule stay a function of the step).
+  A non-finite buffer cannot be undone by skipping and always stops the run.
+A non-finite validation loss also stops the run, before that step's checkpoint is written; a huge
+finite one is reported as perplexity inf (lm/perplexity.py). StepCheckpoints refuses NaN/inf weights.
+Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked.
+The skip count is saved in checkpoints (callback state), so a resumed run keeps its budget.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning as L
+import torch
+
+from heads import HeadGroup
+from lm.errors import NonFiniteError
+
+
+def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first tensor with a NaN/inf entry, or None; one device sync."""
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
+    return next((n for (n, _), ok in zip(named, finite) if not ok), None)
+
+
+def owner(module: torch.nn.Module, name: str) -> str:
+    """`name` plus the head group that holds it, e.g. `model.blocks.0.attn.groups.1.qkv.weight (mosa heads)`."""
+    groups = {n: m.type_name for n, m in module.named_modules() if isinstance(m, HeadGroup)}
+    prefix = max((n for n in groups if name.startswith(n + ".")), key=len, default=None)
+    return f"{name} ({groups[prefix]} heads)" if prefix else name
+
+
+class NonFiniteGuard(L.Callback):
+    """See the module doc. `newest_checkpoint()` names the checkpoint a stopped run can resume from."""
+
+    def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None]) -> None:
+        self.max_bad_steps, self.newest_checkpoint = max_bad_steps, newest_checkpoint
+        self.skipped = 0
+        self._loss = torch.tensor(math.nan)
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._loss = loss.detach()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: inf grads are the scaler's job
+        grads = [] if scaler is not None else [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
+        buffers = [(n, b) for n, b in pl_module.named_buffers() if b.is_floating_point()]
+        bad_name = first_nonfinite([("loss", self._loss), *grads, *buffers])  # one device sync per step
+        if not trainer.strategy.reduce_boolean_decision(bad_name is not None, all=False):  # any rank: all act
+            return
+        loss = float(self._loss)
+        grad = first_nonfinite(grads)
+        buffer = first_nonfinite(buffers)
+        step = trainer.global_step + 1  # the step this update would have made
+        what = f"loss {loss}" + (f", first non-finite gradient in {owner(pl_module, grad)}" if grad else "") + \
+               (f", non-finite buffer {owner(pl_module, buffer)}" if buffer else "")
+        if buffer is None and self.skipped < self.max_bad_steps:
+            self.skipped += 1
+            for p in pl_module.parameters():
+                p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay as they were
+            pl_module.print(f"warning: skipped step {step} ({what}); {self.skipped} of trainer.max_bad_steps="
+                            f"{self.max_bad_steps} used")
+            return
+        self.stop(f"non-finite training at step {step}: {what}")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Finite weights can still compute NaN: a non-finite validation loss stops the run before that
+        step is checkpointed (this callback runs before StepCheckpoints)."""
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.state.fn == "fit" and loss is not None and not math.isfinite(float(loss)):
+            self.stop(f"non-finite validation loss {float(loss)} at step {trainer.global_step}")
+
+    def stop(self, what: str) -> None:
+        ckpt = self.newest_checkpoint()
+        raise NonFiniteError(
+            f"{what}; stopped" + (f" after skipping {self.skipped} bad steps" if self.skipped else "")
+            + (f"; last finite checkpoint: {ckpt}" if ckpt else "; no checkpoint written yet")
+            + " (lower optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.max_bad_steps:
+            pl_module.log("train/skipped_steps", float(self.skipped))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped": self.skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped = int(state_dict["skipped"])

@@ -1,0 +1,52 @@
+"""Settings that may change on `--resume`: applied to the restored optimizer and schedule, and reported.
+
+A checkpoint restores AdamW's param groups and the LambdaLR's base learning rates as they were, so a
+changed `optim.lr`, `optim.betas` or `optim.weight_decay` would be silently ignored; `apply_changes`
+rewrites them in the checkpoint before Lightning restores it. The schedule's shape
+(`optim.warmup_steps`, `optim.min_lr_ratio`, `trainer.max_steps`) and `optim.grad_clip` are read from
+the current config anyway; they are reported too. A changed `data.batch_size` (or device count) changes
+tokens per step from then on: `tokens_seen` continues from the checkpoint's count.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from lm.config import Config
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (saved, current)} over optim.*, trainer.max_steps and data.batch_size."""
+    current = OmegaConf.to_container(OmegaConf.structured(cfg))
+    keys = [("optim", k) for k in current["optim"]] + [("trainer", "max_steps"), ("data", "batch_size")]  # type: ignore[index]
+    out = {}
+    for section, key in keys:
+        old, new = _plain(saved.get(section, {}).get(key)), _plain(current[section][key])  # type: ignore[index]
+        if old != new:
+            out[f"{section}.{key}"] = (old, new)
+    return out
+
+
+def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
+    """Rewrite the checkpoint's optimizer/scheduler state for the current optim settings; one message per
+    changed setting, saying what happens to it."""
+    changes = changed_settings(checkpoint["config"], cfg)
+    o = cfg.optim
+    for opt_state, sched in zip(checkpoint.get("optimizer_states", []), checkpoint.get("lr_schedulers", [])):
+        for i, group in enumerate(opt_state["param_groups"]):
+            factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0  # schedule position
+            group.update(lr=o.lr * factor, initial_lr=o.lr, betas=tuple(o.betas))
+            if i == 0:  # group 0 holds the matrices (LMModule.configure_optimizers), group 1 never decays
+                group["weight_decay"] = o.weight_decay
+        sched["base_lrs"] = [o.lr] * len(sched.get("base_lrs", []))
+        if "_last_lr" in sched:
+            sched["_last_lr"] = [g["lr"] for g in opt_state["param_groups"]]
+    how = {"data.batch_size": "tokens_seen continues from the checkpoint's count; later batches differ from "
+                              "an uninterrupted run"}
+    return [f"--resume: {key} changed {old} -> {new}: {how.get(key, 'applied from this step on')}"
+            for key, (old, new) in changes.items()]

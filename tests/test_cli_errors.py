@@ -1,0 +1,183 @@
+"""Bad input through the real entry points (subprocess): a non-zero exit status and one clear line.
+
+One table, CASES: (id, argv, exit status, regex the error line must match). `{name}` in argv is replaced
+by a file of the `files` fixture. Exit status 2 is bad input: stderr is exactly that one line.
+Exit status 3 is a diverged run (lm/nonfinite.py): its error line is the last line of stderr.
+Add a row for every new entry point and every new check.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydoc_data.topics import topics
+
+from data_prep.prepare import prepare
+from tests.conftest import tiny_config
+from tests.synthetic import run_overrides, write_prepared
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, str(ROOT / "train_lm.py"), "--config", "{empty_yaml}", "{run}"]
+GENERATE = [sys.executable, "-m", "lm.generate", "--prompt", "the cat"]
+ISOFLOP = [sys.executable, "-m", "flops.isoflop", "--size", "tiny"]
+MOSA = "model.heads=[{type: dense, count: 2}, {type: mosa, count: 2, options: %s}]"
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+
+CASES = [
+    # train_lm.py: config (item 8/9 of issue 16)
+    ("yaml-list", [sys.executable, str(ROOT / "train_lm.py"), "--config", "{list_yaml}"], 2,
+     r"top level must be a mapping"),
+    ("option-type", [*TRAIN, MOSA % "{sparsity: abc}"], 2, r"mosa.*option sparsity must be an int, got 'abc'"),
+    ("option-float-for-int", [*TRAIN, MOSA % "{sparsity: 2.5}"], 2, r"option sparsity must be an int, got 2\.5"),
+    ("option-bool", [*TRAIN, MOSA % "{keep_first: maybe}"], 2, r"option keep_first must be a bool, got 'maybe'"),
+    ("sparsity-above-seq-len", [*TRAIN, MOSA % "{sparsity: 64}"], 2, r"mosa: sparsity 64 > seq_len 32"),
+    ("unknown-option", [*TRAIN, MOSA % "{rho: 4}"], 2, r"unknown option\(s\) rho"),
+    pytest.param("accelerator-gpu", [*TRAIN, "trainer.accelerator=gpu"], 2,
+                 r"trainer\.accelerator=gpu .* 0 CUDA GPU", marks=NO_GPU, id="accelerator-gpu"),
+    ("accelerator-name", [*TRAIN, "trainer.accelerator=tpu9"], 2, r"trainer\.accelerator must be one of"),
+    ("num-workers", [*TRAIN, "data.num_workers=-1"], 2, r"data\.num_workers must be >= 0, got -1"),
+    ("num-nodes", [*TRAIN, "trainer.num_nodes=0"], 2, r"TrainerConfig\.num_nodes must be > 0, got 0"),
+    ("max-bad-steps", [*TRAIN, "trainer.max_bad_steps=-1"], 2, r"trainer\.max_bad_steps must be >= 0"),
+    # train_lm.py: data and checkpoints
+    ("token-out-of-range", [*TRAIN, "data.path={bad_tokens}"], 2,
+     r"train_00000\.bin holds token id 70 >= model\.vocab_size 64"),
+    ("resume-empty", [*TRAIN, "--resume", "{empty_ckpt}"], 2, r"--resume: checkpoint .*empty\.ckpt is empty"),
+    ("resume-garbled", [*TRAIN, "--resume", "{garbled_ckpt}"], 2, r"garbled\.ckpt is truncated or not a torch file"),
+    ("diverges", [*TRAIN, "optim.lr=1e6", "optim.grad_clip=1e9", "optim.warmup_steps=0", "trainer.val_every=100"], 3,
+     r"non-finite training at step 2: loss nan, first non-finite gradient in model\.\S+; stopped; "
+     r"no checkpoint written yet"),
+    # lm.generate
+    ("generate-routing", [*GENERATE, "--ckpt", "{routing_ckpt}"], 2, r"'routing' does not support KV-cached decoding"),
+    ("generate-huge", [*GENERATE, "--ckpt", "{dense_ckpt}", "--max-new-tokens", "100000000000"], 2,
+     r"need a \d+\.\d GiB KV cache, more than the .* free memory"),
+    ("generate-nan-temperature", [*GENERATE, "--ckpt", "{dense_ckpt}", "--temperature", "nan"], 2,
+     r"finite --temperature >= 0"),
+    ("generate-empty-ckpt", [*GENERATE, "--ckpt", "{empty_ckpt}"], 2, r"empty\.ckpt is empty"),
+    # flops.isoflop / flops.sweep
+    ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
+     r"option window must be an int, got 'abc'"),
+    ("isoflop-option-unknown", [*ISOFLOP, "--head", "mosa", "--option", "foo=1"], 2, r"unknown option\(s\) foo"),
+    ("isoflop-option-bool", [*ISOFLOP, "--head", "mosa", "--option", "keep_first=maybe"], 2,
+     r"option keep_first must be a bool"),
+    ("isoflop-option-conflict", [*ISOFLOP, "--head", "mosa", "--sparsity", "8", "--option", "sparsity=4"], 2,
+     r"sparsity 8 conflicts with option sparsity=4"),
+    ("isoflop-option-twice", [*ISOFLOP, "--head", "mosa", "--option", "selection=threshold", "--option",
+                              "selection=expert_choice"], 2, r"--option selection given twice"),
+    ("isoflop-no-room", [*ISOFLOP, "--head", "mosa", "--sparsity", "2", "--dense-heads", "9"], 2,
+     r"not even one mosa head fits .* next to 9 dense heads"),
+    ("sweep-no-room", [sys.executable, "-m", "flops.sweep", "--heads", "mosa", "--sparsity", "1,2", "--dense-heads", "9",
+                       "--out", "{tmp}/sweep"], 2, r"not even one mosa head fits"),
+    ("sweep-option-unused", [sys.executable, "-m", "flops.sweep", "--heads", "mosa", "--sparsity", "4", "--option",
+                             "fixed.sparsity=2", "--out", "{tmp}/sweep"], 2, r"--option for fixed, which is not in --heads mosa"),
+    # flops.run_sweep / flops.aggregate on damaged files
+    ("run-sweep-damaged-sweep-json", [sys.executable, "-m", "flops.run_sweep", "{damaged_sweep}"], 2,
+     r"sweep\.json is damaged \(JSONDecodeError"),
+    ("run-sweep-damaged-status-json", [sys.executable, "-m", "flops.run_sweep", "{damaged_status}"], 2,
+     r"status\.json is damaged"),
+    ("aggregate-damaged-metrics-json", [sys.executable, "-m", "flops.aggregate", "{damaged_metrics}"], 2,
+     r"metrics\.json is damaged"),
+    # data_prep.prepare
+    ("prepare-missing-src", [sys.executable, "-m", "data_prep.prepare", "--source", "gutenberg", "--src", "{tmp}/none",
+                             "--out", "{tmp}/prep"], 2, r"--src .*none: no such file or directory"),
+    ("prepare-changed-inputs", [sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", "{texts}",
+                                "--out", "{prepared}", "--vocab-size", "400", "--no-progress"], 2,
+     r"holds a preparation with other inputs \(1 removed \(b\.txt\)\); pass --overwrite"),
+]
+
+
+def _tokenizer(directory: Path) -> None:
+    import sentencepiece as spm
+
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home"]
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(10)) for i in range(200)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(directory / "tokenizer"),
+                                   vocab_size=40, model_type="bpe", minloglevel=2)
+
+
+def _checkpoint(path: Path, data: Path, heads: list[dict]) -> Path:
+    from omegaconf import OmegaConf
+
+    from lm.model import build_model
+
+    cfg = tiny_config(heads, vocab_size=40)
+    cfg.data.path = str(data)
+    state = {f"model.{k}": v for k, v in build_model(cfg.model).state_dict().items()}
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "state_dict": state}, path)
+    return path
+
+
+def _sweep(directory: Path, points: list[dict], **files: str) -> Path:
+    directory.mkdir()
+    (directory / "sweep.json").write_text(json.dumps({"size": "micro", "points": points}))
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("cli")
+    data = write_prepared(tmp / "data", train_tokens=4000, val_tokens=1000)
+    bad = write_prepared(tmp / "bad_tokens", train_tokens=4000, val_tokens=1000)
+    tokens = np.fromfile(bad / "train_00000.bin", dtype=np.uint16)
+    tokens[100] = 70  # >= vocab_size 64: a damaged shard or another tokenizer's
+    tokens.tofile(bad / "train_00000.bin")
+    _tokenizer(tmp)
+    texts = tmp / "texts"
+    texts.mkdir()
+    for name, topic in (("a.txt", "class"), ("b.txt", "for"), ("c.txt", "try")):  # real English, offline
+        (texts / name).write_text(topics[topic])
+    prepare("text", str(texts), tmp / "prepared", vocab_size=400, progress=False, threads=1)
+    (texts / "b.txt").unlink()  # the input folder changed after preparation
+    (tmp / "list.yaml").write_text("- model\n- data\n")
+    (tmp / "empty.yaml").write_text("{}\n")
+    (tmp / "empty.ckpt").write_bytes(b"")
+    (tmp / "garbled.ckpt").write_bytes(b"\x00garbage" * 100)
+    out_dir = str(tmp / "point")
+    Path(out_dir).mkdir()
+    (Path(out_dir) / "metrics.json").write_text('{"step": 3, "val_')  # cut short mid-write
+    point = {"name": "mosa_s4", "head": "mosa", "causal": True, "out_dir": out_dir, "config": str(tmp / "none.yaml")}
+    return {
+        "tmp": str(tmp), "texts": str(texts), "prepared": str(tmp / "prepared"), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
+        "run": json.dumps(run_overrides(data, tmp / "run", max_steps=4)), "bad_tokens": str(bad),
+        "empty_ckpt": str(tmp / "empty.ckpt"), "garbled_ckpt": str(tmp / "garbled.ckpt"),
+        "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),
+        "routing_ckpt": str(_checkpoint(tmp / "routing.ckpt", tmp, [{"type": "routing", "count": 2,
+                                                                      "options": {"sparsity": 4}}])),
+        "damaged_sweep": str(_sweep(tmp / "sw1", [], **{"sweep.json": '{"points": [{"name": '})),
+        "damaged_status": str(_sweep(tmp / "sw2", [point], **{"status.json": "\x00\x00"})),
+        "damaged_metrics": str(_sweep(tmp / "sw3", [point])),
+    }
+
+
+def expand(argv: list[str], files: dict[str, str]) -> list[str]:
+    """Fill in the fixture's files; `{run}` becomes the tiny-run overrides (tests/synthetic.py)."""
+    out: list[str] = []
+    for arg in argv:
+        if arg == "{run}":
+            out.extend(json.loads(files["run"]))
+        else:
+            out.append(arg.format(**files) if "{" in arg and not arg.startswith("model.") else arg)
+    return out
+
+
+@pytest.mark.parametrize("case,argv,status,message", [c if hasattr(c, "marks") else pytest.param(*c, id=c[0])
+                                                      for c in CASES])
+def test_bad_input_gives_one_line(files: dict[str, str], case: str, argv: list[str], status: int,
+                                  message: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(expand(argv, files), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == status, f"{case}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if status == 2:
+        assert len(lines) == 1, f"{case}: more than one line on stderr:\n{proc.stderr[-3000:]}"
+    assert lines[-1].startswith("error: ") and re.search(message, lines[-1]), lines[-1]

@@ -1,0 +1,90 @@
+"""The non-finite guard (lm/nonfinite.py): a NaN/inf step stops the run or is skipped, never applied."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lm.checkpoint import read_checkpoint
+from lm.config import load_config
+from lm.nonfinite import NonFiniteError, NonFiniteGuard
+from lm.perplexity import perplexity
+from tests.synthetic import run_overrides, write_prepared
+
+
+class Toy(L.LightningModule):
+    """A linear regression whose loss is NaN at the steps in `bad`; records the weights after every step."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__()
+        self.lin, self.bad = torch.nn.Linear(4, 1), bad
+        self.after: list[torch.Tensor] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = (self.lin(batch[0]) - batch[1]).pow(2).mean()
+        return loss * math.nan if self.global_step in self.bad else loss
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.after.append(self.lin.weight.detach().clone())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader([(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(6)],
+                          batch_size=None)
+
+
+def fit(module: Toy, max_bad_steps: int) -> NonFiniteGuard:
+    guard = NonFiniteGuard(max_bad_steps, lambda: None)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard])
+    trainer.fit(module)
+    return guard
+
+
+def test_a_bad_step_is_skipped_within_the_budget() -> None:
+    toy = Toy(bad={2})
+    guard = fit(toy, max_bad_steps=1)
+    assert guard.skipped == 1 and len(toy.after) == 6
+    assert torch.equal(toy.after[2], toy.after[1])  # the NaN step changed nothing ...
+    assert not torch.equal(toy.after[3], toy.after[2])  # ... and training went on
+    assert all(torch.isfinite(w).all() for w in toy.after)
+    state = toy.trainer.optimizers[0].state[toy.lin.weight]
+    assert int(state["step"]) == 5  # AdamW made 5 updates in 6 steps: its moments never saw the NaN
+
+
+def test_a_bad_step_beyond_the_budget_stops_the_run_with_one_line() -> None:
+    toy = Toy(bad={1, 3})
+    with pytest.raises(NonFiniteError) as err:
+        fit(toy, max_bad_steps=1)
+    message = str(err.value)
+    assert "\n" not in message and "step 4" in message and "lin.weight" in message and "after skipping 1" in message
+    assert len(toy.after) == 3 and all(torch.isfinite(w).all() for w in toy.after)
+
+
+def test_a_diverging_run_stops_and_names_its_last_finite_checkpoint(tmp_path: Path) -> None:
+    """lr 1e6 without clipping: step 1's update makes step 2's loss NaN (measured). Every checkpoint on
+    disk holds finite weights, and the error names the newest."""
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    out = tmp_path / "run"
+    cfg = load_config(None, *run_overrides(data, out, ckpt_every=1, val_every=100), "optim.lr=1e6",
+                      "optim.grad_clip=1e9", "optim.warmup_steps=0")
+    with pytest.raises(NonFiniteError, match=r"^non-finite training at step 2: loss nan, first non-finite gradient "
+                                             r"in model\.\S+; stopped; last finite checkpoint: \S+step0000001\.ckpt"):
+        train(cfg)
+    saved = sorted((out / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in saved] == ["last.ckpt", "step0000001.ckpt"]
+    for path in saved:
+        assert all(torch.isfinite(v).all() for v in read_checkpoint(path)["state_dict"].values())
+
+
+def test_perplexity_of_a_huge_finite_loss_is_inf() -> None:
+    assert perplexity(800.0) == math.inf and perplexity(1.0) == math.e and math.isnan(perplexity(math.nan))
