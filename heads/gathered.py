@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from heads.attention import attend
+from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection
 
@@ -56,18 +56,11 @@ def gathered_heads_fast(
     qkv_weight: torch.Tensor,
     out_weight: torch.Tensor,
     rope: RotaryEmbedding,
+    visible: torch.Tensor | None = None,
+    self_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
-    is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding."""
-    B, T, h = x.shape
-    H, c = sel.idx.shape[1:]
-    d = qkv_weight.shape[0] // (3 * H)
-    batch = torch.arange(B, device=x.device)[:, None, None]
-    xs = x[batch, sel.idx]  # X^s of every head [B, H, c, h]
-    pos = positions[batch, sel.idx]  # original positions [B, H, c]
-    q, k, v = torch.einsum("bnch,sndh->sbncd", xs, qkv_weight.view(3, H, d, h))  # each [B, H, c, h']
-    a = attend(rope(q, pos), rope(k, pos), v, causal=True)  # one batched call over all heads
-    a = a * gate[..., None]  # diag(r) A; padding slots -> 0
-    x_o = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, d))  # per-head W^O [B, H, c, h]
-    y = x_o.new_zeros(B, T, h)  # x_o's dtype (bf16 under autocast)
-    return y.scatter_add(1, sel.idx.reshape(B, H * c, 1).expand(B, H * c, h), x_o.reshape(B, H * c, h))
+    is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
+    visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). Runs the memory-lean
+    core (heads/gathered_lean.py): nothing of size [B, H, c, h] is materialised or saved."""
+    return gathered_heads_lean(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
