@@ -9,6 +9,9 @@ whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, Mo
 other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS increase of the
 process over its state after building the group and input (ru_maxrss); CUDA = max_memory_allocated
 minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one warm-up step.
+The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive at the end of
+backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so this is the
+activation memory the head's implementation is responsible for.
 """
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ def worker(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "peak_bytes": peak}
+    grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
+    return {"seconds": statistics.median(times), "peak_bytes": peak, "grad_bytes": grad_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,15 +142,18 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         "",
         f"Command: `{command}`",
         "",
-        "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense "
+        "| peak − param grads MiB | that / dense |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         d = dense.get(r["T"])
         t_ratio = f"{r['seconds'] / d['seconds']:.2f}" if d else "-"
         m_ratio = f"{r['peak_bytes'] / d['peak_bytes']:.2f}" if d and d["peak_bytes"] > 0 else "-"
+        act, d_act = r["peak_bytes"] - r["grad_bytes"], d["peak_bytes"] - d["grad_bytes"] if d else 0
+        a_ratio = f"{act / d_act:.2f}" if d and d_act > 0 else "-"
         lines.append(f"| {r['T']} | {r['variant']} | {r['heads']} | {r['gflops']:.2f} | {r['seconds'] * 1e3:.1f} | "
-                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} |")
+                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} | {act / 2**20:.1f} | {a_ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,11 @@ class _Plan:
     def chunks(self) -> range:
         return range(0, self.H, self.step)
 
+    def gather(self, rows: torch.Tensor, heads: slice) -> torch.Tensor:
+        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h] (index_select: a plain row copy)."""
+        flat = self.flat[heads]
+        return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, rows.shape[-1])
+
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """q, k, v [n, B, c, d], allowed [n|1, B|1, c, c] -> (P, A = P V), P = masked softmax(q k^T / sqrt(d))."""
@@ -84,7 +89,7 @@ class LeanGatheredHeads(torch.autograd.Function):
         y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
         for h0 in plan.chunks():
             s = slice(h0, h0 + plan.step)
-            xs = xf[plan.flat[s]]  # X^s of this chunk of heads [n, B*c, h]
+            xs = plan.gather(xf, s)  # X^s of this chunk of heads [n, B*c, h]
             n = xs.shape[0]
             q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
             k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
@@ -115,15 +120,15 @@ class LeanGatheredHeads(torch.autograd.Function):
         need_x, need_gate, need_w, need_wo = ctx.needs_input_grad[:4]
         dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
         dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
-        dw = torch.zeros_like(qkv_weight).view(3, H, d, h) if need_w else None
-        dwo = torch.zeros_like(out_weight).view(h, H, d) if need_wo else None
+        dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
+        dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
         scale = d**-0.5
         for h0 in plan.chunks():
             s = slice(h0, h0 + plan.step)
             q, k, v = q_all[s], k_all[s], v_all[s]
             n = q.shape[0]
             p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
-            dyg = dyf[plan.flat[s]]  # dY at the slots [n, B*c, h]
+            dyg = plan.gather(dyf, s)  # dY at the slots [n, B*c, h]
             g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
             if need_gate:
                 dgate[s] = (a * g).sum(-1)
@@ -139,9 +144,9 @@ class LeanGatheredHeads(torch.autograd.Function):
             dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
             dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
             if need_w:
-                xs = xf[plan.flat[s]]
+                xs = plan.gather(xf, s)
                 for j, dt in enumerate((dq, dk, dv)):
-                    dw[j, s] = torch.bmm(dt.transpose(1, 2), xs)
+                    torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
                 del xs
             if need_x:
                 dxs = torch.bmm(dq, w[0, s])

@@ -110,12 +110,14 @@ class MosaicHeads(HeadGroup):
         probs, chosen = choose(self.router(x), self.options.top_s)
         self.aux_losses = {"mosaic_balance": balance_loss(probs, chosen, self.options.alpha)}
         entropy = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean().detach()
-        self.stats = {"mosaic_router_entropy": float(entropy)}
+        load = chosen.float().mean((0, 1)).detach()  # f_i: fraction of tokens choosing head i [N]
+        self.stats = {"mosaic_router_entropy": entropy, "mosaic_load": load}
         return probs, chosen
 
     def _record(self, chosen: torch.Tensor, member: torch.Tensor, selected: torch.Tensor) -> None:
-        self.stats["mosaic_dropped"] = 1.0 - float(selected.sum()) / max(float(chosen.sum()), 1.0)
-        self.stats["mosaic_padded"] = 1.0 - float(selected.sum()) / max(float(member.sum()), 1.0)
+        kept = selected.sum().float()
+        self.stats["mosaic_dropped"] = 1.0 - kept / chosen.sum().clamp_min(1)
+        self.stats["mosaic_padded"] = 1.0 - kept / member.sum().clamp_min(1)
 
     # ---- reference: explicit loops over sequences and heads --------------------------------------
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,7 @@ class TrainerConfig:
     ckpt_every: int = 1000
     out_dir: str = "runs/default"
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
+    compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
 
 
 @dataclass
