@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsity", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per variant, alternating (medians)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write a markdown table here")
@@ -110,16 +111,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for T in args.T:
-        for variant in args.variants:
-            count, flops, options = matched_count(variant, T, args)
-            spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
-                        head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
-            out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
-                                 capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **result))
-            print(f"T={T:5d} {variant:20s} heads={count:5d} {rows[-1]['gflops']:8.2f} GFLOP fwd  "
-                  f"{result['seconds'] * 1e3:9.1f} ms  {result['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+        for _ in range(args.rounds):  # variants alternate, so load drift on a shared machine hits all alike
+            for variant in args.variants:
+                count, flops, options = matched_count(variant, T, args)
+                spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
+                            head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
+                out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
+                                     capture_output=True, text=True, check=True)
+                runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * args.batch / 1e9:8.2f} GFLOP fwd  "
+                      f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
+                      f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        for variant, results in runs.items():
+            count, flops, _ = matched_count(variant, T, args)
+            median = {key: statistics.median(r[key] for r in results) for key in results[0]}
+            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
     table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
     print(table)
     if args.out:
@@ -137,7 +144,8 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each MoSA group the most heads whose App. C forward FLOPs fit the same budget. "
-        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up; memory = "
+        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
+        f"of fresh processes; memory = "
         + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase of a fresh process (ru_maxrss)."),
         "",
         f"Command: `{command}`",

@@ -2,9 +2,9 @@
 
 Same maths as `gathered_heads_reference`: per head i, X^s = X[I]; Q, K, V = X^s W^{Q,K,V}_i (RoPE at the
 original positions); A = softmax(Q K^T / sqrt(h') + M) V; Y[I] += diag(r_I) A W^O_i. What differs is what
-lives in memory. A custom autograd Function processes the heads in chunks of about T / c heads, so every
+lives in memory. A custom autograd Function processes the heads in chunks of about T / (4c) heads, so every
 transient of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients)
-is no larger than X itself, and saves for backward only the slot indices, gates, slot positions and the
+is about a quarter of X, and saves for backward only the slot indices, gates, slot positions and the
 rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s and dY[I] chunk by chunk and recomputes
 the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
 
@@ -36,9 +36,13 @@ def slot_mask(c: int, visible: torch.Tensor | None, self_only: torch.Tensor | No
     return allowed
 
 
+CHUNK_ROWS = 0.25  # slots per sequence in one chunk of heads, as a fraction of T (measured: smaller
+# chunks cost no time on CPU at Tiny scale, and the three [chunk, B, c, h] transients of backward stay < X)
+
+
 def heads_per_chunk(heads: int, slots: int, seq_len: int) -> int:
-    """Heads processed together: their c slots per sequence add up to at most T rows (>= 1 head)."""
-    return max(1, min(heads, seq_len // max(slots, 1)))
+    """Heads processed together: their c slots per sequence add up to at most CHUNK_ROWS * T (>= 1 head)."""
+    return max(1, min(heads, int(CHUNK_ROWS * seq_len) // max(slots, 1)))
 
 
 class _Plan:

@@ -42,7 +42,7 @@ def run_reference(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
 
 @pytest.mark.parametrize("T", [100, 257])
 @pytest.mark.parametrize("sparsity", [2, 8, 32])
-@pytest.mark.parametrize("heads", [3, 40])  # 40 heads: several chunks of T // c heads (and a ragged last one)
+@pytest.mark.parametrize("heads", [3, 42])  # 42 heads: several chunks of T // (4c) heads (and a ragged last one)
 def test_lean_matches_reference(T: int, sparsity: int, heads: int) -> None:
     p = problem(T, sparsity, heads)
     rope = RotaryEmbedding(HEAD_DIM, 0.5)
@@ -59,9 +59,9 @@ def test_lean_matches_reference(T: int, sparsity: int, heads: int) -> None:
 
 
 def test_chunking_is_exercised() -> None:
-    """The 40-head cases above really run in several chunks, including a ragged one."""
-    sizes = [heads_per_chunk(40, max(T // sparsity, 2), T) for T in (100, 257) for sparsity in (2, 8, 32)]
-    assert all(n < 40 for n in sizes) and any(40 % n for n in sizes), sizes
+    """The 42-head cases above really run in several chunks, including a ragged one."""
+    sizes = [heads_per_chunk(42, max(T // sparsity, 2), T) for T in (100, 257) for sparsity in (2, 8, 32)]
+    assert all(n < 42 for n in sizes) and any(42 % n for n in sizes), sizes
 
 
 def test_saves_no_gathered_tensor() -> None:
