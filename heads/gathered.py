@@ -9,11 +9,15 @@ W^QKV [3*H*h', h] (rows: q|k|v, then head, then h'), W^O [h, H*h'].
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection
+
+TRITON = importlib.util.find_spec("triton") is not None  # resolved at import: a constant for torch.compile
 
 
 def gathered_heads_reference(
@@ -61,6 +65,11 @@ def gathered_heads_fast(
 ) -> torch.Tensor:
     """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
     is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
-    visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). Runs the memory-lean
-    core (heads/gathered_lean.py): nothing of size [B, H, c, h] is materialised or saved."""
+    visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
+    forward kernel (heads/gathered_triton.py); otherwise the memory-lean PyTorch core (heads/gathered_lean.py).
+    Neither materialises nor saves anything of size [B, H, c, h]."""
+    if x.is_cuda and TRITON:
+        from heads.gathered_triton import gathered_heads_triton
+
+        return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
     return gathered_heads_lean(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
