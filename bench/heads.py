@@ -9,6 +9,9 @@ whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, Mo
 other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS increase of the
 process over its state after building the group and input (ru_maxrss); CUDA = max_memory_allocated
 minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one warm-up step.
+The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive at the end of
+backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so this is the
+activation memory the head's implementation is responsible for.
 """
 from __future__ import annotations
 
@@ -84,7 +87,8 @@ def worker(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "peak_bytes": peak}
+    grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
+    return {"seconds": statistics.median(times), "peak_bytes": peak, "grad_bytes": grad_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsity", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per variant, alternating (medians)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write a markdown table here")
@@ -106,16 +111,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for T in args.T:
-        for variant in args.variants:
-            count, flops, options = matched_count(variant, T, args)
-            spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
-                        head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
-            out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
-                                 capture_output=True, text=True, check=True)
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **result))
-            print(f"T={T:5d} {variant:20s} heads={count:5d} {rows[-1]['gflops']:8.2f} GFLOP fwd  "
-                  f"{result['seconds'] * 1e3:9.1f} ms  {result['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants}
+        for _ in range(args.rounds):  # variants alternate, so load drift on a shared machine hits all alike
+            for variant in args.variants:
+                count, flops, options = matched_count(variant, T, args)
+                spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
+                            head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
+                out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
+                                     capture_output=True, text=True, check=True)
+                runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * args.batch / 1e9:8.2f} GFLOP fwd  "
+                      f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
+                      f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
+        for variant, results in runs.items():
+            count, flops, _ = matched_count(variant, T, args)
+            median = {key: statistics.median(r[key] for r in results) for key in results[0]}
+            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
     table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
     print(table)
     if args.out:
@@ -133,20 +144,24 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each MoSA group the most heads whose App. C forward FLOPs fit the same budget. "
-        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up; memory = "
+        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
+        f"of fresh processes; memory = "
         + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase of a fresh process (ru_maxrss)."),
         "",
         f"Command: `{command}`",
         "",
-        "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense "
+        "| peak − param grads MiB | that / dense |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         d = dense.get(r["T"])
         t_ratio = f"{r['seconds'] / d['seconds']:.2f}" if d else "-"
         m_ratio = f"{r['peak_bytes'] / d['peak_bytes']:.2f}" if d and d["peak_bytes"] > 0 else "-"
+        act, d_act = r["peak_bytes"] - r["grad_bytes"], d["peak_bytes"] - d["grad_bytes"] if d else 0
+        a_ratio = f"{act / d_act:.2f}" if d and d_act > 0 else "-"
         lines.append(f"| {r['T']} | {r['variant']} | {r['heads']} | {r['gflops']:.2f} | {r['seconds'] * 1e3:.1f} | "
-                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} |")
+                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} | {act / 2**20:.1f} | {a_ratio} |")
     return "\n".join(lines) + "\n"
 
 

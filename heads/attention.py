@@ -7,21 +7,26 @@ memory-efficient / math kernels).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-@functools.cache
-def flash_attn_interface() -> Any:
-    """flash_attn.flash_attn_interface if flash-attn is installed, else None (one import attempt)."""
+def _import_flash_attn() -> Any:
     try:
         from flash_attn import flash_attn_interface as fa  # type: ignore[import-not-found]
     except ImportError:
         return None
     return fa
+
+
+_FLASH_ATTN = _import_flash_attn()  # resolved once at import, so torch.compile sees a constant
+
+
+def flash_attn_interface() -> Any:
+    """flash_attn.flash_attn_interface if flash-attn is installed, else None (one import attempt)."""
+    return _FLASH_ATTN
 
 
 def attend(

@@ -11,7 +11,9 @@ Each head type is one file under heads/ defining
   implementing `forward_reference` (plain, readable, explicit masks) and, where speed needs it,
   `forward_fast`; `forward` dispatches on `options.impl`.
 Groups report `aux_losses` (name -> scalar tensor, already weighted, added to the LM loss) and
-`stats` (name -> float, for logging) after each forward pass, and declare `causal` honestly.
+`stats` (name -> detached tensor, 0-d or per head [H]) after each forward pass, and declare `causal`
+honestly. Stats stay tensors (no host sync in the forward pass, so training compiles with fullgraph=True);
+lm/module.py reads them only every `trainer.log_every` steps.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class HeadGroup(nn.Module):
         self.ctx, self.count, self.options = ctx, count, options
         self.rope = RotaryEmbedding(ctx.head_dim, ctx.rope_fraction, ctx.rope_base)
         self.aux_losses: dict[str, torch.Tensor] = {}
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, torch.Tensor] = {}
 
     @property
     def causal(self) -> bool:

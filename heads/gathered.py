@@ -9,11 +9,15 @@ W^QKV [3*H*h', h] (rows: q|k|v, then head, then h'), W^O [h, H*h'].
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from heads.attention import attend
+from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection
+
+TRITON = importlib.util.find_spec("triton") is not None  # resolved at import: a constant for torch.compile
 
 
 def gathered_heads_reference(
@@ -56,18 +60,16 @@ def gathered_heads_fast(
     qkv_weight: torch.Tensor,
     out_weight: torch.Tensor,
     rope: RotaryEmbedding,
+    visible: torch.Tensor | None = None,
+    self_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
-    is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding."""
-    B, T, h = x.shape
-    H, c = sel.idx.shape[1:]
-    d = qkv_weight.shape[0] // (3 * H)
-    batch = torch.arange(B, device=x.device)[:, None, None]
-    xs = x[batch, sel.idx]  # X^s of every head [B, H, c, h]
-    pos = positions[batch, sel.idx]  # original positions [B, H, c]
-    q, k, v = torch.einsum("bnch,sndh->sbncd", xs, qkv_weight.view(3, H, d, h))  # each [B, H, c, h']
-    a = attend(rope(q, pos), rope(k, pos), v, causal=True)  # one batched call over all heads
-    a = a * gate[..., None]  # diag(r) A; padding slots -> 0
-    x_o = torch.einsum("bncd,hnd->bnch", a, out_weight.view(h, H, d))  # per-head W^O [B, H, c, h]
-    y = x_o.new_zeros(B, T, h)  # x_o's dtype (bf16 under autocast)
-    return y.scatter_add(1, sel.idx.reshape(B, H * c, 1).expand(B, H * c, h), x_o.reshape(B, H * c, h))
+    is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
+    visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
+    forward kernel (heads/gathered_triton.py); otherwise the memory-lean PyTorch core (heads/gathered_lean.py).
+    Neither materialises nor saves anything of size [B, H, c, h]."""
+    if x.is_cuda and TRITON:
+        from heads.gathered_triton import gathered_heads_triton
+
+        return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
+    return gathered_heads_lean(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)

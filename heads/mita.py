@@ -118,7 +118,7 @@ class MiTAHeads(DenseHeads):
         lv = S.softmax(-1) @ v if self.options.shared and n else None  # landmark values (line 9, eq. 8)
         out, lse = self._shared_and_own_block(q, k, v, R, eligible, lv, scale)
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s'] (line 13)
-        if sel_ok.any():  # else no query has an eligible landmark (T < 2b): shared + own block only
+        if T > b:  # else no query has an eligible landmark (sel_ok all False): shared + own block only
             backend = varlen.cuda_backend(q) if sel.shape[-1] == 1 else None  # kernels take no logit offset
             if backend is not None:
                 out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)

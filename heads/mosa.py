@@ -105,7 +105,7 @@ class MoSAHeads(HeadGroup):
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(x)
         sel = self.select(logits)
-        gate = torch.sigmoid(logits).gather(-1, sel.idx) * sel.valid  # r_I, 0 on padding
+        gate = torch.sigmoid(logits.gather(-1, sel.idx)) * sel.valid  # r_I, 0 on padding
         y = gathered_heads_fast(x, positions, sel, gate, self.qkv.weight, self.out.weight, self.rope)
         self._after_forward(logits, sel.valid.sum(-1))
         return y
@@ -157,10 +157,16 @@ class MoSAHeads(HeadGroup):
         return gathered_step(cache, x, positions, member, gate, self.qkv.weight, self.out.weight, self.rope)
 
     def _after_forward(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
-        """Stats; in training, move the running thresholds using this batch (used from the next pass)."""
+        """Stats (tensors, no host sync); in training, move the running thresholds using this batch
+        (used from the next pass). Threshold selection: `fill` = selected / capacity, `overflow` =
+        fraction of above-threshold candidates dropped because the head was full."""
         T = logits.shape[-1]
-        self.stats = {"selected_frac": counts.float().mean().item() / T}
+        counts = counts.float()
+        self.stats = {"selected_frac": counts.mean().detach() / T}
         if self.options.selection == "threshold":
-            self.stats["tau_mean"] = self.threshold.tau.mean().item()
+            candidates = self.candidates(logits.detach()).sum(-1).float()  # [B, H]
+            self.stats["tau_mean"] = self.threshold.tau.mean().detach()
+            self.stats["fill"] = counts.mean().detach() / self.capacity
+            self.stats["overflow"] = 1.0 - counts.sum().detach() / candidates.sum().clamp_min(1)
             if self.training:
                 self.threshold.update(logits)

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
-from heads.kv_cache import SlotKV
+from heads.gathered import gathered_heads_fast
+from heads.kv_cache import SlotKV, gathered_prefill
+from routing.selection import Selection
 from routing.token_choice import assign_random, assign_recency, assign_reference, balance_loss, capacity, choose, slots
 
 PRIORITIES = ("recency", "random")
@@ -115,24 +116,14 @@ class MosaicHeads(HeadGroup):
         probs, chosen = choose(self.router(x), self.options.top_s)
         self.aux_losses = {"mosaic_balance": balance_loss(probs, chosen, self.options.alpha)}
         entropy = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean().detach()
-        self.stats = {"mosaic_router_entropy": float(entropy)}
+        load = chosen.float().mean((0, 1)).detach()  # f_i: fraction of tokens choosing head i [N]
+        self.stats = {"mosaic_router_entropy": entropy, "mosaic_load": load}
         return probs, chosen
 
     def _record(self, chosen: torch.Tensor, member: torch.Tensor, selected: torch.Tensor) -> None:
-        self.stats["mosaic_dropped"] = 1.0 - float(selected.sum()) / max(float(chosen.sum()), 1.0)
-        self.stats["mosaic_padded"] = 1.0 - float(selected.sum()) / max(float(member.sum()), 1.0)
-
-    # ---- per-head projections, shared by the fast path and decoding ------------------------------
-    def _heads_qkv(self, xs: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """xs[B, N, K, h] (each head's tokens), pos[B, N, K] -> q, k, v [B, N, K, h'] (q, k rotated)."""
-        w = self.qkv.weight.view(3, self.count, self.ctx.head_dim, self.ctx.d_model)
-        q, k, v = torch.einsum("bnkh,cndh->cbnkd", xs, w)
-        return self.rope(q, pos), self.rope(k, pos), v
-
-    def _heads_out(self, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """a[B, N, K, h'], gate[B, N, K] -> per-slot outputs diag(gate) A W^O, [B, N, K, h]."""
-        wo = self.out.weight.view(self.ctx.d_model, self.count, self.ctx.head_dim)
-        return torch.einsum("bnkd,hnd->bnkh", a, wo) * gate[..., None]
+        kept = selected.sum().float()
+        self.stats["mosaic_dropped"] = 1.0 - kept / chosen.sum().clamp_min(1)
+        self.stats["mosaic_padded"] = 1.0 - kept / member.sum().clamp_min(1)
 
     # ---- reference: explicit loops over sequences and heads --------------------------------------
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -170,37 +161,26 @@ class MosaicHeads(HeadGroup):
         self._record(chosen, member, is_selected)
         return y
 
-    # ---- fast path: all heads at once (gather, batched projections, masked SDPA, scatter-add) -----
-    def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Returns y[B, T, h] and, for the decoding cache, k, v [B, N, K, h'], slot positions [B, N, K],
-        the slots other tokens may see [B, N, K] and members per head [B, N]."""
-        B, T, h = x.shape
-        N, o = self.count, self.options
+    # ---- fast path: all heads at once (the memory-lean gathered core, heads/gathered.py) ---------
+    def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Selection, torch.Tensor]:
+        """Returns y[B, T, h], the slots (idx, valid [B, N, K]), the slots other tokens may see [B, N, K]
+        and members per head [B, N] (the last three for the decoding cache)."""
+        o = self.options
         probs, chosen = self._route(x)
         if o.priority == "recency":
             member, selected = assign_recency(chosen, positions, self.k, self.frame)
         else:
             member, selected = assign_random(chosen, self._priority(positions), self.k)
         self._record(chosen, member, selected)
-        idx, valid = slots(member, self.k)  # [B, N, K]
-        K = idx.shape[-1]
+        idx, valid = slots(member, self.k)  # [B, N, K], ascending members first
         sel = selected.gather(-1, idx) & valid
-        pad = valid & ~sel
-        flat = idx.reshape(B, N * K)
-        xs = x.gather(1, flat[..., None].expand(-1, -1, h)).view(B, N, K, h)
-        spos = positions.gather(1, flat).view(B, N, K)
-        q, k, v = self._heads_qkv(xs, spos)
         visible = valid if o.padded == "include" else sel
-        mask = (spos[..., :, None] >= spos[..., None, :]) & visible[..., None, :]  # [B, N, K, K]
-        if o.padded == "identity":
-            mask &= ~pad[..., None]
-        mask |= torch.eye(K, dtype=torch.bool, device=x.device)  # padded/empty rows see themselves
-        a = attend(q, k, v, mask=mask)
+        self_only = valid & ~sel if o.padded == "identity" else None  # a padded query sees only itself
         counted = sel if o.padded == "ignore" else valid
-        gate = probs.transpose(1, 2).gather(-1, idx) * counted
-        contrib = self._heads_out(a, gate).reshape(B, N * K, h)
-        y = contrib.new_zeros(B, T, h).scatter_add(1, flat[..., None].expand(-1, -1, h), contrib)
-        return y, k, v, spos, visible, member.sum(-1)
+        gate = probs.transpose(1, 2).gather(-1, idx) * counted  # p_{t,i}; 0 on slots without output
+        y = gathered_heads_fast(x, positions, Selection(idx, valid), gate, self.qkv.weight, self.out.weight,
+                                self.rope, visible, self_only)
+        return y, Selection(idx, valid), visible, member.sum(-1)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._fast(x, positions)[0]
@@ -217,8 +197,8 @@ class MosaicHeads(HeadGroup):
         """Prefill (empty cache, any length: the fast path, keeping the visible members' K/V) or one
         decoding step (x[B, 1, h]) that applies the recency rule with the cached slot counts."""
         if cache.seen == 0:
-            y, k, v, spos, visible, members = self._fast(x, positions)
-            cache.kv.write(visible, k, v, spos)
+            y, sel, visible, members = self._fast(x, positions)
+            gathered_prefill(cache.kv, x, positions, sel.idx, visible, self.qkv.weight, self.rope)
             cache.members += members
             cache.seen = x.shape[1]
             return y

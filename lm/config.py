@@ -90,6 +90,7 @@ class TrainerConfig:
     out_dir: str = "runs/default"
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
     max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
+    compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
 
 
 @dataclass

@@ -3,7 +3,10 @@ MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` 
 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
 by its head group), train/loss_total (CE + aux, the optimised loss), train/lr, train/tokens_seen,
-train/tokens_per_s (mean over timed training steps of this process), val/loss, val/ppl.
+train/tokens_per_s (mean over timed training steps of this process), val/loss, val/ppl, and every
+`trainer.log_every` steps the head groups' statistics heads/<module>.<type>/<name> (scalars; per-head
+stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
+`trainer.compile: true` runs the training forward + loss through torch.compile(fullgraph=True).
 """
 from __future__ import annotations
 
@@ -12,13 +15,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from heads import HeadGroup
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model
@@ -26,6 +31,13 @@ from lm.run_dir import provenance
 from lm.perplexity import perplexity
 from lm.resume_settings import apply_changes
 from lm.schedule import lr_factor
+
+
+def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[..., Any]:
+    """torch.compile(fn, fullgraph=True): one graph, no breaks. Data-dependent sizes (MiTA's per-expert
+    padding width) are captured as symbolic sizes instead of breaking the graph."""
+    torch._dynamo.config.capture_scalar_outputs = True
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 class LMModule(L.LightningModule):
@@ -40,6 +52,7 @@ class LMModule(L.LightningModule):
         self._last_train_loss = math.nan
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
+        self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
 
     # ---- loss -------------------------------------------------------------------------------
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -61,7 +74,9 @@ class LMModule(L.LightningModule):
         return tokens + (self.trainer.global_step - step) * self.tokens_per_step
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, ce, aux = self.losses(*batch)
+        loss, ce, aux = self.train_losses(*batch)
+        if self.global_step % self.cfg.trainer.log_every == 0:
+            self.log_head_stats()
         self.log("train/loss", ce, prog_bar=True)
         self.log("train/ppl", ce.exp())
         for name, value in aux.items():
@@ -69,8 +84,25 @@ class LMModule(L.LightningModule):
         if aux:
             self.log("train/loss_total", loss)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self._last_train_loss = float(ce.detach())
+        self._last_train_loss = ce.detach()  # a tensor: no host sync per step
         return loss
+
+    def log_head_stats(self) -> None:
+        """Write every head group's `stats` of the last forward pass to the loggers at this step."""
+        scalars: dict[str, float] = {}
+        for name, group in self.model.named_modules():
+            if not isinstance(group, HeadGroup):
+                continue
+            for stat, value in group.stats.items():
+                tag = f"heads/{name}.{group.type_name}/{stat}"
+                if value.dim() == 0:
+                    scalars[tag] = float(value)
+                else:
+                    for logger in self.loggers:
+                        if isinstance(logger, TensorBoardLogger):
+                            logger.experiment.add_histogram(tag, value.detach().float().cpu(), self.global_step)
+        for logger in self.loggers:
+            logger.log_metrics(scalars, step=self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
@@ -129,7 +161,7 @@ class LMModule(L.LightningModule):
             "val_loss": last.get("val_loss"),
             "val_ppl": last.get("val_ppl"),
             "val_step": last.get("step"),
-            "train_loss": self._last_train_loss,
+            "train_loss": float(self._last_train_loss),
             "tokens_per_s": self.tokens_per_s(),
             "params": self.model.num_params(),
             "kv_total": self.model.kv_total(),

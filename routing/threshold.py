@@ -42,8 +42,5 @@ class RunningQuantileThreshold(nn.Module):
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
         q = per_head.kthvalue(rank, dim=1).values
-        if bool(self.initialized):
-            self.tau.lerp_(q, self.momentum)
-        else:
-            self.tau.copy_(q)
-            self.initialized.fill_(True)
+        self.tau.copy_(torch.where(self.initialized, self.tau.lerp(q, self.momentum), q))  # no host sync
+        self.initialized.fill_(True)

@@ -1,0 +1,178 @@
+"""Memory-lean gathered-head core (heads/gathered.py's definition, MoSA §2.2) for CPU and GPUs without Triton.
+
+Same maths as `gathered_heads_reference`: per head i, X^s = X[I]; Q, K, V = X^s W^{Q,K,V}_i (RoPE at the
+original positions); A = softmax(Q K^T / sqrt(h') + M) V; Y[I] += diag(r_I) A W^O_i. What differs is what
+lives in memory. A custom autograd Function processes the heads in chunks of about T / (4c) heads, so every
+transient of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients)
+is about a quarter of X, and saves for backward only the slot indices, gates, slot positions and the
+rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s and dY[I] chunk by chunk and recomputes
+the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
+
+Slot layout (routing/selection.py): per (sequence, head) c slots, valid ones first in ascending token
+order, so M is the causal mask over slots. Optional masks for MoSAIC's padding rules (App. E.2):
+`visible[B, H, c]` (keys other slots may see) and `self_only[B, H, c]` (queries that see only
+themselves); every slot always sees itself, so no softmax row is empty.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from heads.rope import RotaryEmbedding
+
+
+def slot_mask(c: int, visible: torch.Tensor | None, self_only: torch.Tensor | None,
+              device: torch.device) -> torch.Tensor:
+    """bool[..., c, c] (True = query slot j may attend key slot l): l <= j, key visible, plus the diagonal;
+    a self_only query sees only itself. visible/self_only: bool[..., c] or None (no restriction)."""
+    eye = torch.eye(c, dtype=torch.bool, device=device)
+    allowed = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+    if visible is not None:
+        allowed = allowed & visible[..., None, :]
+    allowed = allowed | eye
+    if self_only is not None:
+        allowed = torch.where(self_only[..., :, None], eye, allowed)
+    return allowed
+
+
+CHUNK_ROWS = 0.25  # slots per sequence in one chunk of heads, as a fraction of T (measured: smaller
+# chunks cost no time on CPU at Tiny scale, and the three [chunk, B, c, h] transients of backward stay < X)
+
+
+def heads_per_chunk(heads: int, slots: int, seq_len: int) -> int:
+    """Heads processed together: their c slots per sequence add up to at most CHUNK_ROWS * T (>= 1 head)."""
+    return max(1, min(heads, int(CHUNK_ROWS * seq_len) // max(slots, 1)))
+
+
+class _Plan:
+    """Index bookkeeping shared by forward and backward, in head-major layout [H, B, c]."""
+
+    def __init__(self, x: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor) -> None:
+        B, T, _ = x.shape
+        self.B, self.T, self.H, self.c = B, T, idx.shape[1], idx.shape[2]
+        offsets = torch.arange(B, device=idx.device)[:, None, None] * T
+        self.flat = (idx + offsets).transpose(0, 1).reshape(self.H, B * self.c)  # rows of x.view(B*T, h)
+        self.pos = positions.gather(1, idx.reshape(B, -1)).view(B, self.H, self.c).transpose(0, 1)  # [H, B, c]
+        self.step = heads_per_chunk(self.H, self.c, T)
+
+    def chunks(self) -> range:
+        return range(0, self.H, self.step)
+
+    def gather(self, rows: torch.Tensor, heads: slice) -> torch.Tensor:
+        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h] (index_select: a plain row copy)."""
+        flat = self.flat[heads]
+        return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, rows.shape[-1])
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v [n, B, c, d], allowed [n|1, B|1, c, c] -> (P, A = P V), P = masked softmax(q k^T / sqrt(d))."""
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return p, p @ v
+
+
+class LeanGatheredHeads(torch.autograd.Function):
+    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i); saves indices, gates and rotated Q, K, V only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+                idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                visible: torch.Tensor | None, self_only: torch.Tensor | None) -> torch.Tensor:
+        B, T, h = x.shape
+        plan = _Plan(x, idx, positions)
+        H, c = plan.H, plan.c
+        d = qkv_weight.shape[0] // (3 * H)
+        w = qkv_weight.view(3, H, d, h)
+        wo = out_weight.view(h, H, d)
+        xf = x.reshape(B * T, h)
+        gate_h = gate.transpose(0, 1)  # [H, B, c]
+        mask = slot_mask(c, visible, self_only, x.device)
+        mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
+        q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
+        y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
+        for h0 in plan.chunks():
+            s = slice(h0, h0 + plan.step)
+            xs = plan.gather(xf, s)  # X^s of this chunk of heads [n, B*c, h]
+            n = xs.shape[0]
+            q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
+            k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
+            v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
+            del xs
+            q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
+            _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
+            a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
+            x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0))  # [n, B*c, h]
+            y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
+        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, q_all, k_all, v_all, mask)
+        ctx.rope = rope
+        return y.view(B, T, h).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, gate, qkv_weight, out_weight, idx, positions, q_all, k_all, v_all, mask = ctx.saved_tensors
+        rope = ctx.rope
+        B, T, h = x.shape
+        plan = _Plan(x, idx, positions)
+        H, c = plan.H, plan.c
+        d = q_all.shape[-1]
+        w = qkv_weight.view(3, H, d, h)
+        wo = out_weight.view(h, H, d)
+        xf, dyf = x.reshape(B * T, h), dy.reshape(B * T, h).to(x.dtype)
+        gate_h = gate.transpose(0, 1)
+        mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
+        need_x, need_gate, need_w, need_wo = ctx.needs_input_grad[:4]
+        dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
+        dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
+        dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
+        dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
+        scale = d**-0.5
+        for h0 in plan.chunks():
+            s = slice(h0, h0 + plan.step)
+            q, k, v = q_all[s], k_all[s], v_all[s]
+            n = q.shape[0]
+            p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
+            dyg = plan.gather(dyf, s)  # dY at the slots [n, B*c, h]
+            g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
+            if need_gate:
+                dgate[s] = (a * g).sum(-1)
+            if need_wo:
+                ga = (a * gate_h[s, ..., None]).view(n, B * c, d)
+                dwo[:, s] = torch.bmm(dyg.transpose(1, 2), ga).transpose(0, 1)
+            del dyg
+            da = g * gate_h[s, ..., None]
+            dp = da @ v.transpose(-1, -2)
+            dv = p.transpose(-1, -2) @ da
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+            dq = rope(ds @ k, -plan.pos[s])  # R(θ)^T = R(-θ): gradient before the rotation
+            dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
+            dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
+            if need_w:
+                xs = plan.gather(xf, s)
+                for j, dt in enumerate((dq, dk, dv)):
+                    torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
+                del xs
+            if need_x:
+                dxs = torch.bmm(dq, w[0, s])
+                dxs = torch.baddbmm(dxs, dk, w[1, s])
+                dxs = torch.baddbmm(dxs, dv, w[2, s])
+                dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).float())
+        return (
+            dx.view(B, T, h).to(x.dtype) if need_x else None,
+            dgate.transpose(0, 1) if need_gate else None,
+            dw.view_as(qkv_weight) if need_w else None,
+            dwo.view_as(out_weight) if need_wo else None,
+            None, None, None, None, None,
+        )
+
+
+def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
+                        qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
+                        visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None) -> torch.Tensor:
+    """x[B, T, h], idx/gate[B, H, c] -> y[B, T, h] (see the module docstring); under autocast the
+    matmuls run in the autocast dtype, accumulation into Y stays fp32."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, gate, qkv_weight, out_weight = (t.to(dtype) for t in (x, gate, qkv_weight, out_weight))
+    with torch.autocast(x.device.type, enabled=False):
+        return LeanGatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only)

@@ -1,0 +1,145 @@
+"""The gathered-head core (heads/gathered.py): memory-lean path vs the plain reference, directly on
+random selections (odd T, several ρ and head counts, chunked and unchunked), all gradients including
+the router scores; and what the lean path keeps in memory."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from heads.gathered import gathered_heads_reference
+from heads.gathered_lean import gathered_heads_lean, heads_per_chunk
+from heads.rope import RotaryEmbedding
+from routing.selection import Selection, earliest_first
+from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
+
+D_MODEL, HEAD_DIM, BATCH = 32, 8, 2
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU tensors (conftest.py)
+
+
+def problem(T: int, sparsity: int, heads: int, seed: int = 0) -> dict:
+    """Random x, weights, selection (about T/ρ candidates per head, capacity T/ρ: overflow and padding)
+    and raw router scores; every float tensor requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    c = max(T // sparsity, 2)
+    sel = earliest_first(torch.rand(BATCH, heads, T, generator=g) < 1.2 / sparsity, c)
+    leaf = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).requires_grad_()  # noqa: E731
+    return dict(x=leaf(BATCH, T, D_MODEL), r=torch.rand(BATCH, heads, c, generator=g).requires_grad_(),
+                w_qkv=leaf(3 * heads * HEAD_DIM, D_MODEL, std=0.3), w_o=leaf(D_MODEL, heads * HEAD_DIM, std=0.3),
+                sel=sel, positions=torch.arange(T).expand(BATCH, T) + 7, cot=torch.randn(BATCH, T, D_MODEL, generator=g))
+
+
+def run_lean(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
+    gate = p["r"] * p["sel"].valid  # r_I on valid slots, 0 on padding (as heads/mosa.py builds it)
+    return gathered_heads_lean(p["x"], p["positions"], p["sel"].idx, gate, p["w_qkv"], p["w_o"], rope)
+
+
+def run_reference(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
+    sel: Selection = p["sel"]
+    B, H = sel.idx.shape[:2]
+    index_sets = [[sel.idx[b, i][sel.valid[b, i]] for i in range(H)] for b in range(B)]
+    gates = [[p["r"][b, i][sel.valid[b, i]] for i in range(H)] for b in range(B)]
+    return gathered_heads_reference(p["x"], p["positions"], index_sets, gates, p["w_qkv"], p["w_o"], rope)
+
+
+@pytest.mark.parametrize("T", [100, 257])
+@pytest.mark.parametrize("sparsity", [2, 8, 32])
+@pytest.mark.parametrize("heads", [3, 42])  # 42 heads: several chunks of T // (4c) heads (and a ragged last one)
+def test_lean_matches_reference(T: int, sparsity: int, heads: int) -> None:
+    p = problem(T, sparsity, heads)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    results = []
+    for run in (run_reference, run_lean):
+        y = run(p, rope)
+        results.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves)])
+    for name, ref, lean in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], *results):
+        assert ref.abs().max() > 0, name
+        rel_rms = ((lean - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        rel_max = ((lean - ref).abs().max() / ref.abs().max()).item()
+        assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
+
+
+def test_chunking_is_exercised() -> None:
+    """The 42-head cases above really run in several chunks, including a ragged one."""
+    sizes = [heads_per_chunk(42, max(T // sparsity, 2), T) for T in (100, 257) for sparsity in (2, 8, 32)]
+    assert all(n < 42 for n in sizes) and any(42 % n for n in sizes), sizes
+
+
+def test_saves_no_gathered_tensor() -> None:
+    """Autograd keeps nothing of size [B, H, c, h] (the gathered X^s or per-head outputs): the largest
+    saved activation is one of x, the weights or the rotated Q/K/V [H, B, c, h']."""
+    p = problem(100, 2, 12)
+    B, H, c = p["sel"].idx.shape
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        run_lean(p, RotaryEmbedding(HEAD_DIM, 0.5))
+    gathered = B * H * c * D_MODEL
+    assert saved and max(t.numel() for t in saved) <= max(p["x"].numel(), p["w_qkv"].numel(), H * B * c * HEAD_DIM)
+    assert max(t.numel() for t in saved) < gathered / 3
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42), (100, 2, 5), (257, 8, 3)])
+def test_triton_forward_matches_reference(T: int, sparsity: int, heads: int) -> None:
+    """The fused forward kernel (interpreted, fp32) vs the reference: output and, through the shared lean
+    backward on the kernel's saved Q/K/V, every gradient including the router scores."""
+    from heads.gathered_triton import gathered_heads_triton
+
+    p = problem(T, sparsity, heads)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    gate = p["r"] * p["sel"].valid
+    results = []
+    for run in (lambda: run_reference(p, rope),
+                lambda: gathered_heads_triton(p["x"], p["positions"], p["sel"].idx, gate, p["w_qkv"], p["w_o"], rope)):
+        y = run()
+        results.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves, retain_graph=True)])
+    for name, ref, fast in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], *results):
+        rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        rel_max = ((fast - ref).abs().max() / ref.abs().max()).item()
+        assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+def test_triton_padding_masks_match_lean() -> None:
+    """MoSAIC's padding rules (visible keys, self-only queries) in the kernel equal the lean path's."""
+    from heads.gathered_triton import gathered_heads_triton
+
+    p = problem(100, 4, 5)
+    g = torch.Generator().manual_seed(3)
+    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7)
+    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5)
+    assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
+    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    args = (p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope, visible, self_only)
+    lean, fused = gathered_heads_lean(*args), gathered_heads_triton(*args)
+    assert ((fused - lean).pow(2).mean() / lean.pow(2).mean()).sqrt() < REL_RMS_TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                    reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
+@pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42)])
+def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int) -> None:
+    """The CUDA dispatch (fused forward kernel + lean backward) under bf16 autocast vs the fp32 reference on the
+    same bf16-rounded inputs: output rel-RMS <= 5e-3 (fp32 on chip, one bf16 rounding of Y); gradients <= 2e-2
+    (the lean backward's bf16 matmuls; 0.3-1.3e-2 measured with CPU autocast)."""
+    from heads.gathered import gathered_heads_fast
+
+    p = problem(T, sparsity, heads)
+    for key in ("x", "r", "w_qkv", "w_o"):
+        p[key] = p[key].detach().bfloat16().float().cuda().requires_grad_()
+    p["sel"] = Selection(p["sel"].idx.cuda(), p["sel"].valid.cuda())
+    p["positions"], p["cot"] = p["positions"].cuda(), p["cot"].cuda()
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).cuda()
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    ref = run_reference(p, rope)
+    ref_grads = torch.autograd.grad((ref * p["cot"]).sum(), leaves)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
+    grads = torch.autograd.grad((y.float() * p["cot"]).sum(), leaves)
+    rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
+    assert rel(y, ref) <= 5e-3
+    for name, g, r in zip(["dx", "dr", "dW_qkv", "dW_o"], grads, ref_grads):
+        assert rel(g, r) <= 2e-2, name
