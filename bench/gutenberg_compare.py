@@ -117,7 +117,6 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
     from flops.model import model_cost
     from lm.checkpoint import load_model
     from lm.config import to_yaml
-    from lm.data import ValWindows, open_split
     from lm.leakfree import evaluate
 
     out = ROOT / cfg.trainer.out_dir
@@ -138,9 +137,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
     metrics = json.loads((out / "metrics.json").read_text())
     torch.set_num_threads(1)
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
-    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
-    full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()  # [N, T+1]
-    result = evaluate(model, full.split(cfg.data.batch_size), leak_free=True)
+    result = evaluate(model, eval_windows(cfg, windows).split(cfg.data.batch_size), leak_free=True)
     cost = model_cost(cfg.model)
     return {
         "variant": name,
@@ -162,6 +159,17 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         "torch": torch.__version__,
         "code": (out / "code_version.txt").read_text().strip() if (out / "code_version.txt").is_file() else "",
     }
+
+
+def eval_windows(cfg: Any, windows: int) -> Any:
+    """The `windows` evenly spaced validation windows of T + 1 tokens [N, T+1] (the same for every
+    run on the same data and seq_len)."""
+    import torch
+
+    from lm.data import ValWindows, open_split
+
+    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
+    return torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()
 
 
 def read_rows() -> dict[str, dict[str, Any]]:
