@@ -29,7 +29,7 @@ from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.kv_cache import SlotKV
 from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, capacity, choose,
-                                  gate_weights, resolve_top_s, slots)
+                                  gate_weights, load_mismatch, resolve_top_s, slots)
 
 PRIORITIES = ("recency", "random")
 PADDED = ("include", "identity", "ignore")
@@ -64,6 +64,9 @@ class MosaicOptions(HeadOptions):
 
     def kv_per_head(self, seq_len: int) -> int:
         return min(capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
+
+    def advice(self, count: int) -> str | None:
+        return load_mismatch(count, self.top_s, self.sparsity, self.capacity_factor)
 
 
 @dataclass
