@@ -27,6 +27,9 @@ CAUSAL_TYPES = {
     **{f"mosaic_{p}_rho{r}": [{"type": "dense", "count": 1},
                               {"type": "mosaic", "count": 4, "options": {"sparsity": r, "padded": p}}]
        for p in ("include", "identity", "ignore") for r in (2, 8)},
+    **{f"mosaic_gate_{g}": [{"type": "dense", "count": 1},
+                            {"type": "mosaic", "count": 4, "options": {"sparsity": 2, "top_s": 2, "gate": g}}]
+       for g in ("renorm", "sigmoid")},
     # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
     "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3}}],
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
