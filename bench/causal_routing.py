@@ -28,7 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from bench.gutenberg_compare import base_config, eval_windows, prepare_data, run_config, train_and_evaluate
+from bench.gutenberg_compare import base_config, eval_windows, prepare_data, run_config, train_and_evaluate, wanted_variants
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "causal_routing"
@@ -195,6 +195,14 @@ def plot_curves(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """"I/N" -> (I, N) with 0 <= I < N; ValueError otherwise."""
+    parts = text.split("/")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) < int(parts[1]):
+        raise ValueError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "causal_routing.yaml"))
@@ -204,17 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
     settings = OmegaConf.load(args.config)
-    order = list(settings.variants)
-    wanted = order if args.only is None else args.only.split(",")
-    unknown = sorted(set(wanted) - set(order))
     try:
-        shard, shards = (int(v) for v in args.shard.split("/"))
-        assert 0 <= shard < shards
-    except (ValueError, AssertionError):
-        print(f"error: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
-        return 2
-    if unknown:
-        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
+        wanted = wanted_variants(list(settings.variants), args.only)
+        shard, shards = parse_shard(args.shard)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if not args.report:
         done = {(r["variant"], r["seed"]) for r in results(settings)}

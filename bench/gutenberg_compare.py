@@ -225,6 +225,15 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
     RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+def wanted_variants(order: list[str], only: str | None) -> list[str]:
+    """The variants named by --only (comma-separated; all of `order` when None); ValueError for unknown names."""
+    wanted = order if only is None else only.split(",")
+    unknown = sorted(set(wanted) - set(order))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}")
+    return wanted
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"))
@@ -237,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = OmegaConf.load(args.config)
     order = list(settings.variants)
-    wanted = order if args.only is None else args.only.split(",")
-    unknown = sorted(set(wanted) - set(order))
-    if unknown:
-        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
+    try:
+        wanted = wanted_variants(order, args.only)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     rows = read_rows()
     if args.report:
