@@ -125,3 +125,26 @@ def test_flops_count_the_capacity_and_the_predictor(selection: str) -> None:
     group = make_group("mosa", dict(sparsity=rho, selection=selection, capacity_factor=1.5), T, count=n, d_model=h, head_dim=hd)
     assert group.kv_entries(T) == wide.kv
     assert wide.params == sum(p.numel() for p in group.parameters())
+
+
+def test_causal_routing_variants_are_flop_matched_and_probed() -> None:
+    """bench/causal_routing.py: every variant is a valid config within 5% below the dense baseline's FLOPs,
+    causal except faithful MoSA, and the coverage probe reports four quarters for the causal MoSA models."""
+    from omegaconf import OmegaConf
+
+    import lm
+    from bench.causal_routing import ROOT, selection_coverage
+    from bench.gutenberg_compare import base_config, run_config
+    from flops.model import model_cost
+
+    settings = OmegaConf.load(ROOT / "configs" / "experiments" / "causal_routing.yaml")
+    budget = model_cost(base_config(settings, []).model).flops_per_pass
+    for name in settings.variants:
+        cfg = run_config(settings, name, [])
+        assert 0.95 <= model_cost(cfg.model).flops_per_pass / budget <= 1.0, name
+        assert lm.build_model(cfg.model).causal == (name != "mosa_faithful"), name
+    cfg = run_config(settings, "mosa_predictor", ["model.d_model=32", "model.head_dim=8", "model.vocab_size=97"])
+    model = lm.build_model(cfg.model)
+    probe = selection_coverage(model, torch.randint(0, 97, (3, cfg.model.seq_len + 1)))
+    assert len(probe["cover_cand"]) == len(probe["cover_topk"]) == 4 and 0 <= probe["predictor_acc"] <= 1
+    assert all(0 <= v <= 1 for v in probe["cover_cand"] + probe["cover_topk"])
