@@ -148,3 +148,22 @@ def test_causal_routing_variants_are_flop_matched_and_probed() -> None:
     probe = selection_coverage(model, torch.randint(0, 97, (3, cfg.model.seq_len + 1)))
     assert len(probe["cover_cand"]) == len(probe["cover_topk"]) == 4 and 0 <= probe["predictor_acc"] <= 1
     assert all(0 <= v <= 1 for v in probe["cover_cand"] + probe["cover_topk"])
+
+
+@pytest.mark.parametrize("selection", ["quota", "predictor"])
+def test_decoding_equals_full_forward_where_the_quota_binds(selection: str) -> None:
+    """Group-level: prefill 10 tokens then decode one at a time with tau = 0 (about half the tokens are
+    candidates, far above the quota): every step equals the full forward pass."""
+    T = 45
+    group = make_group("mosa", dict(sparsity=4, selection=selection), T)
+    group.threshold.tau.zero_()
+    x, pos = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+    with torch.no_grad():
+        full = group(x, pos)
+        scores = group.selection_scores(x, group.router_logits(x))
+        assert (group.candidates(scores).sum(-1) > members(group.select(scores), T).sum(-1)).all()  # drops
+        cache = group.new_cache(2, T)
+        steps = [group(x[:, :10], pos[:, :10], cache)] + [group(x[:, t : t + 1], pos[:, t : t + 1], cache)
+                                                         for t in range(10, T)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache.fill, members(group.select(scores), T).sum(-1))
