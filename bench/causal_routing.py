@@ -162,8 +162,23 @@ def write_report(settings: Any) -> None:
                      f"{r0['kv_total']} | {mean_std([r['leakfree_ppl'] for r in rs])} | "
                      f"{mean_std([r['val_ppl'] for r in rs])} | {quarters('cover_cand')} | {quarters('cover_topk')} | "
                      f"{f'{statistics.fmean(acc):.3f}' if acc else '-'} | {len(rs)} |")
+    lines += ["", resolution(by)]
     RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n" + notes(settings))
     plot_curves(by, RESULTS.with_suffix(".png"))
+
+
+def resolution(by: dict[str, list[dict[str, Any]]]) -> str:
+    """What this budget can resolve: the pooled seed std of the leak-free perplexity and the smallest
+    difference of two variants' means that is 2 standard errors (2 * sqrt(2/n) * std) above noise."""
+    groups = [[r["leakfree_ppl"] for r in rs] for rs in by.values() if len(rs) > 1]
+    if not groups:
+        return "Resolution: one seed per variant so far; no noise estimate."
+    dof = sum(len(g) - 1 for g in groups)
+    pooled = math.sqrt(sum(statistics.variance(g) * (len(g) - 1) for g in groups) / dof)
+    n = min(len(g) for g in groups)
+    return (f"Resolution: pooled seed std of the leak-free perplexity {pooled:.2f} ({dof} degrees of freedom); with "
+            f"{n} seeds per variant, differences of means below 2·sqrt(2/{n})·std = {2 * math.sqrt(2 / n) * pooled:.2f} "
+            "perplexity are within noise (2 standard errors).")
 
 
 def notes(settings: Any) -> str:
