@@ -2,7 +2,7 @@
 (leak-free perplexity), each causal MoSA selection, MoSAIC and fixed heads at matched forward FLOPs.
 
     python -m bench.causal_routing [--config configs/experiments/causal_routing.yaml]
-        [--shard I/N] [--only NAME,NAME] [--report] [section.key=value ...]
+        [--only NAME,NAME] [--seeds S,S] [--report] [section.key=value ...]
 
 Each (variant, seed) run is one bench/gutenberg_compare.py run (same base config, FLOP-matched head
 mix, train_lm.py in its own process, final checkpoint evaluated teacher-forced and leak-free on the
@@ -11,7 +11,8 @@ For causal MoSA selections it also measures, on those windows, coverage by seque
 (routing/coverage.py): the fraction of the head's candidates it keeps ("cand") and of the faithful
 expert-choice top-k of its router scores it keeps ("topk"), and the predictor's accuracy.
 A finished run writes result.json next to its checkpoint and is skipped on the next call, so the
-comparison resumes after a cut-off; `--shard I/N` runs every N-th pending run (parallel workers).
+comparison resumes after a cut-off. Parallel workers (start the command several times) claim runs with
+an exclusive <out_dir>/s<seed>/<variant>.claim file holding their pid (a dead pid's claim is taken over).
 `--report` (also after every run) aggregates all result.json files into bench/results/causal_routing.csv
 (one row per run), .md (mean ± std over seeds) and .png (validation perplexity vs training tokens).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -131,8 +133,8 @@ def write_report(settings: Any) -> None:
         "# Causal sparse routing on Gutenberg, seed-replicated (bench/causal_routing.py)",
         "",
         f"Machine: {platform.machine()} CPU (shared 2-core box, other jobs running), 1 thread per run, fp32, "
-        f"torch {rows[0]['torch']}. Command: `nice -n 10 python -m bench.causal_routing --shard 0/2` and `--shard 1/2` "
-        "in parallel, then `--report`.",
+        f"torch {rows[0]['torch']}. Command: `nice -n 10 python -m bench.causal_routing` (2-3 workers "
+        "in parallel), then `--report`.",
         f"Model: {b.model.n_layers} layers, h = {b.model.d_model}, h' = {b.model.head_dim}, T = {b.model.seq_len}, "
         f"vocab {b.model.vocab_size}; baseline {b.model.heads[0].count} dense heads per layer; sparse variants keep 4 "
         "dense heads and add the most sparse heads whose App. C forward FLOPs fit the baseline's (flops.isoflop.solve; "
@@ -210,35 +212,54 @@ def plot_curves(by: dict[str, list[dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
-def parse_shard(text: str) -> tuple[int, int]:
-    """"I/N" -> (I, N) with 0 <= I < N; ValueError otherwise."""
-    parts = text.split("/")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not int(parts[0]) < int(parts[1]):
-        raise ValueError(f"--shard must be I/N with 0 <= I < N, got {text!r}")
-    return int(parts[0]), int(parts[1])
+def claim(settings: Any, seed: int, name: str) -> bool:
+    """Atomically claim run (seed, name) for this process; a claim whose process is gone is taken over."""
+    path = ROOT / settings.base.trainer.out_dir / f"s{seed}" / f"{name}.claim"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(path, "x") as f:
+            f.write(str(os.getpid()))
+        return True
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False  # its owner is alive
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)
+            return claim(settings, seed, name)
+
+
+def parse_seeds(text: str | None, seeds: list[int]) -> list[int]:
+    """--seeds "2,3" -> [2, 3] (each one of the settings' seeds); None -> all; ValueError otherwise."""
+    if text is None:
+        return seeds
+    wanted = [int(s) for s in text.split(",") if s.isdigit()]
+    if not wanted or len(wanted) != len(text.split(",")) or set(wanted) - set(seeds):
+        raise ValueError(f"--seeds must be a comma-separated subset of {seeds}, got {text!r}")
+    return wanted
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "causal_routing.yaml"))
     parser.add_argument("--only", default=None, help="comma-separated variant names")
-    parser.add_argument("--shard", default="0/1", help="I/N: run every N-th pending run starting at I")
+    parser.add_argument("--seeds", default=None, help="comma-separated subset of the settings' seeds")
     parser.add_argument("--report", action="store_true", help="only rewrite the results from finished runs")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
     settings = OmegaConf.load(args.config)
     try:
         wanted = wanted_variants(list(settings.variants), args.only)
-        shard, shards = parse_shard(args.shard)
+        seeds = parse_seeds(args.seeds, [int(s) for s in settings.seeds])
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not args.report:
         done = {(r["variant"], r["seed"]) for r in results(settings)}
-        pending = [(s, n) for s in settings.seeds for n in wanted if (n, s) not in done]
-        for seed, name in pending[shard::shards]:
-            run_one(settings, name, int(seed), args.overrides)
-            write_report(settings)
+        for seed, name in [(s, n) for s in seeds for n in wanted if (n, s) not in done]:
+            if claim(settings, seed, name):
+                run_one(settings, name, seed, args.overrides)
+                write_report(settings)
     write_report(settings)
     return 0
 
