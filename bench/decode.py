@@ -4,8 +4,9 @@
         [--d-model 128] [--device cpu] [--out bench/results/decode_cpu.md]
 
 For each prompt length L three models (MoSA Table 2's layout, scaled down: 9 dense heads vs 4 dense +
-17 MoSA heads at rho = 32 with causal threshold selection, and 4 dense + 17 MoSAIC heads at rho = 32,
-recency/include, top-1; seq_len = L + new tokens) get a random prompt,
+17 MoSA heads at rho = 32 with causal threshold selection, and 4 dense + 17 MoSAIC heads, recency/include,
+top-1, at rho = 17 = N / s so that the heads' capacity matches the T choices (at rho = 32 47% of them
+would be dropped); seq_len = L + new tokens) get a random prompt,
 one prefill call, then `--new-tokens` greedy steps through lm/generate.py's cache. Reported: prefill
 seconds, decode tokens/s (median of 3 repeats), the cache's allocated bytes after decoding (keys,
 values, int32 positions, counters), the analytic KV bytes (kv_total x 2 x head_dim x 4 bytes), and
@@ -37,8 +38,8 @@ def configs(d_model: int, head_dim: int, layers: int, vocab: int, seq_len: int, 
         f"MoSA hybrid (4 dense + 17 MoSA, rho={sparsity})": ModelConfig(
             **base, heads=[HeadGroupConfig("dense", 4), HeadGroupConfig("mosa", 17, {"sparsity": sparsity})]
         ),
-        f"MoSAIC hybrid (4 dense + 17 MoSAIC, rho={sparsity})": ModelConfig(
-            **base, heads=[HeadGroupConfig("dense", 4), HeadGroupConfig("mosaic", 17, {"sparsity": sparsity})]
+        "MoSAIC hybrid (4 dense + 17 MoSAIC, top-1, rho=17)": ModelConfig(
+            **base, heads=[HeadGroupConfig("dense", 4), HeadGroupConfig("mosaic", 17, {"sparsity": 17, "top_s": 1})]
         ),
     }
 

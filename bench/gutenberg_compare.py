@@ -117,7 +117,6 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
     from flops.model import model_cost
     from lm.checkpoint import load_model
     from lm.config import to_yaml
-    from lm.data import ValWindows, open_split
     from lm.leakfree import evaluate
 
     out = ROOT / cfg.trainer.out_dir
@@ -138,9 +137,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
     metrics = json.loads((out / "metrics.json").read_text())
     torch.set_num_threads(1)
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
-    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
-    full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()  # [N, T+1]
-    result = evaluate(model, full.split(cfg.data.batch_size), leak_free=True)
+    result = evaluate(model, eval_windows(cfg, windows).split(cfg.data.batch_size), leak_free=True)
     cost = model_cost(cfg.model)
     return {
         "variant": name,
@@ -162,6 +159,17 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         "torch": torch.__version__,
         "code": (out / "code_version.txt").read_text().strip() if (out / "code_version.txt").is_file() else "",
     }
+
+
+def eval_windows(cfg: Any, windows: int) -> Any:
+    """The `windows` evenly spaced validation windows of T + 1 tokens [N, T+1] (the same for every
+    run on the same data and seq_len)."""
+    import torch
+
+    from lm.data import ValWindows, open_split
+
+    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
+    return torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()
 
 
 def read_rows() -> dict[str, dict[str, Any]]:
@@ -217,6 +225,15 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
     RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+def wanted_variants(order: list[str], only: str | None) -> list[str]:
+    """The variants named by --only (comma-separated; all of `order` when None); ValueError for unknown names."""
+    wanted = order if only is None else only.split(",")
+    unknown = sorted(set(wanted) - set(order))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}")
+    return wanted
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"))
@@ -229,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = OmegaConf.load(args.config)
     order = list(settings.variants)
-    wanted = order if args.only is None else args.only.split(",")
-    unknown = sorted(set(wanted) - set(order))
-    if unknown:
-        print(f"error: unknown variant(s) {', '.join(unknown)}; known: {', '.join(order)}", file=sys.stderr)
+    try:
+        wanted = wanted_variants(order, args.only)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     rows = read_rows()
     if args.report:

@@ -102,13 +102,17 @@ def dense(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 @formula("mosa")
 def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """App. C: 8hh'k + 4h'k^2 + 2hT (router scores r = sigma(X W^r), W^r in R^h) + h'k (output
-    scaled by the scores) per head; params 4hh' + h (projections + router). With the causal
-    "threshold" selection of heads/mosa.py each head computes on its capacity, ceil(capacity_factor * k)
-    slots (= k at the default capacity_factor 1); expert-choice TopK uses exactly k."""
+    scaled by the scores) per head; params 4hh' + h (projections + router). The causal selections of
+    heads/mosa.py ("threshold", "quota", "predictor") compute on their capacity, ceil(capacity_factor * k)
+    slots (= k at the default capacity_factor 1), and "predictor" adds its classifier z = x W^p + b:
+    2hT FLOPs and h + 1 params per head; expert-choice TopK uses exactly k."""
     k = sparse_k(T, o.require("sparsity"))
-    if o.get("selection", "threshold") == "threshold":
+    selection = o.get("selection", "threshold")
+    if selection != "expert_choice":
         k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
-    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), kv=n * k, params=n * (4 * h * hd + h))
+    predictor = n * (2 * h * T) if selection == "predictor" else 0
+    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + predictor, kv=n * k,
+                params=n * (4 * h * hd + h) + (n * (h + 1) if selection == "predictor" else 0))
 
 
 @formula("fixed")

@@ -18,8 +18,7 @@ from typing import Any
 from flops.formulas import FORMULAS, Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
-from heads import REGISTRY, make_options
-from heads.base import ConfigError
+from heads.base import REGISTRY, ConfigError, make_options
 from lm.config import HeadGroupConfig, ModelConfig
 
 
@@ -39,6 +38,7 @@ class IsoFlopResult:
     params: int
     baseline_params: int
     heads: list[dict[str, Any]]  # the head mix, ready for ModelConfig.heads / a YAML config
+    warning: str | None = None  # the sparse group's one-line advice (e.g. MoSAIC load far from capacity)
 
 
 def _mix(dense: int, head: str, n: int, options: dict[str, Any]) -> list[HeadGroupConfig]:
@@ -101,6 +101,7 @@ def solve(
             raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget next to "
                               f"{dense_heads} dense heads")
     got = cost(dense_heads, n)
+    warning = make_options(head, options, base.group_context(0)).advice(n) if n and head in REGISTRY else None
     return IsoFlopResult(
         head=head,
         sparsity=sparsity,
@@ -116,6 +117,7 @@ def solve(
         params=got.params,
         baseline_params=ref.params,
         heads=[dataclasses.asdict(g) for g in _mix(dense_heads, head, n, options)],
+        warning=warning,
     )
 
 
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if r.warning:
+        print(f"warning: {r.warning}", file=sys.stderr)
     if a.json:
         print(json.dumps(dataclasses.asdict(r)))
     else:

@@ -64,7 +64,7 @@ def sweep_points(
             "name": name, "head": head, "sparsity": rho, "seed": seed, "config": str(out / f"{name}.yaml"),
             "out_dir": point.trainer.out_dir, "causal": is_causal(point),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
-                                          "baseline_flops_per_pass", "kv_total", "params")},
+                                          "baseline_flops_per_pass", "kv_total", "params", "warning")},
         }
         points.append((point, entry))
     return points
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         mix = f"{e['dense_heads']} dense" + (f" + {e['sparse_heads']} {e['head']}" if e["sparse_heads"] else "")
         print(f"{e['name']:>14}: {mix:<22}"
               f"{e['flops_per_pass'] / e['baseline_flops_per_pass']:.4f} of the FLOP budget  -> {e['config']}")
+        if e["warning"]:
+            print(f"warning: {e['name']}: {e['warning']}", file=sys.stderr)
     return 0
 
 

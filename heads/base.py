@@ -32,6 +32,10 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field and what is allowed."""
 
 
+class ConfigWarning(UserWarning):
+    """A configuration that runs but likely not as intended (e.g. capacity far from load); one line."""
+
+
 @dataclass(frozen=True)
 class GroupContext:
     """Model-level facts every head group is built from."""
@@ -62,6 +66,11 @@ class HeadOptions:
         """KV-cache entries (tokens with a stored key and value) one head keeps for a length-T
         sequence (MoSA Table 2's definition). Dense heads keep all T."""
         return seq_len
+
+    def advice(self, count: int) -> str | None:
+        """A one-line warning when these options with `count` heads run but waste their compute
+        (warned at config load, printed by the IsoFLOP solver and the sweep); None when fine."""
+        return None
 
 
 class HeadGroup(nn.Module):

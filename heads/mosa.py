@@ -13,7 +13,19 @@ Token selection (option `selection`):
 - "threshold" (default, causal): token t joins head i iff its router logit exceeds the head's running
   (1 - 1/ρ)-quantile threshold and fewer than `capacity` earlier tokens joined (routing/threshold.py);
   capacity = ceil(capacity_factor * k(seq_len)), fixed by the training length so a prefix selects
-  what the full sequence selects for it. Variable counts are padded to the capacity.
+  what the full sequence selects for it. Variable counts are padded to the capacity. Overflow drops
+  the LATEST candidates, so a head's view is biased toward the start of the sequence.
+- "quota" (causal): the same candidates, but token t may join while the head's count is below the
+  prefix quota q_t = min(capacity, ceil(capacity_factor * k * (t+1) / seq_len)): the capacity spread
+  evenly over positions, so overflow early in the sequence cannot starve its end
+  (routing/selection.py prefix_quota).
+- "predictor" (causal): Mixture-of-Depths' auxiliary predictor (routing/predictor.py): a per-head
+  classifier on stop-gradient x_t, trained with BCE (aux loss "mosa_predictor", weight
+  `predictor_weight`) to predict membership in the expert-choice top-k of the full sequence; token t
+  is a candidate iff its predictor logit exceeds that logit's running (1 - 1/ρ)-quantile, and joins
+  under the prefix quota. The gate is still the router score r = σ(x W^r).
+Decoding numbers tokens by their position (lm/generate.py starts at 0): the quota of a decoded token
+is q at its position.
 `keep_first` always selects token 0 (it then uses one of the head's slots).
 """
 from __future__ import annotations
@@ -28,19 +40,22 @@ from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, regist
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
 from heads.kv_cache import SlotKV, gathered_prefill, gathered_step
 from routing.expert_choice import expert_choice, tokens_per_head
-from routing.selection import Selection, earliest_first
+from routing.predictor import MembershipPredictor, predictor_loss, topk_targets
+from routing.selection import Selection, earliest_first, prefix_quota
 from routing.threshold import RunningQuantileThreshold
 
-SELECTIONS = ("threshold", "expert_choice")
+SELECTIONS = ("threshold", "quota", "predictor", "expert_choice")
+QUOTA_SELECTIONS = ("quota", "predictor")  # causal selections whose overflow rule is the prefix quota
 
 
 @dataclass
 class MoSAOptions(HeadOptions):
     sparsity: int = 8  # ρ: each head keeps k = T/ρ tokens
-    selection: str = "threshold"  # "threshold" (causal) | "expert_choice" (faithful, non-causal)
+    selection: str = "threshold"  # "threshold" | "quota" | "predictor" (causal) | "expert_choice" (faithful)
     keep_first: bool = False  # always select token 0
-    capacity_factor: float = 1.0  # threshold: slots per head = ceil(capacity_factor * k(seq_len))
-    threshold_momentum: float = 0.02  # threshold: EMA rate of the running quantile
+    capacity_factor: float = 1.0  # causal selections: slots per head = ceil(capacity_factor * k(seq_len))
+    threshold_momentum: float = 0.02  # causal selections: EMA rate of the running quantile
+    predictor_weight: float = 1.0  # predictor: weight of its BCE loss (it trains only the predictor)
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -52,10 +67,12 @@ class MoSAOptions(HeadOptions):
             raise ConfigError(f"mosa: capacity_factor must be > 0, got {self.capacity_factor}")
         if not 0 < self.threshold_momentum <= 1:
             raise ConfigError(f"mosa: threshold_momentum must be in (0, 1], got {self.threshold_momentum}")
+        if self.predictor_weight <= 0:
+            raise ConfigError(f"mosa: predictor_weight must be > 0, got {self.predictor_weight}")
 
     def kv_per_head(self, seq_len: int) -> int:
         k = tokens_per_head(seq_len, self.sparsity)
-        if self.selection == "threshold":
+        if self.selection != "expert_choice":
             return min(seq_len, math.ceil(self.capacity_factor * k))
         return k
 
@@ -71,7 +88,9 @@ class MoSAHeads(HeadGroup):
         self.router = nn.Linear(h, count, bias=False)  # W^r of every head, stacked [H, h]
         self.qkv = nn.Linear(h, 3 * count * d, bias=False)  # per-head W^Q, W^K, W^V, stacked
         self.out = nn.Linear(count * d, h, bias=False)  # per-head W^O, stacked
-        if options.selection == "threshold":
+        if options.selection == "predictor":
+            self.predictor = MembershipPredictor(h, count)
+        if self.causal:
             self.threshold = RunningQuantileThreshold(count, 1.0 / options.sparsity, options.threshold_momentum)
             self.capacity = options.kv_per_head(ctx.seq_len)
 
@@ -80,7 +99,7 @@ class MoSAHeads(HeadGroup):
         return self.options.selection != "expert_choice"
 
     def kv_entries(self, seq_len: int) -> int:
-        if self.options.selection == "threshold":
+        if self.causal:
             return self.count * min(seq_len, self.capacity)
         return super().kv_entries(seq_len)
 
@@ -88,85 +107,120 @@ class MoSAHeads(HeadGroup):
         """x[B, T, h] -> s = X W^r [B, H, T]; the router score is r = σ(s)."""
         return self.router(x).transpose(1, 2)
 
-    def candidates(self, logits: torch.Tensor) -> torch.Tensor:
-        """Threshold selection, before capacity: bool[B, H, T], token t's decision uses s_t and tau only."""
-        mask = self.threshold.above(logits)
+    def selection_scores(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """What the selection ranks or thresholds [B, H, T]: the predictor's logits z (selection
+        "predictor"; they carry the gradient of its own loss only) or the router logits s, detached
+        (the selection itself is not differentiated, like TopK)."""
+        if self.options.selection == "predictor":
+            return self.predictor(x)
+        return logits.detach()
+
+    def candidates(self, scores: torch.Tensor) -> torch.Tensor:
+        """Causal selections, before capacity: bool[B, H, T], token t's decision uses its score and tau only."""
+        mask = self.threshold.above(scores)
         if self.options.keep_first:
             mask[..., 0] = True
         return mask
 
-    def select(self, logits: torch.Tensor) -> Selection:
-        """logits[B, H, T] -> per-head token indices [B, H, c] (ascending, padded) and validity."""
+    def quota(self, t: torch.Tensor) -> torch.Tensor:
+        """Prefix quota at token positions t: q_t = min(capacity, ceil(capacity_factor * k * (t+1) / seq_len))."""
+        o, T = self.options, self.ctx.seq_len
+        per_token = o.capacity_factor * tokens_per_head(T, o.sparsity) / T
+        return torch.ceil((t.double() + 1) * per_token).long().clamp(max=self.capacity)
+
+    def select(self, scores: torch.Tensor) -> Selection:
+        """scores[B, H, T] -> per-head token indices [B, H, c] (ascending, padded) and validity."""
         if self.options.selection == "expert_choice":
-            k = tokens_per_head(logits.shape[-1], self.options.sparsity)
-            return expert_choice(logits.detach(), k, self.options.keep_first)
-        return earliest_first(self.candidates(logits.detach()), self.capacity)
+            k = tokens_per_head(scores.shape[-1], self.options.sparsity)
+            return expert_choice(scores, k, self.options.keep_first)
+        if self.options.selection in QUOTA_SELECTIONS:
+            return prefix_quota(self.candidates(scores), self.quota(torch.arange(scores.shape[-1], device=scores.device)))
+        return earliest_first(self.candidates(scores), self.capacity)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(x)
-        sel = self.select(logits)
+        scores = self.selection_scores(x, logits)
+        sel = self.select(scores)
         gate = torch.sigmoid(logits.gather(-1, sel.idx)) * sel.valid  # r_I, 0 on padding
         y = gathered_heads_fast(x, positions, sel, gate, self.qkv.weight, self.out.weight, self.rope)
-        self._after_forward(logits, sel.valid.sum(-1))
+        self._after_forward(logits, scores, sel.valid.sum(-1))
         return y
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(x)  # [B, H, T]
+        scores = self.selection_scores(x, logits)
         B, H, T = logits.shape
+        quota = self.quota(torch.arange(T)).tolist() if self.options.selection in QUOTA_SELECTIONS else None
         index_sets: list[list[torch.Tensor]] = [[] for _ in range(B)]
         gates: list[list[torch.Tensor]] = [[] for _ in range(B)]
         for b in range(B):
             for i in range(H):
-                s = logits[b, i]  # [T]
+                s = scores[b, i].detach()  # [T]
                 if self.options.selection == "expert_choice":
-                    scores = s.detach().clone()
+                    ranked = s.clone()
                     if self.options.keep_first:
-                        scores[0] = float("inf")
-                    I = torch.topk(scores, tokens_per_head(T, self.options.sparsity)).indices  # TopK order
+                        ranked[0] = float("inf")
+                    I = torch.topk(ranked, tokens_per_head(T, self.options.sparsity)).indices  # TopK order
                 else:
-                    above = s.detach() > self.threshold.tau[i]
+                    above = s > self.threshold.tau[i]
                     if self.options.keep_first:
                         above[0] = True
-                    I = above.nonzero()[:, 0][: self.capacity]  # earliest `capacity` above threshold
+                    if quota is None:
+                        I = above.nonzero()[:, 0][: self.capacity]  # earliest `capacity` above threshold
+                    else:  # token t joins while the head holds fewer than q_t tokens
+                        kept: list[int] = []
+                        for t in range(T):
+                            if above[t] and len(kept) < quota[t]:
+                                kept.append(t)
+                        I = torch.tensor(kept, dtype=torch.long, device=x.device)
                 index_sets[b].append(I)
-                gates[b].append(torch.sigmoid(s)[I])  # r^topk
+                gates[b].append(torch.sigmoid(logits[b, i])[I])  # r^topk
         y = gathered_heads_reference(x, positions, index_sets, gates, self.qkv.weight, self.out.weight, self.rope)
         counts = torch.tensor([[len(I) for I in row] for row in index_sets], device=x.device)
-        self._after_forward(logits, counts)
+        self._after_forward(logits, scores, counts)
         return y
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> SlotKV:
-        """K/V of the selected tokens only: `capacity` slots per head (threshold selection)."""
+        """K/V of the selected tokens only: `capacity` slots per head (causal selections)."""
         if not self.causal:
             raise ValueError("mosa: selection 'expert_choice' is not causal and cannot be decoded incrementally")
         return SlotKV.empty(batch, self.count, min(self.capacity, max_len), self.ctx.head_dim, device, dtype)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
         """Prefill (empty cache): the fast path, caching the selected tokens; later: one token, which
-        joins head i iff its logit is above tau_i and the head has a free slot (earliest_first)."""
+        joins head i iff its score is above tau_i and the head has a free slot: fewer than `capacity`
+        (threshold) or than the quota at the token's position (quota, predictor) tokens so far."""
         logits = self.router_logits(x)  # [B, H, T]
+        scores = self.selection_scores(x, logits)
         if cache.fresh:
-            sel = self.select(logits)
+            sel = self.select(scores)
             gathered_prefill(cache, x, positions, sel.idx, sel.valid, self.qkv.weight, self.rope)
             return self.forward_fast(x, positions)
-        member = self.threshold.above(logits)[..., 0] & (cache.fill < cache.k.shape[2])
+        slots = self.quota(positions[:, :1]) if self.options.selection in QUOTA_SELECTIONS else cache.k.shape[2]
+        member = self.threshold.above(scores)[..., 0] & (cache.fill < slots)
         if self.options.keep_first:
             member |= positions[:, :1] == 0
         gate = torch.sigmoid(logits[..., 0])
         return gathered_step(cache, x, positions, member, gate, self.qkv.weight, self.out.weight, self.rope)
 
-    def _after_forward(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
-        """Stats (tensors, no host sync); in training, move the running thresholds using this batch
-        (used from the next pass). Threshold selection: `fill` = selected / capacity, `overflow` =
-        fraction of above-threshold candidates dropped because the head was full."""
+    def _after_forward(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        """Stats (tensors, no host sync) and the predictor's loss; in training, move the running
+        thresholds using this batch (used from the next pass). Causal selections: `fill` = selected /
+        capacity, `overflow` = fraction of above-threshold candidates dropped (capacity or quota)."""
         T = logits.shape[-1]
         counts = counts.float()
         self.stats = {"selected_frac": counts.mean().detach() / T}
-        if self.options.selection == "threshold":
-            candidates = self.candidates(logits.detach()).sum(-1).float()  # [B, H]
+        if self.options.selection == "predictor":
+            target = topk_targets(logits, tokens_per_head(T, self.options.sparsity))
+            self.aux_losses = {"mosa_predictor": self.options.predictor_weight * predictor_loss(scores, target)}
+            guess, truth = self.threshold.above(scores.detach()), target.bool()
+            self.stats["predictor_acc"] = (guess == truth).float().mean()
+            self.stats["predictor_recall"] = (guess & truth).sum().float() / truth.sum().clamp_min(1)
+        if self.causal:
+            candidates = self.candidates(scores.detach()).sum(-1).float()  # [B, H]
             self.stats["tau_mean"] = self.threshold.tau.mean().detach()
             self.stats["fill"] = counts.mean().detach() / self.capacity
             self.stats["overflow"] = 1.0 - counts.sum().detach() / candidates.sum().clamp_min(1)
             if self.training:
-                self.threshold.update(logits)
+                self.threshold.update(scores)

@@ -1,7 +1,9 @@
 """MoSAIC: Mixture of Sparse Attention with Independent Choice (MoSA §2.2 and App. E).
 
 Token-choice routing over a group of N attention heads (routing/token_choice.py): each token t picks
-its top-s heads from p_t = softmax(x_t W^r), W^r in R^{h x N}; head i keeps at most
+its top-s heads from p_t = softmax(x_t W^r), W^r in R^{h x N} (s defaults to max(1, round(N / rho)),
+so the N*k slots match the s*T choices; the expected load of a head is s*T/N against its capacity
+k = capacity_factor*T/rho, and a mismatch over 2x is warned about); head i keeps at most
 k = max(floor(capacity_factor * T / rho), 2) tokens (T = the model's training length, so k is a
 constant of the model). Overloaded heads keep tokens by `priority` (recency: earliest first, causal;
 random: not causal); free slots of underloaded heads are padded with tokens that did not choose the
@@ -12,7 +14,8 @@ head, handled by `padded` (App. E.2):
 Per head, on its members X^s (rotated at their original positions): A = Attention(X^s W^Q, X^s W^K,
 X^s W^V, M) with M_jl = 0 iff I_j >= I_l (and the padding rules above), output diag(p_{:,i}) A W^O
 scattered back to the members' positions (as MoSA eq. 3 and the line above it, with the token-choice
-probability p in place of MoSA's sigmoid score). Load balancing (eq. 4): alpha * N * sum_i f_i p_i,
+probability p in place of MoSA's sigmoid score; option `gate`: "softmax" p as published, ≈ 1/N for a
+large group; "renorm" p renormalised over the token's s chosen heads; "sigmoid" σ(x_t W^r_i)). Load balancing (eq. 4): alpha * N * sum_i f_i p_i,
 reported as aux loss "mosaic_balance" (already weighted).
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, regist
 from heads.gathered import gathered_heads_fast
 from heads.kv_cache import SlotKV, gathered_prefill
 from routing.selection import Selection
-from routing.token_choice import assign_random, assign_recency, assign_reference, balance_loss, capacity, choose, slots
+from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, capacity, choose,
+                                  gate_weights, load_mismatch, resolve_top_s, slots)
 
 PRIORITIES = ("recency", "random")
 PADDED = ("include", "identity", "ignore")
@@ -35,7 +39,8 @@ PADDED = ("include", "identity", "ignore")
 @dataclass
 class MosaicOptions(HeadOptions):
     sparsity: float = 8.0  # rho; capacity k = capacity_factor * T / rho tokens per head
-    top_s: int = 1  # heads chosen by each token
+    top_s: int = 0  # heads chosen by each token; 0 = max(1, round(N / rho)): capacity matches demand
+    gate: str = "softmax"  # output weight: softmax over the N heads | renorm (over the chosen s) | sigmoid
     capacity_factor: float = 1.0
     alpha: float = 0.1  # load-balancing loss weight (eq. 4)
     priority: str = "recency"  # recency (causal) | random (not causal)
@@ -45,8 +50,10 @@ class MosaicOptions(HeadOptions):
         super().validate(ctx)
         if self.sparsity < 1:
             raise ConfigError(f"mosaic: sparsity must be >= 1, got {self.sparsity}")
-        if self.top_s < 1:
-            raise ConfigError(f"mosaic: top_s must be >= 1, got {self.top_s}")
+        if self.top_s < 0:
+            raise ConfigError(f"mosaic: top_s must be >= 1 (or 0 = round(heads / sparsity)), got {self.top_s}")
+        if self.gate not in GATES:
+            raise ConfigError(f"mosaic: gate must be one of {', '.join(GATES)}, got {self.gate!r}")
         if self.capacity_factor <= 0:
             raise ConfigError(f"mosaic: capacity_factor must be > 0, got {self.capacity_factor}")
         if self.alpha < 0:
@@ -58,6 +65,9 @@ class MosaicOptions(HeadOptions):
 
     def kv_per_head(self, seq_len: int) -> int:
         return min(capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
+
+    def advice(self, count: int) -> str | None:
+        return load_mismatch(count, self.top_s, self.sparsity, self.capacity_factor)
 
 
 @dataclass
@@ -88,6 +98,7 @@ class MosaicHeads(HeadGroup):
         super().__init__(ctx, count, options)
         if options.top_s > count:
             raise ConfigError(f"mosaic: top_s ({options.top_s}) must be <= the group's head count ({count})")
+        self.top_s = resolve_top_s(count, options.top_s, options.sparsity)
         self.k = capacity(ctx.seq_len, options.sparsity, options.capacity_factor)
         self.frame = ctx.seq_len
         self.router = nn.Linear(ctx.d_model, count, bias=False)  # W^r
@@ -112,13 +123,15 @@ class MosaicHeads(HeadGroup):
         return torch.rand(int(positions.max()) + 1, generator=g).to(positions.device)[positions]
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x[B, T, h] -> probs, chosen [B, T, N]; records the balance loss and routing stats."""
-        probs, chosen = choose(self.router(x), self.options.top_s)
+        """x[B, T, h] -> output weights (option `gate`), chosen [B, T, N]; records the balance loss
+        (on the softmax probabilities, eq. 4) and routing stats."""
+        logits = self.router(x)
+        probs, chosen = choose(logits, self.top_s)
         self.aux_losses = {"mosaic_balance": balance_loss(probs, chosen, self.options.alpha)}
         entropy = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean().detach()
         load = chosen.float().mean((0, 1)).detach()  # f_i: fraction of tokens choosing head i [N]
         self.stats = {"mosaic_router_entropy": entropy, "mosaic_load": load}
-        return probs, chosen
+        return gate_weights(logits, probs, chosen, self.options.gate), chosen
 
     def _record(self, chosen: torch.Tensor, member: torch.Tensor, selected: torch.Tensor) -> None:
         kept = selected.sum().float()
@@ -129,7 +142,7 @@ class MosaicHeads(HeadGroup):
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
         d, o = self.ctx.head_dim, self.options
-        probs, chosen = self._route(x)
+        weights, chosen = self._route(x)
         priority = self._priority(positions) if o.priority == "random" else None
         plan = assign_reference(chosen, positions, self.k, self.frame, priority)
         wq, wk, wv = self.qkv.weight.view(3, self.count, d, h)
@@ -155,7 +168,7 @@ class MosaicHeads(HeadGroup):
                 rows = is_sel if o.padded == "ignore" else torch.ones_like(is_sel)
                 scores = (q @ k.T / d**0.5).masked_fill(~allowed, float("-inf"))[rows]
                 a = scores.softmax(-1) @ v  # [rows, h']
-                gate = probs[b, idx[rows], i]  # p_{t,i}
+                gate = weights[b, idx[rows], i]  # p_{t,i} (option gate)
                 y = y.index_put((torch.full_like(idx[rows], b), idx[rows]), (gate[:, None] * (a @ wo[:, i].T)).to(y.dtype),
                                 accumulate=True)
         self._record(chosen, member, is_selected)
@@ -166,7 +179,7 @@ class MosaicHeads(HeadGroup):
         """Returns y[B, T, h], the slots (idx, valid [B, N, K]), the slots other tokens may see [B, N, K]
         and members per head [B, N] (the last three for the decoding cache)."""
         o = self.options
-        probs, chosen = self._route(x)
+        weights, chosen = self._route(x)
         if o.priority == "recency":
             member, selected = assign_recency(chosen, positions, self.k, self.frame)
         else:
@@ -177,7 +190,7 @@ class MosaicHeads(HeadGroup):
         visible = valid if o.padded == "include" else sel
         self_only = valid & ~sel if o.padded == "identity" else None  # a padded query sees only itself
         counted = sel if o.padded == "ignore" else valid
-        gate = probs.transpose(1, 2).gather(-1, idx) * counted  # p_{t,i}; 0 on slots without output
+        gate = weights.transpose(1, 2).gather(-1, idx) * counted  # p_{t,i}; 0 on slots without output
         y = gathered_heads_fast(x, positions, Selection(idx, valid), gate, self.qkv.weight, self.out.weight,
                                 self.rope, visible, self_only)
         return y, Selection(idx, valid), visible, member.sum(-1)
@@ -206,7 +219,7 @@ class MosaicHeads(HeadGroup):
             raise ValueError("mosaic: after the prefill, decode one token at a time")
         B = x.shape[0]
         N, o = self.count, self.options
-        probs, chosen = self._route(x)
+        weights, chosen = self._route(x)
         c = chosen[:, 0]  # [B, N]
         p = positions[:, :1]  # [B, 1]
         free = self.k - cache.members
@@ -224,5 +237,5 @@ class MosaicHeads(HeadGroup):
         if o.padded == "identity":  # a padded token sees only itself: softmax over one key = its value
             a = torch.where(pad[..., None, None], v, a)
         counted = sel if o.padded == "ignore" else member
-        a = a * (probs[:, 0] * counted)[..., None, None]  # diag(p) A; heads the token is not in give 0
+        a = a * (weights[:, 0] * counted)[..., None, None]  # diag(p) A; heads the token is not in give 0
         return self.out(a.reshape(B, 1, N * self.ctx.head_dim))  # sum_i A_i W^O_i

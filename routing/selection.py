@@ -22,14 +22,33 @@ def earliest_first(mask: torch.Tensor, capacity: int) -> Selection:
 
     Causal: whether token t is kept depends only on mask[..., :t+1] (a running count), so
     autoregressive decoding can make the same decision with one counter per row."""
-    T = mask.shape[-1]
-    c = max(min(capacity, T), 1)
-    rank = mask.long().cumsum(-1) - 1  # slot of each candidate, in token order
-    keep = mask & (rank < c)
-    slot = torch.where(keep, rank, torch.full_like(rank, c))  # dropped / non-candidates -> dummy slot c
-    pos = torch.arange(T, device=mask.device).expand_as(rank)
-    idx = torch.zeros(*mask.shape[:-1], c + 1, dtype=torch.long, device=mask.device)
+    c = max(min(capacity, mask.shape[-1]), 1)
+    return pack(mask & (mask.long().cumsum(-1) <= c), c)
+
+
+def prefix_quota(mask: torch.Tensor, quota: torch.Tensor) -> Selection:
+    """Keep candidate t of each row of mask[..., T] iff fewer than quota[t] earlier tokens were kept.
+
+    quota[T] is non-decreasing and >= 1 (capacity spread over positions), so the kept count obeys
+    c_t = min(c_{t-1} + m_t, q_t) (c_{t-1} <= q_{t-1} <= q_t), whose closed form
+    c_t = M_t + min(0, min_{s<=t} (q_s - M_s)) with M = cumsum(m) is one cumsum and one cummin.
+    Causal: c_t depends on mask[..., :t+1] only (decoding keeps one counter per row)."""
+    m = mask.long().cumsum(-1)
+    slack = (quota.to(m) - m).cummin(-1).values.clamp(max=0)
+    count = m + slack
+    kept = mask & (count > torch.nn.functional.pad(count, (1, 0))[..., :-1])
+    return pack(kept, int(quota[-1]) if quota.numel() else 1)
+
+
+def pack(keep: torch.Tensor, capacity: int) -> Selection:
+    """keep[..., T] (at most `capacity` True per row) -> Selection with `capacity` slots (at least 1):
+    the kept tokens ascending, then padding."""
+    T = keep.shape[-1]
+    c = max(capacity, 1)
+    rank = keep.long().cumsum(-1) - 1  # slot of each kept token, in token order
+    slot = torch.where(keep, rank, torch.full_like(rank, c))  # others -> dummy slot c
+    pos = torch.arange(T, device=keep.device).expand_as(rank)
+    idx = torch.zeros(*keep.shape[:-1], c + 1, dtype=torch.long, device=keep.device)
     idx = idx.scatter(-1, slot, pos)[..., :c]
-    count = keep.sum(-1, keepdim=True)
-    valid = torch.arange(c, device=mask.device) < count
+    valid = torch.arange(c, device=keep.device) < keep.sum(-1, keepdim=True)
     return Selection(torch.where(valid, idx, torch.zeros_like(idx)), valid)

@@ -29,6 +29,37 @@ def capacity(seq_len: int, sparsity: float, capacity_factor: float = 1.0) -> int
     return max(int(capacity_factor * seq_len // sparsity), 2)
 
 
+GATES = ("softmax", "renorm", "sigmoid")
+
+
+def resolve_top_s(count: int, top_s: int, sparsity: float) -> int:
+    """Heads per token: `top_s`, or for 0 max(1, round(N / rho)), so that the s*T choices fill the
+    N*k = N*T/rho slots (at capacity_factor 1); at most N."""
+    return min(count, top_s or max(1, round(count / sparsity)))
+
+
+def load_mismatch(count: int, top_s: int, sparsity: float, capacity_factor: float = 1.0) -> str | None:
+    """A one-line warning when a head's expected load s*T/N and its capacity capacity_factor*T/rho differ
+    by more than 2x (most routing choices dropped, or most slots tail padding), else None."""
+    s = resolve_top_s(count, top_s, sparsity)
+    ratio = s * sparsity / (count * capacity_factor)  # load / capacity
+    if 0.5 <= ratio <= 2.0:
+        return None
+    lost = f"~{(1 - 1 / ratio) * 100:.0f}% of routing choices dropped" if ratio > 1 else f"~{(1 - ratio) * 100:.0f}% of slots padding"
+    return (f"mosaic: {count} heads, top_s {s}, sparsity {sparsity:g}, capacity_factor {capacity_factor:g}: expected "
+            f"load / capacity = s*rho/(N*capacity_factor) = {ratio:.2f} ({lost}); set top_s ~ N/rho or capacity_factor ~ s*rho/N")
+
+
+def gate_weights(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, kind: str) -> torch.Tensor:
+    """Output weight of head i for token t [B, T, N]: "softmax" p_ti (App. E), "renorm" p_ti / sum of p
+    over the token's chosen heads, "sigmoid" σ(logit_ti) (MoSA's non-competitive score)."""
+    if kind == "renorm":
+        return probs / (probs * chosen).sum(-1, keepdim=True)
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return probs
+
+
 def choose(logits: torch.Tensor, top_s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits[B, T, N] -> probabilities p = softmax(logits) [B, T, N] and the boolean top-s
     choice of each token, chosen[B, T, N]."""

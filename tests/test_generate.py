@@ -22,9 +22,14 @@ CAUSAL_TYPES = {
     "mosa": [{"type": "dense", "count": 1}, {"type": "mosa", "count": 3, "options": {"sparsity": 4}}],
     "mosa_keep_first": [{"type": "dense", "count": 1},
                         {"type": "mosa", "count": 3, "options": {"sparsity": 4, "keep_first": True}}],
+    **{f"mosa_{s}": [{"type": "dense", "count": 1}, {"type": "mosa", "count": 3, "options": {"sparsity": 4, "selection": s}}]
+       for s in ("quota", "predictor")},
     **{f"mosaic_{p}_rho{r}": [{"type": "dense", "count": 1},
                               {"type": "mosaic", "count": 4, "options": {"sparsity": r, "padded": p}}]
        for p in ("include", "identity", "ignore") for r in (2, 8)},
+    **{f"mosaic_gate_{g}": [{"type": "dense", "count": 1},
+                            {"type": "mosaic", "count": 4, "options": {"sparsity": 2, "top_s": 2, "gate": g}}]
+       for g in ("renorm", "sigmoid")},
     # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
     "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3}}],
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
@@ -64,7 +69,7 @@ def _caches(cache):
             yield getattr(c, "kv", c)
 
 
-@pytest.mark.parametrize("name", ["dense", "local", "fixed", "mosa", "mosaic_include_rho8"])
+@pytest.mark.parametrize("name", ["dense", "local", "fixed", "mosa", "mosa_quota", "mosaic_include_rho8"])
 def test_cache_bytes_match_the_analytic_kv_count(name: str) -> None:
     """K and V slots allocated = kv_total(T) x 2 x head_dim x 4 bytes per sequence; on top, an int32
     position per slot and an int64 fill counter per head (and MoSAIC's slot counter)."""

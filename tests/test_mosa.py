@@ -27,12 +27,17 @@ def set_thresholds(group: MoSAHeads) -> None:
 @pytest.mark.parametrize("T", [100, 257])
 @pytest.mark.parametrize("sparsity", [2, 8, 32])
 @pytest.mark.parametrize("selection,keep_first", [("expert_choice", False), ("expert_choice", True),
-                                                  ("threshold", False), ("threshold", True)])
+                                                  ("threshold", False), ("threshold", True),
+                                                  ("quota", False), ("quota", True), ("predictor", False),
+                                                  ("predictor", True)])
 def test_fast_matches_reference(T: int, sparsity: int, selection: str, keep_first: bool) -> None:
     group = make_group("mosa", dict(sparsity=sparsity, selection=selection, keep_first=keep_first), T)
-    before = set_thresholds if selection == "threshold" else None
+    before = None if selection == "expert_choice" else set_thresholds
     errors = fast_vs_reference(group, T, before=before)
-    assert set(errors) == {"output", "grad_x", "grad_router.weight", "grad_qkv.weight", "grad_out.weight"}
+    names = {"output", "grad_x", "grad_router.weight", "grad_qkv.weight", "grad_out.weight"}
+    if selection == "predictor":
+        names |= {"grad_predictor.proj.weight", "grad_predictor.proj.bias"}
+    assert set(errors) == names
     assert_match(errors)
 
 
@@ -139,7 +144,7 @@ def test_running_threshold_selects_about_one_in_rho() -> None:
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 15])
-@pytest.mark.parametrize("selection", ["expert_choice", "threshold"])
+@pytest.mark.parametrize("selection", ["expert_choice", "threshold", "quota", "predictor"])
 def test_short_sequences(T: int, selection: str) -> None:
     """T < 2ρ: k = max(floor(T/ρ), 2) capped at T (App. F); both paths agree and stay finite."""
     group = make_group("mosa", dict(sparsity=8, selection=selection, keep_first=True), 64)
@@ -159,9 +164,10 @@ def _leak(selection: str, **opts) -> float:
     return future_leak(model, tokens, t=40, vocab_size=97)
 
 
+@pytest.mark.parametrize("selection", ["threshold", "quota", "predictor"])
 @pytest.mark.parametrize("keep_first", [False, True])
-def test_causal_variant_passes_causality_check(keep_first: bool) -> None:
-    assert _leak("threshold", keep_first=keep_first) <= 1e-5
+def test_causal_variant_passes_causality_check(selection: str, keep_first: bool) -> None:
+    assert _leak(selection, keep_first=keep_first) <= 1e-5
 
 
 def test_faithful_expert_choice_is_flagged() -> None:
@@ -181,6 +187,7 @@ def test_causal_property_and_default() -> None:
 @pytest.mark.parametrize("options,field", [({"sparsity": 0}, "sparsity"), ({"selection": "topk"}, "selection"),
                                            ({"capacity_factor": 0}, "capacity_factor"),
                                            ({"threshold_momentum": 2}, "threshold_momentum"),
+                                           ({"predictor_weight": 0}, "predictor_weight"),
                                            ({"rho": 4}, "rho")])
 def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -133,7 +133,8 @@ def test_causality(priority: str, padded: str, sparsity: float) -> None:
 @pytest.mark.parametrize(
     "options,field",
     [({"priority": "lifo"}, "priority"), ({"padded": "drop"}, "padded"), ({"sparsity": 0.5}, "sparsity"),
-     ({"top_s": 0}, "top_s"), ({"alpha": -1}, "alpha"), ({"capacity_factor": 0}, "capacity_factor")],
+     ({"top_s": -1}, "top_s"), ({"gate": "relu"}, "gate"), ({"alpha": -1}, "alpha"),
+     ({"capacity_factor": 0}, "capacity_factor")],
 )
 def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field) as err:
