@@ -116,7 +116,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     except ConfigError as err:
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except (RuntimeError, pickle.UnpicklingError, EOFError) as err:  # not a torch file, or weights that do not fit
-        raise ValueError(f"{path}: incompatible checkpoint: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
     tok_path = Path(tokenizer) if tokenizer else Path(cfg.data.path) / "tokenizer.model"
     if not tok_path.is_file():
         raise ValueError(f"tokenizer not found: {tok_path} (pass --tokenizer PATH)")
@@ -124,6 +124,16 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     if sp.get_piece_size() != cfg.model.vocab_size:
         raise ValueError(f"tokenizer {tok_path} has {sp.get_piece_size()} pieces, model.vocab_size is {cfg.model.vocab_size}")
     return model.eval(), sp
+
+
+def _load_problem(err: Exception) -> str:
+    """The first informative sentence of a torch.load / load_state_dict error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
+        return f"its weights do not fit its model config ({lines[1][:200]})"
+    if "central directory" in lines[0] or "zip archive" in lines[0]:
+        return "truncated or corrupt file (not a complete torch zip archive)"
+    return lines[0].split(". ")[0]
 
 
 def main(argv: list[str] | None = None) -> int:
