@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lm.leakfree import leak_free_logits
@@ -67,10 +66,13 @@ class Scores:
 
 @torch.no_grad()
 def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence[int], context: int,
-          stride: int, batch_size: int = 8, leak_free: bool = False, progress=None) -> list[Scores]:
-    """Scores of targets x[first:] of each sequence (module docstring); `progress(n)` is called after
-    each batch with the number of windows done (e.g. tqdm.update)."""
-    wins = [w for i, (x, f) in enumerate(zip(sequences, firsts)) for w in windows(len(x), f, context, stride, i)]
+          stride: int | Sequence[int], batch_size: int = 8, leak_free: bool = False,
+          progress: Callable[[int], Any] | None = None) -> list[Scores]:
+    """Scores of targets x[first:] of each sequence (module docstring); `stride` is one for all or one per
+    sequence; `progress(n)` is called after each batch with the number of windows done (e.g. tqdm.update)."""
+    strides = [stride] * len(sequences) if isinstance(stride, int) else list(stride)
+    wins = [w for i, (x, f, st) in enumerate(zip(sequences, firsts, strides))
+            for w in windows(len(x), f, context, st, i)]
     by_len: dict[int, list[Window]] = defaultdict(list)
     for w in wins:
         by_len[w.length].append(w)
