@@ -3,8 +3,7 @@
     python -m lm.lm_eval --ckpt runs/quickstart/checkpoints/last.ckpt --tasks lambada_openai,piqa \\
         [--include-path my_tasks/] [--limit 100] [--batch-size 8] [--output results.json]
 
-Registers model "sparse-heads" with lm-eval (`lm_eval --model sparse-heads --model_args ckpt=PATH` works
-too once this module is imported). Requests are scored by lm/scoring.py, the scorer of lm/evaluate.py:
+Registers model "sparse-heads" with lm-eval's model registry (args: ckpt=PATH). Requests are scored by lm/scoring.py, the scorer of lm/evaluate.py:
 - loglikelihood: context + continuation, the continuation scored from at most seq_len tokens of history:
   in one window when it fits (context truncated on the left), otherwise in chunks of seq_len/2 tokens,
   each seeing at least seq_len/2 tokens of history, so a continuation longer than the window is scored

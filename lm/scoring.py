@@ -6,7 +6,8 @@ before it. Targets are cut into chunks; chunk [s, e) is scored by one window of 
 lo = max(0, e-1-context), whose last e-s predictions are kept. The first chunk ends at
 max(context+1, first+stride) (clipped to n), every later one `stride` tokens further, so each target
 after the first window sees at least context-stride tokens of history (stride = context: disjoint
-windows; stride 1: every token sees a full window).
+windows; stride 1: every token sees a full window). The lm-eval adapter sets the stride per sequence
+(its continuation's length), so a continuation that fits is scored in one window with the longest history.
 
 Windows are never padded: a shorter window (a short document, the start of one) is run at its own
 length, so a head that selects k tokens uses MoSA App. F's k = max(floor(T/ρ), 2) for *that* T
