@@ -190,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--stride must be in 1..{context} (--context), got {stride}")
         if args.batch_size < 1 or (args.max_docs is not None and args.max_docs < 1):
             raise ValueError("--batch-size and --max-docs must be >= 1")
-        docs = read_documents(args.input, args.format, sp, args.split, args.max_docs)
+        fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
+        docs = read_documents(args.input, fmt, sp, args.split, args.max_docs)
     except ValueError as err:  # DataError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     leak_free = {"on": True, "off": False, "auto": not model.causal}[args.leak_free]
     result = evaluate_documents(model, docs, context, stride, leak_free, args.batch_size)
-    report = {"ckpt": str(args.ckpt), "input": str(args.input), "format": args.format, "context": context,
+    report = {"ckpt": str(args.ckpt), "input": str(args.input), "format": fmt, "context": context,
               "stride": stride, "leak_free": leak_free, "causal": model.causal, **result}
     text = json.dumps(report, indent=1)
     if args.out:

@@ -9,9 +9,12 @@ after the first window sees at least context-stride tokens of history (stride = 
 windows; stride 1: every token sees a full window). The lm-eval adapter sets the stride per sequence
 (its continuation's length), so a continuation that fits is scored in one window with the longest history.
 
-Windows are never padded: a shorter window (a short document, the start of one) is run at its own
-length, so a head that selects k tokens uses MoSA App. F's k = max(floor(T/ρ), 2) for *that* T
-(routing/expert_choice.py). Windows of equal length from any sequences run as one batch.
+Batching: for a causal model, or leak-free scoring, windows of similar length are right-padded into one
+batch (padding cannot move a causal prediction at a real position, and a leak-free prediction reads
+only its own prefix). A non-causal model scored teacher-forced never sees padding: windows of equal
+length form a batch, and a shorter window (a short document, the start of one) runs at its own length,
+so a head that selects k tokens over its input uses MoSA App. F's k = max(floor(T/ρ), 2) for *that* T
+(routing/expert_choice.py), as it does on every prefix under leak-free scoring.
 `leak_free=True` computes every kept prediction from its own prefix only (lm/leakfree.py), the honest
 number for heads that are not causal as published (MoSA expert choice, balanced Routing clusters).
 """
@@ -65,6 +68,17 @@ class Scores:
     window_pos: torch.Tensor  # int64 [n - first]
 
 
+def batches(wins: list[Window], batch_size: int, pad: bool) -> list[list[Window]]:
+    """Windows grouped for batching: by exact length, or (pad=True) neighbours in length order."""
+    if pad:
+        ordered = sorted(wins, key=lambda w: w.length)
+        return [ordered[b : b + batch_size] for b in range(0, len(ordered), batch_size)]
+    by_len: dict[int, list[Window]] = defaultdict(list)
+    for w in wins:
+        by_len[w.length].append(w)
+    return [g[b : b + batch_size] for _, g in sorted(by_len.items()) for b in range(0, len(g), batch_size)]
+
+
 @torch.no_grad()
 def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence[int], context: int,
           stride: int | Sequence[int], batch_size: int = 8, leak_free: bool = False,
@@ -74,9 +88,9 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence
     strides = [stride] * len(sequences) if isinstance(stride, int) else list(stride)
     wins = [w for i, (x, f, st) in enumerate(zip(sequences, firsts, strides))
             for w in windows(len(x), f, context, st, i)]
-    by_len: dict[int, list[Window]] = defaultdict(list)
-    for w in wins:
-        by_len[w.length].append(w)
+    # Right-padding a window cannot move a causal model's predictions at its real positions, nor leak-free
+    # ones (each from its own prefix); a non-causal model's teacher-forced windows run at their own length.
+    pad = leak_free or bool(getattr(model, "causal", False))
     device = next(model.parameters()).device
     nll = [torch.zeros(len(x) - f, dtype=torch.float64) for x, f in zip(sequences, firsts)]
     greedy = [torch.zeros(len(x) - f, dtype=torch.bool) for x, f in zip(sequences, firsts)]
@@ -84,28 +98,30 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence
     was_training = model.training
     model.eval()
     try:
-        for length, group in sorted(by_len.items()):
-            for b in range(0, len(group), batch_size):
-                batch = group[b : b + batch_size]
-                tokens = torch.tensor([list(sequences[w.seq][w.lo : w.e]) for w in batch], device=device)
-                inputs, targets = tokens[:, :-1], tokens[:, 1:]
-                keep = max(w.e - w.s for w in batch)  # positions length-keep .. length-1
-                if leak_free:
-                    logits = leak_free_logits(model, inputs, range(length - keep, length))
-                else:
-                    logits = model(inputs)[:, length - keep :]
-                logp = logits.float().log_softmax(-1)
-                tgt = targets[:, length - keep :]
-                tok_nll = -logp.gather(-1, tgt[..., None])[..., 0].double().cpu()
-                hit = (logp.argmax(-1) == tgt).cpu()
-                for j, w in enumerate(batch):
-                    m = w.e - w.s
-                    out = slice(w.s - firsts[w.seq], w.e - firsts[w.seq])
-                    nll[w.seq][out] = tok_nll[j, keep - m :]
-                    greedy[w.seq][out] = hit[j, keep - m :]
-                    pos[w.seq][out] = torch.arange(length - m, length)
-                if progress is not None:
-                    progress(len(batch))
+        for batch in batches(wins, batch_size, pad):
+            L = max(w.length for w in batch)
+            tokens = torch.zeros(len(batch), L + 1, dtype=torch.long)
+            for j, w in enumerate(batch):
+                tokens[j, : w.length + 1] = torch.tensor(list(sequences[w.seq][w.lo : w.e]))
+            tokens = tokens.to(device)
+            kept = sorted({p for w in batch for p in range(w.length - (w.e - w.s), w.length)})
+            at = {p: i for i, p in enumerate(kept)}
+            if leak_free:
+                logits = leak_free_logits(model, tokens[:, :-1], kept)
+            else:
+                logits = model(tokens[:, :-1])[:, kept]
+            logp = logits.float().log_softmax(-1)
+            tgt = tokens[:, 1:][:, kept]
+            tok_nll = -logp.gather(-1, tgt[..., None])[..., 0].double().cpu()
+            hit = (logp.argmax(-1) == tgt).cpu()
+            for j, w in enumerate(batch):
+                cols = [at[p] for p in range(w.length - (w.e - w.s), w.length)]
+                out = slice(w.s - firsts[w.seq], w.e - firsts[w.seq])
+                nll[w.seq][out] = tok_nll[j, cols]
+                greedy[w.seq][out] = hit[j, cols]
+                pos[w.seq][out] = torch.arange(w.length - (w.e - w.s), w.length)
+            if progress is not None:
+                progress(len(batch))
     finally:
         model.train(was_training)
     return [Scores(*t) for t in zip(nll, greedy, pos)]
