@@ -45,7 +45,6 @@ class SparseHeadsForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = SparseHeadsConfig
     base_model_prefix = "lm"
     main_input_name = "input_ids"
-    _supports_cache_class = False
 
     def __init__(self, config: SparseHeadsConfig) -> None:
         super().__init__(config)
