@@ -160,7 +160,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     except ConfigError as err:
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except (RuntimeError, pickle.UnpicklingError, EOFError) as err:  # not a torch file, or weights that do not fit
-        raise ValueError(f"{path}: incompatible checkpoint: {str(err).splitlines()[0]}") from None
+        raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
     carried = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("run", {}).get("tokenizer_model")
     if tokenizer is None and carried is not None:
         tok_path, sp = path, spm.SentencePieceProcessor(model_proto=carried)
@@ -189,6 +189,16 @@ def check_decodable(model: DecoderLM) -> None:
         new_cache(model, 1, 1)
     except NotImplementedError as err:
         raise ValueError(f"{err}; this checkpoint cannot be sampled with lm.generate") from None
+
+
+def _load_problem(err: Exception) -> str:
+    """The first informative sentence of a torch.load / load_state_dict error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
+        return f"its weights do not fit its model config ({lines[1][:200]})"
+    if "central directory" in lines[0] or "zip archive" in lines[0]:
+        return "truncated or corrupt file (not a complete torch zip archive)"
+    return lines[0].split(". ")[0]
 
 
 def main(argv: list[str] | None = None) -> int:

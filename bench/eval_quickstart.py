@@ -1,0 +1,211 @@
+"""Held-out evaluation of the quickstart model next to a unigram baseline, in one run.
+
+    python -m bench.eval_quickstart [--ckpt runs/quickstart/checkpoints/last.ckpt] [--shared ../shared/data] \\
+        [--items 300] [--out bench/results/eval_quickstart.md]
+
+1. Perplexity and bits per byte (lm/evaluate.py: context 256 = seq_len, stride 128) on (a) three Gutenberg
+   books the quickstart never saw, not even its tokenizer (it uses the first 14 books by file name), and
+   (b) the quickstart's own validation split (two books held out by document hash).
+2. Two local zero-shot tasks in lm-eval's YAML format, built from the three unseen books and run through
+   lm/lm_eval.py: a cloze task (LAMBADA-style: 60 words of running text, predict the next word, accuracy =
+   greedy match of all its tokens) and a 4-way multiple-choice task (HellaSwag-style: 40 words of text, pick
+   the true next 12 words among 3 spans from elsewhere in the same books; acc and length-normalised acc_norm).
+The baseline is a unigram model of the quickstart's training tokens (add-one smoothed), scored by the same
+code paths (lm-eval for the tasks; the same documents and token counts for perplexity).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lm_eval.api.model import TemplateLM
+
+from lm.data import TokenStream
+from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
+from lm.generate import load_for_generation
+from lm.lm_eval import SparseHeadsLM, evaluate_tasks, task_manager
+
+ROOT = Path(__file__).resolve().parents[1]
+UNSEEN = ("pg35_the_time_machine", "pg43_the_strange_case_of_dr_jekyll_and_mr_hyde", "pg46_a_christmas_carol")
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+doc_to_text: "{{{{context}}}}"
+{target}
+metric_list:
+{metrics}
+"""
+ACC = "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+
+
+class UnigramLM(TemplateLM):
+    """log p(token) from training-token counts, ignoring the context: the floor any LM must beat."""
+
+    def __init__(self, lm: SparseHeadsLM, counts: np.ndarray) -> None:
+        super().__init__()
+        self.lm = lm
+        self.logp = np.log((counts + 1) / (counts.sum() + len(counts)))
+        self.top = int(self.logp.argmax())
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.lm.eot_token_id
+
+    def tok_encode(self, string: str, **kwargs: Any) -> list[int]:
+        return self.lm.tok_encode(string)
+
+    def nll(self, tokens: list[int]) -> float:
+        return -float(self.logp[tokens].sum())
+
+    def _loglikelihood_tokens(self, requests, **kwargs: Any) -> list[tuple[float, bool]]:
+        return [(-self.nll(cont), all(t == self.top for t in cont)) for _, _, cont in requests]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return [-self.nll(self.tok_encode(r.args[0])) for r in requests]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        raise NotImplementedError("the unigram baseline does not generate")
+
+
+def build_tasks(texts: list[str], out: Path, items: int, seed: int = 0) -> list[str]:
+    """Cloze and multiple-choice JSONL + lm-eval YAML from running text; returns the task names."""
+    rng = random.Random(seed)
+    words = [w for t in texts for w in re.sub(r"\s+", " ", t).split(" ") if w]
+    cloze, mc = [], []
+    while len(cloze) < items:
+        i = rng.randrange(60, len(words) - 1)
+        if re.fullmatch(r"[A-Za-z]{3,}", words[i]):  # a plain word, not punctuation-attached
+            cloze.append({"context": " ".join(words[i - 60 : i]), "target": " " + words[i]})
+    while len(mc) < items:
+        i = rng.randrange(40, len(words) - 12)
+        spans = [" " + " ".join(words[i : i + 12])]
+        while len(spans) < 4:
+            j = rng.randrange(0, len(words) - 12)
+            if abs(j - i) > 100:
+                spans.append(" " + " ".join(words[j : j + 12]))
+        order = list(range(4))
+        rng.shuffle(order)
+        mc.append({"context": " ".join(words[i - 40 : i]), "choices": [spans[k] for k in order], "label": order.index(0)})
+    out.mkdir(parents=True, exist_ok=True)
+    specs = {
+        "quickstart_cloze": (cloze, "loglikelihood", 'doc_to_target: "{{target}}"',
+                             ACC + "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"),
+        "quickstart_mc": (mc, "multiple_choice", 'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"',
+                          ACC + "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"),
+    }
+    for name, (rows, output_type, target, metrics) in specs.items():
+        data = out / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data.resolve(), output_type=output_type,
+                                                           target=target, metrics=metrics.rstrip("\n")))
+    return list(specs)
+
+
+def unigram_summary(uni: UnigramLM, docs: list[TokenDoc]) -> dict[str, float]:
+    return summarize(sum(uni.nll(d.tokens[1:]) for d in docs), sum(len(d.tokens) - 1 for d in docs),
+                     sum(d.nbytes for d in docs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", default=str(ROOT / "runs/quickstart/checkpoints/last.ckpt"))
+    ap.add_argument("--shared", default=str(ROOT.parent / "shared/data"))
+    ap.add_argument("--items", type=int, default=300, help="documents per zero-shot task")
+    ap.add_argument("--work", default=str(ROOT / "runs/eval_quickstart"), help="task files and JSON go here")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/eval_quickstart.md"))
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model, sp = load_for_generation(args.ckpt)
+    cfg = model.cfg
+    T = cfg.seq_len
+    data_dir = Path(torch.load(args.ckpt, map_location="cpu", weights_only=False, mmap=True)["config"]["data"]["path"])
+    index = json.loads((data_dir / "index.json").read_text())
+    train = TokenStream(data_dir, "train", index["splits"]["train"]["shards"])
+    counts = np.bincount(train.read(0, len(train)), minlength=cfg.vocab_size).astype(np.float64)
+    ours = SparseHeadsLM(args.ckpt, batch_size=16)
+    uni = UnigramLM(ours, counts)
+
+    work = Path(args.work)
+    books = [Path(args.shared) / "gutenberg" / f"{name}.txt.gz" for name in UNSEEN]
+    unseen_dir = work / "unseen_books"
+    unseen_dir.mkdir(parents=True, exist_ok=True)
+    for b in books:
+        (unseen_dir / b.name).write_bytes(b.read_bytes())
+    rows = []
+    for label, src, fmt in [("3 unseen Gutenberg books", unseen_dir, "gutenberg"),
+                            ("quickstart validation split (2 books)", data_dir, "prepared")]:
+        docs = read_documents(src, fmt, sp)
+        res = evaluate_documents(model, docs, T, T // 2, leak_free=not model.causal, batch_size=16)
+        (work / f"perplexity_{fmt}.json").write_text(json.dumps(res, indent=1))
+        rows.append((label, res["total"], unigram_summary(uni, docs), [d["id"] for d in res["documents"]]))
+    from data_prep.documents import Skips
+    from data_prep.sources import open_source
+
+    texts = [d.text for d in open_source("gutenberg", str(unseen_dir)).read(Skips())]
+    tasks = build_tasks(texts, work / "tasks", args.items)
+    manager = task_manager(tasks, str(work / "tasks"))
+    scores = {name: evaluate_tasks(lm, tasks, manager)["results"] for name, lm in [("quickstart", ours), ("unigram", uni)]}
+    minutes = (time.perf_counter() - start) / 60
+
+    cmd = "python -m bench.eval_quickstart " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [
+        "# Held-out evaluation of the quickstart model (CPU)",
+        "",
+        f"Command: `{cmd.strip()}` ({minutes:.1f} min on a shared 2-core CPU machine; "
+        f"torch {torch.__version__}, lm-eval {_version('lm_eval')}, Python {platform.python_version()}, {platform.machine()}).",
+        f"Checkpoint: `{args.ckpt}` (configs/quickstart.yaml: dense, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"T = {T}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M parameters, "
+        f"step {torch.load(args.ckpt, map_location='cpu', weights_only=False, mmap=True).get('global_step', '?')}).",
+        "Baseline: unigram distribution of the quickstart's training tokens (add-one smoothed), same tokens and code paths.",
+        "",
+        f"## Perplexity and bits per byte (lm.evaluate, context {T}, stride {T // 2})",
+        "",
+        "| text | documents | tokens | bytes | quickstart ppl | quickstart bits/byte | unigram ppl | unigram bits/byte |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, t, u, ids in rows:
+        lines.append(f"| {label} | {len(ids)} | {t['tokens']:,} | {t['bytes']:,} | {t['ppl']:.2f} | {t['bpb']:.4f} | "
+                     f"{u['ppl']:.2f} | {u['bpb']:.4f} |")
+    lines += ["", f"Unseen books: {', '.join(UNSEEN)} (`--format gutenberg`, header and licence stripped). "
+              "Every token of each book is predicted, including its closing end-of-document token.", "",
+              f"## Zero-shot tasks (lm-eval {_version('lm_eval')}, local YAML tasks, {args.items} items each, 0-shot)", "",
+              "| task | metric | quickstart | unigram | chance |", "|---|---|---:|---:|---:|"]
+    chance = {"quickstart_cloze": 0.0, "quickstart_mc": 0.25}
+    for task in tasks:
+        for metric in ("acc,none", "acc_norm,none", "perplexity,none"):
+            if metric in scores["quickstart"][task]:
+                q, u = scores["quickstart"][task][metric], scores["unigram"][task][metric]
+                ch = f"{chance[task]:.2f}" if metric.startswith("acc") else ""
+                lines.append(f"| {task} | {metric.split(',')[0]} | {q:.4f} | {u:.4f} | {ch} |")
+    lines += ["", "quickstart_cloze: 60 words of running text from the unseen books, predict the next word (a plain "
+              "word of 3+ letters); acc = every token of ' word' is the greedy prediction (LAMBADA's metric); "
+              "perplexity over the target words. quickstart_mc: 40 words of text, choose the true next 12 words "
+              "among 4 (3 from elsewhere in the same books); acc by summed log-likelihood, acc_norm per byte.",
+              f"Task files (regenerated by the command): `{work / 'tasks'}`.", ""]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package.replace("_", "-"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""lm-evaluation-harness adapter: zero-shot tasks (MoSA App. F, Table 3) on train_lm.py checkpoints.
+
+    python -m lm.lm_eval --ckpt runs/quickstart/checkpoints/last.ckpt --tasks lambada_openai,piqa \\
+        [--include-path my_tasks/] [--limit 100] [--batch-size 8] [--output results.json]
+
+Registers model "sparse-heads" with lm-eval's model registry (args: ckpt=PATH). Requests are scored by lm/scoring.py, the scorer of lm/evaluate.py:
+- loglikelihood: context + continuation, the continuation scored from at most seq_len tokens of history:
+  in one window when it fits (context truncated on the left), otherwise in chunks of seq_len/2 tokens,
+  each seeing at least seq_len/2 tokens of history, so a continuation longer than the window is scored
+  completely. Inputs shorter than seq_len run at
+  their own length (App. F's k = max(floor(T/ρ), 2) for heads that select k tokens). Non-causal heads
+  are scored leak-free (every prediction from its own prefix).
+- loglikelihood_rolling: [EOS] + text in disjoint seq_len windows (lm-eval's rolling windows).
+- generate_until: greedy or sampled decoding with the KV cache (lm/generate.py) where every head supports
+  it, else recomputing the prefix; context truncated on the left to leave room for max_gen_toks within
+  seq_len; the text is cut at the first stop string. Requests with equal context length run as a batch.
+Windows of equal length are batched (--batch-size). Tokenisation is data_prep's (via lm/hf_tokenizer.py's
+rules): EOS is the end-of-document token and the prefix for an empty context.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from data_prep import tokenizer as sp_codec
+from lm.generate import generate, load_for_generation, sample
+from lm.scoring import score
+
+MODEL_NAME = "sparse-heads"
+
+
+@register_model(MODEL_NAME)
+class SparseHeadsLM(TemplateLM):
+    """lm-eval model over a train_lm.py checkpoint (module docstring)."""
+
+    def __init__(self, ckpt: str, tokenizer: str | None = None, batch_size: int | str = 8,
+                 leak_free: str = "auto", device: str = "cpu", **kwargs: Any) -> None:
+        super().__init__()
+        model, self.sp = load_for_generation(ckpt, tokenizer)
+        self.model = model.to(device)
+        self.seq_len = model.cfg.seq_len
+        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
+        self.leak_free = {"on": True, "off": False, "auto": not model.causal}[str(leak_free)]
+
+    @property
+    def eot_token_id(self) -> int:
+        return sp_codec.EOS_ID
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return sp_codec.encode_documents(self.sp, [string], threads=1)[0][:-1].tolist()
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.sp.decode(list(tokens))
+
+    def _score(self, sequences: list[list[int]], firsts: list[int], strides: list[int], disable_tqdm: bool):
+        bar = tqdm(desc="windows", disable=disable_tqdm)
+        try:
+            return score(self.model, sequences, firsts, self.seq_len, strides, self.batch_size, self.leak_free,
+                         progress=bar.update)
+        finally:
+            bar.close()
+
+    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
+                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether every continuation token is the argmax)."""
+        seqs = [list(ctx) + list(cont) for _, ctx, cont in requests]
+        firsts = [len(ctx) for _, ctx, _ in requests]
+        strides = [len(cont) if 0 < len(cont) <= self.seq_len else max(1, self.seq_len // 2) for _, _, cont in requests]
+        scores = self._score(seqs, firsts, strides, disable_tqdm)
+        return [(-float(s.nll.sum()), bool(s.greedy.all())) for s in scores]
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        seqs = [[self.eot_token_id, *self.tok_encode(req.args[0])] for req in requests]
+        scores = self._score(seqs, [1] * len(seqs), [self.seq_len] * len(seqs), disable_tqdm)
+        return [-float(s.nll.sum()) for s in scores]
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            context, kw = req.args
+            max_new = min(int(kw.get("max_gen_toks", 256)), self.seq_len - 1)
+            ctx = self.tok_encode(context)[-(self.seq_len - max_new):] or [self.eot_token_id]
+            settings = (max_new, bool(kw.get("do_sample", False)), float(kw.get("temperature", 0.0)))
+            groups[(len(ctx), settings)].append((i, ctx))
+        for (_, (max_new, do_sample, temperature)), members in tqdm(groups.items(), disable=disable_tqdm):
+            temp = temperature if do_sample else 0.0
+            for b in range(0, len(members), self.batch_size):
+                batch = members[b : b + self.batch_size]
+                prompt = torch.tensor([ctx for _, ctx in batch], device=next(self.model.parameters()).device)
+                out = self._generate(prompt, max_new, temp)
+                for (i, ctx), row in zip(batch, out.tolist()):
+                    results[i] = self._cut(row[len(ctx):], requests[i].args[1].get("until", []))
+        return results  # type: ignore[return-value]
+
+    def _generate(self, prompt: torch.Tensor, max_new: int, temperature: float) -> torch.Tensor:
+        if self.model.causal:
+            return generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id)
+        tokens = prompt  # heads that cannot decode incrementally: recompute the prefix at every step
+        with torch.no_grad():
+            for _ in range(max_new):
+                tokens = torch.cat([tokens, sample(self.model(tokens)[:, -1], temperature)[:, None]], dim=1)
+        return tokens
+
+    def _cut(self, generated: list[int], until: str | list[str]) -> str:
+        if self.eot_token_id in generated:
+            generated = generated[: generated.index(self.eot_token_id)]
+        text = self.tok_decode(generated)
+        for stop in [until] if isinstance(until, str) else until:
+            if stop and stop in text:
+                text = text[: text.index(stop)]
+        return text
+
+
+def _check_task_files(include_path: Path) -> None:
+    """Every task YAML under include_path must parse (lm-eval would skip a broken one with a log line)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # lm-eval's `!function module.name` tags
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    files = [include_path] if include_path.is_file() else sorted(include_path.rglob("*.yaml"))
+    for path in files:
+        try:
+            values = yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            where = getattr(err, "problem_mark", None)
+            raise ValueError(f"task file {path} does not parse{f' (line {where.line + 1})' if where else ''}: "
+                             f"{getattr(err, 'problem', None) or type(err).__name__}") from None
+        if not isinstance(values, dict) or not ("task" in values or "group" in values):
+            raise ValueError(f"task file {path} is not an lm-eval task config (no `task:` or `group:` key)")
+
+
+def run(ckpt: str, tasks: list[str], include_path: str | None = None, limit: float | None = None,
+        batch_size: int = 8, num_fewshot: int | None = None, leak_free: str = "auto",
+        tokenizer: str | None = None) -> dict[str, Any]:
+    """lm-eval's simple_evaluate on our checkpoint; ValueError (one line) for bad input."""
+    manager = task_manager(tasks, include_path)
+    model = SparseHeadsLM(ckpt, tokenizer=tokenizer, batch_size=batch_size, leak_free=leak_free)
+    return evaluate_tasks(model, tasks, manager, limit, num_fewshot)
+
+
+def evaluate_tasks(model: Any, tasks: list[str], manager: Any, limit: float | None = None,
+                   num_fewshot: int | None = None) -> dict[str, Any]:
+    """simple_evaluate of any lm-eval model object (ours, or a baseline) on `tasks`."""
+    from lm_eval import simple_evaluate
+
+    results = simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
+                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    if results is None:
+        raise ValueError("lm-eval returned no results")
+    return results
+
+
+def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
+    """lm-eval's TaskManager with the task YAMLs under include_path, after checking that each parses
+    and that every task name is known; ValueError (one line) otherwise. When include_path holds every
+    requested task, lm-eval's ~15k built-in task configs are not indexed (that takes ~15 s of CPU)."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        if not Path(include_path).exists():
+            raise ValueError(f"--include-path {include_path}: no such file or directory")
+        _check_task_files(Path(include_path))
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}: not in lm-eval's registry"
+                         f"{' or ' + include_path if include_path else ''} (a task file that failed to load?)")
+    return manager
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    ap.add_argument("--include-path", default=None, help="directory (or file) of extra task YAMLs")
+    ap.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--num-fewshot", type=int, default=None)
+    ap.add_argument("--leak-free", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--output", default=None, help="write the results JSON here")
+    args = ap.parse_args(argv)
+    try:
+        if args.batch_size < 1:
+            raise ValueError("--batch-size must be >= 1")
+        results = run(args.ckpt, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
+                      args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from lm_eval.utils import make_table
+
+    print(make_table(results))
+    if args.output:
+        Path(args.output).write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot", "config")
+                                                 if k in results}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Held-out evaluation (lm/scoring.py, lm/evaluate.py): sliding windows against plain forward passes,
+bits per byte, App. F's k for short inputs, leak-free scoring of non-causal heads, every input format
+and bad input. Tolerance for scores vs direct forward passes: max-abs 1e-5 nats (fp32; measured 0)."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval_setup import english, prepared_corpus, save_checkpoint
+from lm.evaluate import main
+from lm.leakfree import leak_free_logits
+from lm.scoring import score
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return prepared_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def nll_of(model, inputs: list[int], targets: list[int]) -> list[float]:
+    with torch.no_grad():
+        logp = model(torch.tensor([inputs])).log_softmax(-1)[0]
+    return [-logp[i, t].item() for i, t in enumerate(targets)]
+
+
+@pytest.mark.parametrize("n, first", [(60, 1), (53, 5), (20, 1)])
+def test_sliding_window_matches_direct_forward(corpus: Path, tmp_path: Path, n: int, first: int) -> None:
+    _, model = save_checkpoint(tmp_path, corpus, seq_len=24)
+    x = torch.randint(0, 400, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    # stride = context: disjoint windows; the last one ends at n and keeps only the new targets
+    disjoint = score(model, [x], [first], 24, 24)[0].nll.tolist()
+    ref, s = [], first
+    e = min(n, max(25, first + 24))
+    while s < n:
+        lo = max(0, e - 1 - 24)
+        ref += nll_of(model, x[lo : e - 1], x[lo + 1 : e])[s - lo - 1 :]
+        s, e = e, min(n, e + 24)
+    assert len(disjoint) == n - first and max(abs(a - b) for a, b in zip(disjoint, ref)) <= TOL
+    # stride 1: every target after the first window sees exactly `context` tokens of history
+    full = score(model, [x], [first], 24, 1, batch_size=5)[0]
+    head = nll_of(model, x[: min(n, 25) - 1], x[1 : min(n, 25)])  # the first window, from the start
+    ref1 = [nll_of(model, x[i - 24 : i], x[i - 23 : i + 1])[-1] if i > 24 else head[i - 1] for i in range(first, n)]
+    assert max(abs(a - b) for a, b in zip(full.nll.tolist(), ref1)) <= TOL
+    assert full.window_pos[-1].item() == min(n - 1, 24) - 1
+    # batching several sequences gives each the numbers it gets alone
+    both = score(model, [x[:13], x], [1, first], 24, 24, batch_size=4)
+    assert torch.allclose(both[1].nll, torch.tensor(disjoint, dtype=torch.float64), atol=TOL)
+    assert max(abs(a - b) for a, b in zip(both[0].nll.tolist(), nll_of(model, x[:12], x[1:13]))) <= TOL
+
+
+def test_short_inputs_use_app_f_k_and_are_never_padded(corpus: Path, tmp_path: Path) -> None:
+    """A 10-token input to expert-choice MoSA (ρ = 4) selects k = max(floor(9/4), 2) = 2 tokens of its 9
+    inputs (no padding to seq_len), in a batch with longer windows too."""
+    _, model = save_checkpoint(tmp_path, corpus, mix="mosa_expert_choice", seq_len=32)
+    x = torch.randint(0, 400, (10,), generator=torch.Generator().manual_seed(3)).tolist()
+    alone = score(model, [x], [1], 32, 32)[0].nll
+    mosa = [g for g in model.head_groups() if g.type_name == "mosa"]
+    assert all(abs(g.stats["selected_frac"] - 2 / 9) < 1e-6 for g in mosa)
+    long = torch.randint(0, 400, (80,), generator=torch.Generator().manual_seed(4)).tolist()
+    mixed = score(model, [long, x], [1, 1], 32, 16)[1].nll
+    direct = torch.tensor(nll_of(model, x[:-1], x[1:]), dtype=torch.float64)
+    assert torch.allclose(alone, direct, atol=TOL) and torch.allclose(mixed, direct, atol=TOL)
+
+
+def test_leak_free_scoring_recomputes_each_prefix(corpus: Path, tmp_path: Path) -> None:
+    _, model = save_checkpoint(tmp_path, corpus, mix="mosa_expert_choice", seq_len=24)
+    x = torch.randint(0, 400, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    lf = score(model, [x], [1], 24, 24, leak_free=True)[0].nll
+    tf = score(model, [x], [1], 24, 24)[0].nll
+    logits = leak_free_logits(model, torch.tensor([x[:24]]))
+    ref = -logits.log_softmax(-1)[0].gather(-1, torch.tensor(x[1:25])[:, None])[:, 0].double()
+    assert torch.allclose(lf[:24], ref, atol=TOL)
+    assert (lf - tf).abs().max() > 1e-3  # expert choice leaks: the teacher-forced numbers differ
+
+
+def run(capsys, *args: str) -> tuple[int, dict | None, str]:
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, json.loads(out.out) if rc == 0 and out.out.strip() else None, out.err
+
+
+def test_cli_formats_agree_and_bits_per_byte(corpus: Path, tmp_path: Path, capsys) -> None:
+    ckpt, model = save_checkpoint(tmp_path, corpus, seq_len=32)
+    text = english(99, 8)
+    (tmp_path / "one.txt").write_text(text, encoding="utf-8")
+    with gzip.open(tmp_path / "c4.json.gz", "wt") as f:
+        f.write(json.dumps({"text": text, "url": "u"}) + "\n" + "{broken\n")
+    pg = f"header\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n{text}\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n"
+    (tmp_path / "pg").mkdir()
+    (tmp_path / "pg" / "book.txt").write_text(pg, encoding="utf-8")
+    totals = []
+    for src, fmt in [(tmp_path / "one.txt", "auto"), (tmp_path / "c4.json.gz", "auto"), (tmp_path / "pg", "gutenberg")]:
+        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(src), "--format", fmt, "--stride", "8")
+        assert rc == 0, err
+        totals.append(res["total"])
+    assert all(t == totals[0] for t in totals)  # the same document whichever way it comes in
+    t = totals[0]
+    assert t["bytes"] == len(text.encode()) and math.isclose(t["bpb"], t["loss"] * t["tokens"] / (math.log(2) * t["bytes"]))
+    assert math.isclose(t["ppl"], math.exp(t["loss"]))
+    # the scored tokens are the document's tokenisation (as data_prep does it) plus its closing EOS
+    from data_prep.tokenizer import encode_documents
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
+    assert t["tokens"] == len(encode_documents(sp, [text], 1)[0])
+
+
+def test_cli_prepared_split_per_document_and_curve(corpus: Path, tmp_path: Path, capsys) -> None:
+    ckpt, model = save_checkpoint(tmp_path, corpus, seq_len=32)
+    curve, out = tmp_path / "curve.png", tmp_path / "r.json"
+    rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--stride", "16", "--curve", str(curve), "--out", str(out))
+    assert rc == 0, err
+    res = json.loads(out.read_text())
+    index = json.loads((corpus / "index.json").read_text())
+    assert len(res["documents"]) == index["splits"]["val"]["documents"]
+    assert sum(d["tokens"] for d in res["documents"]) == res["total"]["tokens"] == index["splits"]["val"]["tokens"]
+    nll = sum(d["loss"] * d["tokens"] for d in res["documents"])
+    assert math.isclose(nll / res["total"]["tokens"], res["total"]["loss"], rel_tol=1e-9)
+    assert len(res["loss_by_position"]) == 32 and curve.stat().st_size > 1000 and curve.read_bytes()[:4] == b"\x89PNG"
+    assert res["leak_free"] is False and res["causal"] is True
+
+
+def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None:
+    ckpt, _ = save_checkpoint(tmp_path, corpus)
+    state = torch.load(ckpt, weights_only=False)
+    state["config"]["model"]["d_model"] = 48
+    torch.save(state, tmp_path / "other.ckpt")
+    (tmp_path / "trunc.ckpt").write_bytes(ckpt.read_bytes()[:4000])
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "ok.txt").write_text("hello there\n")
+    other = prepared_corpus(tmp_path / "other_corpus_root")  # same text, but its own tokenizer training run
+    (other / "tokenizer.model").write_bytes((other / "tokenizer.model").read_bytes())
+    index = json.loads((other / "index.json").read_text())
+    index["tokenizer_sha256"] = "0" * 64
+    (other / "index.json").write_text(json.dumps(index))
+    ok = str(tmp_path / "ok.txt")
+    cases = [
+        (["--ckpt", str(tmp_path / "missing.ckpt"), "--input", ok], "checkpoint not found"),
+        (["--ckpt", str(tmp_path / "trunc.ckpt"), "--input", ok], "truncated or corrupt"),
+        (["--ckpt", str(tmp_path / "other.ckpt"), "--input", ok], "do not fit its model config"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "bad.txt")], "bad.txt: undecodable"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "empty.txt")], "empty.txt: empty"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
+        (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
+        (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),
+    ]
+    for args, message in cases:
+        rc, _, err = run(capsys, *args)
+        assert rc == 2 and message in err and err.count("\n") == 1, (args, err)

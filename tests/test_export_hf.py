@@ -1,0 +1,68 @@
+"""Hugging Face export (lm/export_hf.py): AutoModelForCausalLM / AutoTokenizer load the directory offline with
+trust_remote_code, the logits equal ours (max-abs <= 1e-5, fp32; measured 0), greedy `generate` equals
+lm/generate.py's greedy decoding, the tokenizer encodes as data_prep does, and bad input is one line."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the eval extra (pip install -e '.[eval]') is not installed")
+
+from eval_setup import english, prepared_corpus, save_checkpoint  # noqa: E402
+from lm.export_hf import main  # noqa: E402
+from lm.generate import generate  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return prepared_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.mark.parametrize("mix", ["dense", "mosa"])
+def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, capsys) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, ours = save_checkpoint(tmp_path, corpus, mix=mix, seq_len=40)
+    out = tmp_path / "hf"
+    assert main(["--ckpt", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.model",
+                                              "tokenizer_config.json", "modeling_sparse_heads.py"}
+    assert "class " not in (out / "modeling_sparse_heads.py").read_text()  # imports this package, copies nothing
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    x = torch.randint(0, ours.cfg.vocab_size, (3, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x)).abs().max().item() <= 1e-5
+        loss = hf(x, labels=x).loss
+        ref = torch.nn.functional.cross_entropy(ours(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        assert abs(loss.item() - ref.item()) <= 1e-5
+
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    import sentencepiece as spm
+    from data_prep.tokenizer import encode_documents
+
+    text = english(7, 3) + "\n  indented, and caf\u00e9"
+    sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
+    ids = tok(text).input_ids
+    assert ids == encode_documents(sp, [text], 1)[0][:-1].tolist() and tok.decode(ids) == text
+    assert tok.eos_token_id == 1
+
+    prompt = torch.tensor([ids[:12]])
+    new = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(new, generate(ours, prompt, 8, temperature=0))
+
+
+def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None:
+    ckpt, _ = save_checkpoint(tmp_path, corpus)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "trunc.ckpt").write_bytes(ckpt.read_bytes()[:2000])
+    cases = [(["--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "a")], "checkpoint not found"),
+             (["--ckpt", str(tmp_path / "trunc.ckpt"), "--out", str(tmp_path / "b")], "truncated or corrupt"),
+             (["--ckpt", str(ckpt), "--out", str(tmp_path / "full")], "not an empty directory")]
+    for args, message in cases:
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,0 +1,186 @@
+"""lm-evaluation-harness adapter (lm/lm_eval.py), offline: log-likelihoods against our own forward pass
+(max-abs 1e-4 nats on sums of fp32 log-probs; measured ~1e-6), continuations that cross the context
+window, greedy generation against lm/generate.py, two local tasks in lm-eval's YAML format (multiple
+choice, cloze) whose accuracies equal those computed from forward passes, and bad task files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="the eval extra (pip install -e '.[eval]') is not installed")
+
+from eval_setup import english, prepared_corpus, save_checkpoint  # noqa: E402
+from lm.generate import generate  # noqa: E402
+from lm.lm_eval import SparseHeadsLM, main, run  # noqa: E402
+
+TOL = 1e-4
+T = 32
+
+MC_YAML = """task: local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+CLOZE_YAML = """task: local_cloze
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{' ' + word}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    data = prepared_corpus(root)
+    ckpt, model = save_checkpoint(root, data, mix="mosa", seq_len=T)
+    return root, ckpt, model, SparseHeadsLM(str(ckpt), batch_size=3)
+
+
+def logprob(model, tokens: list[int], first: int) -> float:
+    """log p(tokens[first:] | tokens[:first]) from one forward pass (len(tokens) <= T + 1)."""
+    with torch.no_grad():
+        logp = model(torch.tensor([tokens[:-1]])).log_softmax(-1)[0]
+    return sum(logp[i - 1, tokens[i]].item() for i in range(first, len(tokens)))
+
+
+def test_loglikelihood_matches_forward_pass(setup) -> None:
+    from lm_eval.api.instance import Instance
+
+    _, _, model, lm = setup
+    words = english(1, 40).split()
+    cases = [(" ".join(words[:5]), " " + words[5]),  # short: runs at its own length
+             (" ".join(words[:60]), " " + " ".join(words[60:63])),  # crosses the window: context cut on the left
+             ("", " ".join(words[:4])),  # empty context: EOS is the prefix
+             (" ".join(words[:3]), " " + " ".join(words[3:80]))]  # continuation longer than the window
+    got = lm.loglikelihood([Instance("loglikelihood", {}, c, i) for i, c in enumerate(cases)], disable_tqdm=True)
+    for (ctx, cont), (ll, _) in zip(cases, got):
+        c = lm.tok_encode(ctx) if ctx else [1]
+        x = lm.tok_encode(ctx + cont)
+        x = c + x[len(c):] if ctx else [1] + lm.tok_encode(cont)
+        n, first = len(x), len(c)
+        if n - first <= T:  # one window ending at the last token
+            lo = max(0, n - 1 - T)
+            ref = logprob(model, x[lo:], first - lo)
+        else:  # the first window from the start, then chunks of T/2 targets, each window ending at its chunk's end
+            ref, s, e = 0.0, first, max(T + 1, first + T // 2)
+            while s < n:
+                lo = max(0, e - 1 - T)
+                ref += logprob(model, x[lo:e], s - lo)
+                s, e = e, min(n, e + T // 2)
+        assert abs(ll - ref) <= TOL, (ctx[:20], cont[:20], ll, ref)
+    # rolling: [EOS] + text in disjoint windows of T
+    text = english(2, 12)
+    x = [1] + lm.tok_encode(text)
+    ref = sum(logprob(model, x[max(0, e - 1 - T) : e], s - max(0, e - 1 - T))
+              for s, e in [(1, T + 1), *((a, min(len(x), a + T)) for a in range(T + 1, len(x), T))])
+    assert len(x) > 2 * T
+    (rolled,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert abs(rolled - ref) <= TOL
+
+
+def test_generate_until_matches_greedy_decoding(setup) -> None:
+    from lm_eval.api.instance import Instance
+
+    _, _, model, lm = setup
+    prompts = [english(3, 1), english(4, 1), english(5, 2)]
+    reqs = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)]
+    out = lm.generate_until(reqs, disable_tqdm=True)
+    for p, text in zip(prompts, out):
+        ids = lm.tok_encode(p)[-(T - 6):]
+        ref = generate(model, torch.tensor([ids]), 6, temperature=0, stop_id=1)[0, len(ids):].tolist()
+        ref = ref[: ref.index(1)] if 1 in ref else ref
+        assert text == lm.tok_decode(ref).split("\n\n")[0]
+
+
+def _write_tasks(root: Path) -> Path:
+    words = english(9, 60).split()
+    mc, cloze = [], []
+    for i in range(8):
+        ctx = " ".join(words[10 * i : 10 * i + 7])
+        choices = [" ".join(words[10 * i + 7 : 10 * i + 9]), " ".join(words[300 + i : 302 + i]), words[500 + i]]
+        mc.append({"context": ctx, "choices": [" " + c for c in choices], "label": 0})
+        cloze.append({"context": ctx, "word": words[10 * i + 7]})
+    tasks = root / "tasks"
+    tasks.mkdir(exist_ok=True)
+    for name, rows, yaml_text in [("mc", mc, MC_YAML), ("cloze", cloze, CLOZE_YAML)]:
+        (tasks / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tasks / f"{name}.yaml").write_text(yaml_text.format(data=tasks / f"{name}.jsonl"))
+    return tasks
+
+
+def test_local_tasks_accuracy_equals_forward_pass(setup) -> None:
+    root, ckpt, model, lm = setup
+    tasks = _write_tasks(root)
+    res = run(str(ckpt), ["local_mc", "local_cloze"], include_path=str(tasks), batch_size=4)["results"]
+    mc = [json.loads(line) for line in (tasks / "mc.jsonl").read_text().splitlines()]
+    right = 0
+    for doc in mc:
+        c = lm.tok_encode(doc["context"])
+        lls = [logprob(model, c + lm.tok_encode(doc["context"] + ch)[len(c):], len(c)) for ch in doc["choices"]]
+        right += max(range(len(lls)), key=lls.__getitem__) == doc["label"]
+    assert res["local_mc"]["acc,none"] == pytest.approx(right / len(mc))
+    cloze = [json.loads(line) for line in (tasks / "cloze.jsonl").read_text().splitlines()]
+    hits = 0
+    for doc in cloze:
+        c = lm.tok_encode(doc["context"])
+        x = c + lm.tok_encode(doc["context"] + " " + doc["word"])[len(c):]
+        with torch.no_grad():
+            pred = model(torch.tensor([x[:-1]]))[0].argmax(-1)
+        hits += all(pred[i - 1].item() == x[i] for i in range(len(c), len(x)))
+    assert res["local_cloze"]["acc,none"] == pytest.approx(hits / len(cloze))
+    assert res["local_cloze"]["perplexity,none"] > 1
+
+
+def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> None:
+    root, ckpt, _, _ = setup
+    tasks = _write_tasks(tmp_path)
+    out = tmp_path / "res.json"
+    assert main(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--limit", "3",
+                 "--output", str(out)]) == 0
+    assert "local_mc" in capsys.readouterr().out and "local_mc" in json.loads(out.read_text())["results"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "bad.yaml").write_text("task: x\ndoc_to_text: [unclosed\n")
+    cases = [(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(broken)], "does not parse"),
+             (["--ckpt", str(root / "missing.ckpt"), "--tasks", "local_mc", "--include-path", str(tasks)], "checkpoint not found")]
+    for args, message in cases:
+        assert_one_line_error(main(args), capsys, message)
+
+
+def assert_one_line_error(rc: int, capsys, message: str) -> None:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.slow
+def test_unknown_task_is_one_line(setup, tmp_path: Path, capsys) -> None:
+    """Indexes lm-eval's ~15k built-in task configs (~15 s of CPU) before saying the name is unknown."""
+    _, ckpt, _, _ = setup
+    tasks = _write_tasks(tmp_path)
+    assert_one_line_error(main(["--ckpt", str(ckpt), "--tasks", "local_mc,no_such_task", "--include-path", str(tasks)]),
+                          capsys, "unknown task(s) no_such_task")
