@@ -143,7 +143,9 @@ def validate(cfg: Config) -> Config:
         if not m.mix(layer):
             raise ConfigError(f"model.heads: layer {layer} has an empty head mix")
         for g in m.mix(layer):
-            make_options(g.type, dict(g.options), m.group_context(layer))
+            sparsity = getattr(make_options(g.type, dict(g.options), m.group_context(layer)), "sparsity", None)
+            if sparsity is not None and sparsity > m.seq_len:  # k = T / rho would be below one token per head
+                raise ConfigError(f"model.heads: {g.type} sparsity {sparsity} > model.seq_len {m.seq_len}")
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
     _positive(cfg.data, "batch_size", "val_batches")
