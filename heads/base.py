@@ -58,9 +58,6 @@ class HeadOptions:
         """Raise ConfigError (one line) for values that cannot work with this context."""
         if self.impl not in ("fast", "reference"):
             raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
-        sparsity = getattr(self, "sparsity", None)  # every sparse type: k = T / sparsity tokens per head
-        if sparsity is not None and sparsity > ctx.seq_len:
-            raise ConfigError(f"sparsity {sparsity} > seq_len {ctx.seq_len} leaves less than one token per head")
 
     def kv_per_head(self, seq_len: int) -> int:
         """KV-cache entries (tokens with a stored key and value) one head keeps for a length-T
