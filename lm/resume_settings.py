@@ -20,10 +20,20 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, (tuple, list)) else value
 
 
+OTHER_SETTINGS = (("trainer", "max_steps"), ("data", "batch_size"))  # besides every optim.* field
+
+
+def reported_here(key: str) -> bool:
+    """Whether a change of the dotted config `key` on resume is applied and reported by this module
+    (lm/run_dir.py reports the other resumable changes)."""
+    section, _, name = key.partition(".")
+    return section == "optim" or (section, name) in OTHER_SETTINGS
+
+
 def changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
     """{dotted key: (saved, current)} over optim.*, trainer.max_steps and data.batch_size."""
     current = OmegaConf.to_container(OmegaConf.structured(cfg))
-    keys = [("optim", k) for k in current["optim"]] + [("trainer", "max_steps"), ("data", "batch_size")]  # type: ignore[index]
+    keys = [("optim", k) for k in current["optim"]] + list(OTHER_SETTINGS)  # type: ignore[index]
     out = {}
     for section, key in keys:
         old, new = _plain(saved.get(section, {}).get(key)), _plain(current[section][key])  # type: ignore[index]

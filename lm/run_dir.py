@@ -26,19 +26,21 @@ from omegaconf import OmegaConf
 from heads import ConfigError
 from lm.checkpoint import atomic_write
 from lm.config import Config, from_dict, to_yaml
+from lm.resume_settings import reported_here
 
 CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
 CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
 # What a run writes into its directory (the only things --overwrite deletes; train.log is the sweep's).
 OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
-# Fields a resumed run may change (each change is printed): how long, how often, on what hardware, and
-# the optimiser's settings; not the model, the data order (data.batch_size, trainer.seed) or validation.
+# Fields a resumed run may change (each change is printed): how long, how often, on what hardware, the
+# optimiser's settings and the batch size (lm/resume_settings.py applies those); not the model, the seed
+# or validation.
 # data.path may move: the data's hash is checked instead. A section named None: any of its fields.
 RESUMABLE: dict[str, set[str] | None] = {
     "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",
-                "accelerator", "devices", "num_nodes", "strategy", "out_dir"},
+                "accelerator", "devices", "num_nodes", "strategy", "out_dir", "compile", "max_bad_steps"},
     "optim": None,
-    "data": {"path", "num_workers"},
+    "data": {"path", "num_workers", "batch_size"},
 }
 
 
@@ -133,7 +135,8 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     here = read_provenance(Path(cfg.data.path).resolve())
     if resume and (out / RECORD).is_file():
         for change in check_resume(cfg, out, here):
-            print(f"resume: {change}", file=sys.stderr)
+            if not reported_here(change.split(":")[0]):  # optimiser, length, batch: reported when applied
+                print(f"resume: {change}", file=sys.stderr)
     elif holds_run(out) and not resume:
         if not overwrite:
             raise ConfigError(f"trainer.out_dir {out} already holds a run; pass --resume to continue it "
