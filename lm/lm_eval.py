@@ -14,7 +14,7 @@ Registers model "sparse-heads" with lm-eval's model registry (args: ckpt=PATH). 
 - generate_until: greedy or sampled decoding with the KV cache (lm/generate.py) where every head supports
   it, else recomputing the prefix; context truncated on the left to leave room for max_gen_toks within
   seq_len; the text is cut at the first stop string. Requests with equal context length run as a batch.
-Windows of equal length are batched (--batch-size). Tokenisation is data_prep's (via lm/hf_tokenizer.py's
+Windows are batched (--batch-size) as lm/scoring.py allows (padded only where that is exact). Tokenisation is data_prep's (via lm/hf_tokenizer.py's
 rules): EOS is the end-of-document token and the prefix for an empty context.
 """
 from __future__ import annotations
