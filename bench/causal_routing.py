@@ -177,10 +177,9 @@ def resolution(by: dict[str, list[dict[str, Any]]]) -> str:
         return "Resolution: one seed per variant so far; no noise estimate."
     dof = sum(len(g) - 1 for g in groups)
     pooled = math.sqrt(sum(statistics.variance(g) * (len(g) - 1) for g in groups) / dof)
-    n = min(len(g) for g in groups)
-    return (f"Resolution: pooled seed std of the leak-free perplexity {pooled:.2f} ({dof} degrees of freedom); with "
-            f"{n} seeds per variant, differences of means below 2·sqrt(2/{n})·std = {2 * math.sqrt(2 / n) * pooled:.2f} "
-            "perplexity are within noise (2 standard errors).")
+    bounds = "; ".join(f"{n} seeds each: {2 * math.sqrt(2 / n) * pooled:.2f}" for n in sorted({len(g) for g in groups}, reverse=True))
+    return (f"Resolution: pooled seed std of the leak-free perplexity {pooled:.2f} ({dof} degrees of freedom); differences "
+            f"of two variants' means below 2·sqrt(2/n)·std are within noise (2 standard errors): {bounds} perplexity.")
 
 
 def notes(settings: Any) -> str:
