@@ -157,12 +157,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-def expand(argv: list[str], files: dict[str, str]) -> list[str]:
-    """Fill in the fixture's files; `{run}` becomes the tiny-run overrides (tests/synthetic.py)."""
+def expand(argv: list[str], files: dict[str, str], case: str) -> list[str]:
+    """Fill in the fixture's files; `{run}` becomes the tiny-run overrides (tests/synthetic.py), with a
+    run directory of the case's own (a run directory holds one run: lm/run_dir.py)."""
     out: list[str] = []
     for arg in argv:
         if arg == "{run}":
             out.extend(json.loads(files["run"]))
+            out.append(f"trainer.out_dir={Path(files['tmp']) / 'runs' / case}")
         else:
             out.append(arg.format(**files) if "{" in arg and not arg.startswith("model.") else arg)
     return out
@@ -174,7 +176,7 @@ def test_bad_input_gives_one_line(files: dict[str, str], case: str, argv: list[s
                                   message: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(expand(argv, files), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(expand(argv, files, case), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == status, f"{case}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
