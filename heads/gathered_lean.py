@@ -15,7 +15,7 @@ themselves); every slot always sees itself, so no softmax row is empty.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,41 +72,51 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
     return p, p @ v
 
 
-class LeanGatheredHeads(torch.autograd.Function):
-    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i); saves indices, gates and rotated Q, K, V only."""
+def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+                 idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
+                 self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The forward in chunks of heads: y (fp32 [B*T, h]) and the rotated Q, K and V [H, B, c, h'] for backward."""
+    B, T, h = x.shape
+    plan = _Plan(x, idx, positions)
+    H, c = plan.H, plan.c
+    d = qkv_weight.shape[0] // (3 * H)
+    w = qkv_weight.view(3, H, d, h)
+    wo = out_weight.view(h, H, d)
+    xf = x.reshape(B * T, h)
+    gate_h = gate.transpose(0, 1)  # [H, B, c]
+    mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
+    q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
+    y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
+    for h0 in plan.chunks():
+        s = slice(h0, h0 + plan.step)
+        xs = plan.gather(xf, s)  # X^s of this chunk of heads [n, B*c, h]
+        n = xs.shape[0]
+        q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
+        k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
+        v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
+        del xs
+        q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
+        _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
+        a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
+        x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0))  # [n, B*c, h]
+        y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
+    return y, q_all, k_all, v_all
+
+
+class GatheredHeads(torch.autograd.Function):
+    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i). `forward_impl` computes y and the rotated Q, K, V
+    (lean_forward here, the fused kernel in heads/gathered_triton.py); saved: indices, gates, Q, K, V."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
                 idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                visible: torch.Tensor | None, self_only: torch.Tensor | None) -> torch.Tensor:
-        B, T, h = x.shape
-        plan = _Plan(x, idx, positions)
-        H, c = plan.H, plan.c
-        d = qkv_weight.shape[0] // (3 * H)
-        w = qkv_weight.view(3, H, d, h)
-        wo = out_weight.view(h, H, d)
-        xf = x.reshape(B * T, h)
-        gate_h = gate.transpose(0, 1)  # [H, B, c]
-        mask = slot_mask(c, visible, self_only, x.device)
-        mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
-        q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
-        y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
-        for h0 in plan.chunks():
-            s = slice(h0, h0 + plan.step)
-            xs = plan.gather(xf, s)  # X^s of this chunk of heads [n, B*c, h]
-            n = xs.shape[0]
-            q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
-            k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
-            v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
-            del xs
-            q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
-            _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
-            a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
-            x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0))  # [n, B*c, h]
-            y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
+                visible: torch.Tensor | None, self_only: torch.Tensor | None, forward_impl: Callable) -> torch.Tensor:
+        mask = slot_mask(idx.shape[-1], visible, self_only, x.device)
+        y, q_all, k_all, v_all = forward_impl(x, gate, qkv_weight, out_weight, idx, positions, rope, visible,
+                                              self_only, mask)
         ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, q_all, k_all, v_all, mask)
         ctx.rope = rope
-        return y.view(B, T, h).to(x.dtype)
+        return y.view(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -162,17 +172,19 @@ class LeanGatheredHeads(torch.autograd.Function):
             dgate.transpose(0, 1) if need_gate else None,
             dw.view_as(qkv_weight) if need_w else None,
             dwo.view_as(out_weight) if need_wo else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
 def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
                         qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
-                        visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None) -> torch.Tensor:
+                        visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None,
+                        forward_impl: Callable = lean_forward) -> torch.Tensor:
     """x[B, T, h], idx/gate[B, H, c] -> y[B, T, h] (see the module docstring); under autocast the
     matmuls run in the autocast dtype, accumulation into Y stays fp32."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, gate, qkv_weight, out_weight = (t.to(dtype) for t in (x, gate, qkv_weight, out_weight))
     with torch.autocast(x.device.type, enabled=False):
-        return LeanGatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only)
+        return GatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only,
+                                   forward_impl)

@@ -6,19 +6,20 @@ project them with head i's W^Q, W^K, W^V (fp32 accumulation), rotate q and k at 
 shuffles are needed), masked causal softmax over the c <= 256 slots, diag(r) A, project with W^O_i and
 atomically add the rows into an fp32 Y[b, I]. Only the rotated Q, K, V [H, B, c, h'] are written for
 backward (h' << h); nothing of size [B, H, c, h] exists. The backward is the memory-lean PyTorch one
-(heads/gathered_lean.py), which recomputes the gathers chunk by chunk; a fused backward kernel is not written.
+(heads/gathered_lean.py, GatheredHeads.backward), which recomputes the gathers chunk by chunk; a fused
+backward kernel is not written.
 Y's fp32 atomic adds make the summation order, not the result up to rounding, vary from run to run.
 On CPU the kernel runs under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from heads.gathered_lean import LeanGatheredHeads, slot_mask
+from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 
 BLOCK_H = 32  # columns of X / W per projection step
@@ -97,42 +98,24 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16
 
 
-class TritonGatheredHeads(torch.autograd.Function):
-    """Forward: the fused kernel; backward: LeanGatheredHeads.backward on the same saved tensors."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
-                idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                visible: torch.Tensor | None, self_only: torch.Tensor | None) -> torch.Tensor:
-        B, T, h = x.shape
-        H, c = idx.shape[1:]
-        d = qkv_weight.shape[0] // (3 * H)
-        x, gate, idx, positions = x.contiguous(), gate.contiguous(), idx.contiguous(), positions.contiguous()
-        y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
-        q, k, v = (x.new_empty(H, B, c, d) for _ in range(3))
-        vis = visible.contiguous() if visible is not None else idx  # placeholder pointer when unused
-        so = self_only.contiguous() if self_only is not None else idx
-        _gathered_fwd[(B, H)](
-            x, idx, gate, positions, qkv_weight.contiguous(), out_weight.contiguous(), vis, so, rope.inv_freq, y,
-            q, k, v, T, H, B, c, d**-0.5, HD=h, D=d, HALF=rope.rot_dim // 2, ROT=rope.rot_dim,
-            HAS_VIS=visible is not None, HAS_SELF=self_only is not None,
-            BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H,
-        )
-        mask = slot_mask(c, visible, self_only, x.device)
-        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, q, k, v, mask)
-        ctx.rope = rope
-        return y.view(B, T, h).to(x.dtype)
-
-    backward = LeanGatheredHeads.backward
+def triton_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+                   idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
+                   self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """heads.gathered_lean.lean_forward's contract with the fused kernel (`mask` is rebuilt on chip)."""
+    B, T, h = x.shape
+    H, c = idx.shape[1:]
+    d = qkv_weight.shape[0] // (3 * H)
+    y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
+    q, k, v = (x.new_empty(H, B, c, d) for _ in range(3))
+    vis = visible.contiguous() if visible is not None else idx  # placeholder pointer when unused
+    so = self_only.contiguous() if self_only is not None else idx
+    _gathered_fwd[(B, H)](
+        x.contiguous(), idx.contiguous(), gate.contiguous(), positions.contiguous(), qkv_weight.contiguous(),
+        out_weight.contiguous(), vis, so, rope.inv_freq, y, q, k, v, T, H, B, c, d**-0.5,
+        HD=h, D=d, HALF=rope.rot_dim // 2, ROT=rope.rot_dim, HAS_VIS=visible is not None,
+        HAS_SELF=self_only is not None, BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H,
+    )
+    return y, q, k, v
 
 
-def gathered_heads_triton(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
-                          qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
-                          visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as heads.gathered_lean.gathered_heads_lean; under autocast the kernel reads the
-    autocast dtype and accumulates in fp32."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, gate, qkv_weight, out_weight = (t.to(dtype) for t in (x, gate, qkv_weight, out_weight))
-    with torch.autocast(x.device.type, enabled=False):
-        return TritonGatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only)
+gathered_heads_triton = functools.partial(gathered_heads_lean, forward_impl=triton_forward)
