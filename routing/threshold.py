@@ -41,6 +41,6 @@ class RunningQuantileThreshold(nn.Module):
         per_head = all_gather_cat(per_head, dim=1)  # [H, ranks*B*T]
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
-        q = per_head.kthvalue(rank, dim=1).values
+        q = per_head.kthvalue(rank, dim=1).values.to(self.tau.dtype)  # tau is bf16 under bf16-true
         self.tau.copy_(torch.where(self.initialized, self.tau.lerp(q, self.momentum), q))  # no host sync
         self.initialized.fill_(True)

@@ -144,7 +144,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     ok = str(tmp_path / "ok.txt")
     cases = [
         (["--ckpt", str(tmp_path / "missing.ckpt"), "--input", ok], "checkpoint not found"),
-        (["--ckpt", str(tmp_path / "trunc.ckpt"), "--input", ok], "truncated or corrupt"),
+        (["--ckpt", str(tmp_path / "trunc.ckpt"), "--input", ok], "truncated or not a torch file"),
         (["--ckpt", str(tmp_path / "other.ckpt"), "--input", ok], "do not fit its model config"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "bad.txt")], "bad.txt: undecodable"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "empty.txt")], "empty.txt: empty"),

@@ -59,7 +59,7 @@ def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> N
     (tmp_path / "full" / "x").write_text("x")
     (tmp_path / "trunc.ckpt").write_bytes(ckpt.read_bytes()[:2000])
     cases = [(["--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "a")], "checkpoint not found"),
-             (["--ckpt", str(tmp_path / "trunc.ckpt"), "--out", str(tmp_path / "b")], "truncated or corrupt"),
+             (["--ckpt", str(tmp_path / "trunc.ckpt"), "--out", str(tmp_path / "b")], "truncated or not a torch file"),
              (["--ckpt", str(ckpt), "--out", str(tmp_path / "full")], "not an empty directory")]
     for args, message in cases:
         assert main(args) == 2
