@@ -35,6 +35,7 @@ from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split
 from lm.module import LMModule
+from lm.run_dir import claim
 from lm.train import build_trainer, ckpt_dir, resume_path
 
 
@@ -185,13 +186,15 @@ class CompressedModule(LMModule):
         self._val_sums += torch.stack([ce.double(), count])
 
 
-def train_compressed(cfg: Config, resume: str | None = None) -> dict[str, Any]:
+def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """lm.train.train with CompressedModule / CompressedDataModule: train to trainer.max_steps,
-    validate and checkpoint the last step, return metrics.json's content."""
+    validate and checkpoint the last step, return metrics.json's content. The run directory rules
+    are lm.train.train's (lm/run_dir.py)."""
     if cfg.compression is None:
         raise ConfigError("compression: the config has no compression section")
     data = CompressedDataModule(cfg)
     data.check()
+    claim(cfg, resume is not None, overwrite)
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CompressedModule(cfg)
@@ -238,11 +241,14 @@ def evaluate(model: CompressedLM, windows: list[torch.Tensor], layout: Layout) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a CompressedLM: python -m lm.compressed_training --config X.yaml [overrides]")
     parser.add_argument("--config", required=True, help="YAML with a compression section (configs/experiments/compression*.yaml)")
-    parser.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH",
+                      help="continue the run in trainer.out_dir (newest checkpoint), or from PATH")
+    mode.add_argument("--overwrite", action="store_true", help="delete the run already in trainer.out_dir and start again")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compression.ratio=0.25")
     args = parser.parse_args(argv)
     try:
-        metrics = train_compressed(load_config(args.config, *args.overrides), resume=args.resume)
+        metrics = train_compressed(load_config(args.config, *args.overrides), resume=args.resume, overwrite=args.overwrite)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

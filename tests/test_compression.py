@@ -231,6 +231,9 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     after = evaluate(model, evalset, with_memory)
     assert after < evaluate(before, evalset, with_memory) - 0.8
     assert after < evaluate(model, evalset, without) - 0.04
+    assert (tmp_path / "run" / "config.yaml").is_file()  # the run directory is claimed (lm/run_dir.py)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train_compressed(full)
 
 
 def test_config_errors_name_the_field():
