@@ -190,7 +190,11 @@ def remove_temp_files(directory: Path) -> list[Path]:
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[DecoderLM, Config]:
     """Rebuild the model saved in a training checkpoint and load its weights (e.g. for lm/generate.py)."""
-    ckpt = read_checkpoint(path, map_location, mmap=False)
+    return model_from_checkpoint(read_checkpoint(path, map_location, mmap=False))
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> tuple[DecoderLM, Config]:
+    """The model and config of a checkpoint already read with `read_checkpoint`."""
     cfg = from_dict(ckpt["config"])
     model = build_model(cfg.model)
     prefix = "model."

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -146,22 +145,23 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     import sentencepiece as spm
 
     from heads import ConfigError
-    from lm.checkpoint import CheckpointError, load_model
+    from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
 
     path = Path(ckpt)
     if not path.is_file():
         raise ValueError(f"checkpoint not found: {path}")
     try:
-        model, cfg = load_model(path)
+        saved = read_checkpoint(path, mmap=False)  # read once: weights, config and the carried tokenizer
+        model, cfg = model_from_checkpoint(saved)
     except CheckpointError as err:  # empty, truncated, garbled or foreign file
         raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
     except ConfigError as err:
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as err:  # not a torch file, or weights that do not fit
+    except RuntimeError as err:  # weights that do not fit the config (read_checkpoint handled damaged files)
         raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
-    carried = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("run", {}).get("tokenizer_model")
+    carried = saved.get("run", {}).get("tokenizer_model")
     if tokenizer is None and carried is not None:
         tok_path, sp = path, spm.SentencePieceProcessor(model_proto=carried)
     else:
@@ -192,12 +192,10 @@ def check_decodable(model: DecoderLM) -> None:
 
 
 def _load_problem(err: Exception) -> str:
-    """The first informative sentence of a torch.load / load_state_dict error."""
+    """The first informative sentence of a load_state_dict error."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
         return f"its weights do not fit its model config ({lines[1][:200]})"
-    if "central directory" in lines[0] or "zip archive" in lines[0]:
-        return "truncated or corrupt file (not a complete torch zip archive)"
     return lines[0].split(". ")[0]
 
 
