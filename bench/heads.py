@@ -61,9 +61,10 @@ def worker(spec: dict) -> dict:
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(spec["batch"], T, h, device=device, requires_grad=True)
     pos = torch.arange(T, device=device).expand(spec["batch"], T)
+    cot = torch.randn_like(x)  # a dense upstream gradient, as in training (not sum()'s broadcast ones)
 
     def step() -> None:
-        group(x, pos).sum().backward()
+        group(x, pos).backward(cot)
         x.grad = None
         group.zero_grad(set_to_none=True)
 

@@ -103,83 +103,88 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
     return y, q_all, k_all, v_all
 
 
+def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor,
+                  out_weight: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                  visible: torch.Tensor | None, self_only: torch.Tensor | None, mask: torch.Tensor,
+                  q_all: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
+    """The backward in chunks of heads, recomputing the gathers and the c x c attention:
+    (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O), None where `needs` says no."""
+    B, T, h = x.shape
+    plan = _Plan(x, idx, positions)
+    H, c = plan.H, plan.c
+    d = q_all.shape[-1]
+    w = qkv_weight.view(3, H, d, h)
+    wo = out_weight.view(h, H, d)
+    xf, dyf = x.reshape(B * T, h), dy.reshape(B * T, h).to(x.dtype).contiguous()  # (a broadcast dy gathers slowly)
+    gate_h = gate.transpose(0, 1)
+    mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
+    need_x, need_gate, need_w, need_wo = needs
+    dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
+    dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
+    dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
+    dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
+    scale = d**-0.5
+    for h0 in plan.chunks():
+        s = slice(h0, h0 + plan.step)
+        q, k, v = q_all[s], k_all[s], v_all[s]
+        n = q.shape[0]
+        p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
+        dyg = plan.gather(dyf, s)  # dY at the slots [n, B*c, h]
+        g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
+        if need_gate:
+            dgate[s] = (a * g).sum(-1)
+        if need_wo:
+            ga = (a * gate_h[s, ..., None]).view(n, B * c, d)
+            dwo[:, s] = torch.bmm(dyg.transpose(1, 2), ga).transpose(0, 1)
+        del dyg
+        da = g * gate_h[s, ..., None]
+        dp = da @ v.transpose(-1, -2)
+        dv = p.transpose(-1, -2) @ da
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq = rope(ds @ k, -plan.pos[s])  # R(θ)^T = R(-θ): gradient before the rotation
+        dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
+        dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
+        if need_w:
+            xs = plan.gather(xf, s)
+            for j, dt in enumerate((dq, dk, dv)):
+                torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
+            del xs
+        if need_x:
+            dxs = torch.bmm(dq, w[0, s]).baddbmm_(dk, w[1, s]).baddbmm_(dv, w[2, s])
+            dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).float())
+    return (dx.view(B, T, h).to(x.dtype) if need_x else None, dgate.transpose(0, 1) if need_gate else None,
+            dw.view_as(qkv_weight) if need_w else None, dwo.view_as(out_weight) if need_wo else None)
+
+
 class GatheredHeads(torch.autograd.Function):
-    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i). `forward_impl` computes y and the rotated Q, K, V
-    (lean_forward here, the fused kernel in heads/gathered_triton.py); saved: indices, gates, Q, K, V."""
+    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i). `forward_impl` computes y and the rotated Q, K, V,
+    `backward_impl` the four gradients from them (lean_forward / lean_backward here, the fused kernels in
+    heads/gathered_triton.py); saved: x, weights, indices, gates, masks and Q, K, V [H, B, c, h']."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
-                idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                visible: torch.Tensor | None, self_only: torch.Tensor | None, forward_impl: Callable) -> torch.Tensor:
+                idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
+                self_only: torch.Tensor | None, forward_impl: Callable, backward_impl: Callable) -> torch.Tensor:
         mask = slot_mask(idx.shape[-1], visible, self_only, x.device)
         y, q_all, k_all, v_all = forward_impl(x, gate, qkv_weight, out_weight, idx, positions, rope, visible,
                                               self_only, mask)
-        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, q_all, k_all, v_all, mask)
-        ctx.rope = rope
+        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, visible, self_only, mask,
+                              q_all, k_all, v_all)
+        ctx.rope, ctx.backward_impl = rope, backward_impl
         return y.view(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, gate, qkv_weight, out_weight, idx, positions, q_all, k_all, v_all, mask = ctx.saved_tensors
-        rope = ctx.rope
-        B, T, h = x.shape
-        plan = _Plan(x, idx, positions)
-        H, c = plan.H, plan.c
-        d = q_all.shape[-1]
-        w = qkv_weight.view(3, H, d, h)
-        wo = out_weight.view(h, H, d)
-        xf, dyf = x.reshape(B * T, h), dy.reshape(B * T, h).to(x.dtype)
-        gate_h = gate.transpose(0, 1)
-        mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
-        need_x, need_gate, need_w, need_wo = ctx.needs_input_grad[:4]
-        dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
-        dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
-        dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
-        dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
-        scale = d**-0.5
-        for h0 in plan.chunks():
-            s = slice(h0, h0 + plan.step)
-            q, k, v = q_all[s], k_all[s], v_all[s]
-            n = q.shape[0]
-            p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
-            dyg = plan.gather(dyf, s)  # dY at the slots [n, B*c, h]
-            g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
-            if need_gate:
-                dgate[s] = (a * g).sum(-1)
-            if need_wo:
-                ga = (a * gate_h[s, ..., None]).view(n, B * c, d)
-                dwo[:, s] = torch.bmm(dyg.transpose(1, 2), ga).transpose(0, 1)
-            del dyg
-            da = g * gate_h[s, ..., None]
-            dp = da @ v.transpose(-1, -2)
-            dv = p.transpose(-1, -2) @ da
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-            dq = rope(ds @ k, -plan.pos[s])  # R(θ)^T = R(-θ): gradient before the rotation
-            dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
-            dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
-            if need_w:
-                xs = plan.gather(xf, s)
-                for j, dt in enumerate((dq, dk, dv)):
-                    torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
-                del xs
-            if need_x:
-                dxs = torch.bmm(dq, w[0, s])
-                dxs = torch.baddbmm(dxs, dk, w[1, s])
-                dxs = torch.baddbmm(dxs, dv, w[2, s])
-                dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).float())
-        return (
-            dx.view(B, T, h).to(x.dtype) if need_x else None,
-            dgate.transpose(0, 1) if need_gate else None,
-            dw.view_as(qkv_weight) if need_w else None,
-            dwo.view_as(out_weight) if need_wo else None,
-            None, None, None, None, None, None,
-        )
+        x, gate, qkv_weight, out_weight, idx, positions, visible, self_only, mask, q, k, v = ctx.saved_tensors
+        grads = ctx.backward_impl(dy, x, gate, qkv_weight, out_weight, idx, positions, ctx.rope, visible, self_only,
+                                  mask, q, k, v, tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
                         qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
                         visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None,
-                        forward_impl: Callable = lean_forward) -> torch.Tensor:
+                        forward_impl: Callable = lean_forward, backward_impl: Callable = lean_backward) -> torch.Tensor:
     """x[B, T, h], idx/gate[B, H, c] -> y[B, T, h] (see the module docstring); under autocast the
     matmuls run in the autocast dtype, accumulation into Y stays fp32."""
     if torch.is_autocast_enabled(x.device.type):
@@ -187,4 +192,4 @@ def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Ten
         x, gate, qkv_weight, out_weight = (t.to(dtype) for t in (x, gate, qkv_weight, out_weight))
     with torch.autocast(x.device.type, enabled=False):
         return GatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only,
-                                   forward_impl)
+                                   forward_impl, backward_impl)

@@ -1,15 +1,31 @@
-"""Fused forward of the gathered-head core (heads/gathered.py, MoSA §2.2) as one Triton kernel, for CUDA.
+"""Fused Triton kernels of the gathered-head core (heads/gathered.py, MoSA §2.2), forward and backward, for CUDA.
 
-One program per (sequence b, head i), all on chip: load the c selected rows X[b, I] by index in h-chunks,
-project them with head i's W^Q, W^K, W^V (fp32 accumulation), rotate q and k at the original positions
-(RoPE rotate-half: the partner half is a second projection with permuted weight rows, so no register
-shuffles are needed), masked causal softmax over the c <= 256 slots, diag(r) A, project with W^O_i and
-atomically add the rows into an fp32 Y[b, I]. Only the rotated Q, K, V [H, B, c, h'] are written for
-backward (h' << h); nothing of size [B, H, c, h] exists. The backward is the memory-lean PyTorch one
-(heads/gathered_lean.py, GatheredHeads.backward), which recomputes the gathers chunk by chunk; a fused
-backward kernel is not written.
-Y's fp32 atomic adds make the summation order, not the result up to rounding, vary from run to run.
-On CPU the kernel runs under TRITON_INTERPRET=1 (tests, fp32).
+Same maths as `gathered_heads_reference`; four kernels, and none writes anything of size [B, H, c, h]: the
+only per-head tensors in memory are [H, B, c, h'] (h' << h), like the rotated Q, K, V the backward needs.
+
+  _attn_fwd     one program per (sequence b, head i): gather the c selected rows X[b, I] by index (h in
+                chunks), project with head i's W^Q, W^K, W^V (fp32 accumulation), RoPE at the original
+                positions, masked causal softmax over the c slots, G = diag(r) A. Writes Q, K, V (rotated)
+                and G.
+  _scatter      OUT[b, I_i] += sum_t U_{t,i} W_{t,i} for every head i, one column block of h at a time:
+                Y = sum_i scatter(G_i W^O_i^T) in the forward, dX = sum_i scatter(dQ_i W^Q_i + dK_i W^K_i +
+                dV_i W^V_i) in the backward (fp32 atomic adds).
+  _attn_bwd     one program per (b, i): recompute P from the saved Q, K; dG = dY[b, I] W^O_i (gathered by
+                index); dr = rowsum(A * dG); dA = diag(r) dG; dV = P^T dA; dS = P * (dA V^T - rowsum(...));
+                dQ = dS K, dK = dS^T Q, rotated back by R(θ)^T = R(-θ). Writes dQ, dK, dV, dr and G.
+  _weight_grad  one program per (head i, column block, term t): dW_{t,i} = sum_b U_{t,i,b}^T SRC[b, I_{i,b}]:
+                dW^{Q,K,V} from (dQ, dK, dV) and X, dW^O from (G, dY). Each program owns its output block.
+
+RoPE's rotate-half pairs column j with j ± r/2; the kernels get the partner column by projecting (or
+loading) a second time with permuted columns, not by shuffling registers.
+
+Determinism: the only atomics are _scatter's. By default it runs one program per (b, column block, head), so
+the order in which heads add into a row of Y or dX varies between runs (results agree up to fp32 rounding).
+Under torch.use_deterministic_algorithms(True) (trainer.deterministic) it runs one program per (b, column
+block) that walks the heads in order, with a barrier between heads, so every row receives its terms in the
+same order: bitwise reproducible. (Within one head a token holds at most one slot with a non-zero term;
+padding slots add exact zeros.) Everything else is deterministic in both modes.
+On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations
 
@@ -22,59 +38,43 @@ import triton.language as tl
 from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 
-BLOCK_H = 32  # columns of X / W per projection step
+BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 
 
 @triton.jit
-def _project(X, W, rows, smask, wrow, HD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_H: tl.constexpr):
-    """X[rows] @ W[wrow]^T: [BLOCK_C, BLOCK_D] (fp32), W rows given per output column (wrow < 0: zero)."""
+def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, HD: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """SRC[rows] @ W_sel: [BLOCK_C, BLOCK_D] fp32, where output column n reads W[wcol[n] * w_col_stride +
+    h * w_h_stride] (wcol < 0: a zero column)."""
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     for h0 in range(0, HD, BLOCK_H):
         hh = h0 + tl.arange(0, BLOCK_H)
         hmask = hh < HD
-        xs = tl.load(X + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
-        w = tl.load(W + wrow[None, :] * HD + hh[:, None], mask=(wrow >= 0)[None, :] & hmask[:, None], other=0.0)
+        xs = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
+        w = tl.load(W + wcol[None, :] * w_col_stride + hh[:, None] * w_h_stride,
+                    mask=(wcol >= 0)[None, :] & hmask[:, None], other=0.0)
         acc += tl.dot(xs.to(tl.float32), w.to(tl.float32))
     return acc
 
 
 @triton.jit
-def _gathered_fwd(X, IDX, GATE, POS, W, WO, VIS, SELF, INV_FREQ, Y, QO, KO, VO,
-                  T, H, B, C, scale,
-                  HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-                  HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    slots = tl.arange(0, BLOCK_C)
-    smask = slots < C
-    base = (b * H + i) * C  # row of this (sequence, head) in [B, H, C] tensors
-    idx = tl.load(IDX + base + slots, mask=smask, other=0)
-    rows = b * T + idx  # rows of X viewed as [B*T, h]
-    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
+def _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF: tl.constexpr, ROT: tl.constexpr):
+    """(cos, sin, partner) with rope(x)_j = x_j cos_j + x_partner(j) sin_j (rotate-half, heads/rope.py):
+    partner(j) = j + r/2 and sin_j = -sin(θ_j) for j < r/2; j - r/2 and +sin for r/2 <= j < r; j, cos 1, sin 0
+    beyond. Its transpose R(θ)^T: x_j cos_j - x_partner(j) sin_j."""
     pos = tl.load(POS + rows, mask=smask, other=0).to(tl.float32)
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    # RoPE rotate-half: out_j = q_j cos - q_{j+half} sin (j < half), q_j cos + q_{j-half} sin (half <= j < rot)
     partner = tl.where(dd < HALF, dd + HALF, tl.where(dd < ROT, dd - HALF, dd))
     inv = tl.load(INV_FREQ + tl.where(dd < HALF, dd, dd - HALF), mask=dd < ROT, other=0.0)
     ang = pos[:, None] * inv[None, :]
     cos = tl.where((dd < ROT)[None, :], tl.cos(ang), 1.0)
     sin = tl.where((dd < HALF)[None, :], -tl.sin(ang), tl.where((dd < ROT)[None, :], tl.sin(ang), 0.0))
-    own = tl.where(dmask, dd, -1)
-    other = tl.where(dmask & (dd < ROT), partner, -1)
-    q = _project(X, W, rows, smask, i * D + own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    q += _project(X, W, rows, smask, tl.where(other >= 0, i * D + other, -1), HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    k = _project(X, W, rows, smask, tl.where(own >= 0, (H + i) * D + own, -1), HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    k += _project(X, W, rows, smask, tl.where(other >= 0, (H + i) * D + other, -1), HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    v = _project(X, W, rows, smask, tl.where(own >= 0, (2 * H + i) * D + own, -1), HD, BLOCK_C, BLOCK_D, BLOCK_H)
-    out = ((i * B + b) * C + slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
-    omask = smask[:, None] & dmask[None, :]
-    tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
-    tl.store(KO + out, k.to(KO.dtype.element_ty), mask=omask)
-    tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
-    # masked softmax over slots: key l <= query j, key visible, always the diagonal; self_only: diagonal only
+    return cos, sin, partner
+
+
+@triton.jit
+def _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr):
+    """P = masked softmax(q k^T * scale) over slots: key l <= query j and visible, always the diagonal;
+    a self_only query sees only itself (heads/gathered_lean.slot_mask)."""
     diag = slots[:, None] == slots[None, :]
     allowed = (slots[None, :] <= slots[:, None]) & smask[None, :]
     if HAS_VIS:
@@ -84,38 +84,230 @@ def _gathered_fwd(X, IDX, GATE, POS, W, WO, VIS, SELF, INV_FREQ, Y, QO, KO, VO,
         allowed = tl.where((tl.load(SELF + base + slots, mask=smask, other=0) != 0)[:, None], diag, allowed)
     s = tl.where(allowed, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
     p = tl.exp(s - tl.max(s, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    a = tl.dot(p, v) * gate[:, None]  # diag(r) A  [C, D]
-    for h0 in range(0, HD, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        hmask = hh < HD
-        wo = tl.load(WO + hh[None, :] * (H * D) + i * D + dd[:, None], mask=dmask[:, None] & hmask[None, :], other=0.0)
-        tl.atomic_add(Y + rows[:, None] * HD + hh[None, :], tl.dot(a, wo.to(tl.float32)),
-                      mask=smask[:, None] & hmask[None, :])
+    return p / tl.sum(p, 1)[:, None]
+
+
+@triton.jit
+def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_C)
+    smask = slots < C
+    base = (b * H + i) * C  # row of this (sequence, head) in [B, H, C] tensors
+    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)  # rows of X viewed as [B*T, h]
+    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    cos, sin, partner = _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF, ROT)
+    own = tl.where(dmask, dd, -1)
+    other = tl.where(dmask & (dd < ROT), partner, -1)  # W^QKV rows (q|k|v, head, h'): q of head i at i*D
+    q = _project_rows(X, W, rows, smask, i * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
+    q += _project_rows(X, W, rows, smask, i * D, other, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
+    k = _project_rows(X, W, rows, smask, (H + i) * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
+    k += _project_rows(X, W, rows, smask, (H + i) * D, other, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
+    v = _project_rows(X, W, rows, smask, (2 * H + i) * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H)
+    out = ((i * B + b) * C + slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
+    omask = smask[:, None] & dmask[None, :]
+    tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
+    tl.store(KO + out, k.to(KO.dtype.element_ty), mask=omask)
+    tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
+    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS, HAS_SELF)
+    tl.store(GO + out, tl.dot(p, v) * gate[:, None], mask=omask)  # G = diag(r) A
+
+
+@triton.jit
+def _project_rows(X, W, rows, smask, row0, col, HD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """X[rows] @ W[row0 + col]^T for the row-major W^QKV [3*H*h', h] (col < 0: a zero column)."""
+    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, HD, BLOCK_C, BLOCK_D,
+                           BLOCK_H)
+
+
+@triton.jit
+def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_term_stride, w_head_stride,
+             w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr,
+             BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order.
+    U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at W + t*w_term_stride + i*w_head_stride + d*w_d_stride +
+    col*w_h_stride."""
+    b = tl.program_id(0)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = hh < HD
+    first = tl.program_id(2) * heads_per_program
+    slots = tl.arange(0, BLOCK_C)
+    smask = slots < C
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    for i in range(first, tl.minimum(first + heads_per_program, H)):
+        rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+        acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+        for t in tl.static_range(TERMS):
+            u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+                        mask=smask[:, None] & dmask[None, :], other=0.0)
+            w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
+                        mask=dmask[:, None] & hmask[None, :], other=0.0)
+            acc += tl.dot(u, w.to(tl.float32))
+        tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :])
+        tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
+
+
+@triton.jit
+def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DGATE, T, H, B, C, scale,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    slots = tl.arange(0, BLOCK_C)
+    smask = slots < C
+    base = (b * H + i) * C
+    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)
+    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    cos, sin, partner = _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF, ROT)
+    rowoff = ((i * B + b) * C + slots)[:, None] * D
+    omask = smask[:, None] & dmask[None, :]
+    q = tl.load(Q + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)  # rotated, as saved
+    k = tl.load(K + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
+    v = tl.load(V + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
+    q_partner = tl.load(Q + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
+    k_partner = tl.load(K + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
+    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS, HAS_SELF)
+    a = tl.dot(p, v)
+    # dG = dY[b, I] W^O_i: W^O [h, H*h'], column i*h' + d of row c at c*H*h' + i*h' + d
+    dg = _gather_project(DY, WO, rows, smask, tl.where(dmask, i * D + dd, -1), 1, H * D, HD, BLOCK_C, BLOCK_D,
+                         BLOCK_H)
+    tl.store(DGATE + base + slots, tl.sum(a * dg, 1), mask=smask)  # dL/dr_j = <A_j, dG_j>
+    tl.store(GO + rowoff + dd[None, :], a * gate[:, None], mask=omask)  # G for dW^O
+    da = dg * gate[:, None]
+    dv = tl.dot(tl.trans(p), da)
+    dp = tl.dot(da, tl.trans(v))
+    ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * scale
+    dq = tl.dot(ds, k) * cos - tl.dot(ds, k_partner) * sin  # R(θ)^T of the gradient w.r.t. the rotated q
+    dk = tl.dot(tl.trans(ds), q) * cos - tl.dot(tl.trans(ds), q_partner) * sin
+    part = H * B * C * D  # DQKV [3, H, B, C, D]
+    tl.store(DQKV + rowoff + dd[None, :], dq, mask=omask)
+    tl.store(DQKV + part + rowoff + dd[None, :], dk, mask=omask)
+    tl.store(DQKV + 2 * part + rowoff + dd[None, :], dv, mask=omask)
+
+
+@triton.jit
+def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_head_stride, o_d_stride, o_h_stride,
+                 HD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """OUT_{t,i}[d, cols] = sum_b U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] (sequences in order; no atomics)."""
+    i = tl.program_id(0)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = hh < HD
+    t = tl.program_id(2)
+    slots = tl.arange(0, BLOCK_C)
+    smask = slots < C
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+    for b in range(0, B):
+        rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+        src = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
+        u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+        acc += tl.dot(tl.trans(u), src.to(tl.float32))
+    tl.store(OUT + t * o_term_stride + i * o_head_stride + dd[:, None] * o_d_stride + hh[None, :] * o_h_stride,
+             acc.to(OUT.dtype.element_ty), mask=dmask[:, None] & hmask[None, :])
 
 
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16
 
 
-def triton_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
-                   idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
-                   self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """heads.gathered_lean.lean_forward's contract with the fused kernel (`mask` is rebuilt on chip)."""
+def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:
     B, T, h = x.shape
     H, c = idx.shape[1:]
     d = qkv_weight.shape[0] // (3 * H)
-    y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
-    q, k, v = (x.new_empty(H, B, c, d) for _ in range(3))
-    vis = visible.contiguous() if visible is not None else idx  # placeholder pointer when unused
-    so = self_only.contiguous() if self_only is not None else idx
-    _gathered_fwd[(B, H)](
-        x.contiguous(), idx.contiguous(), gate.contiguous(), positions.contiguous(), qkv_weight.contiguous(),
-        out_weight.contiguous(), vis, so, rope.inv_freq, y, q, k, v, T, H, B, c, d**-0.5,
-        HD=h, D=d, HALF=rope.rot_dim // 2, ROT=rope.rot_dim, HAS_VIS=visible is not None,
-        HAS_SELF=self_only is not None, BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H,
-    )
+    return dict(B=B, T=T, h=h, H=H, c=c, d=d, blocks=dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H),
+                warps=8 if c > 64 else 4)
+
+
+def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch.Tensor, strides: tuple[int, ...],
+                 n: dict) -> None:
+    """out[B*T, h] += scatter over heads of u[t, i] @ W_{t,i} (see _scatter); one program per head, or one per
+    sequence walking all heads in order when torch's deterministic mode is on."""
+    per_program = n["H"] if torch.are_deterministic_algorithms_enabled() else 1
+    grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
+    _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
+                   HD=n["h"], D=n["d"], TERMS=u.shape[0], **n["blocks"])
+
+
+def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
+                      strides: tuple[int, ...], n: dict) -> torch.Tensor:
+    grid = (n["H"], triton.cdiv(n["h"], BLOCK_H), u.shape[0])
+    _weight_grad[grid](src, idx, u, out, n["T"], n["H"], n["B"], n["c"], u[0].numel(), *strides,
+                       HD=n["h"], D=n["d"], **n["blocks"])
+    return out
+
+
+def _qkv_strides(n: dict) -> tuple[int, ...]:
+    """(term, head, h', column) strides of W^QKV [3*H*h', h] (row (t*H + i)*h' + d)."""
+    return n["H"] * n["d"] * n["h"], n["d"] * n["h"], n["h"], 1
+
+
+def _out_strides(n: dict) -> tuple[int, ...]:
+    """(term, head, h', column) strides of W^O [h, H*h'] read as W^O_i^T [h', h]."""
+    return 0, n["d"], 1, n["H"] * n["d"]
+
+
+def _masks(visible: torch.Tensor | None, self_only: torch.Tensor | None, idx: torch.Tensor) -> dict:
+    return dict(VIS=visible.contiguous() if visible is not None else idx,  # placeholder pointer when unused
+                SELF=self_only.contiguous() if self_only is not None else idx,
+                HAS_VIS=visible is not None, HAS_SELF=self_only is not None)
+
+
+def triton_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+                   idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
+                   self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """heads.gathered_lean.lean_forward's contract (`mask` is rebuilt on chip): y fp32 [B*T, h], Q, K, V."""
+    n = _sizes(x, idx, qkv_weight)
+    x, idx, qkv_weight, out_weight = (t.contiguous() for t in (x, idx, qkv_weight, out_weight))
+    q, k, v = (x.new_empty(n["H"], n["B"], n["c"], n["d"]) for _ in range(3))
+    g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], device=x.device, dtype=torch.float32)
+    _attn_fwd[(n["B"], n["H"])](
+        x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, **_masks(visible, self_only, idx),
+        INV_FREQ=rope.inv_freq, QO=q, KO=k, VO=v, GO=g, T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5,
+        HD=n["h"], D=n["d"], HALF=rope.rot_dim // 2, ROT=rope.rot_dim, num_warps=n["warps"], **n["blocks"])
+    y = torch.zeros(n["B"] * n["T"], n["h"], device=x.device, dtype=torch.float32)
+    _scatter_add(y, idx, g, out_weight, _out_strides(n), n)
     return y, q, k, v
 
 
-gathered_heads_triton = functools.partial(gathered_heads_lean, forward_impl=triton_forward)
+def triton_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor,
+                    out_weight: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                    visible: torch.Tensor | None, self_only: torch.Tensor | None, mask: torch.Tensor,
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
+    """heads.gathered_lean.lean_backward's contract: (dx, dgate [B, H, c], dW^QKV, dW^O), None where not needed."""
+    n = _sizes(x, idx, qkv_weight)
+    need_x, need_gate, need_w, need_wo = needs
+    x, idx, qkv_weight, out_weight, dy = (t.contiguous() for t in (x, idx, qkv_weight, out_weight, dy))
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dqkv = torch.empty(3, n["H"], n["B"], n["c"], n["d"], **f32)
+    g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], **f32)
+    dgate = torch.empty(n["B"], n["H"], n["c"], **f32)
+    _attn_bwd[(n["B"], n["H"])](
+        dy, idx, gate.contiguous(), positions.contiguous(), out_weight, q, k, v, **_masks(visible, self_only, idx),
+        INV_FREQ=rope.inv_freq, DQKV=dqkv, GO=g, DGATE=dgate, T=n["T"], H=n["H"], B=n["B"], C=n["c"],
+        scale=n["d"] ** -0.5, HD=n["h"], D=n["d"], HALF=rope.rot_dim // 2, ROT=rope.rot_dim, num_warps=n["warps"],
+        **n["blocks"])
+    dx = None
+    if need_x:
+        dx = torch.zeros(n["B"] * n["T"], n["h"], **f32)
+        _scatter_add(dx, idx, dqkv, qkv_weight, _qkv_strides(n), n)
+        dx = dx.view_as(x).to(x.dtype)
+    dw = _weight_grad_into(torch.empty_like(qkv_weight), x, idx, dqkv, _qkv_strides(n), n) if need_w else None
+    dwo = _weight_grad_into(torch.empty_like(out_weight), dy, idx, g, _out_strides(n), n) if need_wo else None
+    return dx, dgate.to(gate.dtype) if need_gate else None, dw, dwo
+
+
+gathered_heads_triton = functools.partial(gathered_heads_lean, forward_impl=triton_forward,
+                                          backward_impl=triton_backward)

@@ -109,7 +109,7 @@ class FlashVarlen:
             dout[:, None].contiguous(), q[:, None], k[:, None], v[:, None], out[:, None].contiguous(),
             lse[None].contiguous(), dq, dk, dv, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k,
             dropout_p=0.0, softmax_scale=scale, causal=False, window_size_left=-1, window_size_right=-1,
-            softcap=0.0, alibi_slopes=None, deterministic=False,
+            softcap=0.0, alibi_slopes=None, deterministic=torch.are_deterministic_algorithms_enabled(),
         )
         return dq[:, 0], dk[:, 0], dv[:, 0]
 

@@ -93,6 +93,7 @@ class TrainerConfig:
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
     max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
     compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
+    deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-reproducible steps (fused kernels too)
 
 
 @dataclass

@@ -109,6 +109,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         max_steps=t.max_steps, max_time=None if t.max_minutes is None else timedelta(minutes=t.max_minutes),
         val_check_interval=t.val_every, check_val_every_n_epoch=None,
         num_sanity_val_steps=0, log_every_n_steps=t.log_every,
+        deterministic=t.deterministic,  # torch.use_deterministic_algorithms; the fused kernels follow it
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=tensorboard_logger(cfg),

@@ -82,9 +82,9 @@ def test_saves_no_gathered_tensor() -> None:
 
 @pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
 @pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42), (100, 2, 5), (257, 8, 3)])
-def test_triton_forward_matches_reference(T: int, sparsity: int, heads: int) -> None:
-    """The fused forward kernel (interpreted, fp32) vs the reference: output and, through the shared lean
-    backward on the kernel's saved Q/K/V, every gradient including the router scores."""
+def test_triton_matches_reference(T: int, sparsity: int, heads: int) -> None:
+    """The fused kernels (interpreted, fp32) vs the reference: output and, through the fused backward, every
+    gradient including the router scores."""
     from heads.gathered_triton import gathered_heads_triton
 
     p = problem(T, sparsity, heads)
@@ -104,7 +104,8 @@ def test_triton_forward_matches_reference(T: int, sparsity: int, heads: int) -> 
 
 @pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
 def test_triton_padding_masks_match_lean() -> None:
-    """MoSAIC's padding rules (visible keys, self-only queries) in the kernel equal the lean path's."""
+    """MoSAIC's padding rules (visible keys, self-only queries) in the kernels equal the lean path's, forward
+    and every gradient."""
     from heads.gathered_triton import gathered_heads_triton
 
     p = problem(100, 4, 5)
@@ -114,8 +115,15 @@ def test_triton_padding_masks_match_lean() -> None:
     assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
     rope = RotaryEmbedding(HEAD_DIM, 0.5)
     args = (p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope, visible, self_only)
-    lean, fused = gathered_heads_lean(*args), gathered_heads_triton(*args)
-    assert ((fused - lean).pow(2).mean() / lean.pow(2).mean()).sqrt() < REL_RMS_TOL
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    results = []
+    for run in (gathered_heads_lean, gathered_heads_triton):
+        y = run(*args)
+        results.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves, retain_graph=True)])
+    for name, lean, fused in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], *results):
+        assert lean.abs().max() > 0, name
+        rel_rms = ((fused - lean).pow(2).mean() / lean.pow(2).mean()).sqrt().item()
+        assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
@@ -143,3 +151,75 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int) -> None:
     assert rel(y, ref) <= 5e-3
     for name, g, r in zip(["dx", "dr", "dW_qkv", "dW_o"], grads, ref_grads):
         assert rel(g, r) <= 2e-2, name
+
+
+@pytest.fixture
+def kernel_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Route mosa/fixed/mosaic's fast path through the fused kernels on CPU tensors (interpreter); the list
+    counts the calls."""
+    from heads.gathered_triton import gathered_heads_triton
+
+    calls: list[int] = []
+
+    def fast(x, positions, sel, gate, qkv_weight, out_weight, rope, visible=None, self_only=None):  # noqa: ANN001
+        calls.append(1)
+        return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
+
+    for module in ("heads.mosa", "heads.fixed", "heads.mosaic"):
+        monkeypatch.setattr(f"{module}.gathered_heads_fast", fast)
+    return calls
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+def test_triton_path_is_causal(kernel_path: list[int]) -> None:
+    """A model of MoSA (causal threshold selection), fixed and MoSAIC heads on the kernel path: new tokens after
+    position t change no logit at positions <= t."""
+    import lm
+    from lm.causality import future_leak
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
+                       {"type": "fixed", "count": 2, "options": {"sparsity": 4}},
+                       {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], init_std=0.3, seq_len=48)
+    model = lm.build_model(cfg.model)
+    assert model.causal
+    assert future_leak(model, torch.randint(0, 97, (2, 48)), t=20, vocab_size=97) <= 1e-5
+    assert len(kernel_path) >= 3 * cfg.model.n_layers * 2  # every sparse group of both passes ran the kernels
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.use_deterministic_algorithms(True) the scatter kernel runs one program per sequence walking
+    the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run."""
+    import heads.gathered_triton as gt
+
+    p = problem(257, 8, 7)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    args = (p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
+    grids: list[tuple] = []
+    kernel = gt._scatter
+
+    class Recorder:  # kernel[grid](...) with the grid noted
+        def __getitem__(self, grid: tuple):  # noqa: ANN204
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gt, "_scatter", Recorder())
+
+    def run() -> list[torch.Tensor]:
+        y = gt.gathered_heads_triton(*args)
+        return [y, *torch.autograd.grad((y * p["cot"]).sum(), leaves, retain_graph=True)]
+
+    default = run()
+    assert len(grids) == 2 and all(g[2] == 7 for g in grids)  # Y and dX, one program per head
+    grids.clear()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = run(), run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(grids) == 4 and all(g[2] == 1 for g in grids)  # one program walks all 7 heads
+    for a, b, ref in zip(first, second, default):
+        assert torch.equal(a, b)
+        assert ((a - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() < REL_RMS_TOL

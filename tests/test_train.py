@@ -205,3 +205,31 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
         resume_path(load_config(None, *run_overrides(data, out), "model.n_layers=3"), "last")
     with pytest.raises(ConfigError, match="not found"):
         resume_path(same, str(tmp_path / "nope.ckpt"))
+
+
+def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path) -> None:
+    """trainer.deterministic=true trains a MoSA hybrid under torch.use_deterministic_algorithms (which the fused
+    kernels follow, heads/gathered_triton.py); two runs end with bitwise-equal weights."""
+    from lm.train import train
+
+    seen: list[bool] = []
+    original = LMModule.training_step
+
+    def spy(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return original(self, *args, **kwargs)
+
+    heads = "model.heads=[{type: dense, count: 2}, {type: mosa, count: 3, options: {sparsity: 4}}]"
+    weights = []
+    try:
+        LMModule.training_step = spy  # type: ignore[method-assign]
+        for name in ("a", "b"):
+            overrides = [*run_overrides(data, tmp_path / name, max_steps=4, deterministic="true"), heads]
+            train(load_config(None, *overrides))
+            weights.append(load_model(tmp_path / name / "checkpoints" / "last.ckpt")[0].state_dict())
+    finally:
+        LMModule.training_step = original  # type: ignore[method-assign]
+        torch.use_deterministic_algorithms(False)  # Lightning leaves the process-wide mode on
+    assert seen == [True] * 8
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
