@@ -66,8 +66,8 @@ def gathered_heads_fast(
     """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
     is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
     visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
-    forward kernel (heads/gathered_triton.py); otherwise the memory-lean PyTorch core (heads/gathered_lean.py).
-    Neither materialises nor saves anything of size [B, H, c, h]."""
+    kernels, forward and backward (heads/gathered_triton.py); otherwise the memory-lean PyTorch core
+    (heads/gathered_lean.py). Neither materialises nor saves anything of size [B, H, c, h]."""
     if x.is_cuda and TRITON:
         from heads.gathered_triton import gathered_heads_triton
 

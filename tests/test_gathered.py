@@ -130,9 +130,9 @@ def test_triton_padding_masks_match_lean() -> None:
                     reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
 @pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42)])
 def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int) -> None:
-    """The CUDA dispatch (fused forward kernel + lean backward) under bf16 autocast vs the fp32 reference on the
-    same bf16-rounded inputs: output rel-RMS <= 5e-3 (fp32 on chip, one bf16 rounding of Y); gradients <= 2e-2
-    (the lean backward's bf16 matmuls; 0.3-1.3e-2 measured with CPU autocast)."""
+    """The CUDA dispatch (fused forward and backward kernels) under bf16 autocast vs the fp32 reference on the
+    same bf16-rounded inputs: output and every gradient rel-RMS <= 5e-3 (fp32 on chip; bf16 roundings of the
+    saved Q/K/V, of Y and of the weight gradients)."""
     from heads.gathered import gathered_heads_fast
 
     p = problem(T, sparsity, heads)
@@ -150,7 +150,7 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int) -> None:
     rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
     assert rel(y, ref) <= 5e-3
     for name, g, r in zip(["dx", "dr", "dW_qkv", "dW_o"], grads, ref_grads):
-        assert rel(g, r) <= 2e-2, name
+        assert rel(g, r) <= 5e-3, name
 
 
 @pytest.fixture
