@@ -32,10 +32,6 @@ class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the field and what is allowed."""
 
 
-class ConfigWarning(UserWarning):
-    """A configuration that runs but likely not as intended (e.g. capacity far from load); one line."""
-
-
 @dataclass(frozen=True)
 class GroupContext:
     """Model-level facts every head group is built from."""

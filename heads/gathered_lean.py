@@ -59,10 +59,16 @@ class _Plan:
     def chunks(self) -> range:
         return range(0, self.H, self.step)
 
-    def gather(self, rows: torch.Tensor, heads: slice) -> torch.Tensor:
-        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h] (index_select: a plain row copy)."""
+    def workspace(self, like: torch.Tensor) -> torch.Tensor:
+        """One chunk's [step, B*c, h] buffer, reused by every chunk (fresh multi-MB allocations page-fault)."""
+        return like.new_empty(self.step, self.B * self.c, like.shape[-1])
+
+    def gather(self, rows: torch.Tensor, heads: slice, out: torch.Tensor) -> torch.Tensor:
+        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h] in `out` (a workspace; index_select: row copies)."""
         flat = self.flat[heads]
-        return rows.index_select(0, flat.reshape(-1)).view(*flat.shape, rows.shape[-1])
+        buf = out[: flat.shape[0]]
+        torch.index_select(rows, 0, flat.reshape(-1), out=buf.view(-1, rows.shape[-1]))
+        return buf
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -87,9 +93,10 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
     mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
     q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
     y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
+    xs_buf, out_buf = plan.workspace(xf), plan.workspace(xf)
     for h0 in plan.chunks():
         s = slice(h0, h0 + plan.step)
-        xs = plan.gather(xf, s)  # X^s of this chunk of heads [n, B*c, h]
+        xs = plan.gather(xf, s, xs_buf)  # X^s of this chunk of heads [n, B*c, h]
         n = xs.shape[0]
         q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
         k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
@@ -98,7 +105,7 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
         _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
         a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
-        x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0))  # [n, B*c, h]
+        x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0), out=out_buf[:n])  # [n, B*c, h]
         y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
     return y, q_all, k_all, v_all
 
@@ -124,12 +131,13 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
     dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
     dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
     scale = d**-0.5
+    dy_buf, xs_buf, dxs_buf = plan.workspace(xf), plan.workspace(xf), plan.workspace(xf)
     for h0 in plan.chunks():
         s = slice(h0, h0 + plan.step)
         q, k, v = q_all[s], k_all[s], v_all[s]
         n = q.shape[0]
         p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
-        dyg = plan.gather(dyf, s)  # dY at the slots [n, B*c, h]
+        dyg = plan.gather(dyf, s, dy_buf)  # dY at the slots [n, B*c, h]
         g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
         if need_gate:
             dgate[s] = (a * g).sum(-1)
@@ -145,12 +153,11 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
         dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
         dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
         if need_w:
-            xs = plan.gather(xf, s)
+            xs = plan.gather(xf, s, xs_buf)
             for j, dt in enumerate((dq, dk, dv)):
                 torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
-            del xs
         if need_x:
-            dxs = torch.bmm(dq, w[0, s]).baddbmm_(dk, w[1, s]).baddbmm_(dv, w[2, s])
+            dxs = torch.bmm(dq, w[0, s], out=dxs_buf[:n]).baddbmm_(dk, w[1, s]).baddbmm_(dv, w[2, s])
             dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).float())
     return (dx.view(B, T, h).to(x.dtype) if need_x else None, dgate.transpose(0, 1) if need_gate else None,
             dw.view_as(qkv_weight) if need_w else None, dwo.view_as(out_weight) if need_wo else None)

@@ -8,7 +8,6 @@ valid but suspect (lm/sanity.py) print one-line warnings.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +18,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
 from lm.sanity import config_warnings, warn
-from heads.base import ConfigWarning
 
 
 @dataclass
@@ -146,7 +144,6 @@ def validate(cfg: Config) -> Config:
     for layer in m.layer_heads:
         if not 0 <= layer < m.n_layers:
             raise ConfigError(f"model.layer_heads: layer {layer} outside [0, {m.n_layers})")
-    advice: set[str | None] = set()
     for layer in range(m.n_layers):
         if not m.mix(layer):
             raise ConfigError(f"model.heads: layer {layer} has an empty head mix")
@@ -157,9 +154,6 @@ def validate(cfg: Config) -> Config:
                 raise ConfigError(f"model.heads: {g.type} sparsity {sparsity} > model.seq_len {m.seq_len}")
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
-            advice.add(opts.advice(g.count))
-    for text in sorted(advice - {None}):
-        warnings.warn(f"model.heads: {text}", ConfigWarning, stacklevel=2)
     _positive(cfg.data, "batch_size", "val_batches")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")

@@ -27,8 +27,14 @@ from heads import HeadGroup
 from lm.errors import NonFiniteError
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN/inf entry in any tensor: one fused max-abs over all of them (torch's foreach norm, which
+    propagates NaN and cannot overflow), one device sync."""
+    return not tensors or bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:
-    """The name of the first tensor with a NaN/inf entry, or None; one device sync."""
+    """The name of the first tensor with a NaN/inf entry, or None (for the message once a check failed)."""
     if not named:
         return None
     finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist()
@@ -57,8 +63,8 @@ class NonFiniteGuard(L.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: inf grads are the scaler's job
         grads = [] if scaler is not None else [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
         buffers = [(n, b) for n, b in pl_module.named_buffers() if b.is_floating_point()]
-        bad_name = first_nonfinite([("loss", self._loss), *grads, *buffers])  # one device sync per step
-        if not trainer.strategy.reduce_boolean_decision(bad_name is not None, all=False):  # any rank: all act
+        bad = not all_finite([self._loss, *(t for _, t in grads), *(t for _, t in buffers)])  # one sync per step
+        if not trainer.strategy.reduce_boolean_decision(bad, all=False):  # any rank: all act
             return
         loss = float(self._loss)
         grad = first_nonfinite(grads)

@@ -3,6 +3,8 @@ torch.compile(fullgraph=True), forward and backward, with the same loss and grad
 head statistics are tensors (no host sync in the forward pass)."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -37,3 +39,26 @@ def test_training_step_compiles_fullgraph(head_type: str) -> None:
             assert comp is None
         else:
             torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow  # inductor generates and compiles C++ for the forward and backward graphs (~1 min)
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU backend needs a C++ compiler; none on PATH")
+def test_inductor_trains_a_hybrid_like_eager() -> None:
+    """What trainer.compile runs (backend inductor, fullgraph): a dense + MoSA + MoSAIC model's loss and gradients
+    equal eager's (fp32, to kernel-fusion rounding)."""
+    heads = [{"type": "dense", "count": 1}, {"type": "mosa", "count": 2}, {"type": "mosaic", "count": 2}]
+    cfg = tiny_config(heads, n_layers=2, seq_len=T)
+    module = LMModule(cfg).train()
+    x, y = torch.randint(0, 97, (2, T)), torch.randint(0, 97, (2, T))
+    torch._dynamo.reset()
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    grads = []
+    for fn in (module.losses, compiled(module.losses)):
+        module.load_state_dict(state)
+        torch.manual_seed(0)
+        loss = fn(x, y)[0]
+        grads.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
+    torch._dynamo.reset()
+    for eager, comp in zip(*grads):
+        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)

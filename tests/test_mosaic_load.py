@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
 from flops.isoflop import main as isoflop_main
 from flops.sweep import main as sweep_main
-from heads.base import ConfigWarning, GroupContext
+from heads.base import GroupContext
 from heads.mosaic import MosaicHeads, MosaicOptions
+from lm.config import load_config
 from routing.token_choice import choose, gate_weights, load_mismatch, resolve_top_s
 from tests.head_checks import assert_match, fast_vs_reference, make_group
 
@@ -40,10 +40,12 @@ def test_issue_examples_are_flagged() -> None:
     assert load_mismatch(17, 1, 17) is None  # configs/experiments/mosaic_hybrid.yaml: capacity = load
 
 
-def test_config_load_warns_once_in_one_line() -> None:
-    with pytest.warns(ConfigWarning) as record:
-        tiny_config([{"type": "mosaic", "count": 4, "options": {"sparsity": 32, "top_s": 1}}], n_layers=3)
-    assert len(record) == 1 and "load / capacity" in str(record[0].message) and "\n" not in str(record[0].message)
+def test_config_load_warns_once_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    """Printed like the other config sanity warnings (lm/sanity.py): once, not once per layer."""
+    load_config(None, "model.heads=[{type: mosaic, count: 4, options: {sparsity: 32, top_s: 1}}]", "model.n_layers=3",
+                "model.d_model=32", "model.head_dim=8", "model.seq_len=64")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: model.heads: mosaic") and "load / capacity" in err[0]
 
 
 def test_solver_and_sweep_print_the_warning(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -53,9 +55,8 @@ def test_solver_and_sweep_print_the_warning(tmp_path: Path, capsys: pytest.Captu
     assert isoflop_main(["--size", "tiny", "--head", "mosaic", "--sparsity", "32", "--json"]) == 0  # default top_s 9
     out = capsys.readouterr()
     assert out.err == "" and json.loads(out.out)["warning"] is None
-    with pytest.warns(ConfigWarning):
-        assert sweep_main(["--size", "tiny", "--heads", "mosaic", "--sparsity", "32", "--out", str(tmp_path),
-                           "--option", "mosaic.top_s=1", "trainer.max_steps=3"]) == 0
+    assert sweep_main(["--size", "tiny", "--heads", "mosaic", "--sparsity", "32", "--out", str(tmp_path),
+                       "--option", "mosaic.top_s=1", "trainer.max_steps=3"]) == 0
     assert "warning: mosaic_s32: mosaic: 276 heads" in capsys.readouterr().err
     assert json.loads((tmp_path / "sweep.json").read_text())["points"][0]["warning"].startswith("mosaic: 276")
 
