@@ -15,7 +15,7 @@ themselves); every slot always sees itself, so no softmax row is empty.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -79,8 +79,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 
 
 def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
-                 idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
-                 self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The forward in chunks of heads: y (fp32 [B*T, h]) and the rotated Q, K and V [H, B, c, h'] for backward."""
     B, T, h = x.shape
     plan = _Plan(x, idx, positions)
@@ -112,8 +112,8 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
 
 def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor,
                   out_weight: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                  visible: torch.Tensor | None, self_only: torch.Tensor | None, mask: torch.Tensor,
-                  q_all: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
+                  mask: torch.Tensor, q_all: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                  needs: tuple[bool, ...]) -> tuple:
     """The backward in chunks of heads, recomputing the gathers and the c x c attention:
     (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O), None where `needs` says no."""
     B, T, h = x.shape
@@ -164,39 +164,40 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
 
 
 class GatheredHeads(torch.autograd.Function):
-    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i). `forward_impl` computes y and the rotated Q, K, V,
-    `backward_impl` the four gradients from them (lean_forward / lean_backward here, the fused kernels in
-    heads/gathered_triton.py); saved: x, weights, indices, gates, masks and Q, K, V [H, B, c, h']."""
+    """y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i) by lean_forward / lean_backward; saved: x, the weights,
+    indices, gates, the slot mask and the rotated Q, K, V [H, B, c, h']."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
                 idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
-                self_only: torch.Tensor | None, forward_impl: Callable, backward_impl: Callable) -> torch.Tensor:
+                self_only: torch.Tensor | None) -> torch.Tensor:
         mask = slot_mask(idx.shape[-1], visible, self_only, x.device)
-        y, q_all, k_all, v_all = forward_impl(x, gate, qkv_weight, out_weight, idx, positions, rope, visible,
-                                              self_only, mask)
-        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, visible, self_only, mask,
-                              q_all, k_all, v_all)
-        ctx.rope, ctx.backward_impl = rope, backward_impl
+        y, q_all, k_all, v_all = lean_forward(x, gate, qkv_weight, out_weight, idx, positions, rope, mask)
+        ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, mask, q_all, k_all, v_all)
+        ctx.rope = rope
         return y.view(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, gate, qkv_weight, out_weight, idx, positions, visible, self_only, mask, q, k, v = ctx.saved_tensors
-        grads = ctx.backward_impl(dy, x, gate, qkv_weight, out_weight, idx, positions, ctx.rope, visible, self_only,
-                                  mask, q, k, v, tuple(ctx.needs_input_grad[:4]))
-        return (*grads, None, None, None, None, None, None, None)
+        x, gate, qkv_weight, out_weight, idx, positions, mask, q, k, v = ctx.saved_tensors
+        grads = lean_backward(dy, x, gate, qkv_weight, out_weight, idx, positions, ctx.rope, mask, q, k, v,
+                              tuple(ctx.needs_input_grad[:4]))
+        return (*grads, None, None, None, None, None)
+
+
+def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the tensors cast to the autocast dtype (the gathered core then runs with autocast off:
+    its matmuls in that dtype, accumulation into Y in fp32)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    return tuple(t.to(torch.get_autocast_dtype(device)) for t in tensors)
 
 
 def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
                         qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
-                        visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None,
-                        forward_impl: Callable = lean_forward, backward_impl: Callable = lean_backward) -> torch.Tensor:
-    """x[B, T, h], idx/gate[B, H, c] -> y[B, T, h] (see the module docstring); under autocast the
-    matmuls run in the autocast dtype, accumulation into Y stays fp32."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, gate, qkv_weight, out_weight = (t.to(dtype) for t in (x, gate, qkv_weight, out_weight))
+                        visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None) -> torch.Tensor:
+    """x[B, T, h], idx/gate[B, H, c] -> y[B, T, h] (see the module docstring)."""
+    x, gate, qkv_weight, out_weight = in_autocast_dtype(x, gate, qkv_weight, out_weight)
     with torch.autocast(x.device.type, enabled=False):
-        return GatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only,
-                                   forward_impl, backward_impl)
+        return GatheredHeads.apply(x, gate, qkv_weight, out_weight, idx, positions, rope, visible, self_only)

@@ -16,6 +16,10 @@ only per-head tensors in memory are [H, B, c, h'] (h' << h), like the rotated Q,
   _weight_grad  one program per (head i, column block, term t): dW_{t,i} = sum_b U_{t,i,b}^T SRC[b, I_{i,b}]:
                 dW^{Q,K,V} from (dQ, dK, dV) and X, dW^O from (G, dY). Each program owns its output block.
 
+Forward and backward are torch.library custom ops (`gathered::fused_forward`, `gathered::fused_backward`) with
+shape-only fake implementations and a registered backward, so torch.compile(fullgraph=True) (trainer.compile)
+keeps each as one opaque op instead of tracing into the launches.
+
 RoPE's rotate-half pairs column j with j ± r/2; the kernels get the partner column by projecting (or
 loading) a second time with permuted columns, not by shuffling registers.
 
@@ -29,13 +33,13 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from heads.gathered_lean import gathered_heads_lean
+from heads.gathered_lean import in_autocast_dtype
 from heads.rope import RotaryEmbedding
 
 BLOCK_H = 32  # columns of X / W (model width h) per step or per program
@@ -265,30 +269,29 @@ def _masks(visible: torch.Tensor | None, self_only: torch.Tensor | None, idx: to
                 HAS_VIS=visible is not None, HAS_SELF=self_only is not None)
 
 
-def triton_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
-                   idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, visible: torch.Tensor | None,
-                   self_only: torch.Tensor | None, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """heads.gathered_lean.lean_forward's contract (`mask` is rebuilt on chip): y fp32 [B*T, h], Q, K, V."""
+def _forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+             idx: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rot_dim: int,
+             visible: torch.Tensor | None, self_only: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """y fp32 [B*T, h] and the rotated Q, K, V [H, B, c, h'] (x's dtype, saved for backward)."""
     n = _sizes(x, idx, qkv_weight)
     x, idx, qkv_weight, out_weight = (t.contiguous() for t in (x, idx, qkv_weight, out_weight))
     q, k, v = (x.new_empty(n["H"], n["B"], n["c"], n["d"]) for _ in range(3))
     g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], device=x.device, dtype=torch.float32)
     _attn_fwd[(n["B"], n["H"])](
         x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, **_masks(visible, self_only, idx),
-        INV_FREQ=rope.inv_freq, QO=q, KO=k, VO=v, GO=g, T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5,
-        HD=n["h"], D=n["d"], HALF=rope.rot_dim // 2, ROT=rope.rot_dim, num_warps=n["warps"], **n["blocks"])
+        INV_FREQ=inv_freq, QO=q, KO=k, VO=v, GO=g, T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5,
+        HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"], **n["blocks"])
     y = torch.zeros(n["B"] * n["T"], n["h"], device=x.device, dtype=torch.float32)
     _scatter_add(y, idx, g, out_weight, _out_strides(n), n)
     return y, q, k, v
 
 
-def triton_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor,
-                    out_weight: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                    visible: torch.Tensor | None, self_only: torch.Tensor | None, mask: torch.Tensor,
-                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, needs: tuple[bool, ...]) -> tuple:
-    """heads.gathered_lean.lean_backward's contract: (dx, dgate [B, H, c], dW^QKV, dW^O), None where not needed."""
+def _backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+              idx: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rot_dim: int,
+              visible: torch.Tensor | None, self_only: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """dy [B*T, h] -> (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O) in the inputs' dtypes."""
     n = _sizes(x, idx, qkv_weight)
-    need_x, need_gate, need_w, need_wo = needs
     x, idx, qkv_weight, out_weight, dy = (t.contiguous() for t in (x, idx, qkv_weight, out_weight, dy))
     f32 = dict(device=x.device, dtype=torch.float32)
     dqkv = torch.empty(3, n["H"], n["B"], n["c"], n["d"], **f32)
@@ -296,18 +299,64 @@ def triton_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_w
     dgate = torch.empty(n["B"], n["H"], n["c"], **f32)
     _attn_bwd[(n["B"], n["H"])](
         dy, idx, gate.contiguous(), positions.contiguous(), out_weight, q, k, v, **_masks(visible, self_only, idx),
-        INV_FREQ=rope.inv_freq, DQKV=dqkv, GO=g, DGATE=dgate, T=n["T"], H=n["H"], B=n["B"], C=n["c"],
-        scale=n["d"] ** -0.5, HD=n["h"], D=n["d"], HALF=rope.rot_dim // 2, ROT=rope.rot_dim, num_warps=n["warps"],
+        INV_FREQ=inv_freq, DQKV=dqkv, GO=g, DGATE=dgate, T=n["T"], H=n["H"], B=n["B"], C=n["c"],
+        scale=n["d"] ** -0.5, HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"],
         **n["blocks"])
-    dx = None
-    if need_x:
-        dx = torch.zeros(n["B"] * n["T"], n["h"], **f32)
-        _scatter_add(dx, idx, dqkv, qkv_weight, _qkv_strides(n), n)
-        dx = dx.view_as(x).to(x.dtype)
-    dw = _weight_grad_into(torch.empty_like(qkv_weight), x, idx, dqkv, _qkv_strides(n), n) if need_w else None
-    dwo = _weight_grad_into(torch.empty_like(out_weight), dy, idx, g, _out_strides(n), n) if need_wo else None
-    return dx, dgate.to(gate.dtype) if need_gate else None, dw, dwo
+    dx = torch.zeros(n["B"] * n["T"], n["h"], **f32)
+    _scatter_add(dx, idx, dqkv, qkv_weight, _qkv_strides(n), n)
+    dw = _weight_grad_into(torch.empty_like(qkv_weight), x, idx, dqkv, _qkv_strides(n), n)
+    dwo = _weight_grad_into(torch.empty_like(out_weight), dy, idx, g, _out_strides(n), n)
+    return dx.view_as(x).to(x.dtype), dgate.to(gate.dtype), dw, dwo
 
 
-gathered_heads_triton = functools.partial(gathered_heads_lean, forward_impl=triton_forward,
-                                          backward_impl=triton_backward)
+# Registered as torch.library custom ops: torch.compile (fullgraph) sees each as one opaque op with a fake
+# (shape-only) implementation and a registered backward, instead of tracing into the kernel launches.
+_ARGS = ("Tensor x, Tensor gate, Tensor qkv_weight, Tensor out_weight, Tensor idx, Tensor positions, "
+         "Tensor inv_freq, int rot_dim, Tensor? visible, Tensor? self_only")
+fused_forward = torch.library.custom_op("gathered::fused_forward", _forward, mutates_args=(),
+                                        schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
+fused_backward = torch.library.custom_op("gathered::fused_backward", _backward, mutates_args=(),
+                                         schema=f"(Tensor dy, {_ARGS}, Tensor q, Tensor k, Tensor v) "
+                                                "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@fused_forward.register_fake
+def _forward_shapes(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
+                    idx: torch.Tensor, *_: object) -> tuple[torch.Tensor, ...]:
+    B, T, h = x.shape
+    H, c = idx.shape[1:]
+    q_shape = (H, B, c, qkv_weight.shape[0] // (3 * H))
+    return x.new_empty(B * T, h, dtype=torch.float32), *(x.new_empty(q_shape) for _ in range(3))
+
+
+@fused_backward.register_fake
+def _backward_shapes(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor,
+                     out_weight: torch.Tensor, *_: object) -> tuple[torch.Tensor, ...]:
+    return torch.empty_like(x), torch.empty_like(gate), torch.empty_like(qkv_weight), torch.empty_like(out_weight)
+
+
+def _save(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ctx.mark_non_differentiable(*output[1:])  # Q, K, V are outputs only so that backward gets them
+    ctx.save_for_backward(*inputs[:7], inputs[8], inputs[9], *output[1:])
+    ctx.rot_dim = inputs[7]
+
+
+def _grads(ctx: Any, dy: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, gate, w, wo, idx, positions, inv_freq, visible, self_only, q, k, v = ctx.saved_tensors
+    dx, dgate, dw, dwo = fused_backward(dy, x, gate, w, wo, idx, positions, inv_freq, ctx.rot_dim, visible, self_only,
+                                        q, k, v)
+    return dx, dgate, dw, dwo, None, None, None, None, None, None
+
+
+fused_forward.register_autograd(_grads, setup_context=_save)
+
+
+def gathered_heads_triton(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
+                          qkv_weight: torch.Tensor, out_weight: torch.Tensor, rope: RotaryEmbedding,
+                          visible: torch.Tensor | None = None, self_only: torch.Tensor | None = None) -> torch.Tensor:
+    """heads.gathered_lean.gathered_heads_lean's contract, by the fused kernels."""
+    x, gate, qkv_weight, out_weight = in_autocast_dtype(x, gate, qkv_weight, out_weight)
+    with torch.autocast(x.device.type, enabled=False):
+        y = fused_forward(x, gate, qkv_weight, out_weight, idx, positions, rope.inv_freq, rope.rot_dim, visible,
+                          self_only)[0]
+    return y.view(x.shape).to(x.dtype)

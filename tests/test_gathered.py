@@ -223,3 +223,44 @@ def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     for a, b, ref in zip(first, second, default):
         assert torch.equal(a, b)
         assert ((a - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() < REL_RMS_TOL
+
+
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+def test_fused_ops_pass_opcheck() -> None:
+    """The kernels are torch.library custom ops: schema, fake (shape) implementations, autograd registration
+    and AOT dispatch are consistent with the real ones (torch.library.opcheck), with and without MoSAIC masks."""
+    from heads.gathered_triton import fused_forward
+
+    p = problem(37, 4, 3)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=torch.Generator().manual_seed(5)) < 0.7)
+    for masks in ((None, None), (visible, p["sel"].valid & ~visible)):
+        args = (p["x"], (p["r"] * p["sel"].valid).detach().requires_grad_(), p["w_qkv"], p["w_o"], p["sel"].idx,
+                p["positions"], rope.inv_freq, rope.rot_dim, *masks)
+        torch.library.opcheck(fused_forward, args)
+
+
+@pytest.mark.slow  # dynamo + AOT tracing of a 2-layer model, kernels interpreted (~20 s)
+@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
+    """trainer.compile with the fused kernels (what CUDA runs): the training loss of a dense + MoSA + MoSAIC model
+    compiles with fullgraph=True (the ops are opaque to dynamo) and equals eager, loss and every gradient."""
+    from lm.module import LMModule, compiled
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
+                       {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], n_layers=2, seq_len=32)
+    module = LMModule(cfg).train()
+    x, y = torch.randint(0, 97, (2, 32)), torch.randint(0, 97, (2, 32))
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    torch._dynamo.reset()
+    results = []
+    for fn in (module.losses, compiled(module.losses, backend="aot_eager")):
+        module.load_state_dict(state)
+        torch.manual_seed(0)
+        loss = fn(x, y)[0]
+        results.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
+    torch._dynamo.reset()
+    assert len(kernel_path) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
