@@ -92,20 +92,31 @@ def _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS: tl.constexpr, HA
 
 
 @triton.jit
-def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
-              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
-              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (sequence b, head i) and its c slots: slot ids and valid mask, the offset of the head's
+    row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the gates r (fp32), the h' columns
+    and their mask, and the RoPE tables at the slots' positions."""
     b = tl.program_id(0)
     i = tl.program_id(1)
     slots = tl.arange(0, BLOCK_C)
     smask = slots < C
-    base = (b * H + i) * C  # row of this (sequence, head) in [B, H, C] tensors
-    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)  # rows of X viewed as [B*T, h]
+    base = (b * H + i) * C
+    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)
     gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     cos, sin, partner = _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF, ROT)
+    return b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner
+
+
+@triton.jit
+def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
+        IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
     own = tl.where(dmask, dd, -1)
     other = tl.where(dmask & (dd < ROT), partner, -1)  # W^QKV rows (q|k|v, head, h'): q of head i at i*D
     q = _project_rows(X, W, rows, smask, i * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
@@ -163,16 +174,8 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
               HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    slots = tl.arange(0, BLOCK_C)
-    smask = slots < C
-    base = (b * H + i) * C
-    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)
-    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
-    dd = tl.arange(0, BLOCK_D)
-    dmask = dd < D
-    cos, sin, partner = _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF, ROT)
+    b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
+        IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
     rowoff = ((i * B + b) * C + slots)[:, None] * D
     omask = smask[:, None] & dmask[None, :]
     q = tl.load(Q + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)  # rotated, as saved
