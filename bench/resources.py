@@ -46,6 +46,7 @@ PAIRS = {  # Table 2 head counts and sparsities
     "table2-small": lambda: table2_pair("small", 32, 14),
     "table2-medium": lambda: table2_pair("medium", 32, 12),
     "table2-large": lambda: table2_pair("large", 16, 16),
+    "isoflop-tiny": lambda: table2_pair("tiny", 32, 276),  # Table 5's IsoFLOP point: 4 dense + 276 MoSA, rho 32
 }
 
 
