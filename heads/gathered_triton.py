@@ -111,6 +111,14 @@ def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
+def _project_rows(X, W, rows, smask, row0, col, HD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """X[rows] @ W[row0 + col]^T for the row-major W^QKV [3*H*h', h] (col < 0: a zero column)."""
+    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, HD, BLOCK_C, BLOCK_D,
+                           BLOCK_H)
+
+
+@triton.jit
 def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
               HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
@@ -131,14 +139,6 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
     tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS, HAS_SELF)
     tl.store(GO + out, tl.dot(p, v) * gate[:, None], mask=omask)  # G = diag(r) A
-
-
-@triton.jit
-def _project_rows(X, W, rows, smask, row0, col, HD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """X[rows] @ W[row0 + col]^T for the row-major W^QKV [3*H*h', h] (col < 0: a zero column)."""
-    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, HD, BLOCK_C, BLOCK_D,
-                           BLOCK_H)
 
 
 @triton.jit
