@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     T = cfg.seq_len
     data_dir = Path(torch.load(args.ckpt, map_location="cpu", weights_only=False, mmap=True)["config"]["data"]["path"])
     index = json.loads((data_dir / "index.json").read_text())
-    train = TokenStream(data_dir, "train", index["splits"]["train"]["shards"])
+    train = TokenStream(data_dir, "train", index["splits"]["train"]["shards"], cfg.vocab_size)
     counts = np.bincount(train.read(0, len(train)), minlength=cfg.vocab_size).astype(np.float64)
     ours = SparseHeadsLM(args.ckpt, batch_size=16)
     uni = UnigramLM(ours, counts)

@@ -1,0 +1,25 @@
+"""bench/eval_quickstart.py end to end on a tiny checkpoint and the real Gutenberg books in ../shared/data:
+the perplexity rows, the unigram baseline and the lm-eval tasks all run and land in the report."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eval_setup import prepared_corpus, save_checkpoint
+
+
+@pytest.mark.slow  # three whole books through a tiny model, and two small lm-eval tasks (~20 s)
+def test_writes_the_report(shared_data: Path, tmp_path: Path) -> None:
+    from bench.eval_quickstart import main
+
+    data = prepared_corpus(tmp_path)
+    ckpt, _ = save_checkpoint(tmp_path, data)
+    out = tmp_path / "report.md"
+    argv = ["--ckpt", str(ckpt), "--shared", str(shared_data), "--items", "4", "--work", str(tmp_path / "work"),
+            "--out", str(out)]
+    assert main(argv) == 0
+    report = out.read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| 3 unseen") or line.startswith("| quickstart")]
+    assert len(rows) == 2 + 4  # two perplexity rows; cloze acc + perplexity, mc acc + acc_norm
+    assert all("nan" not in row for row in rows), rows
