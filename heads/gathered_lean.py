@@ -3,8 +3,8 @@
 Same maths as `gathered_heads_reference`: per head i, X^s = X[I]; Q, K, V = X^s W^{Q,K,V}_i (RoPE at the
 original positions); A = softmax(Q K^T / sqrt(h') + M) V; Y[I] += diag(r_I) A W^O_i. What differs is what
 lives in memory. A custom autograd Function processes the heads in chunks of about T / (4c) heads, so every
-transient of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients)
-is about a quarter of X, and saves for backward only the slot indices, gates, slot positions and the
+buffer of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients) is
+about a quarter of X (allocated once per pass and reused by every chunk), and saves for backward only the slot indices, gates, slot positions and the
 rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s and dY[I] chunk by chunk and recomputes
 the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
 
@@ -101,7 +101,6 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
         k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
         v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
-        del xs
         q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
         _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
         a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
@@ -144,7 +143,6 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
         if need_wo:
             ga = (a * gate_h[s, ..., None]).view(n, B * c, d)
             dwo[:, s] = torch.bmm(dyg.transpose(1, 2), ga).transpose(0, 1)
-        del dyg
         da = g * gate_h[s, ..., None]
         dp = da @ v.transpose(-1, -2)
         dv = p.transpose(-1, -2) @ da
