@@ -4,9 +4,10 @@ Same maths as `gathered_heads_reference`: per head i, X^s = X[I]; Q, K, V = X^s 
 original positions); A = softmax(Q K^T / sqrt(h') + M) V; Y[I] += diag(r_I) A W^O_i. What differs is what
 lives in memory. A custom autograd Function processes the heads in chunks of about T / (4c) heads, so every
 buffer of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients) is
-about a quarter of X (allocated once per pass and reused by every chunk), and saves for backward only the slot indices, gates, slot positions and the
-rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s and dY[I] chunk by chunk and recomputes
-the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
+about a quarter of X (allocated once per pass and reused by every chunk), and saves for backward only the
+slot indices, gates, slot positions and the rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers
+X^s and dY[I] chunk by chunk and recomputes the c x c attention (c <= a few hundred slots); nothing of size
+[B, H, c, h] is ever held whole.
 
 Slot layout (routing/selection.py): per (sequence, head) c slots, valid ones first in ascending token
 order, so M is the causal mask over slots. Optional masks for MoSAIC's padding rules (App. E.2):
@@ -64,7 +65,7 @@ class _Plan:
         return like.new_empty(self.step, self.B * self.c, like.shape[-1])
 
     def gather(self, rows: torch.Tensor, heads: slice, out: torch.Tensor) -> torch.Tensor:
-        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h] in `out` (a workspace; index_select: row copies)."""
+        """rows[B*T, h] -> the slots of a chunk of heads [n, B*c, h], written into the workspace `out`."""
         flat = self.flat[heads]
         buf = out[: flat.shape[0]]
         torch.index_select(rows, 0, flat.reshape(-1), out=buf.view(-1, rows.shape[-1]))

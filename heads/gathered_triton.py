@@ -46,7 +46,7 @@ BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 
 
 @triton.jit
-def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, HD: tl.constexpr,
+def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, DOT: tl.constexpr, HD: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """SRC[rows] @ W_sel: [BLOCK_C, BLOCK_D] fp32, where output column n reads W[wcol[n] * w_col_stride +
     h * w_h_stride] (wcol < 0: a zero column)."""
@@ -57,7 +57,7 @@ def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, HD: tl.
         xs = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
         w = tl.load(W + wcol[None, :] * w_col_stride + hh[:, None] * w_h_stride,
                     mask=(wcol >= 0)[None, :] & hmask[:, None], other=0.0)
-        acc += tl.dot(xs.to(tl.float32), w.to(tl.float32))
+        acc += tl.dot(xs.to(tl.float32), w.to(tl.float32), input_precision=DOT)
     return acc
 
 
@@ -76,7 +76,8 @@ def _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF: tl.constexpr, ROT: tl.con
 
 
 @triton.jit
-def _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr):
+def _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT: tl.constexpr, HAS_VIS: tl.constexpr,
+           HAS_SELF: tl.constexpr):
     """P = masked softmax(q k^T * scale) over slots: key l <= query j and visible, always the diagonal;
     a self_only query sees only itself (heads/gathered_lean.slot_mask)."""
     diag = slots[:, None] == slots[None, :]
@@ -86,7 +87,7 @@ def _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS: tl.constexpr, HA
     allowed |= diag
     if HAS_SELF:
         allowed = tl.where((tl.load(SELF + base + slots, mask=smask, other=0) != 0)[:, None], diag, allowed)
-    s = tl.where(allowed, tl.dot(q, tl.trans(k)) * scale, float("-inf"))
+    s = tl.where(allowed, tl.dot(q, tl.trans(k), input_precision=DOT) * scale, float("-inf"))
     p = tl.exp(s - tl.max(s, 1)[:, None])
     return p / tl.sum(p, 1)[:, None]
 
@@ -111,39 +112,39 @@ def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
-def _project_rows(X, W, rows, smask, row0, col, HD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+def _project_rows(X, W, rows, smask, row0, col, DOT: tl.constexpr, HD: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """X[rows] @ W[row0 + col]^T for the row-major W^QKV [3*H*h', h] (col < 0: a zero column)."""
-    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, HD, BLOCK_C, BLOCK_D,
+    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, DOT, HD, BLOCK_C, BLOCK_D,
                            BLOCK_H)
 
 
 @triton.jit
 def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
-              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
         IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
     own = tl.where(dmask, dd, -1)
     other = tl.where(dmask & (dd < ROT), partner, -1)  # W^QKV rows (q|k|v, head, h'): q of head i at i*D
-    q = _project_rows(X, W, rows, smask, i * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    q += _project_rows(X, W, rows, smask, i * D, other, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    k = _project_rows(X, W, rows, smask, (H + i) * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    k += _project_rows(X, W, rows, smask, (H + i) * D, other, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    v = _project_rows(X, W, rows, smask, (2 * H + i) * D, own, HD, BLOCK_C, BLOCK_D, BLOCK_H)
+    q = _project_rows(X, W, rows, smask, i * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
+    q += _project_rows(X, W, rows, smask, i * D, other, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
+    k = _project_rows(X, W, rows, smask, (H + i) * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
+    k += _project_rows(X, W, rows, smask, (H + i) * D, other, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
+    v = _project_rows(X, W, rows, smask, (2 * H + i) * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H)
     out = ((i * B + b) * C + slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
     omask = smask[:, None] & dmask[None, :]
     tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
     tl.store(KO + out, k.to(KO.dtype.element_ty), mask=omask)
     tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
-    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS, HAS_SELF)
-    tl.store(GO + out, tl.dot(p, v) * gate[:, None], mask=omask)  # G = diag(r) A
+    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
+    tl.store(GO + out, tl.dot(p, v, input_precision=DOT) * gate[:, None], mask=omask)  # G = diag(r) A
 
 
 @triton.jit
 def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_term_stride, w_head_stride,
-             w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr,
+             w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr, DOT: tl.constexpr,
              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order.
     U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at W + t*w_term_stride + i*w_head_stride + d*w_d_stride +
@@ -164,14 +165,14 @@ def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_ter
                         mask=smask[:, None] & dmask[None, :], other=0.0)
             w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
                         mask=dmask[:, None] & hmask[None, :], other=0.0)
-            acc += tl.dot(u, w.to(tl.float32))
+            acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
         tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :])
         tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
 
 
 @triton.jit
 def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DGATE, T, H, B, C, scale,
-              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
@@ -183,19 +184,21 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
     v = tl.load(V + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
     q_partner = tl.load(Q + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
     k_partner = tl.load(K + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
-    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, HAS_VIS, HAS_SELF)
-    a = tl.dot(p, v)
+    p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
+    a = tl.dot(p, v, input_precision=DOT)
     # dG = dY[b, I] W^O_i: W^O [h, H*h'], column i*h' + d of row c at c*H*h' + i*h' + d
-    dg = _gather_project(DY, WO, rows, smask, tl.where(dmask, i * D + dd, -1), 1, H * D, HD, BLOCK_C, BLOCK_D,
+    dg = _gather_project(DY, WO, rows, smask, tl.where(dmask, i * D + dd, -1), 1, H * D, DOT, HD, BLOCK_C, BLOCK_D,
                          BLOCK_H)
     tl.store(DGATE + base + slots, tl.sum(a * dg, 1), mask=smask)  # dL/dr_j = <A_j, dG_j>
     tl.store(GO + rowoff + dd[None, :], a * gate[:, None], mask=omask)  # G for dW^O
     da = dg * gate[:, None]
-    dv = tl.dot(tl.trans(p), da)
-    dp = tl.dot(da, tl.trans(v))
+    dv = tl.dot(tl.trans(p), da, input_precision=DOT)
+    dp = tl.dot(da, tl.trans(v), input_precision=DOT)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * scale
-    dq = tl.dot(ds, k) * cos - tl.dot(ds, k_partner) * sin  # R(θ)^T of the gradient w.r.t. the rotated q
-    dk = tl.dot(tl.trans(ds), q) * cos - tl.dot(tl.trans(ds), q_partner) * sin
+    # R(θ)^T of the gradients w.r.t. the rotated q and k
+    dq = tl.dot(ds, k, input_precision=DOT) * cos - tl.dot(ds, k_partner, input_precision=DOT) * sin
+    dst = tl.trans(ds)
+    dk = tl.dot(dst, q, input_precision=DOT) * cos - tl.dot(dst, q_partner, input_precision=DOT) * sin
     part = H * B * C * D  # DQKV [3, H, B, C, D]
     tl.store(DQKV + rowoff + dd[None, :], dq, mask=omask)
     tl.store(DQKV + part + rowoff + dd[None, :], dk, mask=omask)
@@ -204,7 +207,7 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
 
 @triton.jit
 def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_head_stride, o_d_stride, o_h_stride,
-                 HD: tl.constexpr, D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                 HD: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_H: tl.constexpr):
     """OUT_{t,i}[d, cols] = sum_b U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] (sequences in order; no atomics)."""
     i = tl.program_id(0)
@@ -221,7 +224,7 @@ def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_h
         src = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
         u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
                     mask=smask[:, None] & dmask[None, :], other=0.0)
-        acc += tl.dot(tl.trans(u), src.to(tl.float32))
+        acc += tl.dot(tl.trans(u), src.to(tl.float32), input_precision=DOT)
     tl.store(OUT + t * o_term_stride + i * o_head_stride + dd[:, None] * o_d_stride + hh[None, :] * o_h_stride,
              acc.to(OUT.dtype.element_ty), mask=dmask[:, None] & hmask[None, :])
 
@@ -234,8 +237,11 @@ def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict
     B, T, h = x.shape
     H, c = idx.shape[1:]
     d = qkv_weight.shape[0] // (3 * H)
-    return dict(B=B, T=T, h=h, H=H, c=c, d=d, blocks=dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H),
-                warps=8 if c > 64 else 4)
+    # fp32 inputs: exact fp32 dots unless torch allows TF32 (torch.set_float32_matmul_precision); bf16/fp16 inputs
+    # (autocast): TF32 on chip, finer than rounding the fp32 intermediates (Q, K, P, dS) back to 16 bits
+    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+    consts = dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H, DOT="ieee" if exact else "tf32")
+    return dict(B=B, T=T, h=h, H=H, c=c, d=d, consts=consts, warps=8 if c > 64 else 4)
 
 
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch.Tensor, strides: tuple[int, ...],
@@ -245,14 +251,14 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch
     per_program = n["H"] if torch.are_deterministic_algorithms_enabled() else 1
     grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
     _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
-                   HD=n["h"], D=n["d"], TERMS=u.shape[0], **n["blocks"])
+                   HD=n["h"], D=n["d"], TERMS=u.shape[0], **n["consts"])
 
 
 def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
                       strides: tuple[int, ...], n: dict) -> torch.Tensor:
     grid = (n["H"], triton.cdiv(n["h"], BLOCK_H), u.shape[0])
     _weight_grad[grid](src, idx, u, out, n["T"], n["H"], n["B"], n["c"], u[0].numel(), *strides,
-                       HD=n["h"], D=n["d"], **n["blocks"])
+                       HD=n["h"], D=n["d"], **n["consts"])
     return out
 
 
@@ -283,7 +289,7 @@ def _forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_
     _attn_fwd[(n["B"], n["H"])](
         x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, **_masks(visible, self_only, idx),
         INV_FREQ=inv_freq, QO=q, KO=k, VO=v, GO=g, T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5,
-        HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"], **n["blocks"])
+        HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"], **n["consts"])
     y = torch.zeros(n["B"] * n["T"], n["h"], device=x.device, dtype=torch.float32)
     _scatter_add(y, idx, g, out_weight, _out_strides(n), n)
     return y, q, k, v
@@ -304,7 +310,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight:
         dy, idx, gate.contiguous(), positions.contiguous(), out_weight, q, k, v, **_masks(visible, self_only, idx),
         INV_FREQ=inv_freq, DQKV=dqkv, GO=g, DGATE=dgate, T=n["T"], H=n["H"], B=n["B"], C=n["c"],
         scale=n["d"] ** -0.5, HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"],
-        **n["blocks"])
+        **n["consts"])
     dx = torch.zeros(n["B"] * n["T"], n["h"], **f32)
     _scatter_add(dx, idx, dqkv, qkv_weight, _qkv_strides(n), n)
     dw = _weight_grad_into(torch.empty_like(qkv_weight), x, idx, dqkv, _qkv_strides(n), n)

@@ -264,3 +264,19 @@ def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
     assert len(kernel_path) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_dot_precision_follows_torch() -> None:
+    """fp32 inputs get exact fp32 dots unless torch allows TF32 (as torch.matmul); 16-bit inputs get TF32."""
+    pytest.importorskip("triton")
+    from heads.gathered_triton import _sizes
+
+    x, idx, w = torch.zeros(1, 8, 16), torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(3 * 2 * 4, 16)
+    assert _sizes(x, idx, w)["consts"]["DOT"] == "ieee"
+    assert _sizes(x.bfloat16(), idx, w)["consts"]["DOT"] == "tf32"
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert _sizes(x, idx, w)["consts"]["DOT"] == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(previous)
