@@ -23,7 +23,8 @@ def earliest_first(mask: torch.Tensor, capacity: int) -> Selection:
     Causal: whether token t is kept depends only on mask[..., :t+1] (a running count), so
     autoregressive decoding can make the same decision with one counter per row."""
     c = max(min(capacity, mask.shape[-1]), 1)
-    return pack(mask & (mask.long().cumsum(-1) <= c), c)
+    m = mask.long().cumsum(-1)
+    return pack(mask & (m <= c), m.clamp(max=c), c)  # the first c candidates; kept so far = min(m, c)
 
 
 def prefix_quota(mask: torch.Tensor, quota: torch.Tensor) -> Selection:
@@ -37,18 +38,19 @@ def prefix_quota(mask: torch.Tensor, quota: torch.Tensor) -> Selection:
     slack = (quota.to(m) - m).cummin(-1).values.clamp(max=0)
     count = m + slack
     kept = mask & (count > torch.nn.functional.pad(count, (1, 0))[..., :-1])
-    return pack(kept, int(quota[-1]) if quota.numel() else 1)
+    return pack(kept, count, int(quota[-1]) if quota.numel() else 1)
 
 
-def pack(keep: torch.Tensor, capacity: int) -> Selection:
-    """keep[..., T] (at most `capacity` True per row) -> Selection with `capacity` slots (at least 1):
-    the kept tokens ascending, then padding."""
+def pack(keep: torch.Tensor, count: torch.Tensor, capacity: int) -> Selection:
+    """keep[..., T] (at most `capacity` True per row) and count[..., T], keep's running sum (the selections
+    above have it already) -> Selection with `capacity` slots (at least 1): the kept tokens ascending, then
+    padding."""
     T = keep.shape[-1]
     c = max(capacity, 1)
-    rank = keep.long().cumsum(-1) - 1  # slot of each kept token, in token order
+    rank = count - 1  # slot of each kept token, in token order
     slot = torch.where(keep, rank, torch.full_like(rank, c))  # others -> dummy slot c
     pos = torch.arange(T, device=keep.device).expand_as(rank)
     idx = torch.zeros(*keep.shape[:-1], c + 1, dtype=torch.long, device=keep.device)
     idx = idx.scatter(-1, slot, pos)[..., :c]
-    valid = torch.arange(c, device=keep.device) < keep.sum(-1, keepdim=True)
+    valid = torch.arange(c, device=keep.device) < count[..., -1:]
     return Selection(torch.where(valid, idx, torch.zeros_like(idx)), valid)
