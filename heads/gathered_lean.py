@@ -49,13 +49,18 @@ def heads_per_chunk(heads: int, slots: int, seq_len: int) -> int:
 class _Plan:
     """Index bookkeeping shared by forward and backward, in head-major layout [H, B, c]."""
 
-    def __init__(self, x: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(self, x: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> None:
         B, T, _ = x.shape
         self.B, self.T, self.H, self.c = B, T, idx.shape[1], idx.shape[2]
         offsets = torch.arange(B, device=idx.device)[:, None, None] * T
         self.flat = (idx + offsets).transpose(0, 1).reshape(self.H, B * self.c)  # rows of x.view(B*T, h)
         self.pos = positions.gather(1, idx.reshape(B, -1)).view(B, self.H, self.c).transpose(0, 1)  # [H, B, c]
         self.step = heads_per_chunk(self.H, self.c, T)
+        self._mask = mask.transpose(0, 1) if mask.dim() == 4 else mask  # [H, B, c, c] (MoSAIC) or [c, c]
+
+    def mask(self, heads: slice) -> torch.Tensor:
+        """The slot mask of a chunk of heads (heads/gathered_lean.slot_mask), broadcastable to [n, B, c, c]."""
+        return self._mask[heads] if self._mask.dim() == 4 else self._mask
 
     def chunks(self) -> range:
         return range(0, self.H, self.step)
@@ -84,14 +89,13 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
                  mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The forward in chunks of heads: y (fp32 [B*T, h]) and the rotated Q, K and V [H, B, c, h'] for backward."""
     B, T, h = x.shape
-    plan = _Plan(x, idx, positions)
+    plan = _Plan(x, idx, positions, mask)
     H, c = plan.H, plan.c
     d = qkv_weight.shape[0] // (3 * H)
     w = qkv_weight.view(3, H, d, h)
     wo = out_weight.view(h, H, d)
     xf = x.reshape(B * T, h)
     gate_h = gate.transpose(0, 1)  # [H, B, c]
-    mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
     q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
     y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
     xs_buf, out_buf = plan.workspace(xf), plan.workspace(xf)
@@ -103,7 +107,7 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
         v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
         q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
-        _, a = _attention(q_all[s], k_all[s], v, mask_h[s] if mask.dim() == 4 else mask)
+        _, a = _attention(q_all[s], k_all[s], v, plan.mask(s))
         a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
         x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0), out=out_buf[:n])  # [n, B*c, h]
         y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
@@ -117,14 +121,13 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
     """The backward in chunks of heads, recomputing the gathers and the c x c attention:
     (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O), None where `needs` says no."""
     B, T, h = x.shape
-    plan = _Plan(x, idx, positions)
+    plan = _Plan(x, idx, positions, mask)
     H, c = plan.H, plan.c
     d = q_all.shape[-1]
     w = qkv_weight.view(3, H, d, h)
     wo = out_weight.view(h, H, d)
     xf, dyf = x.reshape(B * T, h), dy.reshape(B * T, h).to(x.dtype).contiguous()  # (a broadcast dy gathers slowly)
     gate_h = gate.transpose(0, 1)
-    mask_h = mask.transpose(0, 1) if mask.dim() == 4 else mask
     need_x, need_gate, need_w, need_wo = needs
     dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
     dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
@@ -136,7 +139,7 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
         s = slice(h0, h0 + plan.step)
         q, k, v = q_all[s], k_all[s], v_all[s]
         n = q.shape[0]
-        p, a = _attention(q, k, v, mask_h[s] if mask.dim() == 4 else mask)  # recomputed, c x c per head
+        p, a = _attention(q, k, v, plan.mask(s))  # recomputed, c x c per head
         dyg = plan.gather(dyf, s, dy_buf)  # dY at the slots [n, B*c, h]
         g = torch.bmm(dyg, wo[:, s].permute(1, 0, 2)).view(n, B, c, d)  # dL/d(diag(r) A)
         if need_gate:

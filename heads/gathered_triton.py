@@ -272,10 +272,14 @@ def _out_strides(n: dict) -> tuple[int, ...]:
     return 0, n["d"], 1, n["H"] * n["d"]
 
 
-def _masks(visible: torch.Tensor | None, self_only: torch.Tensor | None, idx: torch.Tensor) -> dict:
+def _head_args(n: dict, idx: torch.Tensor, inv_freq: torch.Tensor, rot_dim: int, visible: torch.Tensor | None,
+               self_only: torch.Tensor | None) -> dict:
+    """Launch arguments _attn_fwd and _attn_bwd share: sizes, RoPE, MoSAIC's masks, block sizes."""
     return dict(VIS=visible.contiguous() if visible is not None else idx,  # placeholder pointer when unused
                 SELF=self_only.contiguous() if self_only is not None else idx,
-                HAS_VIS=visible is not None, HAS_SELF=self_only is not None)
+                HAS_VIS=visible is not None, HAS_SELF=self_only is not None, INV_FREQ=inv_freq,
+                T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5, HD=n["h"], D=n["d"],
+                HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"], **n["consts"])
 
 
 def _forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
@@ -286,10 +290,8 @@ def _forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_
     x, idx, qkv_weight, out_weight = (t.contiguous() for t in (x, idx, qkv_weight, out_weight))
     q, k, v = (x.new_empty(n["H"], n["B"], n["c"], n["d"]) for _ in range(3))
     g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], device=x.device, dtype=torch.float32)
-    _attn_fwd[(n["B"], n["H"])](
-        x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, **_masks(visible, self_only, idx),
-        INV_FREQ=inv_freq, QO=q, KO=k, VO=v, GO=g, T=n["T"], H=n["H"], B=n["B"], C=n["c"], scale=n["d"] ** -0.5,
-        HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"], **n["consts"])
+    _attn_fwd[(n["B"], n["H"])](x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, QO=q, KO=k, VO=v, GO=g,
+                                **_head_args(n, idx, inv_freq, rot_dim, visible, self_only))
     y = torch.zeros(n["B"] * n["T"], n["h"], device=x.device, dtype=torch.float32)
     _scatter_add(y, idx, g, out_weight, _out_strides(n), n)
     return y, q, k, v
@@ -306,11 +308,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight:
     dqkv = torch.empty(3, n["H"], n["B"], n["c"], n["d"], **f32)
     g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], **f32)
     dgate = torch.empty(n["B"], n["H"], n["c"], **f32)
-    _attn_bwd[(n["B"], n["H"])](
-        dy, idx, gate.contiguous(), positions.contiguous(), out_weight, q, k, v, **_masks(visible, self_only, idx),
-        INV_FREQ=inv_freq, DQKV=dqkv, GO=g, DGATE=dgate, T=n["T"], H=n["H"], B=n["B"], C=n["c"],
-        scale=n["d"] ** -0.5, HD=n["h"], D=n["d"], HALF=rot_dim // 2, ROT=rot_dim, num_warps=n["warps"],
-        **n["consts"])
+    _attn_bwd[(n["B"], n["H"])](dy, idx, gate.contiguous(), positions.contiguous(), out_weight, q, k, v, DQKV=dqkv,
+                                GO=g, DGATE=dgate, **_head_args(n, idx, inv_freq, rot_dim, visible, self_only))
     dx = torch.zeros(n["B"] * n["T"], n["h"], **f32)
     _scatter_add(dx, idx, dqkv, qkv_weight, _qkv_strides(n), n)
     dw = _weight_grad_into(torch.empty_like(qkv_weight), x, idx, dqkv, _qkv_strides(n), n)
