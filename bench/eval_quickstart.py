@@ -31,6 +31,7 @@ from lm_eval.api.model import TemplateLM
 
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
+from lm.checkpoint import read_checkpoint
 from lm.generate import load_for_generation
 from lm.lm_eval import SparseHeadsLM, evaluate_tasks, task_manager
 
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     model, sp = load_for_generation(args.ckpt)
     cfg = model.cfg
     T = cfg.seq_len
-    data_dir = Path(torch.load(args.ckpt, map_location="cpu", weights_only=False, mmap=True)["config"]["data"]["path"])
+    saved = read_checkpoint(args.ckpt)  # memory-mapped: the run's data path and step, not the weights again
+    data_dir = Path(saved["config"]["data"]["path"])
     index = json.loads((data_dir / "index.json").read_text())
     train = TokenStream(data_dir, "train", index["splits"]["train"]["shards"], cfg.vocab_size)
     counts = np.bincount(train.read(0, len(train)), minlength=cfg.vocab_size).astype(np.float64)
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {torch.__version__}, lm-eval {_version('lm_eval')}, Python {platform.python_version()}, {platform.machine()}).",
         f"Checkpoint: `{_rel(Path(args.ckpt))}` (configs/quickstart.yaml: dense, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"T = {T}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M parameters, "
-        f"step {torch.load(args.ckpt, map_location='cpu', weights_only=False, mmap=True).get('global_step', '?')}).",
+        f"step {saved.get('global_step', '?')}).",
         "Baseline: unigram distribution of the quickstart's training tokens (add-one smoothed), same tokens and code paths.",
         "",
         f"## Perplexity and bits per byte (lm.evaluate, context {T}, stride {T // 2})",

@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import IterableDataset
 
 from heads import ConfigError
-from lm.checkpoint import StepCheckpoints
+from lm.checkpoint import StepCheckpoints, read_checkpoint
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split
@@ -212,7 +212,7 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
 
 def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:
     """The CompressedLM saved in a train_compressed checkpoint, weights loaded, in eval mode."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = read_checkpoint(path, mmap=False)
     cfg = from_dict(ckpt["config"])
     if cfg.compression is None:
         raise ConfigError(f"{path}: not a compressed-model checkpoint (no compression section)")
