@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heads.gathered import gathered_heads_reference
+from heads import gathered_lean
 from heads.gathered_lean import gathered_heads_lean, heads_per_chunk
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection, earliest_first
@@ -46,7 +47,10 @@ def run_reference(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
 @pytest.mark.parametrize("T", [100, 257])
 @pytest.mark.parametrize("sparsity", [2, 8, 32])
 @pytest.mark.parametrize("heads", [3, 42])  # 42 heads: several chunks of T // (4c) heads (and a ragged last one)
-def test_lean_matches_reference(T: int, sparsity: int, heads: int) -> None:
+@pytest.mark.parametrize("min_chunk", [0, gathered_lean.MIN_CHUNK_ELEMENTS])  # 0: chunks by rows; default: one
+def test_lean_matches_reference(T: int, sparsity: int, heads: int, min_chunk: int,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gathered_lean, "MIN_CHUNK_ELEMENTS", min_chunk)
     p = problem(T, sparsity, heads)
     rope = RotaryEmbedding(HEAD_DIM, 0.5)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
@@ -61,10 +65,21 @@ def test_lean_matches_reference(T: int, sparsity: int, heads: int) -> None:
         assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
 
 
-def test_chunking_is_exercised() -> None:
-    """The 42-head cases above really run in several chunks, including a ragged one."""
-    sizes = [heads_per_chunk(42, max(T // sparsity, 2), T) for T in (100, 257) for sparsity in (2, 8, 32)]
+def test_chunking_is_exercised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 42-head cases above really run in several chunks, including a ragged one, when the element floor
+    is 0; with the default floor they run in one."""
+    cases = [(max(T // sparsity, 2), T) for T in (100, 257) for sparsity in (2, 8, 32)]
+    assert all(heads_per_chunk(42, c, T, BATCH * c * D_MODEL) == 42 for c, T in cases)
+    monkeypatch.setattr(gathered_lean, "MIN_CHUNK_ELEMENTS", 0)
+    sizes = [heads_per_chunk(42, c, T, BATCH * c * D_MODEL) for c, T in cases]
     assert all(n < 42 for n in sizes) and any(42 % n for n in sizes), sizes
+
+
+def test_chunk_floor_merges_tiny_heads_only() -> None:
+    """Micro scale (24 heads, c = 32, h = 64, B = 16) runs in chunks of MIN_CHUNK_ELEMENTS, not one head each;
+    the IsoFLOP Tiny point (276 heads, T = 1024, c = 32, h = 512) keeps its T/(4c) rule at batch 4 and 64."""
+    assert heads_per_chunk(24, 32, 128, 16 * 32 * 64) == gathered_lean.MIN_CHUNK_ELEMENTS // (16 * 32 * 64) > 1
+    assert heads_per_chunk(276, 32, 1024, 4 * 32 * 512) == heads_per_chunk(276, 32, 1024, 64 * 32 * 512) == 8
 
 
 def test_saves_no_gathered_tensor() -> None:
