@@ -25,6 +25,7 @@ class SlotKV:
     fill: torch.Tensor  # [B, H] slots written so far (for a ring buffer it keeps counting)
     ring: bool = False  # True: slot = fill % S, overwriting the oldest entry
     fresh: bool = True  # nothing written yet: the next call is the prefill
+    rows: int = 0  # host-side bound on the slots in use, >= min(fill.max(), S) (exact when every token is kept)
 
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, dim: int, device: torch.device | str = "cpu",
@@ -46,25 +47,42 @@ class SlotKV:
         return self.pos.numel()
 
     def write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T]."""
+        """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T].
+        The host syncs only to check for overflow, and only when `rows` says the cache may be full."""
+        S, T = self.k.shape[2], keep.shape[-1]
+        if not self.ring and self.rows + T > S and bool((keep & (self.fill[..., None] + keep.cumsum(-1) > S)).any()):
+            raise RuntimeError(f"KV cache full: {S} slots per head")
+        if T == 1:
+            self._write_one(keep, k, v, pos)
+        else:
+            self._write_many(keep, k, v, pos)
+        self.fill += keep.sum(-1)  # a ring buffer keeps counting past S: the next slot is fill % S
+        self.rows = min(self.rows + T, S)
+        self.fresh = False
+
+    def _write_many(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Several entries per row (the prefill): scatter the kept ones by index."""
         S = self.k.shape[2]
         rank = keep.long().cumsum(-1) - 1  # order of each kept entry within this write
-        written = keep.sum(-1)
         if self.ring:  # only the last S kept entries can survive
             keep = keep & (keep.sum(-1, keepdim=True) - 1 - rank < S)
-        slot = self.fill[..., None] + rank
-        if not self.ring and bool((keep & (slot >= S)).any()):
-            raise RuntimeError(f"KV cache full: {S} slots per head")
         b, h, t = keep.nonzero(as_tuple=True)
-        s = slot[b, h, t] % S
+        s = (self.fill[..., None] + rank)[b, h, t] % S
         self.k[b, h, s], self.v[b, h, s], self.pos[b, h, s] = k[b, h, t], v[b, h, t], pos[b, h, t].to(self.pos.dtype)
-        self.fill += written  # a ring buffer keeps counting past S: the next slot is fill % S
-        self.fresh = False
+
+    def _write_one(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """One entry per row (a decoding step), without index lists or host syncs: every row writes its next
+        slot; a row that keeps nothing writes back what that slot holds."""
+        slot = (self.fill % self.k.shape[2] if self.ring else self.fill.clamp(max=self.k.shape[2] - 1))[..., None]
+        at = slot[..., None].expand_as(k)  # [B, H, 1, d]
+        self.k.scatter_(2, at, torch.where(keep[..., None], k.to(self.k.dtype), self.k.gather(2, at)))
+        self.v.scatter_(2, at, torch.where(keep[..., None], v.to(self.v.dtype), self.v.gather(2, at)))
+        self.pos.scatter_(2, slot, torch.where(keep, pos.to(self.pos.dtype), self.pos.gather(2, slot)))
 
     def attend(self, q: torch.Tensor, qpos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """q[B, H, Tq, d] at positions qpos[B, Tq] over the cached keys at positions <= qpos (and
         > qpos - window when given) -> [B, H, Tq, d]. Queries that see no key get zeros."""
-        n = int(self.fill.max().clamp(max=self.k.shape[2]))
+        n = self.rows  # slots beyond it are empty; padding slots inside it have pos -1
         if n == 0:
             return torch.zeros_like(q)
         kpos = self.pos[:, :, None, :n]  # [B, H, 1, n]
@@ -105,7 +123,7 @@ class BlockKV:
     @property
     def rows(self) -> int:
         """Tokens cached so far (the row of the next token)."""
-        return int(self.kv.fill.max())
+        return self.kv.rows
 
     def entries(self) -> int:
         """Token keys/values stored plus one (q~_j, v~_j) pair per completed block, over sequences and heads."""

@@ -121,7 +121,7 @@ class TopKHeads(DenseHeads):
         if prefill:
             a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
         else:
-            n = int(cache.fill.max())
+            n = cache.rows
             kpos = cache.pos[:, :, None, :n]  # [B, H, 1, n]
             visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, n]
             scores = (q @ cache.k[:, :, :n].transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))

@@ -1,0 +1,61 @@
+"""heads/kv_cache.SlotKV: a decoding step's single-token write (no index lists, no host sync) stores exactly
+what the general write stores, for append-only and ring caches; a full cache refuses the entry."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.kv_cache import SlotKV
+
+B, H, T, D = 2, 3, 23, 4
+
+
+def entries(seed: int) -> tuple[torch.Tensor, ...]:
+    """keep[B, H, T] (about half kept), k, v [B, H, T, D], pos [B, H, T]."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(B, H, T, generator=g) < 0.5
+    k, v = torch.randn(2, B, H, T, D, generator=g)
+    return keep, k, v, torch.arange(T).expand(B, H, T) + 5
+
+
+@pytest.mark.parametrize("ring, slots", [(False, T), (False, 14), (True, 5)])  # 14: fits ~half kept
+def test_one_token_writes_equal_one_prefill_write(ring: bool, slots: int) -> None:
+    keep, k, v, pos = entries(0)
+    if not ring:
+        keep &= keep.cumsum(-1) <= slots  # an append-only cache must not overflow
+    whole, steps = (SlotKV.empty(B, H, slots, D, ring=ring) for _ in range(2))
+    whole.write(keep, k, v, pos)
+    for t in range(T):
+        steps.write(keep[..., t : t + 1], k[..., t : t + 1, :], v[..., t : t + 1, :], pos[..., t : t + 1])
+        assert steps.rows >= int(steps.fill.max().clamp(max=slots))  # the host bound attend slices by
+    assert torch.equal(whole.fill, steps.fill) and torch.equal(whole.pos, steps.pos)
+    assert torch.equal(whole.k, steps.k) and torch.equal(whole.v, steps.v)
+    assert int((steps.pos >= 0).sum()) == steps.entries() > 0
+
+
+def test_attend_sees_only_written_slots() -> None:
+    """A cache whose host bound exceeds its fill (a sparse head) attends like one sliced to the fill."""
+    keep, k, v, pos = entries(1)
+    cache = SlotKV.empty(B, H, T, D)
+    for t in range(T):
+        cache.write(keep[..., t : t + 1], k[..., t : t + 1, :], v[..., t : t + 1, :], pos[..., t : t + 1])
+    q, qpos = torch.randn(B, H, 1, D), torch.full((B, 1), T + 5)
+    out = cache.attend(q, qpos)
+    for b in range(B):
+        for h in range(H):
+            kk, vv = k[b, h][keep[b, h]], v[b, h][keep[b, h]]
+            ref = ((q[b, h] @ kk.T) * D**-0.5).softmax(-1) @ vv if len(kk) else torch.zeros(1, D)
+            torch.testing.assert_close(out[b, h], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_full_cache_refuses_the_entry(step: int) -> None:
+    cache = SlotKV.empty(1, 2, 4, D)
+    keep = torch.tensor([[True], [False]]).expand(2, step)[None]  # head 0 keeps every token, head 1 none
+    kv = torch.randn(1, 2, step, D)
+    written = 0
+    with pytest.raises(RuntimeError, match="KV cache full: 4 slots per head"):
+        for _ in range(5):
+            cache.write(keep, kv, kv, torch.zeros(1, 2, step, dtype=torch.long))
+            written += step
+    assert written == 4 // step * step and int(cache.fill[0, 0]) == written  # the failed write stored nothing
