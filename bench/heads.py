@@ -1,10 +1,12 @@
-"""Forward+backward time and peak memory of a MoSA head group vs dense heads at equal forward FLOPs.
+"""Forward+backward time and peak memory of head groups vs dense heads at equal forward FLOPs.
 
     flock /tmp/cpu_heavy.lock env OMP_NUM_THREADS=1 .venv/bin/python -m bench.heads --out bench/results/heads_cpu.md
     python -m bench.heads --device cuda --d-model 512 --head-dim 64 --out bench/results/heads_gpu.md
+    python -m bench.heads --T 1024 --variants dense mosa-threshold mosaic fixed routing mita agent local topk
 
-For each T, `--dense-heads` dense heads set the budget; each MoSA variant gets the largest head count
-whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 +
+The variants are MoSA's two selections by default, or any head type (`--variants`, default options plus
+`--sparsity` where the type has one). For each T, `--dense-heads` dense heads set the budget; each other
+variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 +
 2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh subprocess, one after the
 other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS increase of the
 process over its state after building the group and input (ru_maxrss); CUDA = max_memory_allocated
@@ -16,6 +18,7 @@ activation memory the head's implementation is responsible for.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import resource
@@ -27,22 +30,32 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = {  # name -> (head type, options without sparsity)
+VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
     "dense": ("dense", {}),
     "mosa-threshold": ("mosa", {"selection": "threshold"}),
     "mosa-expert_choice": ("mosa", {"selection": "expert_choice"}),
+    "mosaic": ("mosaic", {}),
+    "fixed": ("fixed", {}),
+    "routing": ("routing", {}),
+    "mita": ("mita", {}),
+    "agent": ("agent", {}),
+    "local": ("local", {}),
+    "topk": ("topk", {}),
 }
+DEFAULT_VARIANTS = ["dense", "mosa-threshold", "mosa-expert_choice"]
 
 
 def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
     """(heads, forward FLOPs, options) of `variant` FLOP-matched to args.dense_heads dense heads."""
     from flops.formulas import group_cost
+    from heads import head_class
 
     budget = group_cost("dense", args.d_model, args.head_dim, T, args.dense_heads).flops
     head_type, options = VARIANTS[variant]
     if head_type == "dense":
         return args.dense_heads, budget, {}
-    options = {**options, "sparsity": args.sparsity}
+    if "sparsity" in {f.name for f in dataclasses.fields(head_class(head_type).Options)}:
+        options = {**options, "sparsity": args.sparsity}
     per_head = group_cost(head_type, args.d_model, args.head_dim, T, 1, options).flops
     n = budget // per_head
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
@@ -102,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per variant, alternating (medians)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -139,12 +152,12 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
     dense = {r["T"]: r for r in rows if r["variant"] == "dense"}
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine())
     lines = [
-        "# MoSA head group vs dense heads at equal forward FLOPs (bench/heads.py)",
+        "# Head groups vs dense heads at equal forward FLOPs (bench/heads.py)",
         "",
         f"Machine: {device}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
-        f"{args.dense_heads} heads, each MoSA group the most heads whose App. C forward FLOPs fit the same budget. "
+        f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
         f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
         f"of fresh processes; memory = "
         + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase of a fresh process (ru_maxrss)."),

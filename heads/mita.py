@@ -184,33 +184,42 @@ class MiTAHeads(DenseHeads):
         self, q: Tensor, kexp: Tensor, vexp: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
         """Each query's attention over each of its s' routed experts (eq. 5), as Alg. 1 line 14: the
-        (query, expert) pairs are grouped by expert and padded, then one batched attention per
-        expert's k' keys. For s' > 1 a key held by c of the query's chosen experts gets logit
-        - log c in each, so the merged softmax counts it once (the union). Returns out
-        [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
+        (query, expert) pairs are sorted by expert into groups of G = b rows, each group holding one
+        expert's queries (an expert's last group padded), then one batched attention of every group over
+        its expert's k' keys. The layout has a static size, ceil(T s' / G) + n groups, whatever the
+        routing's balance (no host sync, at most about twice the pairs). For s' > 1 a key held by c of the
+        query's chosen experts gets logit - log c in each, so the merged softmax counts it once (the
+        union). Returns out [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
         B, H, T, d = q.shape
         n, kk, s = kexp.shape[2], kexp.shape[3], sel.shape[-1]
-        P = T * s
+        P, G = T * s, self.options.block
+        NB = -(-P // G) + n  # >= sum_j ceil(count_j / G): groups needed by any routing
         expert = sel.masked_fill(~sel_ok, n).flatten(2)  # [B, H, P], n = "unused" bucket
         counts = torch.zeros(B, H, n + 1, dtype=torch.long, device=q.device).scatter_add_(-1, expert, torch.ones_like(expert))
-        width = int(counts[..., :n].max())  # queries of the busiest expert
+        rows = (counts[..., :n] + G - 1) // G * G  # [B, H, n] rows of expert j's groups
+        ends = rows.cumsum(-1)
+        first = F.pad(ends - rows, (0, 1), value=NB * G)  # [B, H, n + 1] first row of each expert; unused -> dump row
         order = expert.argsort(dim=-1, stable=True)
         sorted_expert = expert.gather(-1, order)
         rank = torch.arange(P, device=q.device) - (counts.cumsum(-1) - counts).gather(-1, sorted_expert)
-        slot_sorted = torch.where(sorted_expert < n, sorted_expert * width + rank, n * width)  # unused -> dump row
+        slot_sorted = first.gather(-1, sorted_expert) + rank.masked_fill(sorted_expert == n, 0)
         slot = torch.empty_like(slot_sorted).scatter_(-1, order, slot_sorted)  # [B, H, P] padded row of each pair
+        starts = (torch.arange(NB, device=q.device) * G).expand(B, H, NB).contiguous()
+        group_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n - 1)  # [B, H, NB] (unused groups: any)
+        kexp, vexp = (_rows(t.flatten(3), group_expert).view(B, H, NB, kk, d) for t in (kexp, vexp))
+        group_ok = _rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
 
-        def to_padded(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, X] -> [B, H, n, width, X]
-            buf = t.new_zeros(B, H, n * width + 1, t.shape[-1])
-            return buf.scatter(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]), t)[:, :, :-1].unflatten(2, (n, width))
+        def to_padded(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, X] -> [B, H, NB, G, X]
+            buf = t.new_zeros(B, H, NB * G + 1, t.shape[-1])
+            return buf.scatter(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]), t)[:, :, :-1].unflatten(2, (NB, G))
 
         scores = to_padded(q[:, :, :, None].expand(B, H, T, s, d).reshape(B, H, P, d)) @ kexp.transpose(-1, -2) * scale
         if s > 1:
             scores = scores - to_padded(self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk).to(q.dtype).log())
-        scores = scores.masked_fill(~idx_ok[:, :, :, None], NEG_INF)  # [B, H, n, width, k']
-        out = scores.softmax(-1) @ vexp  # [B, H, n, width, d]
+        scores = scores.masked_fill(~group_ok[:, :, :, None], NEG_INF)  # [B, H, NB, G, k']
+        out = scores.softmax(-1) @ vexp  # [B, H, NB, G, d]
         lse = scores.logsumexp(-1, keepdim=True)
-        flat = torch.cat((out, lse), -1).flatten(2, 3)  # [B, H, n * width, d + 1]
+        flat = torch.cat((out, lse), -1).flatten(2, 3)  # [B, H, NB * G, d + 1]
         flat = _rows(F.pad(flat, (0, 0, 0, 1)), slot).view(B, H, T, s, d + 1)  # back to pairs
         return flat[..., :d], flat[..., d].masked_fill(~sel_ok, NEG_INF)
 
