@@ -7,12 +7,12 @@ For each prompt length L three models (MoSA Table 2's layout, scaled down: 9 den
 17 MoSA heads at rho = 32 with causal threshold selection, and 4 dense + 17 MoSAIC heads, recency/include,
 top-1, at rho = 17 = N / s so that the heads' capacity matches the T choices (at rho = 32 47% of them
 would be dropped); seq_len = L + new tokens) get a random prompt,
-one prefill call, then `--new-tokens` greedy steps through lm/generate.py's cache. Reported: prefill
-seconds, decode tokens/s (median of 3 repeats), the cache's allocated bytes after decoding (keys,
-values, int32 positions, counters), the analytic KV bytes (kv_total x 2 x head_dim x 4 bytes), and
-the measured fill: key/value entries actually stored after decoding, of the slots allocated, per head
-type (lm/generate.py cache_fill), next to the analytic count kv_total.
-MoSA's running thresholds are set by one training-mode pass on a random 1k-token batch so that a
+one prefill call, then `--new-tokens` greedy steps through lm/generate.py's cache, the three models taking
+turns for `--repeats` rounds. Reported: prefill seconds, decode tokens/s (median over the repeats), the
+cache's allocated bytes after decoding (keys, values, int32 positions, counters), the analytic KV bytes
+(kv_total x 2 x head_dim x 4 bytes), and the measured fill: key/value entries actually stored after
+decoding, of the slots allocated, per head type (lm/generate.py cache_fill), next to the analytic count
+kv_total. MoSA's running thresholds are set by one training-mode pass on a random 1k-token batch so that a
 head selects about 1/rho of the tokens, as after training. Weights are random: this measures cost only.
 """
 from __future__ import annotations
@@ -75,14 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     rows = []
     for L in args.lengths:
-        results = {}
+        results, models = {}, {}
         for name, cfg in configs(args.d_model, args.head_dim, args.layers, args.vocab, L + args.new_tokens,
                                  args.sparsity).items():
             model = build_model(cfg).to(args.device)
             model.train()(torch.randint(0, args.vocab, (1, 1024), device=args.device))  # MoSA thresholds
-            model.eval()
-            prompt = torch.randint(0, args.vocab, (1, L), device=args.device)
-            runs = [decode(model, prompt, args.new_tokens) for _ in range(args.repeats)]
+            models[name] = model.eval()
+        prompt = torch.randint(0, args.vocab, (1, L), device=args.device)
+        timed: dict[str, list] = {name: [] for name in models}
+        for _ in range(args.repeats):  # the models alternate, so drift on a shared machine hits all alike
+            for name, model in models.items():
+                timed[name].append(decode(model, prompt, args.new_tokens))
+        for name, model in models.items():
+            runs = timed[name]
             prefill = statistics.median(r[0] for r in runs)
             tok_s = args.new_tokens / statistics.median(r[1] for r in runs)
             cache, T = runs[-1][2], L + args.new_tokens
