@@ -1,6 +1,6 @@
 """Causal MiTA (heads/mita.py, routing/landmarks.py): fast vs reference (s = 1 and s > 1 with
 overlapping experts, odd lengths, no complete landmark), reduction to dense causal attention,
-causality in a hybrid mix, config errors."""
+causality in a hybrid mix, config errors, the routed experts' grouped layout under unbalanced routing."""
 from __future__ import annotations
 
 import pytest
@@ -83,3 +83,33 @@ def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
 
     result = solve(baseline("tiny"), "mita", dense_heads=4, options={"block": 64, "k": 64, "s": 1})
     assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
+
+
+@pytest.mark.parametrize("routing", ["one_expert", "random"])
+def test_routed_groups_hold_any_routing(routing: str) -> None:
+    """MiTAHeads._routed (s = 1) lays each expert's queries out in groups of b rows with a static group count;
+    with every query routed to one expert (the most unbalanced case, several groups for one expert) or at
+    random (some experts empty), every query's output and log-sum-exp equal its softmax over its expert's
+    valid keys, and unrouted queries get lse -inf."""
+    torch.manual_seed(0)
+    B, H, T, d, n, kk, b = 2, 3, 29, 4, 5, 7, 4
+    group = make_group("mita", {"block": b, "k": kk}, T, count=H, d_model=16, head_dim=d, dtype=torch.float64)
+    q, kexp, vexp = torch.randn(B, H, T, d), torch.randn(B, H, n, kk, d), torch.randn(B, H, n, kk, d)
+    q, kexp, vexp = q.double(), kexp.double(), vexp.double()
+    idx_ok = torch.rand(B, H, n, kk) < 0.7
+    idx_ok[..., 0] = True
+    sel = torch.zeros(B, H, T, 1, dtype=torch.long) if routing == "one_expert" else torch.randint(0, n, (B, H, T, 1))
+    sel_ok = torch.rand(B, H, T, 1) < 0.8
+    idx = torch.arange(kk).expand(B, H, n, kk)  # key rows (used by s > 1 only)
+    out, lse = group._routed(q, kexp, vexp, idx, idx_ok, sel, sel_ok, d**-0.5)
+    assert torch.isneginf(lse[~sel_ok]).all()
+    for bi in range(B):
+        for h in range(H):
+            for t in range(T):
+                if not sel_ok[bi, h, t, 0]:
+                    continue
+                j = sel[bi, h, t, 0]
+                keys, values = kexp[bi, h, j][idx_ok[bi, h, j]], vexp[bi, h, j][idx_ok[bi, h, j]]
+                scores = keys @ q[bi, h, t] * d**-0.5
+                torch.testing.assert_close(out[bi, h, t, 0], scores.softmax(-1) @ values, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(lse[bi, h, t, 0], scores.logsumexp(-1), rtol=1e-12, atol=1e-12)
