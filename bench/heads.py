@@ -6,14 +6,14 @@
 
 The variants are MoSA's two selections by default, or any head type (`--variants`, default options plus
 `--sparsity` where the type has one). For each T, `--dense-heads` dense heads set the budget; each other
-variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 +
-2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh subprocess, one after the
-other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS increase of the
-process over its state after building the group and input (ru_maxrss); CUDA = max_memory_allocated
-minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one warm-up step.
-The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive at the end of
-backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so this is the
-activation memory the head's implementation is responsible for.
+variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T +
+4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh
+subprocess, one after the other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS
+increase of the process over its state after building the group and input (ru_maxrss); CUDA =
+max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one
+warm-up step. The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive
+at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so
+this is the activation memory the head's implementation is responsible for.
 """
 from __future__ import annotations
 
