@@ -1,0 +1,25 @@
+"""bench/heads.py: every variant is FLOP-matched to the dense budget (within one head's cost) and its worker
+runs a forward + backward and reports time and memory."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.heads import VARIANTS, matched_count, worker
+from flops.formulas import group_cost
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_is_flop_matched_and_runs(variant: str) -> None:
+    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4)
+    T = 64
+    budget = group_cost("dense", 32, 8, T, 2).flops
+    count, flops, options = matched_count(variant, T, args)
+    head_type = VARIANTS[variant][0]
+    per_head = group_cost(head_type, 32, 8, T, 1, options).flops
+    assert count >= 1 and flops <= budget < flops + per_head, (count, flops, budget)
+    assert ("sparsity" in options) == (head_type in ("mosa", "mosaic", "fixed", "routing"))
+    out = worker(dict(type=head_type, options=options, count=count, T=T, d_model=32, head_dim=8, batch=2,
+                      repeats=1, device="cpu"))
+    assert out["seconds"] > 0 and out["grad_bytes"] > 0
