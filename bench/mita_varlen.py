@@ -3,8 +3,8 @@ side by side in one run: forward+backward time and peak memory of one MiTA head 
 
     python -m bench.mita_varlen --T 1024 4096 16384 --out bench/results/mita_varlen_gpu.md
 
-Both paths compute the same function (tests/test_varlen.py); the padded path pads every expert's
-queries to the busiest expert's count, the varlen path packs exactly the (query, expert) pairs.
+Both paths compute the same function (tests/test_varlen.py); the padded path packs each expert's queries
+into groups of b rows (its last group padded), the varlen path packs exactly the (query, expert) pairs.
 Time: median of `--repeats` fwd+bwd steps after `--warmup` steps, CUDA events; memory:
 max_memory_allocated increase over the state before the step. bf16 inputs.
 """
