@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.kv_cache import BlockKV
+from heads.local import window_blocks
 from routing.landmarks import block_ends, block_pool, prefix_mask
 
 
@@ -85,22 +85,17 @@ class AgentHeads(DenseHeads):
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         B, H, T, d = q.shape
         b, w = self.options.block, self.options.window
-        n, nb = T // b, -(-T // b)
+        n = T // b
         A = block_pool(q, b)  # [B, H, n, d]
         VA = attend(A, k, v, mask=prefix_mask(n, T, b, q.device))  # agent aggregation, keys <= e_j
         # Query blocks of b rows; keys = all agents + the previous and own block (window w <= b).
-        pad = nb * b - T
-        qb = F.pad(q, (0, 0, 0, pad)).unflatten(2, (nb, b))  # [B, H, nb, b, d]
-        kb = F.pad(k, (0, 0, b, pad)).unflatten(2, (nb + 1, b))  # block -1 (zeros) first
-        vb = F.pad(v, (0, 0, b, pad)).unflatten(2, (nb + 1, b))
-        keys = torch.cat((A[:, :, None].expand(B, H, nb, n, d), kb[:, :, :-1], kb[:, :, 1:]), 3)
-        values = torch.cat((VA[:, :, None].expand(B, H, nb, n, d), vb[:, :, :-1], vb[:, :, 1:]), 3)
-        t = torch.arange(nb * b, device=q.device).view(nb, b, 1)  # query rows
-        p = torch.arange(-b, nb * b, device=q.device).unfold(0, 2 * b, b)[:nb, None, :]  # [nb, 1, 2b] key rows
-        mask = torch.cat(
-            (block_ends(n, b, q.device).expand(nb, b, n) <= t, (p >= 0) & (p <= t) & (p > t - w)), -1
-        )  # [nb, b, n + 2b]
-        out = attend(qb, keys, values, mask=mask).flatten(2, 3)[:, :, :T]  # [B, H, T, d]
+        qb, kb, vb, band = window_blocks(q, k, v, b, w)  # [B*H, nb, b, d], [B*H, nb, 2b, d], [nb, b, 2b]
+        nb = qb.shape[1]
+        keys = torch.cat((A.flatten(0, 1)[:, None].expand(-1, nb, n, d), kb), 2)  # [B*H, nb, n + 2b, d]
+        values = torch.cat((VA.flatten(0, 1)[:, None].expand(-1, nb, n, d), vb), 2)
+        rows = torch.arange(nb * b, device=q.device).view(nb, b, 1)
+        mask = torch.cat((block_ends(n, b, q.device) <= rows, band), -1)  # [nb, b, n + 2b]: agents done by t
+        out = attend(qb, keys, values, mask=mask).view(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",

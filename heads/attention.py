@@ -51,4 +51,8 @@ def attend(
     ):
         out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
         return out.transpose(1, 2)
+    if mask is not None and 2 < mask.dim() < q.dim():
+        # SDPA's fused CPU kernel takes only 2-D or full-rank masks; a 3-D one sends it to the math
+        # kernel, which keeps the [.., Tq, Tk] probabilities for backward.
+        mask = mask.view((1,) * (q.dim() - mask.dim()) + mask.shape)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)

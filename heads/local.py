@@ -2,8 +2,8 @@
 
 Query at position i attends to the `window` most recent tokens j with i - window < j <= i
 (itself included). KV entries per head: min(window, T).
-Fast path: blocks of `window` queries attend to their own block and the previous one, with a
-[window, 2*window] band mask, so cost and memory are O(T * window) instead of O(T^2).
+Fast path (`window_blocks`): blocks of `window` queries attend to their own block and the previous one,
+with a [window, 2*window] band mask, so cost and memory are O(T * window) instead of O(T^2).
 """
 from __future__ import annotations
 
@@ -16,6 +16,26 @@ from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.kv_cache import SlotKV
+
+
+def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
+                  window: int) -> tuple[torch.Tensor, ...]:
+    """Banded attention in blocks: q, k, v [B, H, T, d] -> queries qb[B*H, nb, block, d] (nb = ceil(T /
+    block), padded rows at the end), keys/values kb, vb[B*H, nb, 2*block, d] of the previous and own
+    block (zeros before row 0), and the band mask [nb, block, 2*block]: key row p is visible to query
+    row t iff p >= 0 and t - window < p <= t. Needs window <= block + 1 (no key beyond the previous
+    block). The mask has no batch or head dimension, so SDPA broadcasts it (a [B*H*nb, block, 2*block]
+    copy would be materialised, and kept as a float bias for backward)."""
+    B, H, T, d = q.shape
+    nb = -(-T // block)
+    pad = nb * block - T  # padded query/key rows sit after every real row: invisible to real queries
+    qb = F.pad(q, (0, 0, 0, pad)).view(B * H, nb, block, d)
+    kp = F.pad(k, (0, 0, block, pad)).view(B * H, nb + 1, block, d)  # block -1 (zeros) first
+    vp = F.pad(v, (0, 0, block, pad)).view(B * H, nb + 1, block, d)
+    kb, vb = torch.cat((kp[:, :-1], kp[:, 1:]), 2), torch.cat((vp[:, :-1], vp[:, 1:]), 2)
+    t = torch.arange(nb * block, device=q.device).view(nb, block, 1)  # query rows
+    p = torch.arange(-block, nb * block, device=q.device).unfold(0, 2 * block, block)[:nb, None, :]  # key rows
+    return qb, kb, vb, (p >= 0) & (p <= t) & (p > t - window)
 
 
 @dataclass
@@ -49,26 +69,13 @@ class LocalHeads(DenseHeads):
         return self._merge(torch.stack(heads, 1))
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._qkv(x, positions)
+        return self._merge(self._banded(*self._qkv(x, positions)))
+
+    def _banded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Sliding-window attention over q, k, v [B, H, T, h'] in blocks of `window` rows -> [B, H, T, h']."""
         B, H, T, d = q.shape
-        w = min(self.options.window, T)
-        n = -(-T // w)  # blocks
-        pad = n * w - T  # padded queries/keys sit after every real token: invisible to real queries
-
-        def blocks(t: torch.Tensor) -> torch.Tensor:
-            return F.pad(t, (0, 0, 0, pad)).view(B, H, n, w, d)
-
-        qb, kb, vb = blocks(q), blocks(k), blocks(v)
-        prev = lambda t: F.pad(t, (0, 0, 0, 0, 1, 0))[:, :, :-1]  # noqa: E731  block n-1 (zeros before 0)
-        kk, vv = torch.cat((prev(kb), kb), 3), torch.cat((prev(vb), vb), 3)  # [B, H, n, 2w, d]
-        qi = torch.arange(w, device=x.device)[:, None] + w  # query offset within [prev | own]
-        kj = torch.arange(2 * w, device=x.device)[None, :]
-        band = (qi - kj >= 0) & (qi - kj < self.options.window)  # [w, 2w]
-        first = torch.ones(n, 1, 2 * w, dtype=torch.bool, device=x.device)
-        first[0, :, :w] = False  # block 0 has no previous block
-        mask = (band & first).expand(H, n, w, 2 * w).reshape(1, H * n, w, 2 * w)
-        a = attend(qb.reshape(B, H * n, w, d), kk.reshape(B, H * n, 2 * w, d), vv.reshape(B, H * n, 2 * w, d), mask=mask)
-        return self._merge(a.view(B, H, n * w, d)[:, :, :T])
+        qb, kb, vb, band = window_blocks(q, k, v, min(self.options.window, T), self.options.window)
+        return attend(qb, kb, vb, mask=band).view(B, H, -1, d)[:, :, :T]
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> SlotKV:
@@ -81,6 +88,4 @@ class LocalHeads(DenseHeads):
         q, k, v = self._qkv(x, positions)
         prefill = cache.fresh
         cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand_as(k[..., 0]))
-        if prefill:
-            return self.forward_fast(x, positions)
-        return self._merge(cache.attend(q, positions, window=self.options.window))
+        return self._merge(self._banded(q, k, v) if prefill else cache.attend(q, positions, window=self.options.window))

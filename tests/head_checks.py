@@ -62,3 +62,18 @@ def assert_match(errors: dict[str, tuple[float, float]], rel_rms_tol: float = RE
     """Every entry of fast_vs_reference within the tolerances (default: the fp32 ones above)."""
     for name, (rel_rms, rel_max) in errors.items():
         assert rel_rms < rel_rms_tol and rel_max < rel_max_tol, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
+
+
+def saved_for_backward(group: HeadGroup, T: int, batch: int = 1) -> list[int]:
+    """Sizes in bytes of the distinct storages autograd keeps for backward after one forward pass of
+    `group` (the implementation's activation memory, parameters included)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(batch, T, group.ctx.d_model, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        group(x, torch.arange(T).expand(batch, T))
+    return list(storages.values())

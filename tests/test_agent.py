@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_config
-from tests.head_checks import assert_match, fast_vs_reference, make_group
+from tests.head_checks import assert_match, fast_vs_reference, make_group, saved_for_backward
 
 import lm
 from heads import ConfigError
@@ -18,6 +18,15 @@ TOL = 1e-12  # float64: relative RMS error and max-abs error (relative to the re
 def test_fast_matches_reference(T: int, block: int, window: int) -> None:
     errors = fast_vs_reference(make_group("agent", {"block": block, "window": window}, T, std=None, dtype=torch.float64), T)
     assert_match(errors, TOL, TOL)
+
+
+def test_fast_path_keeps_no_score_tensor() -> None:
+    """SDPA's fused kernel runs (4-D blocks, a mask with no batch/head dimension), so nothing kept for
+    backward is as large as the [H, T, n + 2b] probabilities the math kernel keeps (the old 5-D
+    layout ran it); the largest saved tensors are the per-block agent keys, h'/b of that."""
+    T, b, w, H = 256, 32, 16, 4
+    group = make_group("agent", {"block": b, "window": w}, T, count=H, head_dim=8)
+    assert max(saved_for_backward(group, T)) < H * T * (T // b + 2 * b) * 4
 
 
 def _models(T: int, **options) -> tuple[torch.nn.Module, torch.nn.Module]:

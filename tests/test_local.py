@@ -8,7 +8,7 @@ import lm
 from heads import ConfigError
 from lm.causality import future_leak
 from tests.conftest import tiny_config
-from tests.head_checks import assert_match, fast_vs_reference, make_group
+from tests.head_checks import assert_match, fast_vs_reference, make_group, saved_for_backward
 
 
 @pytest.mark.parametrize("T", [100, 257, 5])
@@ -36,3 +36,12 @@ def test_causal_and_bad_window() -> None:
     assert future_leak(model, torch.randint(0, 97, (2, 64)), t=20, vocab_size=97) <= 1e-5
     with pytest.raises(ConfigError, match="window"):
         tiny_config([{"type": "local", "count": 2, "options": {"window": 0}}])
+
+
+def test_fast_path_keeps_no_score_or_mask_per_head() -> None:
+    """The band mask has no batch/head dimension, so SDPA's fused kernel runs and keeps O(T·h') per
+    head for backward: less than one [T, 2w] fp32 score (or float-bias) tensor per head in all. The
+    old [B·H·nb, w, 2w] mask kept 4·H·T·2w bytes as a float bias; a 3-D mask ran the math kernel."""
+    T, w, H = 256, 64, 4
+    group = make_group("local", dict(window=w), T, count=H, head_dim=8)
+    assert sum(saved_for_backward(group, T)) < H * T * 2 * w * 4
