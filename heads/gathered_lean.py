@@ -182,7 +182,9 @@ class GatheredHeads(torch.autograd.Function):
         y, q_all, k_all, v_all = lean_forward(x, gate, qkv_weight, out_weight, idx, positions, rope, mask)
         ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, mask, q_all, k_all, v_all)
         ctx.rope = rope
-        return y.view(x.shape).to(x.dtype)
+        # A fresh tensor under torch.compile: torch 2.11's dynamo gives an output that an in-place op made
+        # inside forward the wrong gradient edge (zero gradients; pytorch#180642, fixed in 2.12).
+        return y.view(x.shape).to(x.dtype, copy=torch.compiler.is_compiling())
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
