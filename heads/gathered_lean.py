@@ -183,7 +183,7 @@ class GatheredHeads(torch.autograd.Function):
         ctx.save_for_backward(x, gate, qkv_weight, out_weight, idx, positions, mask, q_all, k_all, v_all)
         ctx.rope = rope
         # A fresh tensor under torch.compile: torch 2.11's dynamo gives an output that an in-place op made
-        # inside forward the wrong gradient edge (zero gradients; pytorch#180642, fixed in 2.12).
+        # inside forward the wrong gradient edge (zero gradients; pytorch#180642; 2.13 is fine).
         return y.view(x.shape).to(x.dtype, copy=torch.compiler.is_compiling())
 
     @staticmethod
