@@ -22,6 +22,7 @@ from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints,
                            remove_temp_files)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
+from lm.dead_gradients import DeadGradientCheck
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
@@ -114,7 +115,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=tensorboard_logger(cfg),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), checkpoints],
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints],
         enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
