@@ -13,6 +13,7 @@ import importlib.util
 
 import torch
 
+from heads.attention import KERNEL_DTYPES
 from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection
@@ -66,9 +67,9 @@ def gathered_heads_fast(
     """All heads at once. sel.idx[B, H, c] ascending over valid slots then padding (so the MoSA mask
     is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
     visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
-    kernels, forward and backward (heads/gathered_triton.py); otherwise the memory-lean PyTorch core
+    kernels, forward and backward (heads/gathered_triton.py), for fp32/bf16/fp16; otherwise (CPU, fp64) the memory-lean PyTorch core
     (heads/gathered_lean.py). Neither materialises nor saves anything of size [B, H, c, h]."""
-    if x.is_cuda and TRITON:
+    if x.is_cuda and TRITON and x.dtype in KERNEL_DTYPES:
         from heads.gathered_triton import gathered_heads_triton
 
         return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)

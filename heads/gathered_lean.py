@@ -44,6 +44,11 @@ MIN_CHUNK_ELEMENTS = 2**19  # ... but a chunk's [n, B*c, h] buffer may always ho
 # took 2x the time of 16 per chunk). It leaves the Tiny point at B = 4 as it was (8 heads per chunk either way).
 
 
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype Y and dX are summed in over heads: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def heads_per_chunk(heads: int, slots: int, seq_len: int, head_elements: int) -> int:
     """Heads processed together: their c slots per sequence add up to at most CHUNK_ROWS * T, or their
     buffers (`head_elements` = B * c * h each) to at most MIN_CHUNK_ELEMENTS, whichever allows more (>= 1)."""
@@ -92,7 +97,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
                  idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                  mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The forward in chunks of heads: y (fp32 [B*T, h]) and the rotated Q, K and V [H, B, c, h'] for backward."""
+    """The forward in chunks of heads: y ([B*T, h], in the accumulator dtype) and the rotated Q, K and V [H, B, c, h'] for backward."""
     B, T, h = x.shape
     plan = _Plan(x, idx, positions, mask)
     H, c = plan.H, plan.c
@@ -102,7 +107,7 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
     xf = x.reshape(B * T, h)
     gate_h = gate.transpose(0, 1)  # [H, B, c]
     q_all, k_all, v_all = (x.new_empty(H, B, c, d) for _ in range(3))
-    y = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
+    y = torch.zeros(B * T, h, device=x.device, dtype=accumulator(x.dtype))
     xs_buf, out_buf = plan.workspace(xf), plan.workspace(xf)
     for h0 in plan.chunks():
         s = slice(h0, h0 + plan.step)
@@ -115,7 +120,7 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         _, a = _attention(q_all[s], k_all[s], v, plan.mask(s))
         a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
         x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0), out=out_buf[:n])  # [n, B*c, h]
-        y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).float())
+        y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).to(y.dtype))
     return y, q_all, k_all, v_all
 
 
@@ -134,7 +139,7 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
     xf, dyf = x.reshape(B * T, h), dy.reshape(B * T, h).to(x.dtype).contiguous()  # (a broadcast dy gathers slowly)
     gate_h = gate.transpose(0, 1)
     need_x, need_gate, need_w, need_wo = needs
-    dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32) if need_x else None
+    dx = torch.zeros(B * T, h, device=x.device, dtype=accumulator(x.dtype)) if need_x else None
     dgate = torch.zeros(H, B, c, device=x.device, dtype=gate.dtype) if need_gate else None
     dw = torch.empty_like(qkv_weight).view(3, H, d, h) if need_w else None  # every head's slice is written
     dwo = torch.empty_like(out_weight).view(h, H, d) if need_wo else None
@@ -165,7 +170,7 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
                 torch.bmm(dt.transpose(1, 2), xs, out=dw[j, s])
         if need_x:
             dxs = torch.bmm(dq, w[0, s], out=dxs_buf[:n]).baddbmm_(dk, w[1, s]).baddbmm_(dv, w[2, s])
-            dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).float())
+            dx.index_add_(0, plan.flat[s].reshape(-1), dxs.reshape(-1, h).to(dx.dtype))
     return (dx.view(B, T, h).to(x.dtype) if need_x else None, dgate.transpose(0, 1) if need_gate else None,
             dw.view_as(qkv_weight) if need_w else None, dwo.view_as(out_weight) if need_wo else None)
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from heads.attention import flash_attn_interface
+from heads.attention import KERNEL_DTYPES, flash_attn_interface
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,8 @@ def disabled() -> Iterator[None]:
 
 def cuda_backend(q: Tensor) -> VarlenBackend | None:
     """The varlen kernels for q's device: flash-attn where it can run, else the Triton kernels on any
-    CUDA device; None on CPU (callers keep their padded PyTorch path there) or inside `disabled()`."""
-    if not q.is_cuda or _DISABLED:
+    CUDA device; None on CPU, for fp64 (callers keep their padded PyTorch path there) or inside `disabled()`."""
+    if not q.is_cuda or _DISABLED or q.dtype not in KERNEL_DTYPES:
         return None
     return flash_backend(q) or _triton_backend()
 
