@@ -43,6 +43,12 @@ from heads.gathered_lean import in_autocast_dtype
 from heads.rope import RotaryEmbedding
 
 BLOCK_H = 32  # columns of X / W (model width h) per step or per program
+# One program holds a whole head: its c x c scores and c x h' tiles. Compiled for sm_80 and sm_90
+# (bench/triton_aot.py, bench/results/triton_aot.md), the backward needs up to 128 KB of shared memory per block
+# at BLOCK_C x BLOCK_D = 64 x 64 or 32 x 128 (fp32), within A100's 163 KB and H100's 227 KB; at 128 x 64 (c = 128,
+# e.g. rho = 8 at T = 1024) it needs 256 KB (bf16) to 272 KB (fp32) on H100, more than it has, so Triton would refuse
+# the launch. Larger heads take the lean path (heads/gathered.py).
+MAX_TILE = 64 * 64
 
 
 @triton.jit
@@ -231,6 +237,11 @@ def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_h
 
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16
+
+
+def fits(c: int, d: int) -> bool:
+    """Whether the kernels take heads of c slots and width h' = d (BLOCK_C x BLOCK_D <= MAX_TILE)."""
+    return _pow2(c) * _pow2(d) <= MAX_TILE
 
 
 def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:

@@ -1,0 +1,197 @@
+"""Compile the stack's Triton kernels for a GPU architecture on a machine without a GPU (ahead of time).
+
+    python -m bench.triton_aot --arch 90 --out bench/results/triton_aot_sm90.md
+    python -m bench.triton_aot --arch 80 --quick --json        # tests/test_triton_aot.py's cases
+
+Triton lowers a kernel to PTX and, with the ptxas it ships, to a cubin without a CUDA driver. This script
+points Triton at a compile-only driver for sm_<arch> and runs the real launch code on CPU tensors: the fused
+gathered-head forward and backward (heads/gathered_triton.py) and the varlen kernels (heads/varlen_triton.py).
+Every launch compiles its kernel and launches nothing. It shows that each kernel variant the dispatchers can
+pick compiles for that architecture, and how much shared memory per block it needs. A launch that needs more
+than the device has fails with Triton's OutOfResources. It cannot show that results are right (tests/, in
+Triton's interpreter) or fast (bench/ on a GPU).
+
+Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through (c x h' = 64 x 64 and
+32 x 128) and, with --quick off, smaller ones, MoSAIC's padding masks and deterministic mode; fp32 (exact
+dots) and bf16 (TF32 dots), as the dispatcher sends them. Varlen kernels at h' = 64 and 128 in fp32 and bf16.
+Each process compiles for one architecture (Triton caches a kernel's target per process).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+# Opt-in shared memory per block (bytes), cudaDevAttrMaxSharedMemoryPerBlockOptin, of each architecture's GPUs.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+GPUS = {80: "A100", 86: "RTX 30xx / A40", 89: "RTX 40xx / L40S", 90: "H100 / H200"}
+
+
+@contextlib.contextmanager
+def compile_only(arch: int, record: list[dict]) -> Iterator[None]:
+    """Within: every Triton launch compiles its kernel for sm_<arch> and appends what it needs to `record`,
+    launching nothing (outputs stay uninitialised)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import jit
+    from triton.runtime.driver import driver
+
+    class CompileOnlyDriver:
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self) -> int:
+            return 0
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    launch, previous = jit.JITFunction.run, driver._active
+
+    def compile_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 (Triton's signature)
+        start = time.perf_counter()
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        record.append(dict(kernel=self.fn.__name__, shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
+                           stages=kernel.metadata.num_stages, cubin="cubin" in kernel.asm,
+                           seconds=round(time.perf_counter() - start, 1)))
+        return kernel
+
+    driver.set_active(CompileOnlyDriver())
+    jit.JITFunction.run = compile_run
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = launch
+        driver.set_active(previous)
+
+
+def gathered_cases(quick: bool) -> list[dict]:
+    """(c, h', dtype, masks, deterministic) of the gathered kernels: the largest heads `fits` admits at
+    h' = 64 and 128 in both dtypes, then (full run) smaller heads, the mode variants and one head too large."""
+    from heads.gathered_triton import fits
+
+    largest = [(max(c for c in range(1, 257) if fits(c, d)), d) for d in (64, 128)]
+    cases = [dict(c=c, d=d, dtype=dt, masks=False, deterministic=False)
+             for c, d in largest for dt in ("float32", "bfloat16")]
+    if not quick:
+        cases += [dict(c=c, d=d, dtype=dt, masks=False, deterministic=False)
+                  for c, d in ((32, 64), (17, 32)) for dt in ("float32", "bfloat16")]
+        cases += [dict(c=64, d=64, dtype="bfloat16", masks=True, deterministic=False),
+                  dict(c=64, d=64, dtype="bfloat16", masks=False, deterministic=True),
+                  dict(c=128, d=64, dtype="bfloat16", masks=False, deterministic=False)]  # beyond `fits`: why the limit
+    return cases
+
+
+def run_gathered(case: dict) -> None:
+    """One forward and backward of the fused gathered-head op (heads/gathered_triton.py) on CPU tensors."""
+    from heads.gathered_triton import gathered_heads_triton
+    from heads.rope import RotaryEmbedding
+    from routing.selection import earliest_first
+
+    B, T, h, H, c, d = 2, 4 * case["c"], 256, 2, case["c"], case["d"]
+    dtype = getattr(torch, case["dtype"])
+    leaf = lambda *shape: torch.randn(*shape, dtype=dtype).requires_grad_()  # noqa: E731
+    x, gate, w, wo = leaf(B, T, h), leaf(B, H, c), leaf(3 * H * d, h), leaf(h, H * d)
+    sel = earliest_first(torch.rand(B, H, T) < 0.3, c)
+    masks = (sel.valid, sel.valid) if case["masks"] else (None, None)
+    with deterministic(case["deterministic"]):
+        y = gathered_heads_triton(x, torch.arange(T).expand(B, T), sel.idx, gate, w, wo, RotaryEmbedding(d), *masks)
+        y.backward(torch.ones_like(y))
+
+
+@contextlib.contextmanager
+def deterministic(on: bool) -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def varlen_cases() -> list[dict]:
+    return [dict(d=d, dtype=dt) for d in (64, 128) for dt in ("float32", "bfloat16")]
+
+
+def run_varlen(case: dict) -> None:
+    """Forward and backward of the Triton varlen kernels (heads/varlen_triton.py) on two segments."""
+    from heads.varlen import Segments
+    from heads.varlen_triton import TritonVarlen
+
+    dtype, d = getattr(torch, case["dtype"]), case["d"]
+    seg = Segments.from_counts(torch.tensor([40, 70]), torch.tensor([64, 33]))
+    q, k, v = (torch.randn(n, d, dtype=dtype) for n in (110, 97, 97))
+    kernels = TritonVarlen()
+    out, lse = kernels.forward(q, k, v, seg, d**-0.5)
+    kernels.backward(torch.randn_like(out), q, k, v, out, lse, seg, d**-0.5)
+
+
+def compile_all(arch: int, quick: bool) -> list[dict]:
+    """One row per compiled kernel: the case, the kernel, shared bytes, warps, stages, cubin, seconds, whether
+    the dispatcher sends such heads to it, ok (a cubin within the shared-memory limit)."""
+    from heads.gathered_triton import fits
+
+    rows = []
+    for family, cases, runner in (("gathered", gathered_cases(quick), run_gathered),
+                                  ("varlen", varlen_cases(), run_varlen)):
+        for case in cases:
+            record: list[dict] = []
+            with compile_only(arch, record):
+                runner(case)
+            dispatched = family == "varlen" or fits(case["c"], case["d"])
+            for r in record:
+                ok = r["cubin"] and r["shared"] <= SHARED_LIMIT[arch]
+                rows.append(dict(arch=arch, family=family, **case, **r, dispatched=dispatched, ok=ok))
+    return rows
+
+
+def format_table(rows: list[dict], arch: int, command: str) -> str:
+    import triton
+
+    limit = SHARED_LIMIT[arch]
+    lines = [f"# Triton kernels compiled for sm_{arch} ({GPUS.get(arch, 'GPU')}) without a GPU (bench/triton_aot.py)", "",
+             f"Command: `{command}`  ",
+             f"Machine: {platform.machine()} CPU, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}  ",
+             f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). ok = compiled to a cubin "
+             "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
+             "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
+             "| family | case | kernel | dispatched | shared KB | warps | stages | compile s | ok |",
+             "|---|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["family"] == "gathered":
+            case = f"c={r['c']} h'={r['d']} {r['dtype']}" + (" masks" if r["masks"] else "") + (
+                " deterministic" if r["deterministic"] else "")
+        else:
+            case = f"h'={r['d']} {r['dtype']}"
+        lines.append(f"| {r['family']} | {case} | {r['kernel']} | {'yes' if r['dispatched'] else 'no'} | "
+                     f"{r['shared'] / 1024:.0f} | {r['warps']} | "
+                     f"{r['stages']} | {r['seconds']} | {'yes' if r['ok'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x10")
+    parser.add_argument("--quick", action="store_true", help="only the largest heads the dispatcher admits")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per compiled kernel")
+    parser.add_argument("--out", type=Path, help="write a markdown table here")
+    args = parser.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels: set before heads/ (and so triton.jit) is imported
+    rows = compile_all(args.arch, args.quick)
+    table = format_table(rows, args.arch, "python -m bench.triton_aot " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("\n".join(json.dumps(r) for r in rows) if args.json else table)
+    if args.out:
+        args.out.write_text(table)
+    return 0 if all(r["ok"] for r in rows if r["dispatched"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The Triton kernels compile for A100 (sm_80) and H100 (sm_90) on this GPU-less machine (bench/triton_aot.py):
+every kernel, at the largest heads the dispatcher sends it, becomes a cubin within the GPU's shared memory per
+block. Before heads/gathered_triton.fits, heads of c = 128 slots (rho = 8 at T = 1024) went to a backward kernel
+needing 256-272 KB on H100 (227 KB): Triton's OutOfResources at the first backward."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.triton_aot import SHARED_LIMIT
+from tests.conftest import ROOT
+
+pytest.importorskip("triton")
+
+KERNELS = {("gathered", k) for k in ("_attn_fwd", "_attn_bwd", "_scatter", "_weight_grad")} | {
+    ("varlen", k) for k in ("_fwd", "_bwd_dkdv", "_bwd_dq")}
+
+
+def test_kernels_compile_for_a100_and_h100_within_shared_memory(tmp_path: Path) -> None:
+    runs = {arch: subprocess.Popen([sys.executable, "-m", "bench.triton_aot", "--arch", str(arch), "--quick", "--json"],
+                                   cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"sm{arch}")})  # a real compile
+            for arch in (80, 90)}  # both at once: two cores
+    for arch, run in runs.items():
+        out, err = run.communicate(timeout=1200)
+        assert run.returncode == 0, f"sm_{arch}: {err[-3000:]}"
+        rows = [json.loads(line) for line in out.splitlines()]
+        assert {(r["family"], r["kernel"]) for r in rows} == KERNELS
+        assert {(r["c"], r["d"]) for r in rows if r["family"] == "gathered"} == {(64, 64), (32, 128)}
+        assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+        for r in rows:
+            assert r["cubin"] and r["dispatched"], r
+            assert r["shared"] <= SHARED_LIMIT[arch], f"sm_{arch}: {r}"
