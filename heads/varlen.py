@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -145,12 +146,20 @@ def _triton_backend() -> VarlenBackend | None:
     return TritonVarlen()
 
 
+def flash_version(fa: Any) -> tuple[int, int]:
+    """(major, minor) of the flash_attn package whose interface module is `fa`; (0, 0) if unknown."""
+    package = sys.modules.get(getattr(fa, "__name__", "").partition(".")[0])
+    major, minor = (getattr(package, "__version__", "0.0").split(".") + ["0"])[:2]
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else (0, 0)
+
+
 def flash_backend(q: Tensor) -> FlashVarlen | None:
     """flash-attn's varlen kernels if they can run on q (CUDA, fp16/bf16, head dim a multiple of 8 up
-    to 256, flash-attn >= 2.7 installed), else None."""
+    to 256, flash-attn >= 2.7 installed: FlashVarlen calls its private varlen functions, whose
+    arguments and results changed in 2.7), else None."""
     fa = flash_attn_interface()
     d = q.shape[-1]
-    if not hasattr(fa, "_flash_attn_varlen_backward") or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+    if fa is None or flash_version(fa) < (2, 7) or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return None
     return FlashVarlen(fa)
 

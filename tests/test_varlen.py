@@ -9,6 +9,8 @@ GPU) and for real on CUDA; flash-attn's kernels only on CUDA with flash-attn ins
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -133,6 +135,18 @@ def test_mita_routed_triton_matches_reference(T: int, options: dict, monkeypatch
     errors = fast_vs_reference(make_group("mita", {**options, "s": 1}, T, std=None), T)
     assert calls, "the varlen path was not taken"
     assert_match(errors)
+
+
+def test_flash_attn_before_2_7_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn 2.6's private varlen functions take window_size=(l, r) and return 8 values, not 4: FlashVarlen
+    would fail there, so only 2.7 and later count as installed."""
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    for version, expected in (("2.6.3", (2, 6)), ("2.7.4.post1", (2, 7)), ("2.8.3", (2, 8)), ("3.0.0b1", (3, 0))):
+        monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__=version))
+        assert varlen.flash_version(interface) == expected
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace())
+    assert varlen.flash_version(interface) == (0, 0)  # no version: not trusted
+    assert varlen.flash_version(None) == (0, 0)
 
 
 def test_cuda_backend_is_only_offered_where_it_can_run(capsys: pytest.CaptureFixture) -> None:
