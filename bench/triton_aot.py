@@ -11,10 +11,11 @@ pick compiles for that architecture, and how much shared memory per block it nee
 than the device has fails with Triton's OutOfResources. It cannot show that results are right (tests/, in
 Triton's interpreter) or fast (bench/ on a GPU).
 
-Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through (c x h' = 64 x 64 and
-32 x 128) and, with --quick off, smaller ones, MoSAIC's padding masks and deterministic mode; fp32 (exact
-dots) and bf16 (TF32 dots), as the dispatcher sends them. Varlen kernels at h' = 64 and 128 in fp32 and bf16.
-Each process compiles for one architecture (Triton caches a kernel's target per process).
+Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots) and
+bf16 (TF32 dots) at h' = 64 and 128, and, with --quick off, smaller heads, MoSAIC's padding masks, deterministic
+mode and two heads beyond the limits (to show why they are there). Varlen kernels at h' = 64 and 128 in fp32 and
+bf16. Registers and spills per thread come from ptxas -v. Each process compiles for one architecture (Triton
+caches a kernel's target per process).
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ import contextlib
 import json
 import os
 import platform
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,9 +62,10 @@ def compile_only(arch: int, record: list[dict]) -> Iterator[None]:
     def compile_run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 (Triton's signature)
         start = time.perf_counter()
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        seconds = round(time.perf_counter() - start, 1)
         record.append(dict(kernel=self.fn.__name__, shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
-                           stages=kernel.metadata.num_stages, cubin="cubin" in kernel.asm,
-                           seconds=round(time.perf_counter() - start, 1)))
+                           stages=kernel.metadata.num_stages, cubin="cubin" in kernel.asm, seconds=seconds,
+                           **registers(kernel.asm["ptx"], arch)))
         return kernel
 
     driver.set_active(CompileOnlyDriver())
@@ -72,20 +77,35 @@ def compile_only(arch: int, record: list[dict]) -> Iterator[None]:
         driver.set_active(previous)
 
 
+def registers(ptx: str, arch: int) -> dict:
+    """Registers per thread and spilled bytes (stores, loads) per thread of a kernel, from `ptxas -v` (Triton's
+    ptxas) on its PTX; spilled registers go to slow local memory."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"^\.target (\S+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        report = subprocess.run([get_ptxas(arch).path, f"-arch={target}", "-v", str(source), "-o", str(source) + ".o"],
+                                capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return dict(registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+                spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
+
+
 def gathered_cases(quick: bool) -> list[dict]:
-    """(c, h', dtype, masks, deterministic) of the gathered kernels: the largest heads `fits` admits at
-    h' = 64 and 128 in both dtypes, then (full run) smaller heads, the mode variants and one head too large."""
+    """(c, h', dtype, masks, deterministic) of the gathered kernels: in each dtype, the largest heads `fits`
+    admits at h' = 64 and 128, then (full run) smaller heads, the mode variants and heads too large."""
     from heads.gathered_triton import fits
 
-    largest = [(max(c for c in range(1, 257) if fits(c, d)), d) for d in (64, 128)]
-    cases = [dict(c=c, d=d, dtype=dt, masks=False, deterministic=False)
-             for c, d in largest for dt in ("float32", "bfloat16")]
+    case = lambda c, d, dtype, masks=False, deterministic=False: dict(  # noqa: E731
+        c=c, d=d, dtype=dtype, masks=masks, deterministic=deterministic)
+    cases = [case(max(c for c in range(1, 257) if fits(c, d, getattr(torch, dt))), d, dt)
+             for dt in ("float32", "bfloat16") for d in (64, 128)]
     if not quick:
-        cases += [dict(c=c, d=d, dtype=dt, masks=False, deterministic=False)
-                  for c, d in ((32, 64), (17, 32)) for dt in ("float32", "bfloat16")]
-        cases += [dict(c=64, d=64, dtype="bfloat16", masks=True, deterministic=False),
-                  dict(c=64, d=64, dtype="bfloat16", masks=False, deterministic=True),
-                  dict(c=128, d=64, dtype="bfloat16", masks=False, deterministic=False)]  # beyond `fits`: why the limit
+        cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")]
+        cases += [case(64, 64, "bfloat16", masks=True), case(64, 64, "bfloat16", deterministic=True)]
+        cases += [case(64, 64, "float32"), case(128, 64, "bfloat16")]  # beyond `fits`: why the limits
     return cases
 
 
@@ -145,7 +165,7 @@ def compile_all(arch: int, quick: bool) -> list[dict]:
             record: list[dict] = []
             with compile_only(arch, record):
                 runner(case)
-            dispatched = family == "varlen" or fits(case["c"], case["d"])
+            dispatched = family == "varlen" or fits(case["c"], case["d"], getattr(torch, case["dtype"]))
             for r in record:
                 ok = r["cubin"] and r["shared"] <= SHARED_LIMIT[arch]
                 rows.append(dict(arch=arch, family=family, **case, **r, dispatched=dispatched, ok=ok))
@@ -160,11 +180,13 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              f"Command: `{command}`  ",
              f"Machine: {platform.machine()} CPU, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
              f"triton {triton.__version__}  ",
-             f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). ok = compiled to a cubin "
+             f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). Registers and spills "
+             "per thread from `ptxas -v`. ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
              "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
-             "| family | case | kernel | dispatched | shared KB | warps | stages | compile s | ok |",
-             "|---|---|---|---|---:|---:|---:|---:|---|"]
+             "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "
+             "| compile s | ok |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["family"] == "gathered":
             case = f"c={r['c']} h'={r['d']} {r['dtype']}" + (" masks" if r["masks"] else "") + (
@@ -172,8 +194,8 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
         else:
             case = f"h'={r['d']} {r['dtype']}"
         lines.append(f"| {r['family']} | {case} | {r['kernel']} | {'yes' if r['dispatched'] else 'no'} | "
-                     f"{r['shared'] / 1024:.0f} | {r['warps']} | "
-                     f"{r['stages']} | {r['seconds']} | {'yes' if r['ok'] else '**no**'} |")
+                     f"{r['shared'] / 1024:.0f} | {r['warps']} | {r['stages']} | {r['registers']} | "
+                     f"{r['spill_stores']} / {r['spill_loads']} | {r['seconds']} | {'yes' if r['ok'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -199,13 +199,17 @@ class GatheredHeads(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the gathered core computes in for input x: the autocast dtype under autocast, else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under autocast, the tensors cast to the autocast dtype (the gathered core then runs with autocast off:
-    its matmuls in that dtype, accumulation into Y in fp32)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    return tuple(t.to(torch.get_autocast_dtype(device)) for t in tensors)
+    """The tensors in the compute dtype (the gathered core then runs with autocast off: its matmuls in that
+    dtype, accumulation into Y in fp32)."""
+    dtype = compute_dtype(tensors[0])
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def gathered_heads_lean(x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,

@@ -43,12 +43,13 @@ from heads.gathered_lean import in_autocast_dtype
 from heads.rope import RotaryEmbedding
 
 BLOCK_H = 32  # columns of X / W (model width h) per step or per program
-# One program holds a whole head: its c x c scores and c x h' tiles. Compiled for sm_80 and sm_90
-# (bench/triton_aot.py, bench/results/triton_aot.md), the backward needs up to 128 KB of shared memory per block
-# at BLOCK_C x BLOCK_D = 64 x 64 or 32 x 128 (fp32), within A100's 163 KB and H100's 227 KB; at 128 x 64 (c = 128,
-# e.g. rho = 8 at T = 1024) it needs 256 KB (bf16) to 272 KB (fp32) on H100, more than it has, so Triton would refuse
-# the launch. Larger heads take the lean path (heads/gathered.py).
-MAX_TILE = 64 * 64
+# One program holds a whole head: its c x c scores and c x h' tiles, so the head size is capped by shared memory and
+# registers. Compiled for sm_80 and sm_90 (bench/triton_aot.py, bench/results/triton_aot_sm90.md): at BLOCK_C x BLOCK_D
+# = 64 x 64 (c <= 64 at h' = 64) the 16-bit kernels use up to 112 KB of shared memory and spill no register; at
+# 128 x 64 (c = 128, e.g. rho = 8 at T = 1024) the backward needs 256 KB on H100 (227 KB): Triton refuses the launch.
+# In fp32 the backward already spills ~70 KB per thread at 64 x 64 (0.6 KB at 32 x 64), so fp32 heads stop at half the
+# tile. Larger heads take the lean path (heads/gathered.py).
+MAX_TILE = {torch.bfloat16: 64 * 64, torch.float16: 64 * 64, torch.float32: 32 * 64}
 
 
 @triton.jit
@@ -239,9 +240,10 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16
 
 
-def fits(c: int, d: int) -> bool:
-    """Whether the kernels take heads of c slots and width h' = d (BLOCK_C x BLOCK_D <= MAX_TILE)."""
-    return _pow2(c) * _pow2(d) <= MAX_TILE
+def fits(c: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels take heads of c slots and width h' = d computed in `dtype` (BLOCK_C x BLOCK_D <=
+    MAX_TILE[dtype])."""
+    return _pow2(c) * _pow2(d) <= MAX_TILE.get(dtype, 0)
 
 
 def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:

@@ -315,11 +315,20 @@ def test_kernel_dot_precision_follows_torch() -> None:
 
 
 def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
-    """heads/gathered_triton.fits: c x h' blocks up to 64 x 64 (or 32 x 128) go to the fused kernels; larger heads,
-    such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel would need 256-272 KB of shared memory on H100), take the
-    lean path. Compiled shared memory at the limit: tests/test_triton_aot.py."""
+    """heads/gathered_triton.fits: in 16 bits, c x h' blocks up to 64 x 64 (or 32 x 128) go to the fused kernels;
+    larger heads, such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel would need 256-272 KB of shared
+    memory on H100), take the lean path. fp32 heads stop at half that tile (the fp32 backward spills registers at
+    64 x 64). The dtype is the one the core computes in: autocast's. Compiled at the limits: tests/test_triton_aot.py."""
     pytest.importorskip("triton")
+    from heads.gathered_lean import compute_dtype
     from heads.gathered_triton import fits
 
-    assert fits(64, 64) and fits(17, 64) and fits(32, 128) and fits(8, 8)
-    assert not fits(65, 64) and not fits(128, 64) and not fits(33, 128) and not fits(1024, 16)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert fits(64, 64, bf16) and fits(17, 64, bf16) and fits(32, 128, bf16) and fits(8, 8, bf16)
+    assert not fits(65, 64, bf16) and not fits(128, 64, bf16) and not fits(33, 128, bf16) and not fits(1024, 16, bf16)
+    assert fits(32, 64, fp32) and fits(16, 128, fp32) and not fits(33, 64, fp32) and not fits(64, 64, fp32)
+    assert not fits(8, 8, torch.float64)
+    x = torch.zeros(2, 3)
+    assert compute_dtype(x) == fp32
+    with torch.autocast("cpu", dtype=bf16):
+        assert compute_dtype(x) == bf16
