@@ -55,6 +55,10 @@ class HeadOptions:
         if self.impl not in ("fast", "reference"):
             raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
 
+    def validate_count(self, count: int) -> None:
+        """Raise ConfigError (one line) if these options cannot work with `count` heads (checked at config load
+        and when a group is built)."""
+
     def kv_per_head(self, seq_len: int) -> int:
         """KV-cache entries (tokens with a stored key and value) one head keeps for a length-T
         sequence (MoSA Table 2's definition). Dense heads keep all T."""
@@ -76,6 +80,7 @@ class HeadGroup(nn.Module):
         super().__init__()
         if count < 1:
             raise ConfigError(f"{self.type_name}: head count must be >= 1, got {count}")
+        options.validate_count(count)
         self.ctx, self.count, self.options = ctx, count, options
         self.rope = RotaryEmbedding(ctx.head_dim, ctx.rope_fraction, ctx.rope_base)
         self.aux_losses: dict[str, torch.Tensor] = {}

@@ -63,6 +63,10 @@ class MosaicOptions(HeadOptions):
         if self.padded not in PADDED:
             raise ConfigError(f"mosaic: padded must be one of {', '.join(PADDED)}, got {self.padded!r}")
 
+    def validate_count(self, count: int) -> None:
+        if self.top_s > count:
+            raise ConfigError(f"mosaic: top_s ({self.top_s}) must be <= the group's head count ({count})")
+
     def kv_per_head(self, seq_len: int) -> int:
         return min(capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
 
@@ -96,8 +100,6 @@ class MosaicHeads(HeadGroup):
 
     def __init__(self, ctx: GroupContext, count: int, options: MosaicOptions) -> None:
         super().__init__(ctx, count, options)
-        if options.top_s > count:
-            raise ConfigError(f"mosaic: top_s ({options.top_s}) must be <= the group's head count ({count})")
         self.top_s = resolve_top_s(count, options.top_s, options.sparsity)
         self.k = capacity(ctx.seq_len, options.sparsity, options.capacity_factor)
         self.frame = ctx.seq_len

@@ -154,6 +154,7 @@ def validate(cfg: Config) -> Config:
                 raise ConfigError(f"model.heads: {g.type} sparsity {sparsity} > model.seq_len {m.seq_len}")
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
+            opts.validate_count(g.count)
     _positive(cfg.data, "batch_size", "val_batches")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")

@@ -134,7 +134,7 @@ def test_causality(priority: str, padded: str, sparsity: float) -> None:
     "options,field",
     [({"priority": "lifo"}, "priority"), ({"padded": "drop"}, "padded"), ({"sparsity": 0.5}, "sparsity"),
      ({"top_s": -1}, "top_s"), ({"gate": "relu"}, "gate"), ({"alpha": -1}, "alpha"),
-     ({"capacity_factor": 0}, "capacity_factor")],
+     ({"capacity_factor": 0}, "capacity_factor"), ({"top_s": 5}, "top_s")],  # top_s 5 > 4 heads: at config load
 )
 def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field) as err:
