@@ -21,10 +21,6 @@ def _import_flash_attn() -> Any:
     return fa
 
 
-# The dtypes the fused kernels (Triton, flash-attn) compute in, accumulating in fp32: other inputs (fp64, for
-# gradient checks) take the PyTorch paths, which keep their precision.
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 _FLASH_ATTN = _import_flash_attn()  # resolved once at import, so torch.compile sees a constant
 
 

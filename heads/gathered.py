@@ -13,7 +13,6 @@ import importlib.util
 
 import torch
 
-from heads.attention import KERNEL_DTYPES
 from heads.gathered_lean import compute_dtype, gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection
@@ -70,10 +69,9 @@ def gathered_heads_fast(
     kernels, forward and backward (heads/gathered_triton.py), for fp32/bf16/fp16 heads that fit on chip (c x h'
     up to 64 x 64 in 16 bits, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger heads) the memory-lean PyTorch core
     (heads/gathered_lean.py). Neither materialises nor saves anything of size [B, H, c, h]."""
-    dtype = compute_dtype(x)
-    if x.is_cuda and TRITON and dtype in KERNEL_DTYPES:
+    if x.is_cuda and TRITON:
         from heads.gathered_triton import fits, gathered_heads_triton
 
-        if fits(sel.idx.shape[-1], qkv_weight.shape[0] // (3 * sel.idx.shape[1]), dtype):
+        if fits(sel.idx.shape[-1], qkv_weight.shape[0] // (3 * sel.idx.shape[1]), compute_dtype(x)):
             return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
     return gathered_heads_lean(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)

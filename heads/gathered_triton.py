@@ -242,7 +242,7 @@ def _pow2(n: int) -> int:
 
 def fits(c: int, d: int, dtype: torch.dtype) -> bool:
     """Whether the kernels take heads of c slots and width h' = d computed in `dtype` (BLOCK_C x BLOCK_D <=
-    MAX_TILE[dtype])."""
+    MAX_TILE[dtype]; never fp64, which they would sum in fp32)."""
     return _pow2(c) * _pow2(d) <= MAX_TILE.get(dtype, 0)
 
 

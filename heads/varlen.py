@@ -28,7 +28,12 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from heads.attention import KERNEL_DTYPES, flash_attn_interface
+from heads.attention import flash_attn_interface
+
+
+# The dtypes the varlen kernels (flash-attn, Triton) compute in, accumulating in fp32: fp64 inputs (gradient checks)
+# take the callers' PyTorch paths, which keep their precision.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
