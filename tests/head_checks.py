@@ -28,11 +28,11 @@ def make_group(head_type: str, options: dict, T: int, count: int = 3, d_model: i
     return group.eval()
 
 
-def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
-                      before: Callable[[HeadGroup], None] | None = None) -> dict[str, tuple[float, float]]:
+def fast_and_reference(group: HeadGroup, T: int, batch: int = 2, before: Callable[[HeadGroup], None] | None = None
+                       ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """Run `group` with impl=reference and impl=fast on the same input (in the group's dtype); return
-    {name: (relative RMS error, max-abs error / max-abs of reference)} for the output, d/dx and every
-    parameter gradient (a random cotangent). `before(group)` runs before each pass (e.g. to reset state)."""
+    (name, reference, fast) for the output, d/dx and every parameter gradient (a random cotangent; the loss
+    includes the group's auxiliary losses). `before(group)` runs before each pass (e.g. to reset state)."""
     gen = torch.Generator().manual_seed(1)
     dtype = next(group.parameters()).dtype
     x = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype, requires_grad=True)
@@ -48,8 +48,14 @@ def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
         loss = (y * cot).sum() + sum((v for v in group.aux_losses.values()), torch.zeros((), dtype=dtype))
         results.append([y, *torch.autograd.grad(loss, [x, *params])])
     names = ["output", "grad_x"] + [f"grad_{n}" for n, _ in group.named_parameters()]
+    return list(zip(names, *results))
+
+
+def fast_vs_reference(group: HeadGroup, T: int, batch: int = 2,
+                      before: Callable[[HeadGroup], None] | None = None) -> dict[str, tuple[float, float]]:
+    """{name: (relative RMS error, max-abs error / max-abs of reference)} of fast_and_reference's pairs."""
     errors = {}
-    for name, ref, fast in zip(names, *results):
+    for name, ref, fast in fast_and_reference(group, T, batch, before):
         diff = fast - ref
         scale = ref.abs().max().clamp_min(1e-30)
         errors[name] = ((diff.pow(2).mean() / ref.pow(2).mean().clamp_min(1e-30)).sqrt().item(),

@@ -1,0 +1,86 @@
+"""The head-group contract on random configurations of every head type (seeded, so reproducible): random
+options (edge values included: window 1, block 1, k > T, sparsity 1 or > T, capacity factors below and above 1),
+head counts, training lengths, and input lengths up to twice the training length. In fp64, so that any
+difference is a bug, not rounding:
+- fast path == reference, output and every gradient (rtol 1e-10, atol 1e-12: some gradients are exactly 0 in
+  theory, e.g. MoSAIC's router under `renorm` with one chosen head, and both paths give 1e-16 noise);
+- causal groups: resampling the inputs after row t leaves the outputs at rows <= t unchanged;
+- decodable groups: a prefill of p rows then one row per call == the full forward.
+Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from heads import ConfigError, HeadGroup
+from tests.head_checks import fast_and_reference, make_group
+
+CASES = 40  # accepted configurations per head type
+OPTIONS = {  # option -> values to draw from
+    "dense": {},
+    "mosa": {"sparsity": [1, 2, 3, 4, 8, 100], "selection": ["threshold", "quota", "predictor", "expert_choice"],
+             "keep_first": [False, True], "capacity_factor": [0.5, 1.0, 1.5, 3.0]},
+    "mosaic": {"sparsity": [1.0, 2.0, 3.5, 8.0], "top_s": [0, 1, 2, 3], "gate": ["softmax", "renorm", "sigmoid"],
+               "capacity_factor": [0.5, 1.0, 2.0], "priority": ["recency", "random"],
+               "padded": ["include", "identity", "ignore"]},
+    "fixed": {"sparsity": [1, 2, 3, 5, 8, 64]},
+    "local": {"window": [1, 2, 3, 7, 16, 200]},
+    "routing": {"sparsity": [1, 2, 3, 4, 8], "assignment": ["nearest", "topk"], "capacity_factor": [0.5, 1.0, 2.0]},
+    "mita": {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False]},
+    "agent": {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16]},
+    "topk": {"k": [1, 2, 3, 8, 64], "chunk": [1, 3, 7, 256]},
+}
+
+
+def random_groups(head_type: str, seed: int):
+    """Yield (group, T, batch, description) for CASES accepted random configurations of `head_type`."""
+    rng = random.Random(seed)
+    accepted = 0
+    while accepted < CASES:
+        options = {name: rng.choice(values) for name, values in OPTIONS[head_type].items()}
+        seq_len, count = rng.choice([8, 17, 32, 64]), rng.randint(1, 4)
+        T, batch = rng.randint(1, 2 * seq_len), rng.randint(1, 3)
+        try:
+            group = make_group(head_type, options, seq_len, count=count, d_model=16, head_dim=8, dtype=torch.float64)
+        except ConfigError:
+            continue
+        accepted += 1
+        yield group, T, batch, f"{head_type} {options} count={count} seq_len={seq_len} T={T} batch={batch}"
+
+
+def decode(group: HeadGroup, x: torch.Tensor, prefill: int) -> torch.Tensor | None:
+    """The group's output computed as decoding does (None if the type has no cache)."""
+    B, T, _ = x.shape
+    try:
+        cache = group.new_cache(B, T, "cpu", torch.float64)
+    except NotImplementedError:
+        return None
+    pos = torch.arange(T).expand(B, T)
+    out = [group(x[:, :prefill], pos[:, :prefill], cache)]
+    out += [group(x[:, t : t + 1], pos[:, t : t + 1], cache) for t in range(prefill, T)]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("head_type", sorted(OPTIONS))
+def test_random_configurations_keep_the_contract(head_type: str) -> None:
+    rng = random.Random(1)
+    for group, T, batch, what in random_groups(head_type, seed=sorted(OPTIONS).index(head_type)):
+        for name, ref, fast in fast_and_reference(group, T, batch):  # atol: gradients that are exactly 0 in theory
+            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}; {what}")
+        group.options.impl = "fast"
+        x = torch.randn(batch, T, group.ctx.d_model, dtype=torch.float64)
+        pos = torch.arange(T).expand(batch, T)
+        with torch.no_grad():
+            y = group(x, pos)
+            if group.causal and T > 1:
+                t = rng.randint(0, T - 2)
+                x2 = x.clone()
+                x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])
+                leak = (group(x2, pos)[:, : t + 1] - y[:, : t + 1]).abs().max().item()
+                assert leak < 1e-12, f"rows <= {t} moved by {leak:.1e} when later rows changed: {what}"
+            decoded = decode(group, x, rng.randint(1, T)) if group.causal else None
+            if decoded is not None:
+                err = (decoded - y).abs().max().item()
+                assert err < 1e-10, f"decoding differs from the full forward by {err:.1e}: {what}"
