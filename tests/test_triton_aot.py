@@ -1,7 +1,8 @@
 """The Triton kernels compile for A100 (sm_80) and H100 (sm_90) on this GPU-less machine (bench/triton_aot.py):
 every kernel, at the largest heads the dispatcher sends it, becomes a cubin within the GPU's shared memory per
-block, spilling at most 4 KB of registers per thread. Before heads/gathered_triton.fits, heads of c = 128 slots (rho = 8 at T = 1024) went to a backward kernel
-needing 256-272 KB on H100 (227 KB): Triton's OutOfResources at the first backward."""
+block, spilling at most 4 KB of registers per thread. Before heads/gathered_triton.fits, heads of c = 128 slots
+(rho = 8 at T = 1024) went to a backward kernel needing 256-272 KB on H100 (227 KB): Triton's OutOfResources at
+the first backward."""
 from __future__ import annotations
 
 import json
