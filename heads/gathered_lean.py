@@ -97,7 +97,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch
 def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_weight: torch.Tensor,
                  idx: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                  mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The forward in chunks of heads: y ([B*T, h], in the accumulator dtype) and the rotated Q, K and V [H, B, c, h'] for backward."""
+    """The forward in chunks of heads: y ([B*T, h], in the accumulator dtype) and the rotated Q, K and V
+    [H, B, c, h'] for backward."""
     B, T, h = x.shape
     plan = _Plan(x, idx, positions, mask)
     H, c = plan.H, plan.c

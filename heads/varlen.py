@@ -164,7 +164,9 @@ def flash_backend(q: Tensor) -> FlashVarlen | None:
     arguments and results changed in 2.7), else None."""
     fa = flash_attn_interface()
     d = q.shape[-1]
-    if fa is None or flash_version(fa) < (2, 7) or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+    if fa is None or flash_version(fa) < (2, 7) or not q.is_cuda:
+        return None
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return None
     return FlashVarlen(fa)
 
