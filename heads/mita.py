@@ -39,15 +39,19 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads import varlen
 from heads.kv_cache import BlockKV
+from heads.lse_attention import attention_lse, merge
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
 NEG_INF = float("-inf")
 
 
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[B, H, N, X], index[B, H, ...] (values < N) -> t's rows at index, [B, H, ..., X]."""
-    flat = index.flatten(2)  # [B, H, M]
-    return t.gather(2, flat[..., None].expand(-1, -1, -1, t.shape[-1])).view(*index.shape, t.shape[-1])
+    """t[B, H, N, X], index[B, H, ...] (values < N) -> t's rows at index, [B, H, ..., X] (one index_select:
+    whole rows copied, and index_add in backward, unlike gather's per-element index)."""
+    B, H, N, X = t.shape
+    offsets = torch.arange(B * H, device=t.device).view(B, H, 1) * N
+    flat = (index.flatten(2) + offsets).flatten()
+    return t.reshape(B * H * N, X).index_select(0, flat).view(*index.shape, X)
 
 
 @dataclass
@@ -111,22 +115,21 @@ class MiTAHeads(DenseHeads):
         b, scale = self.options.block, d**-0.5
         n = T // b
         lq = block_pool(q, b)  # [B, H, n, d] landmark queries (Alg. 1 line 2)
-        S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~prefix_mask(n, T, b, q.device), NEG_INF)  # line 4
-        idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
-        eligible = earlier_blocks(T, n, b, q.device)  # [T, n]
-        R = q @ lq.transpose(-1, -2) * scale  # [B, H, T, n] routing logits = shared-expert scores
-        lv = S.softmax(-1) @ v if self.options.shared and n else None  # landmark values (line 9, eq. 8)
-        out, lse = self._shared_and_own_block(q, k, v, R, eligible, lv, scale)
-        sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, T, s'] (line 13)
+        visible, eligible = prefix_mask(n, T, b, q.device), earlier_blocks(T, n, b, q.device)  # [n, T], [T, n]
+        with torch.no_grad():  # the routing decisions are indices: no gradient, nothing saved
+            S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~visible, NEG_INF)  # line 4
+            idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
+            sel, sel_ok = route(q @ lq.transpose(-1, -2) * scale, eligible, self.options.s)  # [B, H, T, s'] (line 13)
+        lv = attention_lse(lq, k, v, visible, scale)[0] if self.options.shared and n else None  # line 9, eq. 8
+        out, lse = self._shared_and_own_block(q, k, v, lq, lv, eligible, scale)
         if T > b:  # else no query has an eligible landmark (sel_ok all False): shared + own block only
             backend = varlen.cuda_backend(q) if sel.shape[-1] == 1 else None  # kernels take no logit offset
             if backend is not None:
                 out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)
             else:
-                out_e, lse_e = self._routed(q, _rows(k, idx), _rows(v, idx), idx, idx_ok, sel, sel_ok, scale)
-                parts = torch.cat((lse[..., None], lse_e), -1)  # [B, H, T, 1 + s']
-                w = (parts - parts.logsumexp(-1, keepdim=True)).exp()  # each part's share of one softmax
-                out = w[..., :1] * out + (w[..., 1:, None] * out_e).sum(-2)
+                exact = not q.is_cuda and not torch.compiler.is_compiling()  # a host sync is free on CPU
+                out_e, lse_e = self._routed(q, k, v, idx, idx_ok, sel, sel_ok, scale, exact_groups=exact)
+                out = merge(torch.cat((out[..., None, :], out_e), -2), torch.cat((lse[..., None], lse_e), -1))[0]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -162,66 +165,70 @@ class MiTAHeads(DenseHeads):
         return self._merge(scores.softmax(-1) @ values)
 
     def _shared_and_own_block(
-        self, q: Tensor, k: Tensor, v: Tensor, R: Tensor, eligible: Tensor, lv: Tensor | None, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, eligible: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's own block,
-        causally. Returns out [B, H, T, d] and its log-sum-exp [B, H, T]."""
+        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's own block, causally:
+        the two parts by attention_lse, merged by log-sum-exp. Returns out [B, H, T, d] and its
+        log-sum-exp [B, H, T]."""
         B, H, T, d = q.shape
         b = self.options.block
         nb, pad = -(-T // b), -(-T // b) * b - T
         qb, kb, vb = (F.pad(z, (0, 0, 0, pad)).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
         causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-        s_own = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~causal, NEG_INF).flatten(2, 3)[:, :, :T]  # [B, H, T, b]
-        scores = torch.cat((R.masked_fill(~eligible, NEG_INF), s_own), -1) if lv is not None else s_own
-        p = scores.softmax(-1)
-        p_own = F.pad(p[..., -b:], (0, 0, 0, pad)).unflatten(2, (nb, b))  # [B, H, nb, b, b]
-        out = (p_own @ vb).flatten(2, 3)[:, :, :T]
-        if lv is not None:
-            out = out + p[..., :-b] @ lv  # eq. 9
-        return out, scores.logsumexp(-1)
+        out, lse = attention_lse(qb, kb, vb, causal, scale)
+        out, lse = out.flatten(2, 3)[:, :, :T], lse.flatten(2)[:, :, :T]
+        if lv is None:
+            return out, lse
+        out_s, lse_s = attention_lse(q, lq, lv, eligible, scale)  # eq. 9: keys q~_j, values v~_j
+        return merge(torch.stack((out, out_s), -2), torch.stack((lse, lse_s), -1))
 
     def _routed(
-        self, q: Tensor, kexp: Tensor, vexp: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor, scale: float,
+        exact_groups: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Each query's attention over each of its s' routed experts (eq. 5), as Alg. 1 line 14: the
         (query, expert) pairs are sorted by expert into groups of G = b rows, each group holding one
         expert's queries (an expert's last group padded), then one batched attention of every group over
-        its expert's k' keys. The layout has a static size, ceil(T s' / G) + n groups, whatever the
-        routing's balance (no host sync, at most about twice the pairs). For s' > 1 a key held by c of the
-        query's chosen experts gets logit - log c in each, so the merged softmax counts it once (the
-        union). Returns out [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
+        its expert's k' keys (heads/lse_attention.py: saves q, k, v, out, lse, recomputes the scores in
+        backward). The layout has a static size, ceil(T s' / G) + n groups, whatever the routing's balance
+        (no host sync, at most about twice the pairs), or with `exact_groups` (CPU, where a host sync is
+        free) the count the routing needs. For s' > 1 a key held by c of the query's chosen
+        experts gets logit - log c in each, so the merged softmax counts it once (the union). Returns out
+        [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
         B, H, T, d = q.shape
-        n, kk, s = kexp.shape[2], kexp.shape[3], sel.shape[-1]
+        n, kk, s = idx.shape[2], idx.shape[3], sel.shape[-1]
         P, G = T * s, self.options.block
-        NB = -(-P // G) + n  # >= sum_j ceil(count_j / G): groups needed by any routing
         expert = sel.masked_fill(~sel_ok, n).flatten(2)  # [B, H, P], n = "unused" bucket
         counts = torch.zeros(B, H, n + 1, dtype=torch.long, device=q.device).scatter_add_(-1, expert, torch.ones_like(expert))
         rows = (counts[..., :n] + G - 1) // G * G  # [B, H, n] rows of expert j's groups
         ends = rows.cumsum(-1)
+        NB = -(-P // G) + n  # >= sum_j ceil(count_j / G): groups needed by any routing
+        if exact_groups:
+            NB = max(1, int(ends[..., -1].max()) // G)
         first = F.pad(ends - rows, (0, 1), value=NB * G)  # [B, H, n + 1] first row of each expert; unused -> dump row
         order = expert.argsort(dim=-1, stable=True)
         sorted_expert = expert.gather(-1, order)
         rank = torch.arange(P, device=q.device) - (counts.cumsum(-1) - counts).gather(-1, sorted_expert)
         slot_sorted = first.gather(-1, sorted_expert) + rank.masked_fill(sorted_expert == n, 0)
         slot = torch.empty_like(slot_sorted).scatter_(-1, order, slot_sorted)  # [B, H, P] padded row of each pair
+        pairs = torch.arange(P, device=q.device).expand(B, H, P)
+        source = torch.zeros(B, H, NB * G + 1, dtype=torch.long, device=q.device).scatter_(-1, slot, pairs)[..., :-1]
+        # source[B, H, NB * G]: the pair in each padded row (padding rows: pair 0, their results are never read)
         starts = (torch.arange(NB, device=q.device) * G).expand(B, H, NB).contiguous()
         group_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n - 1)  # [B, H, NB] (unused groups: any)
-        kexp, vexp = (_rows(t.flatten(3), group_expert).view(B, H, NB, kk, d) for t in (kexp, vexp))
+        key_rows = _rows(idx, group_expert)  # [B, H, NB, k'] key rows of each group's expert
+        kexp, vexp = _rows(k, key_rows), _rows(v, key_rows)  # [B, H, NB, k', d]
         group_ok = _rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
-
-        def to_padded(t: torch.Tensor) -> torch.Tensor:  # [B, H, P, X] -> [B, H, NB, G, X]
-            buf = t.new_zeros(B, H, NB * G + 1, t.shape[-1])
-            return buf.scatter(2, slot[..., None].expand(-1, -1, -1, t.shape[-1]), t)[:, :, :-1].unflatten(2, (NB, G))
-
-        scores = to_padded(q[:, :, :, None].expand(B, H, T, s, d).reshape(B, H, P, d)) @ kexp.transpose(-1, -2) * scale
+        qp = _rows(q, source // s).unflatten(2, (NB, G))  # [B, H, NB, G, d] each padded row's query
+        bias = None
         if s > 1:
-            scores = scores - to_padded(self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk).to(q.dtype).log())
-        scores = scores.masked_fill(~group_ok[:, :, :, None], NEG_INF)  # [B, H, NB, G, k']
-        out = scores.softmax(-1) @ vexp  # [B, H, NB, G, d]
-        lse = scores.logsumexp(-1, keepdim=True)
-        flat = torch.cat((out, lse), -1).flatten(2, 3)  # [B, H, NB * G, d + 1]
-        flat = _rows(F.pad(flat, (0, 0, 0, 1)), slot).view(B, H, T, s, d + 1)  # back to pairs
-        return flat[..., :d], flat[..., d].masked_fill(~sel_ok, NEG_INF)
+            repeats = self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk)
+            bias = -_rows(repeats.to(torch.promote_types(q.dtype, torch.float32)).log(), source).unflatten(2, (NB, G))
+        out, lse = attention_lse(qp, kexp, vexp, group_ok[:, :, :, None], scale, bias)  # [B, H, NB, G, d | ]
+        read = slot.clamp(max=NB * G - 1)  # unused pairs read any row; their lse is masked below
+        out = _rows(out.flatten(2, 3), read).view(B, H, T, s, d)
+        lse = lse.flatten(2).gather(-1, read).view(B, H, T, s)
+        return out, lse.masked_fill(~sel_ok, NEG_INF)
 
     @staticmethod
     def _routed_varlen(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor,

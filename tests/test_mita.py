@@ -85,23 +85,23 @@ def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
     assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
 
 
+@pytest.mark.parametrize("exact_groups", [False, True])
 @pytest.mark.parametrize("routing", ["one_expert", "random"])
-def test_routed_groups_hold_any_routing(routing: str) -> None:
-    """MiTAHeads._routed (s = 1) lays each expert's queries out in groups of b rows with a static group count;
-    with every query routed to one expert (the most unbalanced case, several groups for one expert) or at
-    random (some experts empty), every query's output and log-sum-exp equal its softmax over its expert's
-    valid keys, and unrouted queries get lse -inf."""
+def test_routed_groups_hold_any_routing(routing: str, exact_groups: bool) -> None:
+    """MiTAHeads._routed (s = 1) lays each expert's queries out in groups of b rows, as many groups as any
+    routing could need (CUDA, torch.compile) or as this one needs (CPU). With every query routed to one expert
+    (the most unbalanced case, several groups for one expert) or at random (some experts empty), every query's
+    output and log-sum-exp equal its softmax over its expert's valid keys; unrouted queries get lse -inf."""
     torch.manual_seed(0)
     B, H, T, d, n, kk, b = 2, 3, 29, 4, 5, 7, 4
     group = make_group("mita", {"block": b, "k": kk}, T, count=H, d_model=16, head_dim=d, dtype=torch.float64)
-    q, kexp, vexp = torch.randn(B, H, T, d), torch.randn(B, H, n, kk, d), torch.randn(B, H, n, kk, d)
-    q, kexp, vexp = q.double(), kexp.double(), vexp.double()
+    q, k, v = (torch.randn(B, H, T, d, dtype=torch.float64) for _ in range(3))
     idx_ok = torch.rand(B, H, n, kk) < 0.7
     idx_ok[..., 0] = True
     sel = torch.zeros(B, H, T, 1, dtype=torch.long) if routing == "one_expert" else torch.randint(0, n, (B, H, T, 1))
     sel_ok = torch.rand(B, H, T, 1) < 0.8
-    idx = torch.arange(kk).expand(B, H, n, kk)  # key rows (used by s > 1 only)
-    out, lse = group._routed(q, kexp, vexp, idx, idx_ok, sel, sel_ok, d**-0.5)
+    idx = torch.randint(0, T, (B, H, n, kk))  # each expert's key rows
+    out, lse = group._routed(q, k, v, idx, idx_ok, sel, sel_ok, d**-0.5, exact_groups=exact_groups)
     assert torch.isneginf(lse[~sel_ok]).all()
     for bi in range(B):
         for h in range(H):
@@ -109,7 +109,8 @@ def test_routed_groups_hold_any_routing(routing: str) -> None:
                 if not sel_ok[bi, h, t, 0]:
                     continue
                 j = sel[bi, h, t, 0]
-                keys, values = kexp[bi, h, j][idx_ok[bi, h, j]], vexp[bi, h, j][idx_ok[bi, h, j]]
+                rows = idx[bi, h, j][idx_ok[bi, h, j]]
+                keys, values = k[bi, h, rows], v[bi, h, rows]
                 scores = keys @ q[bi, h, t] * d**-0.5
                 torch.testing.assert_close(out[bi, h, t, 0], scores.softmax(-1) @ values, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(lse[bi, h, t, 0], scores.logsumexp(-1), rtol=1e-12, atol=1e-12)

@@ -1,0 +1,92 @@
+"""Masked attention that also returns its log-sum-exp, differentiable in both, saving only q, k, v, out, lse.
+
+For parts of one softmax that are computed separately and merged by log-sum-exp (MiTA Alg. 1 line 16):
+
+    S = q k^T * scale + bias, masked to -inf where not allowed;  lse = logsumexp_keys(S);
+    P = exp(S - lse);  out = P v.
+
+Autograd of the plain expression keeps S, P and their masked / scaled copies alive for backward, several
+tensors of size [..., M, N] per call. The backward here recomputes S from the saved q, k (FlashAttention-2
+App. B.2) and uses the merged gradient of both outputs: with dP = dout v^T and delta = rowsum(dout * out),
+
+    dS = P * (dP - delta + dlse),  dq = dS k * scale,  dk = dS^T q * scale,  dv = P^T dout,
+
+so what it keeps is q, k, v, out, lse and the mask. A row with no allowed key gives out = 0, lse = -inf
+(and zero gradients), instead of softmax's NaN. The bias is a constant (no gradient).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from heads.gathered_lean import in_autocast_dtype
+
+
+def _probabilities(q: Tensor, k: Tensor, allowed: Tensor, bias: Tensor | None, scale: float,
+                   lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(P, lse) of the masked scores, softmax statistics in at least fp32; lse given: reuse it. Every pass
+    over the [..., M, N] scores is in place (this is memory-bound at small d)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = ((q * scale) @ k.transpose(-1, -2)).to(acc)
+    if bias is not None:
+        s += bias
+    s.masked_fill_(~allowed, float("-inf"))
+    if lse is None:
+        m = s.amax(-1, keepdim=True)
+        m = m.masked_fill_(m == float("-inf"), 0.0)  # a row without keys: exp(-inf - 0) = 0
+        z = s.sub_(m).exp_().sum(-1, keepdim=True)
+        s /= z.masked_fill(z == 0, 1.0)
+        return s, (m + z.log()).squeeze(-1)
+    finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    return s.sub_(finite[..., None]).exp_(), lse
+
+
+class _AttentionLSE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor | None,
+                scale: float) -> tuple[Tensor, Tensor]:
+        p, lse = _probabilities(q, k, allowed, bias, scale)
+        out = p.to(v.dtype) @ v
+        ctx.save_for_backward(q, k, v, allowed, bias, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, allowed, bias, out, lse = ctx.saved_tensors
+        p, _ = _probabilities(q, k, allowed, bias, ctx.scale, lse)
+        dv = None
+        if dout is not None:
+            dv = p.to(v.dtype).transpose(-1, -2) @ dout
+            delta = (dout * out).sum(-1, dtype=p.dtype)  # rowsum(dO * O)
+            ds = (dout @ v.transpose(-1, -2)).to(p.dtype).sub_(delta[..., None] - (dlse[..., None] if dlse is not None else 0))
+            ds = ds.mul_(p)
+        else:
+            ds = p.mul_(dlse[..., None])
+        ds = ds.to(q.dtype)
+        dq, dk = (ds @ k).mul_(ctx.scale), (ds.transpose(-1, -2) @ q).mul_(ctx.scale)
+        return dq, _sum_to(dk, k.shape), _sum_to(dv, v.shape) if dv is not None else None, None, None, None
+
+
+def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Undo a broadcast of keys or values over query batch dimensions."""
+    return grad.sum_to_size(shape) if grad.shape != shape else grad
+
+
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
+                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q[..., M, d], k/v[..., N, d], allowed bool broadcastable to [..., M, N], bias (constant) likewise
+    -> out[..., M, d] = softmax(q k^T * scale + bias | allowed) v and lse[..., M] (fp32, fp64 for fp64).
+    Under autocast the matmuls run in the autocast dtype."""
+    q, k, v = in_autocast_dtype(q, k, v)
+    with torch.autocast(q.device.type, enabled=False):
+        return _AttentionLSE.apply(q, k, v, allowed, bias, scale)
+
+
+def merge(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """One softmax from parts over disjoint key sets: outs[..., P, d] and lses[..., P] (-inf: an empty
+    part) -> (sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p) (MiTA Alg. 1 line 16)."""
+    weights = lses.softmax(-1).to(outs.dtype)
+    return (weights[..., None] * outs).sum(-2), lses.logsumexp(-1)
