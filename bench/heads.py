@@ -9,9 +9,13 @@ The variants are MoSA's two selections by default, or any head type (`--variants
 variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T +
 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh
 subprocess, one after the other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS
-increase of the process over its state after building the group and input (ru_maxrss); CUDA =
+increase of the process over its state after building the group and input (ru_maxrss), in a separate process
+whose glibc returns every freed block over 128 KiB to the system (MALLOC_MMAP_THRESHOLD_, a fixed threshold):
+RSS then follows the live tensors, as CUDA's counter does, instead of what the allocator kept from earlier
+allocations (with glibc's default the same MiTA step read 850 MiB against ~500 MiB live); CUDA =
 max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one
-warm-up step. The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive
+warm-up step, in a process with the default allocator (the fixed threshold makes every large allocation
+page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive
 at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so
 this is the activation memory the head's implementation is responsible for.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import resource
 import statistics
@@ -102,7 +107,17 @@ def worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
-    return {"seconds": statistics.median(times), "peak_bytes": peak, "grad_bytes": grad_bytes}
+    return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes}
+
+
+CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc: mmap (and unmap on free) every block >= 128 KiB
+
+
+def run_worker(spec: dict, env: dict[str, str] | None = None) -> dict:
+    """One fresh worker process (extra environment variables `env`); its result."""
+    out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)], capture_output=True,
+                         text=True, check=True, env={**os.environ, **env} if env else None)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,9 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 count, flops, options = matched_count(variant, T, args)
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
                             head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
-                out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)],
-                                     capture_output=True, text=True, check=True)
-                runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                result = run_worker(spec)
+                if args.device == "cpu":
+                    result["peak_bytes"] = run_worker({**spec, "repeats": 0}, CPU_MEMORY_ENV)["peak_bytes"]
+                runs[variant].append(result)
                 print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * args.batch / 1e9:8.2f} GFLOP fwd  "
                       f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
@@ -160,7 +176,8 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
         f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
         f"of fresh processes; memory = "
-        + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase of a fresh process (ru_maxrss)."),
+        + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase (ru_maxrss) of a fresh process "
+           "with MALLOC_MMAP_THRESHOLD_=131072, so that RSS follows the live tensors."),
         "",
         f"Command: `{command}`",
         "",

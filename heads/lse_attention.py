@@ -16,6 +16,7 @@ so what it keeps is q, k, v, out, lse and the mask. A row with no allowed key gi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -85,8 +86,10 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
         return _AttentionLSE.apply(q, k, v, allowed, bias, scale)
 
 
-def merge(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """One softmax from parts over disjoint key sets: outs[..., P, d] and lses[..., P] (-inf: an empty
-    part) -> (sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p) (MiTA Alg. 1 line 16)."""
-    weights = lses.softmax(-1).to(outs.dtype)
-    return (weights[..., None] * outs).sum(-2), lses.logsumexp(-1)
+def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """One softmax from parts over disjoint key sets: outs[p] [..., d] with log-sum-exp lses[p] [...] (-inf:
+    an empty part) -> (sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p) (MiTA Alg. 1 line 16).
+    The parts are summed, not stacked, so autograd saves no copy of them."""
+    lse = torch.stack(tuple(lses), -1)  # [..., P]
+    weights = lse.softmax(-1).to(outs[0].dtype)[..., None]
+    return sum(weights[..., p, :] * out for p, out in enumerate(outs)), lse.logsumexp(-1)

@@ -129,7 +129,7 @@ class MiTAHeads(DenseHeads):
             else:
                 exact = not q.is_cuda and not torch.compiler.is_compiling()  # a host sync is free on CPU
                 out_e, lse_e = self._routed(q, k, v, idx, idx_ok, sel, sel_ok, scale, exact_groups=exact)
-                out = merge(torch.cat((out[..., None, :], out_e), -2), torch.cat((lse[..., None], lse_e), -1))[0]
+                out = merge((out, *out_e.unbind(-2)), (lse, *lse_e.unbind(-1)))[0]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -173,14 +173,14 @@ class MiTAHeads(DenseHeads):
         B, H, T, d = q.shape
         b = self.options.block
         nb, pad = -(-T // b), -(-T // b) * b - T
-        qb, kb, vb = (F.pad(z, (0, 0, 0, pad)).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
+        qb, kb, vb = ((F.pad(z, (0, 0, 0, pad)) if pad else z).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
         causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
         out, lse = attention_lse(qb, kb, vb, causal, scale)
         out, lse = out.flatten(2, 3)[:, :, :T], lse.flatten(2)[:, :, :T]
         if lv is None:
             return out, lse
         out_s, lse_s = attention_lse(q, lq, lv, eligible, scale)  # eq. 9: keys q~_j, values v~_j
-        return merge(torch.stack((out, out_s), -2), torch.stack((lse, lse_s), -1))
+        return merge((out, out_s), (lse, lse_s))
 
     def _routed(
         self, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, idx_ok: Tensor, sel: Tensor, sel_ok: Tensor, scale: float,

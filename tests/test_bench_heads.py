@@ -23,3 +23,16 @@ def test_variant_is_flop_matched_and_runs(variant: str) -> None:
     out = worker(dict(type=head_type, options=options, count=count, T=T, d_model=32, head_dim=8, batch=2,
                       repeats=1, device="cpu"))
     assert out["seconds"] > 0 and out["grad_bytes"] > 0
+
+
+def test_main_writes_a_table_with_time_and_memory_from_separate_workers(tmp_path) -> None:
+    """The CLI end to end on CPU: a timed worker and a memory worker (fixed glibc mmap threshold) per variant."""
+    from bench.heads import main
+
+    out = tmp_path / "heads.md"
+    assert main(["--T", "64", "--d-model", "32", "--head-dim", "8", "--dense-heads", "2", "--repeats", "1",
+                 "--variants", "dense", "mita", "--out", str(out)]) == 0
+    rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| 64 |")]
+    assert [r[2].strip() for r in rows] == ["dense", "mita"]
+    assert all(float(r[5]) > 0 and float(r[7]) >= 0 for r in rows)  # fwd+bwd ms, peak MiB
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in out.read_text()
