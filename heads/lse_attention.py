@@ -12,7 +12,9 @@ App. B.2) and uses the merged gradient of both outputs: with dP = dout v^T and d
     dS = P * (dP - delta + dlse),  dq = dS k * scale,  dk = dS^T q * scale,  dv = P^T dout,
 
 so what it keeps is q, k, v, out, lse and the mask. A row with no allowed key gives out = 0, lse = -inf
-(and zero gradients), instead of softmax's NaN. The bias is a constant (no gradient).
+(and zero gradients), instead of softmax's NaN. The bias is a constant (no gradient). Queries, keys and
+values may also be given as row tables plus indices (MiTA's routed groups): the gathered copies are then
+not kept either, only the indices.
 """
 from __future__ import annotations
 
@@ -44,46 +46,55 @@ def _probabilities(q: Tensor, k: Tensor, allowed: Tensor, bias: Tensor | None, s
     return s.sub_(finite[..., None]).exp_(), lse
 
 
+def _take(t: Tensor, rows: Tensor | None) -> Tensor:
+    """t[N, d] at rows[...] -> [..., d] (rows None: t itself)."""
+    return t if rows is None else t.index_select(0, rows.flatten()).view(*rows.shape, t.shape[-1])
+
+
+def _put(grad: Tensor, rows: Tensor | None, like: Tensor) -> Tensor:
+    """The gradient of _take (after undoing a broadcast over query batch dimensions): grad[..., d] summed back
+    into the rows of a zero tensor shaped like `like`."""
+    shape = like.shape if rows is None else (*rows.shape, like.shape[-1])
+    grad = grad.sum_to_size(shape) if grad.shape != shape else grad
+    return grad if rows is None else torch.zeros_like(like).index_add_(0, rows.flatten(), grad.reshape(-1, shape[-1]))
+
+
 class _AttentionLSE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor | None,
-                scale: float) -> tuple[Tensor, Tensor]:
-        p, lse = _probabilities(q, k, allowed, bias, scale)
-        out = p.to(v.dtype) @ v
-        ctx.save_for_backward(q, k, v, allowed, bias, out, lse)
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, bias: Tensor | None, scale: float,
+                q_rows: Tensor | None, kv_rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        p, lse = _probabilities(_take(q, q_rows), _take(k, kv_rows), allowed, bias, scale)
+        out = p.to(v.dtype) @ _take(v, kv_rows)
+        ctx.save_for_backward(q, k, v, allowed, bias, out, lse, q_rows, kv_rows)
         ctx.scale = scale
         return out, lse
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, allowed, bias, out, lse = ctx.saved_tensors
-        p, _ = _probabilities(q, k, allowed, bias, ctx.scale, lse)
-        dv = None
-        if dout is not None:
-            dv = p.to(v.dtype).transpose(-1, -2) @ dout
-            delta = (dout * out).sum(-1, dtype=p.dtype)  # rowsum(dO * O)
-            ds = (dout @ v.transpose(-1, -2)).to(p.dtype).sub_(delta[..., None] - (dlse[..., None] if dlse is not None else 0))
-            ds = ds.mul_(p)
-        else:
-            ds = p.mul_(dlse[..., None])
-        ds = ds.to(q.dtype)
-        dq, dk = (ds @ k).mul_(ctx.scale), (ds.transpose(-1, -2) @ q).mul_(ctx.scale)
-        return dq, _sum_to(dk, k.shape), _sum_to(dv, v.shape) if dv is not None else None, None, None, None
+    def backward(ctx: Any, dout: Tensor, dlse: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, allowed, bias, out, lse, q_rows, kv_rows = ctx.saved_tensors
+        qg, kg = _take(q, q_rows), _take(k, kv_rows)  # gathered again (each copy is dropped once used)
+        p, _ = _probabilities(qg, kg, allowed, bias, ctx.scale, lse)
+        dp = (dout @ _take(v, kv_rows).transpose(-1, -2)).to(p.dtype)
+        dv = _put(p.to(v.dtype).transpose(-1, -2) @ dout, kv_rows, v)
+        delta = (dout * out).sum(-1, dtype=p.dtype) - dlse  # rowsum(dO * O) - dlse
+        ds = dp.sub_(delta[..., None]).mul_(p).to(q.dtype)
+        del p, dp
+        dq = _put((ds @ kg).mul_(ctx.scale), q_rows, q)
+        del kg
+        dk = _put((ds.transpose(-1, -2) @ qg).mul_(ctx.scale), kv_rows, k)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _sum_to(grad: Tensor, shape: torch.Size) -> Tensor:
-    """Undo a broadcast of keys or values over query batch dimensions."""
-    return grad.sum_to_size(shape) if grad.shape != shape else grad
-
-
-def attention_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
-                  bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, bias: Tensor | None = None,
+                  q_rows: Tensor | None = None, kv_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q[..., M, d], k/v[..., N, d], allowed bool broadcastable to [..., M, N], bias (constant) likewise
     -> out[..., M, d] = softmax(q k^T * scale + bias | allowed) v and lse[..., M] (fp32, fp64 for fp64).
-    Under autocast the matmuls run in the autocast dtype."""
+    With q_rows[..., M] (kv_rows[..., N]) q (k and v) are [rows, d] tables and the attention runs on their rows
+    at those indices, which are gathered again in backward instead of kept. Under autocast the matmuls run in
+    the autocast dtype."""
     q, k, v = in_autocast_dtype(q, k, v)
     with torch.autocast(q.device.type, enabled=False):
-        return _AttentionLSE.apply(q, k, v, allowed, bias, scale)
+        return _AttentionLSE.apply(q, k, v, allowed, bias, scale, q_rows, kv_rows)
 
 
 def merge(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> tuple[Tensor, Tensor]:

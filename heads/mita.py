@@ -189,8 +189,8 @@ class MiTAHeads(DenseHeads):
         """Each query's attention over each of its s' routed experts (eq. 5), as Alg. 1 line 14: the
         (query, expert) pairs are sorted by expert into groups of G = b rows, each group holding one
         expert's queries (an expert's last group padded), then one batched attention of every group over
-        its expert's k' keys (heads/lse_attention.py: saves q, k, v, out, lse, recomputes the scores in
-        backward). The layout has a static size, ceil(T s' / G) + n groups, whatever the routing's balance
+        its expert's k' keys (heads/lse_attention.py: gathers the groups' queries, keys and values by index
+        and again in backward, recomputes the scores there; keeps only indices, out and lse). The layout has a static size, ceil(T s' / G) + n groups, whatever the routing's balance
         (no host sync, at most about twice the pairs), or with `exact_groups` (CPU, where a host sync is
         free) the count the routing needs. For s' > 1 a key held by c of the query's chosen
         experts gets logit - log c in each, so the merged softmax counts it once (the union). Returns out
@@ -216,15 +216,16 @@ class MiTAHeads(DenseHeads):
         # source[B, H, NB * G]: the pair in each padded row (padding rows: pair 0, their results are never read)
         starts = (torch.arange(NB, device=q.device) * G).expand(B, H, NB).contiguous()
         group_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n - 1)  # [B, H, NB] (unused groups: any)
-        key_rows = _rows(idx, group_expert)  # [B, H, NB, k'] key rows of each group's expert
-        kexp, vexp = _rows(k, key_rows), _rows(v, key_rows)  # [B, H, NB, k', d]
+        bh = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * T  # first row of (b, h) in [B*H*T, d]
+        key_rows = bh + _rows(idx, group_expert)  # [B, H, NB, k'] key rows of each group's expert
         group_ok = _rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
-        qp = _rows(q, source // s).unflatten(2, (NB, G))  # [B, H, NB, G, d] each padded row's query
+        query_rows = bh + (source // s).unflatten(2, (NB, G))  # [B, H, NB, G] each padded row's query
         bias = None
         if s > 1:
             repeats = self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk)
             bias = -_rows(repeats.to(torch.promote_types(q.dtype, torch.float32)).log(), source).unflatten(2, (NB, G))
-        out, lse = attention_lse(qp, kexp, vexp, group_ok[:, :, :, None], scale, bias)  # [B, H, NB, G, d | ]
+        q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
+        out, lse = attention_lse(q2, k2, v2, group_ok[:, :, :, None], scale, bias, query_rows, key_rows)  # [B, H, NB, G, d | ]
         read = slot.clamp(max=NB * G - 1)  # unused pairs read any row; their lse is masked below
         out = _rows(out.flatten(2, 3), read).view(B, H, T, s, d)
         lse = lse.flatten(2).gather(-1, read).view(B, H, T, s)

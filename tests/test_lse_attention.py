@@ -86,3 +86,23 @@ def test_autocast_runs_in_the_autocast_dtype() -> None:
     ref_out, _ = plain(q.detach(), k.detach(), v.detach(), allowed, 0.5)
     rel = (out.float() - ref_out).norm() / ref_out.norm()
     assert rel < 2e-2  # bf16 inputs and probabilities: ~3 significant digits
+
+
+def test_rows_given_by_index_equal_the_gathered_tensors() -> None:
+    """q_rows / kv_rows: attention over table rows (repeated rows too) = attention over the gathered copies,
+    and the tables' gradients are the gathered gradients summed back (fp64, rtol 1e-10 / atol 1e-12)."""
+    torch.manual_seed(1)
+    q_table, k_table, v_table = (torch.randn(11, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q_rows, kv_rows = torch.randint(0, 11, (3, 5, 6)), torch.randint(0, 11, (3, 1, 7))  # keys shared by 5 groups
+    allowed = torch.rand(3, 5, 1, 7) < 0.7
+    allowed[..., 0] = True
+    out, lse = attention_lse(q_table, k_table, v_table, allowed, 0.5, q_rows=q_rows, kv_rows=kv_rows)
+    ref_out, ref_lse = plain(q_table[q_rows], k_table[kv_rows], v_table[kv_rows], allowed, 0.5)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    d_out, d_lse = torch.randn_like(out), torch.randn_like(lse)
+    tables = (q_table, k_table, v_table)
+    grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), tables)
+    ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), tables)
+    for got, want in zip(grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
