@@ -123,7 +123,10 @@ class MiTAHeads(DenseHeads):
         lv = attention_lse(lq, k, v, visible, scale)[0] if self.options.shared and n else None  # line 9, eq. 8
         out, lse = self._shared_and_own_block(q, k, v, lq, lv, eligible, scale)
         if T > b:  # else no query has an eligible landmark (sel_ok all False): shared + own block only
-            backend = varlen.cuda_backend(q) if sel.shape[-1] == 1 else None  # kernels take no logit offset
+            # The varlen kernels take no logit offset (s' = 1 only), and their segment sizes are data-dependent
+            # (host syncs): under torch.compile the static grouped layout runs instead.
+            use_varlen = sel.shape[-1] == 1 and not torch.compiler.is_compiling()
+            backend = varlen.cuda_backend(q) if use_varlen else None
             if backend is not None:
                 out = self._routed_varlen(q, k, v, idx, idx_ok, sel[..., 0], sel_ok[..., 0], out, lse, scale, backend)
             else:

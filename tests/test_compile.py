@@ -62,3 +62,27 @@ def test_inductor_trains_a_hybrid_like_eager() -> None:
     torch._dynamo.reset()
     for eager, comp in zip(*grads):
         torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_mita_compiles_without_its_varlen_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MiTA's varlen path (CUDA) sizes its segments from the routing, a host sync that fullgraph compilation
+    refuses; under torch.compile MiTA takes the static grouped layout instead. Shown on CPU by offering the
+    PyTorch varlen backend everywhere: eager takes it, the compiled group does not, and both agree."""
+    from heads import varlen
+    from tests.head_checks import make_group
+
+    offered: list[int] = []
+    monkeypatch.setattr(varlen, "cuda_backend", lambda q: offered.append(1) or varlen.TorchVarlen())
+    group = make_group("mita", {"block": 8, "k": 8, "s": 1}, T, count=2, d_model=16, head_dim=8)
+    x, positions = torch.randn(2, T, 16, requires_grad=True), torch.arange(T).expand(2, T)
+    eager = group(x, positions)
+    assert offered  # eager MiTA took the varlen path
+    offered.clear()
+    torch._dynamo.reset()
+    compiled_group = torch.compile(group, backend="aot_eager", fullgraph=True)
+    out = compiled_group(x, positions)
+    (dx,) = torch.autograd.grad(out.sum(), x)
+    torch._dynamo.reset()
+    assert not offered
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx, torch.autograd.grad(eager.sum(), x)[0], rtol=1e-5, atol=1e-6)
