@@ -12,12 +12,12 @@ subprocess, one after the other, so the ratios come from one run on one machine.
 increase of the process over its state after building the group and input (ru_maxrss), in a separate process
 whose glibc returns every freed block over 128 KiB to the system (MALLOC_MMAP_THRESHOLD_, a fixed threshold):
 RSS then follows the live tensors, as CUDA's counter does, instead of what the allocator kept from earlier
-allocations (with glibc's default the same MiTA step read 850 MiB against ~500 MiB live); CUDA =
+allocations (with glibc's default a MiTA step read 850 MiB against ~550 MiB live); CUDA =
 max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one
 warm-up step, in a process with the default allocator (the fixed threshold makes every large allocation
-page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's parameter gradients (alive
-at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many parameters as the dense group, so
-this is the activation memory the head's implementation is responsible for.
+page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's
+parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many
+parameters as the dense group, so this is the activation memory the head's implementation is responsible for.
 """
 from __future__ import annotations
 
@@ -176,8 +176,9 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
         f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
         f"of fresh processes; memory = "
-        + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else "peak-RSS increase (ru_maxrss) of a fresh process "
-           "with MALLOC_MMAP_THRESHOLD_=131072, so that RSS follows the live tensors."),
+        + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else
+           "peak-RSS increase (ru_maxrss) of a fresh process with MALLOC_MMAP_THRESHOLD_=131072, so that RSS follows "
+           "the live tensors."),
         "",
         f"Command: `{command}`",
         "",

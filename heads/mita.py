@@ -176,7 +176,8 @@ class MiTAHeads(DenseHeads):
         B, H, T, d = q.shape
         b = self.options.block
         nb, pad = -(-T // b), -(-T // b) * b - T
-        qb, kb, vb = ((F.pad(z, (0, 0, 0, pad)) if pad else z).unflatten(2, (nb, b)) for z in (q, k, v))  # [B, H, nb, b, d]
+        padded = (F.pad(z, (0, 0, 0, pad)) if pad else z for z in (q, k, v))
+        qb, kb, vb = (z.unflatten(2, (nb, b)) for z in padded)  # [B, H, nb, b, d]
         causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
         out, lse = attention_lse(qb, kb, vb, causal, scale)
         out, lse = out.flatten(2, 3)[:, :, :T], lse.flatten(2)[:, :, :T]
@@ -192,12 +193,13 @@ class MiTAHeads(DenseHeads):
         """Each query's attention over each of its s' routed experts (eq. 5), as Alg. 1 line 14: the
         (query, expert) pairs are sorted by expert into groups of G = b rows, each group holding one
         expert's queries (an expert's last group padded), then one batched attention of every group over
-        its expert's k' keys (heads/lse_attention.py: gathers the groups' queries, keys and values by index
-        and again in backward, recomputes the scores there; keeps only indices, out and lse). The layout has a static size, ceil(T s' / G) + n groups, whatever the routing's balance
-        (no host sync, at most about twice the pairs), or with `exact_groups` (CPU, where a host sync is
-        free) the count the routing needs. For s' > 1 a key held by c of the query's chosen
-        experts gets logit - log c in each, so the merged softmax counts it once (the union). Returns out
-        [B, H, T, s', d] and log-sum-exp [B, H, T, s'] (-inf for unused slots)."""
+        its expert's k' keys (heads/lse_attention.py: gathers the groups' queries, keys and values by index,
+        again in backward, where it recomputes the scores; keeps only indices, out and lse). The layout has
+        a static size, ceil(T s' / G) + n groups, whatever the routing's balance (no host sync, at most
+        about twice the pairs), or with `exact_groups` (CPU, where a host sync is free) the count the
+        routing needs. For s' > 1 a key held by c of the query's chosen experts gets logit - log c in each,
+        so the merged softmax counts it once (the union). Returns out [B, H, T, s', d] and log-sum-exp
+        [B, H, T, s'] (-inf for unused slots)."""
         B, H, T, d = q.shape
         n, kk, s = idx.shape[2], idx.shape[3], sel.shape[-1]
         P, G = T * s, self.options.block
@@ -228,7 +230,8 @@ class MiTAHeads(DenseHeads):
             repeats = self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk)
             bias = -_rows(repeats.to(torch.promote_types(q.dtype, torch.float32)).log(), source).unflatten(2, (NB, G))
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
-        out, lse = attention_lse(q2, k2, v2, group_ok[:, :, :, None], scale, bias, query_rows, key_rows)  # [B, H, NB, G, d | ]
+        out, lse = attention_lse(q2, k2, v2, group_ok[:, :, :, None], scale, bias, query_rows, key_rows)
+        # out [B, H, NB, G, d], lse [B, H, NB, G]
         read = slot.clamp(max=NB * G - 1)  # unused pairs read any row; their lse is masked below
         out = _rows(out.flatten(2, 3), read).view(B, H, T, s, d)
         lse = lse.flatten(2).gather(-1, read).view(B, H, T, s)

@@ -214,7 +214,8 @@ def mita_runs(device: str, dtype: torch.dtype, cases: list[tuple[str, bool]]) ->
     gen = torch.Generator().manual_seed(3)
     x, cot = torch.randn(2, 300, 128, generator=gen), torch.randn(2, 300, 128, generator=gen)
     positions = torch.arange(300, device=device).expand(2, 300)
-    group = make_group("mita", {"block": 32, "k": 48, "s": 1}, 300, d_model=128, head_dim=32, std=None).to(device, dtype)
+    group = make_group("mita", {"block": 32, "k": 48, "s": 1}, 300, d_model=128, head_dim=32, std=None)
+    group = group.to(device, dtype)
     results = []
     for impl, allow_varlen in cases:
         group.options.impl = impl
@@ -249,7 +250,8 @@ def test_varlen_and_grouped_paths_take_the_same_routing_in_bf16(monkeypatch: pyt
     assert _rel_rms(grouped_run[0], reference[0]) > 2e-2  # why the CUDA test compares paths, not the reference
 
 
-@pytest.mark.skipif(not CUDA or INTERPRET, reason="MiTA's CUDA path needs a GPU and compiled kernels (TRITON_INTERPRET unset)")
+@pytest.mark.skipif(not CUDA or INTERPRET,
+                    reason="MiTA's CUDA path needs a GPU and compiled kernels (TRITON_INTERPRET unset)")
 def test_mita_on_cuda_matches_grouped_path_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """MiTA's CUDA path (routed experts through flash-attn, or the Triton kernels without it). bf16: against
     the grouped path (`varlen.disabled()`) on the same GPU, weights and inputs, relative RMS error < 2e-2 on
