@@ -107,7 +107,8 @@ def worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
-    return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes}
+    return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes,
+            "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
 CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc: mmap (and unmap on free) every block >= 128 KiB
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
         for variant, results in runs.items():
             count, flops, _ = matched_count(variant, T, args)
-            median = {key: statistics.median(r[key] for r in results) for key in results[0]}
+            median = {key: statistics.median(r[key] for r in results) for key in ("seconds", "peak_bytes", "grad_bytes")}
             rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
     table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
     print(table)

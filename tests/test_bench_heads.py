@@ -36,3 +36,15 @@ def test_main_writes_a_table_with_time_and_memory_from_separate_workers(tmp_path
     assert [r[2].strip() for r in rows] == ["dense", "mita"]
     assert all(float(r[5]) > 0 and float(r[7]) >= 0 for r in rows)  # fwd+bwd ms, peak MiB
     assert "MALLOC_MMAP_THRESHOLD_=131072" in out.read_text()
+
+
+def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
+    """run_worker passes the environment to the fresh process: the memory worker sees the fixed threshold, the
+    timed worker the caller's environment (normally glibc's default)."""
+    import os
+
+    from bench.heads import CPU_MEMORY_ENV, run_worker
+
+    spec = dict(type="dense", options={}, count=1, T=16, d_model=16, head_dim=8, batch=1, repeats=0, device="cpu")
+    assert run_worker(spec, CPU_MEMORY_ENV)["mmap_threshold"] == "131072"
+    assert run_worker(spec)["mmap_threshold"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
