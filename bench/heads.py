@@ -18,6 +18,8 @@ warm-up step, in a process with the default allocator (the fixed threshold makes
 page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's
 parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many
 parameters as the dense group, so this is the activation memory the head's implementation is responsible for.
+The column "saved" counts exactly the bytes one forward pass keeps for backward (`saved_bytes`): no allocator,
+no noise, the same on any machine.
 """
 from __future__ import annotations
 
@@ -66,6 +68,25 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
 
 
+def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> int:
+    """Bytes of the tensors one forward pass saves for backward (torch.autograd.graph.saved_tensors_hooks),
+    distinct storages, not counting the parameters and the input: what the implementation keeps alive between
+    forward and backward, exactly and independently of the allocator."""
+    seen: dict[int, int] = {}
+    alive = {t.untyped_storage().data_ptr() for t in (x, *group.parameters())}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in alive:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = group(x, positions)
+    del y  # frees the graph and what it saved
+    return sum(seen.values())
+
+
 def worker(spec: dict) -> dict:
     """Build one head group, run fwd+bwd steps, return time and peak memory."""
     from heads import GroupContext, head_class, make_options
@@ -108,6 +129,7 @@ def worker(spec: dict) -> dict:
         times.append(time.perf_counter() - t0)
     grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
     return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes,
+            "saved_bytes": saved_bytes(group, x, pos),
             "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
@@ -156,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
         for variant, results in runs.items():
             count, flops, _ = matched_count(variant, T, args)
-            median = {key: statistics.median(r[key] for r in results) for key in ("seconds", "peak_bytes", "grad_bytes")}
+            keys = ("seconds", "peak_bytes", "grad_bytes", "saved_bytes")
+            median = {key: statistics.median(r[key] for r in results) for key in keys}
             rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
     table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
     print(table)
@@ -183,9 +206,12 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         "",
         f"Command: `{command}`",
         "",
+        "Saved = bytes of the tensors a forward pass saves for backward (saved_tensors_hooks; distinct storages, "
+        "parameters and input excluded): exact, allocator-independent.",
+        "",
         "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense "
-        "| peak − param grads MiB | that / dense |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| peak − param grads MiB | that / dense | saved MiB | saved / dense |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         d = dense.get(r["T"])
@@ -193,8 +219,10 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         m_ratio = f"{r['peak_bytes'] / d['peak_bytes']:.2f}" if d and d["peak_bytes"] > 0 else "-"
         act, d_act = r["peak_bytes"] - r["grad_bytes"], d["peak_bytes"] - d["grad_bytes"] if d else 0
         a_ratio = f"{act / d_act:.2f}" if d and d_act > 0 else "-"
+        s_ratio = f"{r['saved_bytes'] / d['saved_bytes']:.2f}" if d and d["saved_bytes"] > 0 else "-"
         lines.append(f"| {r['T']} | {r['variant']} | {r['heads']} | {r['gflops']:.2f} | {r['seconds'] * 1e3:.1f} | "
-                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} | {act / 2**20:.1f} | {a_ratio} |")
+                     f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} | {act / 2**20:.1f} | {a_ratio} | "
+                     f"{r['saved_bytes'] / 2**20:.2f} | {s_ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from bench.heads import VARIANTS, matched_count, worker
 from flops.formulas import group_cost
@@ -22,7 +23,7 @@ def test_variant_is_flop_matched_and_runs(variant: str) -> None:
     assert ("sparsity" in options) == (head_type in ("mosa", "mosaic", "fixed", "routing"))
     out = worker(dict(type=head_type, options=options, count=count, T=T, d_model=32, head_dim=8, batch=2,
                       repeats=1, device="cpu"))
-    assert out["seconds"] > 0 and out["grad_bytes"] > 0
+    assert out["seconds"] > 0 and out["grad_bytes"] > 0 and out["saved_bytes"] > 0
 
 
 def test_main_writes_a_table_with_time_and_memory_from_separate_workers(tmp_path) -> None:
@@ -34,7 +35,7 @@ def test_main_writes_a_table_with_time_and_memory_from_separate_workers(tmp_path
                  "--variants", "dense", "mita", "--out", str(out)]) == 0
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| 64 |")]
     assert [r[2].strip() for r in rows] == ["dense", "mita"]
-    assert all(float(r[5]) > 0 and float(r[7]) >= 0 for r in rows)  # fwd+bwd ms, peak MiB
+    assert all(float(r[5]) > 0 and float(r[7]) >= 0 and float(r[11]) > 0 for r in rows)  # ms, peak MiB, saved MiB
     assert "MALLOC_MMAP_THRESHOLD_=131072" in out.read_text()
 
 
@@ -48,3 +49,18 @@ def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
     spec = dict(type="dense", options={}, count=1, T=16, d_model=16, head_dim=8, batch=1, repeats=0, device="cpu")
     assert run_worker(spec, CPU_MEMORY_ENV)["mmap_threshold"] == "131072"
     assert run_worker(spec)["mmap_threshold"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
+
+
+def test_saved_bytes_counts_what_backward_keeps() -> None:
+    """saved_bytes: a dense group keeps at least q, k, v and the attention output ([B, T, h'] each per head) and
+    nothing of the parameters or the input; a group under no_grad keeps nothing."""
+    from bench.heads import saved_bytes
+    from heads import GroupContext, head_class, make_options
+
+    ctx = GroupContext(32, 8, 64)
+    group = head_class("dense")(ctx, 2, make_options("dense", {}, ctx))
+    x, positions = torch.randn(3, 64, 32, requires_grad=True), torch.arange(64).expand(3, 64)
+    per_tensor = 3 * 64 * 2 * 8 * 4  # [B, T, H*h'] fp32
+    assert saved_bytes(group, x, positions) >= 4 * per_tensor
+    with torch.no_grad():
+        assert saved_bytes(group, x, positions) == 0
