@@ -24,15 +24,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from heads.gathered_lean import in_autocast_dtype
+from heads.gathered_lean import accumulator, in_autocast_dtype
 
 
 def _probabilities(q: Tensor, k: Tensor, allowed: Tensor, bias: Tensor | None, scale: float,
                    lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(P, lse) of the masked scores, softmax statistics in at least fp32; lse given: reuse it. Every pass
     over the [..., M, N] scores is in place (this is memory-bound at small d)."""
-    acc = torch.promote_types(q.dtype, torch.float32)
-    s = ((q * scale) @ k.transpose(-1, -2)).to(acc)
+    s = ((q * scale) @ k.transpose(-1, -2)).to(accumulator(q.dtype))
     if bias is not None:
         s += bias
     s.masked_fill_(~allowed, float("-inf"))

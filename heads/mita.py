@@ -38,6 +38,7 @@ from torch import Tensor
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads import varlen
+from heads.gathered_lean import accumulator
 from heads.kv_cache import BlockKV
 from heads.lse_attention import attention_lse, merge
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
@@ -45,13 +46,18 @@ from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_
 NEG_INF = float("-inf")
 
 
+def _flat(index: torch.Tensor, N: int) -> torch.Tensor:
+    """index[B, H, ...] (rows < N of sequence b, head h) -> the same rows of the [B*H*N, ...] table."""
+    B, H = index.shape[:2]
+    offsets = torch.arange(B * H, device=index.device).view(B, H, *[1] * (index.dim() - 2)) * N
+    return index + offsets
+
+
 def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t[B, H, N, X], index[B, H, ...] (values < N) -> t's rows at index, [B, H, ..., X] (one index_select:
     whole rows copied, and index_add in backward, unlike gather's per-element index)."""
     B, H, N, X = t.shape
-    offsets = torch.arange(B * H, device=t.device).view(B, H, 1) * N
-    flat = (index.flatten(2) + offsets).flatten()
-    return t.reshape(B * H * N, X).index_select(0, flat).view(*index.shape, X)
+    return t.reshape(B * H * N, X).index_select(0, _flat(index, N).flatten()).view(*index.shape, X)
 
 
 @dataclass
@@ -221,14 +227,13 @@ class MiTAHeads(DenseHeads):
         # source[B, H, NB * G]: the pair in each padded row (padding rows: pair 0, their results are never read)
         starts = (torch.arange(NB, device=q.device) * G).expand(B, H, NB).contiguous()
         group_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n - 1)  # [B, H, NB] (unused groups: any)
-        bh = torch.arange(B * H, device=q.device).view(B, H, 1, 1) * T  # first row of (b, h) in [B*H*T, d]
-        key_rows = bh + _rows(idx, group_expert)  # [B, H, NB, k'] key rows of each group's expert
+        key_rows = _flat(_rows(idx, group_expert), T)  # [B, H, NB, k'] rows of [B*H*T, d] of each group's keys
         group_ok = _rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
-        query_rows = bh + (source // s).unflatten(2, (NB, G))  # [B, H, NB, G] each padded row's query
+        query_rows = _flat((source // s).unflatten(2, (NB, G)), T)  # [B, H, NB, G] each padded row's query
         bias = None
         if s > 1:
             repeats = self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk)
-            bias = -_rows(repeats.to(torch.promote_types(q.dtype, torch.float32)).log(), source).unflatten(2, (NB, G))
+            bias = -_rows(repeats.to(accumulator(q.dtype)).log(), source).unflatten(2, (NB, G))
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
         out, lse = attention_lse(q2, k2, v2, group_ok[:, :, :, None], scale, bias, query_rows, key_rows)
         # out [B, H, NB, G, d], lse [B, H, NB, G]
@@ -245,12 +250,11 @@ class MiTAHeads(DenseHeads):
         varlen attention over all segments, merged into the shared + own-block softmax (out, lse)."""
         B, H, T, d = q.shape
         n = idx.shape[2]
-        bh = torch.arange(B * H, device=q.device).view(B, H, 1)
-        segment = (bh * n + sel).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
+        segment = _flat(sel, n).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
         rows = sel_ok.flatten().nonzero()[:, 0]  # queries with a routed expert (rows of block 0 have none)
         expert = segment[rows]
         rows = rows[expert.argsort(stable=True)]  # grouped by expert
-        key_rows = (bh[..., None] * T + idx)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
+        key_rows = _flat(idx, T)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
         seg = varlen.Segments.from_counts(expert.bincount(minlength=B * H * n), idx_ok.sum(-1).flatten())
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
         merged = varlen.merge_varlen(out.reshape(B * H * T, d), lse.flatten(), q2[rows], k2[key_rows], v2[key_rows],
