@@ -114,8 +114,10 @@ class AgentHeads(DenseHeads):
         cache.write(q, k, v, positions)
         if prefill:
             return self.forward(x, positions)
-        t, n = cache.rows - 1, cache.blocks
-        window = slice(max(t - self.options.window + 1, 0), t + 1)
-        keys = torch.cat((cache.landmarks[:, :, :n], cache.kv.k[:, :, window]), 2)
-        values = torch.cat((cache.values[:, :, :n], cache.kv.v[:, :, window]), 2)
-        return self._merge(attend(q, keys, values))  # broadcast + local, one softmax
+        t, w = cache.row(), min(self.options.window, cache.kv.k.shape[2])  # t: 0-d tensor (static shapes)
+        rows = t - w + 1 + torch.arange(w, device=x.device)  # the window t-w < p <= t; rows < 0 are masked
+        near = rows.clamp(min=0)
+        keys = torch.cat((cache.landmarks, cache.kv.k.index_select(2, near)), 2)  # every agent slot + window
+        values = torch.cat((cache.values, cache.kv.v.index_select(2, near)), 2)
+        done = torch.arange(cache.landmarks.shape[2], device=x.device) < (t + 1) // self.options.block  # completed
+        return self._merge(attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None]))  # broadcast + local, one softmax

@@ -6,15 +6,21 @@ pos[B, H, S] (-1 = empty) and fill[B, H] (slots written so far). Heads write onl
 the bytes allocated here are the real cache of the head type, next to the analytic KV count
 (MoSA Table 2). `entries()` counts the key/value entries actually stored, `capacity()` the slots
 allocated: a MoSA head that selected 12 tokens fills 12 of its slots, whatever its capacity. Keys are stored already rotated by their original positions (heads/rope.py).
+
+A decoding step (one token) reads no host-side counter and has static shapes: it writes its slot by
+index and attends over all S slots under a position mask, so it compiles into one graph that serves every
+step (lm/generate.decode_step). Only eager writes check for overflow (a host sync); a compiled step relies
+on the heads' capacity rules, which never add an entry to a full head.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from heads.attention import attend
-from routing.landmarks import block_ends, landmark_topk
+from routing.landmarks import landmark_topk, prefix_mask
 
 
 @dataclass
@@ -25,14 +31,15 @@ class SlotKV:
     fill: torch.Tensor  # [B, H] slots written so far (for a ring buffer it keeps counting)
     ring: bool = False  # True: slot = fill % S, overwriting the oldest entry
     fresh: bool = True  # nothing written yet: the next call is the prefill
-    rows: int = 0  # host-side bound on the slots in use, >= min(fill.max(), S) (exact when every token is kept)
+    rows: int = 0  # host-side bound on the slots in use, >= min(fill.max(), S) (exact when every token is kept
+    # and nothing was compiled); it spares eager writes the overflow check while the cache cannot be full
 
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, dim: int, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32, ring: bool = False) -> SlotKV:
-        kv = torch.zeros(2, batch, heads, slots, dim, device=device, dtype=dtype)
+        k, v = (torch.zeros(batch, heads, slots, dim, device=device, dtype=dtype) for _ in range(2))
         pos = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
-        return cls(kv[0], kv[1], pos, torch.zeros(batch, heads, dtype=torch.long, device=device), ring)
+        return cls(k, v, pos, torch.zeros(batch, heads, dtype=torch.long, device=device), ring)
 
     def nbytes(self) -> int:
         """Bytes allocated for keys, values, their positions and the fill counters."""
@@ -48,16 +55,20 @@ class SlotKV:
 
     def write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T].
-        The host syncs only to check for overflow, and only when `rows` says the cache may be full."""
+        Eager, the host syncs only to check for overflow, and only when `rows` says the cache may be full;
+        under torch.compile nothing is checked and `rows` becomes S (a store, not a read: no guard)."""
         S, T = self.k.shape[2], keep.shape[-1]
-        if not self.ring and self.rows + T > S and bool((keep & (self.fill[..., None] + keep.cumsum(-1) > S)).any()):
-            raise RuntimeError(f"KV cache full: {S} slots per head")
+        if torch.compiler.is_compiling():
+            self.rows = S
+        else:
+            if not self.ring and self.rows + T > S and bool((keep & (self.fill[..., None] + keep.cumsum(-1) > S)).any()):
+                raise RuntimeError(f"KV cache full: {S} slots per head")
+            self.rows = min(self.rows + T, S)
         if T == 1:
             self._write_one(keep, k, v, pos)
         else:
             self._write_many(keep, k, v, pos)
         self.fill += keep.sum(-1)  # a ring buffer keeps counting past S: the next slot is fill % S
-        self.rows = min(self.rows + T, S)
         self.fresh = False
 
     def _write_many(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -81,18 +92,25 @@ class SlotKV:
 
     def attend(self, q: torch.Tensor, qpos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """q[B, H, Tq, d] at positions qpos[B, Tq] over the cached keys at positions <= qpos (and
-        > qpos - window when given) -> [B, H, Tq, d]. Queries that see no key get zeros."""
-        n = self.rows  # slots beyond it are empty; padding slots inside it have pos -1
-        if n == 0:
-            return torch.zeros_like(q)
-        kpos = self.pos[:, :, None, :n]  # [B, H, 1, n]
+        > qpos - window when given) -> [B, H, Tq, d]. Queries that see no key get zeros. Every slot
+        takes part (empty ones have pos -1 and are masked): static shapes, no host-side counter."""
+        kpos = self.pos[:, :, None, :]  # [B, H, 1, S]
         qp = qpos[:, None, :, None]  # [B, 1, Tq, 1]
         mask = (kpos >= 0) & (kpos <= qp)
         if window is not None:
             mask = mask & (kpos > qp - window)
         seen = mask.any(-1, keepdim=True)
-        out = attend(q, self.k[:, :, :n], self.v[:, :, :n], mask=mask | ~seen)  # no all-masked rows
+        out = attend(q, self.k, self.v, mask=mask | ~seen)  # no all-masked rows
         return out * seen
+
+
+def when(pred: torch.Tensor, then: Callable[..., tuple], otherwise: Callable[..., tuple],
+         operands: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """then(*operands) if pred else otherwise(*operands), for a 0-d bool tensor: torch.cond under torch.compile
+    (both branches in the graph, no host sync; operands must not alias), a Python branch eagerly."""
+    if torch.compiler.is_compiling():
+        return torch.cond(pred, then, otherwise, operands)
+    return then(*operands) if bool(pred) else otherwise(*operands)
 
 
 @dataclass
@@ -101,33 +119,42 @@ class BlockKV:
     token's key/value (`kv`, as dense), the rotated queries of the current incomplete block, and per
     completed block j its landmark / agent query q~_j = mean of the block's queries, its value
     v~_j = softmax(q~_j K^T / sqrt(h')) V over rows <= e_j, and (MiTA) its expert's top-k key rows
-    (-1 = none: a young landmark saw fewer than k keys). Rows are slot indices (all tokens kept)."""
+    (-1 = none: a young landmark saw fewer than k keys). Rows are slot indices (all tokens kept, so every
+    sequence and head holds the same number: kv.fill). A decoding step is static like SlotKV's: the block a
+    token completes is built under `when` (torch.cond when compiled)."""
 
     kv: SlotKV
-    queries: torch.Tensor  # [B, H, b, d] rotated queries of the current block, rows r - r % b .. r
+    queries: torch.Tensor  # [B, H, b, d] rotated queries of the current block, at slot row % b
     landmarks: torch.Tensor  # [B, H, n_max, d] q~_j of the completed blocks
-    values: torch.Tensor  # [B, H, n_max, d] v~_j
+    values: torch.Tensor  # [B, H, n_max, d] v~_j (its own buffer: torch.cond refuses aliased operands)
     experts: torch.Tensor | None = None  # [B, H, n_max, k'] int64 key rows of expert j, -1 = unused
-    blocks: int = 0  # completed blocks so far
 
     @classmethod
     def empty(cls, batch: int, heads: int, max_len: int, dim: int, block: int, topk: int | None = None,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> BlockKV:
         n_max = max_len // block
-        state = torch.zeros(2, batch, heads, n_max, dim, device=device, dtype=dtype)
+        landmarks, values = (torch.zeros(batch, heads, n_max, dim, device=device, dtype=dtype) for _ in range(2))
         experts = (torch.full((batch, heads, n_max, min(topk, max_len)), -1, dtype=torch.long, device=device)
                    if topk is not None else None)
         return cls(SlotKV.empty(batch, heads, max_len, dim, device, dtype),
-                   torch.zeros(batch, heads, block, dim, device=device, dtype=dtype), state[0], state[1], experts)
+                   torch.zeros(batch, heads, block, dim, device=device, dtype=dtype), landmarks, values, experts)
 
     @property
-    def rows(self) -> int:
-        """Tokens cached so far (the row of the next token)."""
-        return self.kv.rows
+    def topk(self) -> int | None:
+        """k' of MiTA's experts, None for agents."""
+        return None if self.experts is None else self.experts.shape[-1]
+
+    def row(self) -> torch.Tensor:
+        """0-d tensor: the row of the last token written (no host sync)."""
+        return self.kv.fill[0, 0] - 1
+
+    def blocks(self) -> int:
+        """Completed blocks so far (a host sync)."""
+        return min(int(self.kv.fill[0, 0]) // self.queries.shape[2], self.landmarks.shape[2])
 
     def entries(self) -> int:
         """Token keys/values stored plus one (q~_j, v~_j) pair per completed block, over sequences and heads."""
-        return self.kv.entries() + self.blocks * self.landmarks.shape[0] * self.landmarks.shape[1]
+        return self.kv.entries() + self.blocks() * self.landmarks.shape[0] * self.landmarks.shape[1]
 
     def capacity(self) -> int:
         return self.kv.capacity() + self.landmarks.shape[:3].numel()
@@ -137,27 +164,65 @@ class BlockKV:
         return self.kv.nbytes() + sum(t.numel() * t.element_size() for t in extra)
 
     def write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append a chunk of rotated q, k and v [B, H, T, d] (positions[B, T]) and build the state of
-        every block it completes, from the blocks' queries and all keys up to each block's end."""
-        b, r0 = self.queries.shape[2], self.rows
-        start = r0 - r0 % b  # first row of the incomplete block
+        """Append rotated q, k and v [B, H, T, d] (positions[B, T]): the prompt into a fresh cache, then one
+        token per call (the heads check); build the state of every block this completes."""
+        fresh = self.kv.fresh
         self.kv.write(torch.ones(k.shape[:3], dtype=torch.bool, device=k.device), k, v,
                       positions[:, None].expand(-1, k.shape[1], -1))
-        qq = torch.cat((self.queries[:, :, : r0 - start], q), 2)  # [B, H, rows start .., d]
-        m = qq.shape[2] // b  # blocks completed by this chunk
+        if fresh:
+            self._prefill(q)
+        else:
+            self._step(q)
+
+    def _prefill(self, q: torch.Tensor) -> None:
+        """The prompt's m = T // b complete blocks at once, from their queries and the prompt's keys."""
+        b, T = self.queries.shape[2], q.shape[2]
+        m = T // b
         if m:
-            N = self.rows
-            lq = qq[:, :, : m * b].unflatten(2, (m, b)).mean(3)  # [B, H, m, d] (MiTA Alg. 1 line 2)
-            sees = torch.arange(N, device=q.device)[None, :] <= start + block_ends(m, b, q.device)[:, None]  # [m, N]
-            S = (lq @ self.kv.k[:, :, :N].transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
-            j = slice(self.blocks, self.blocks + m)
-            self.landmarks[:, :, j], self.values[:, :, j] = lq, S.softmax(-1) @ self.kv.v[:, :, :N]
-            if self.experts is not None:  # MiTA eq. 7: each new landmark's top-k keys among rows <= e_j
-                idx, ok = landmark_topk(S, self.experts.shape[-1])
-                self.experts[:, :, j, : idx.shape[-1]] = idx.masked_fill(~ok, -1)
-            self.blocks += m
-        rest = qq[:, :, m * b :]
-        self.queries[:, :, : rest.shape[2]] = rest
+            lq = q[:, :, : m * b].unflatten(2, (m, b)).mean(3)  # [B, H, m, d] (MiTA Alg. 1 line 2)
+            lv, experts = summaries(lq, prefix_mask(m, T, b, q.device), self.kv.k[:, :, :T], self.kv.v[:, :, :T], self.topk)
+            self.landmarks[:, :, :m], self.values[:, :, :m] = lq, lv
+            if experts is not None:
+                self.experts[:, :, :m, : experts.shape[-1]] = experts
+        self.queries[:, :, : T - m * b] = q[:, :, m * b :]
+
+    def _step(self, q: torch.Tensor) -> None:
+        """One token at row r: store its query at slot r % b; if it ends block j = (r + 1) / b - 1, build that
+        block's landmark over the rows <= r (static shapes: every slot, later rows masked)."""
+        b, n_max = self.queries.shape[2], self.landmarks.shape[2]
+        r = self.row()
+        self.queries.index_copy_(2, (r % b).view(1), q)
+        if n_max == 0:  # max_len < b: no block ever completes
+            return
+        j = ((r + 1) // b - 1).clamp(0, n_max - 1).view(1)
+        state = (self.landmarks, self.values) + ((self.experts,) if self.experts is not None else ())
+        topk = self.topk
+
+        def complete(queries: torch.Tensor, K: torch.Tensor, V: torch.Tensor, r: torch.Tensor, j: torch.Tensor,
+                     *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            lq = queries.mean(2, keepdim=True)  # [B, H, 1, d]
+            sees = (torch.arange(K.shape[2], device=K.device) <= r)[None]  # [1, S]
+            lv, experts = summaries(lq, sees, K, V, topk)
+            return (lq, lv) + ((experts,) if experts is not None else ())
+
+        def unchanged(queries: torch.Tensor, K: torch.Tensor, V: torch.Tensor, r: torch.Tensor, j: torch.Tensor,
+                      *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(t.index_select(2, j) for t in state)
+
+        new = when((r + 1) % b == 0, complete, unchanged, (self.queries, self.kv.k, self.kv.v, r, j) + state)
+        for t, row in zip(state, new):
+            t.index_copy_(2, j, row)
+
+
+def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
+              topk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Landmarks lq[B, H, m, d] over keys K, V [B, H, N, d] where sees[m, N]: their values
+    softmax(q~ K^T / sqrt(h')) V and (MiTA eq. 7, topk given) their experts' top-k key rows, -1 = none."""
+    S = (lq @ K.transpose(-1, -2) * lq.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
+    if topk is None:
+        return S.softmax(-1) @ V, None
+    idx, ok = landmark_topk(S, topk)
+    return S.softmax(-1) @ V, idx.masked_fill(~ok, -1)
 
 
 def gathered_prefill(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor,

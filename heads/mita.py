@@ -149,8 +149,8 @@ class MiTAHeads(DenseHeads):
                              device, dtype)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
-        """Prefill: the full forward over the prompt. A later token at row t, with the n = t // b
-        eligible landmarks: one softmax over their shared entries (q~_j, v~_j), the keys of its top-s
+        """Prefill: the full forward over the prompt. A later token at row t, with the landmarks of the
+        t // b blocks before its own eligible: one softmax over their shared entries (q~_j, v~_j), the keys of its top-s
         routed experts (union) and its own block's keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
@@ -159,19 +159,24 @@ class MiTAHeads(DenseHeads):
         cache.write(q, k, v, positions)
         if prefill:
             return self.forward(x, positions)
-        t, b, scale = cache.rows - 1, self.options.block, self.ctx.head_dim**-0.5
-        n = t // b  # eligible landmarks: blocks that ended before t's block starts
-        R = q @ cache.landmarks[:, :, :n].transpose(-1, -2) * scale  # [B, H, 1, n] routing logits
-        sel, sel_ok = route(R, torch.ones(1, n, dtype=torch.bool, device=x.device), self.options.s)  # [B, H, 1, s']
-        experts = _rows(cache.experts[:, :, :n], sel)  # [B, H, 1, s', k'] key rows of the chosen experts
-        experts = experts.masked_fill(~sel_ok[..., None] | (experts < 0), t + 1).flatten(3)  # t + 1 = unused
-        routed = torch.zeros(*R.shape[:3], t + 2, dtype=torch.bool, device=x.device).scatter_(-1, experts, True)
-        keys_ok = routed[..., : t + 1] | (torch.arange(t + 1, device=x.device) >= n * b)  # routed | own block
-        scores = (q @ cache.kv.k[:, :, : t + 1].transpose(-1, -2) * scale).masked_fill(~keys_ok, NEG_INF)
-        values = cache.kv.v[:, :, : t + 1]
-        if self.options.shared:
-            scores, values = torch.cat((R, scores), -1), torch.cat((cache.values[:, :, :n], values), 2)
-        return self._merge(scores.softmax(-1) @ values)
+        t, b, scale = cache.row(), self.options.block, self.ctx.head_dim**-0.5  # t: 0-d tensor (static shapes)
+        S, n_max = cache.kv.k.shape[2], cache.landmarks.shape[2]
+        start = t // b * b  # t's own block starts here; landmarks of the blocks before it are eligible
+        eligible = torch.arange(n_max, device=x.device)[None] < t // b  # [1, n_max]
+        R = q @ cache.landmarks.transpose(-1, -2) * scale  # [B, H, 1, n_max] routing logits
+        sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, 1, s']
+        experts = _rows(cache.experts, sel)  # [B, H, 1, s', k'] key rows of the chosen experts
+        experts = experts.masked_fill(~sel_ok[..., None] | (experts < 0), S).flatten(3)  # S = unused
+        routed = torch.zeros(*R.shape[:3], S + 1, dtype=torch.bool, device=x.device).scatter_(-1, experts, True)
+        rows = torch.arange(S, device=x.device)
+        keys_ok = (routed[..., :S] | (rows >= start)) & (rows <= t)  # routed | own block, never a later slot
+        scores = (q @ cache.kv.k.transpose(-1, -2) * scale).masked_fill(~keys_ok, NEG_INF)
+        if not self.options.shared:
+            return self._merge(scores.softmax(-1) @ cache.kv.v)
+        p = torch.cat((R.masked_fill(~eligible, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
+        # two products instead of one over concatenated values: inductor may place the just-written V inside a
+        # concatenation's buffer, with strides that the torch.cond building the landmarks (heads/kv_cache.py) refuses
+        return self._merge(p[..., :n_max] @ cache.values + p[..., n_max:] @ cache.kv.v)
 
     def _shared_and_own_block(
         self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, eligible: Tensor, scale: float

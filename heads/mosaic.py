@@ -81,7 +81,6 @@ class MosaicCache:
 
     kv: SlotKV
     members: torch.Tensor  # [B, N]
-    seen: int = 0  # tokens consumed
 
     def nbytes(self) -> int:
         return self.kv.nbytes() + self.members.numel() * self.members.element_size()
@@ -211,11 +210,10 @@ class MosaicHeads(HeadGroup):
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: MosaicCache) -> torch.Tensor:
         """Prefill (empty cache, any length: the fast path, keeping the visible members' K/V) or one
         decoding step (x[B, 1, h]) that applies the recency rule with the cached slot counts."""
-        if cache.seen == 0:
+        if cache.kv.fresh:
             y, sel, visible, members = self._fast(x, positions)
             gathered_prefill(cache.kv, x, positions, sel.idx, visible, self.qkv.weight, self.rope)
             cache.members += members
-            cache.seen = x.shape[1]
             return y
         if x.shape[1] != 1:
             raise ValueError("mosaic: after the prefill, decode one token at a time")
@@ -229,7 +227,6 @@ class MosaicHeads(HeadGroup):
         pad = ~c & (free > 0) & (free >= self.frame - p)  # the padded tail (routing/token_choice.py)
         member = sel | pad
         cache.members += member
-        cache.seen += 1
         spos = p[:, :, None].expand(B, N, 1)
         q, k, v = self.qkv(x).view(B, 3, N, 1, self.ctx.head_dim).unbind(1)  # every head, one token
         q, k = self.rope(q, spos), self.rope(k, spos)

@@ -121,10 +121,9 @@ class TopKHeads(DenseHeads):
         if prefill:
             a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
         else:
-            n = cache.rows
-            kpos = cache.pos[:, :, None, :n]  # [B, H, 1, n]
-            visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, n]
-            scores = (q @ cache.k[:, :, :n].transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))
-            top, idx = scores.topk(min(self.options.k, n), dim=-1)
-            a = torch.zeros_like(scores).scatter_add_(-1, idx, top.softmax(-1)) @ cache.v[:, :, :n]
+            kpos = cache.pos[:, :, None, :]  # [B, H, 1, S]: every slot, empty ones (pos -1) masked
+            visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, S]
+            scores = (q @ cache.k.transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))
+            top, idx = scores.topk(min(self.options.k, scores.shape[-1]), dim=-1)  # masked keys get weight 0
+            a = torch.zeros_like(scores).scatter_add_(-1, idx, top.softmax(-1)) @ cache.v
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))

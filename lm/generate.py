@@ -9,7 +9,11 @@ analytic count `DecoderLM.kv_total(T)` (MoSA Table 2). Generating past the train
 (model.seq_len) warns once, saying what each head type of the model does there (`BEYOND_TRAINING`).
 
     python -m lm.generate --ckpt runs/x/last.ckpt --prompt "Once upon a time" --max-new-tokens 50 \\
-        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0]
+        [--temperature 0.8] [--top-k 50] [--top-p 0.95] [--seed 0] [--compile]
+
+`--compile` (`decode_step`) runs every decoding step through one torch.compile graph: a step's shapes are
+static and it reads no host-side counter (heads/kv_cache.py), so the per-op overhead that dominates small
+models' decoding goes (bench/results/decode_cpu.md).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +41,14 @@ BEYOND_TRAINING = {
     "agent": "keeps every token and adds an agent per block (its cache grows with the length)",
     "mita": "keeps every token and adds a landmark per block (its cache grows with the length)",
 }
+
+
+def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """The model's forward for one-token decoding calls, through torch.compile(fullgraph=True, dynamic=False):
+    every head type's decoding step has static shapes and reads no host-side counter (heads/kv_cache.py), so
+    one graph serves every step of a generation (a new batch size or cache length compiles another). Pass it
+    as `step` to `generate` / `cached_logits`; the prefill stays eager."""
+    return torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
 
 
 def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
@@ -83,14 +95,17 @@ def _positions(start: int, length: int, batch: int, device: torch.device) -> tor
 
 
 @torch.no_grad()
-def cached_logits(model: DecoderLM, tokens: torch.Tensor, prefill: int) -> tuple[torch.Tensor, Cache]:
+def cached_logits(model: DecoderLM, tokens: torch.Tensor, prefill: int,
+                  step: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, Cache]:
     """Logits[B, T, V] of tokens[B, T] computed as decoding does: one prefill call on tokens[:, :prefill],
-    then one call per remaining token. For checking incremental decoding against a full forward."""
+    then one call per remaining token (through `step`, default the model; see `decode_step`). For checking
+    incremental decoding against a full forward."""
     B, T = tokens.shape
+    step = model if step is None else step
     cache = new_cache(model, B, T)
     out = [model(tokens[:, :prefill], _positions(0, prefill, B, tokens.device), cache)]
     for t in range(prefill, T):
-        out.append(model(tokens[:, t : t + 1], _positions(t, 1, B, tokens.device), cache))
+        out.append(step(tokens[:, t : t + 1], _positions(t, 1, B, tokens.device), cache))
     return torch.cat(out, dim=1), cache
 
 
@@ -115,14 +130,17 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
 @torch.no_grad()
 def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             stop_id: int | None = None, cache: Cache | None = None) -> torch.Tensor:
+             stop_id: int | None = None, cache: Cache | None = None,
+             step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens (stops early when every sequence
-    produced stop_id). `cache`: an empty one for T0 + max_new_tokens tokens, to read its fill afterwards."""
+    produced stop_id). `cache`: an empty one for T0 + max_new_tokens tokens, to read its fill afterwards;
+    `step`: what decodes each new token (default the model; `decode_step(model)` compiles it)."""
     model.eval()
     B, T0 = prompt.shape
     if T0 + max_new_tokens > model.cfg.seq_len:
         warn(beyond_training(model, T0 + max_new_tokens))
     cache = new_cache(model, B, T0 + max_new_tokens) if cache is None else cache
+    step = model if step is None else step
     logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
     tokens = [prompt]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
@@ -134,7 +152,7 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
             if bool(done.all()):
                 break
         if t + 1 < T0 + max_new_tokens:
-            logits = model(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
+            logits = step(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
     return torch.cat(tokens, dim=1)
 
 
@@ -208,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true",
+                    help="decode through torch.compile (one graph for every step; compiling takes a while first)")
     ap.add_argument("--tokenizer", default=None,
                     help="default: the tokenizer the checkpoint carries, else <data.path>/tokenizer.model of its config")
     args = ap.parse_args(argv)
@@ -223,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.tensor([ids])
         g = torch.Generator().manual_seed(args.seed)
         cache = new_cache(model, 1, len(ids) + args.max_new_tokens)
+        step = decode_step(model) if args.compile else None
         out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
-                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache)
+                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache, step=step)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

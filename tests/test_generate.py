@@ -3,7 +3,8 @@
 For every causal head type: prefill a prompt, then decode token by token; the logits of every step
 must equal the full forward pass over the same tokens: max-abs <= 1e-4 relative to the logits' max
 magnitude (fp32; measured ~1e-7). The cache holds only what the head type keeps, checked against the
-analytic KV count (MoSA Table 2).
+analytic KV count (MoSA Table 2). Compiled decoding (decode_step) captures one graph that serves every
+step, for every head type, and gives the eager steps' logits.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from lm.generate import cache_nbytes, cached_logits, generate, kv_bytes_analytic, new_cache, sample
+from lm.generate import cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic, new_cache, sample
 from lm.model import build_model
 
 T = 45  # = seq_len, so MoSAIC's padded tail and capacities are reached inside the sequence
@@ -40,9 +41,9 @@ PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 
             "agent": (3, 17), "mita": (3, 17), "mita_route_only": (3, 17)}
 
 
-def model_for(heads: list[dict], seed: int = 0):
+def model_for(heads: list[dict], seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
-    model = build_model(tiny_config(heads, seq_len=T, init_std=0.3).model)
+    model = build_model(tiny_config(heads, seq_len=T, init_std=0.3, n_layers=layers).model)
     model.train()(torch.randint(0, 97, (4, T)))  # sets MoSA's running thresholds from data
     return model.eval()
 
@@ -61,6 +62,41 @@ def test_incremental_decoding_matches_full_forward(name: str) -> None:
             if g.type_name in ("mosa", "mosaic"):  # a sparse cache: some tokens kept, never all of them
                 fill = getattr(c, "kv", c).fill
                 assert 0 < int(fill.sum()) and int(fill.max()) < T
+
+
+TOPK = [{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}]
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_TYPES) + ["topk"])
+def test_compiled_decoding_is_one_graph_for_every_step(name: str) -> None:
+    """fullgraph=True and static shapes: one capture serves all 28 steps (a graph break raises, a recompile
+    counts a second frame); the captured graph, run eagerly, gives the eager steps' logits."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = model_for(TOPK if name == "topk" else CAUSAL_TYPES[name])
+    tokens = torch.randint(0, 97, (2, T))
+    eager, _ = cached_logits(model, tokens, 17)
+    torch.compiler.reset()
+    counter = CompileCounter()
+    compiled, cache = cached_logits(model, tokens, 17, step=decode_step(model, backend=counter))
+    assert counter.frame_count == 1
+    assert (compiled - eager).abs().max().item() <= 1e-5 * eager.abs().max().item()
+
+
+def test_inductor_decoding_of_every_head_type_matches_eager() -> None:
+    """One model holding every decodable head type, compiled by inductor (generated code, torch.cond for the
+    block landmarks), float64 so that no selection flips on rounding: the same logits as eager decoding."""
+    heads = [{"type": "dense", "count": 1}, {"type": "local", "count": 1, "options": {"window": 6}},
+             {"type": "fixed", "count": 1, "options": {"sparsity": 4}}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
+             {"type": "mosaic", "count": 2, "options": {"sparsity": 2}},
+             {"type": "agent", "count": 1, "options": {"block": 5, "window": 3}},
+             {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, TOPK[1]]
+    model = model_for(heads, layers=1).double()  # one layer: inductor's compile time grows with the graph
+    tokens = torch.randint(0, 97, (2, T))
+    eager, _ = cached_logits(model, tokens, 17)
+    torch.compiler.reset()
+    compiled, _ = cached_logits(model, tokens, 17, step=decode_step(model))
+    assert (compiled - eager).abs().max().item() <= 1e-9 * eager.abs().max().item()
 
 
 def _caches(cache):
