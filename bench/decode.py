@@ -1,14 +1,15 @@
 """Autoregressive decoding speed and KV-cache size: dense baseline vs a MoSA hybrid, side by side.
 
     OMP_NUM_THREADS=1 python -m bench.decode [--lengths 1024 4096 8192] [--new-tokens 64] \\
-        [--d-model 128] [--device cpu] [--out bench/results/decode_cpu.md]
+        [--d-model 128] [--device cpu] [--compile] [--out bench/results/decode_cpu.md]
 
 For each prompt length L three models (MoSA Table 2's layout, scaled down: 9 dense heads vs 4 dense +
 17 MoSA heads at rho = 32 with causal threshold selection, and 4 dense + 17 MoSAIC heads, recency/include,
 top-1, at rho = 17 = N / s so that the heads' capacity matches the T choices (at rho = 32 47% of them
 would be dropped); seq_len = L + new tokens) get a random prompt,
 one prefill call, then `--new-tokens` greedy steps through lm/generate.py's cache, the three models taking
-turns for `--repeats` rounds. Reported: prefill seconds, decode tokens/s (median over the repeats), the
+turns for `--repeats` rounds (with `--compile`, each model's steps also through lm.generate.decode_step, in
+the same rounds). Reported: prefill seconds, decode tokens/s (median over the repeats), the
 cache's allocated bytes after decoding (keys, values, int32 positions, counters), the analytic KV bytes
 (kv_total x 2 x head_dim x 4 bytes), and the measured fill: key/value entries actually stored after
 decoding, of the slots allocated, per head type (lm/generate.py cache_fill), next to the analytic count
@@ -23,11 +24,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from lm.config import HeadGroupConfig, ModelConfig
-from lm.generate import Cache, cache_fill, cache_nbytes, format_fill, kv_bytes_analytic, new_cache
+from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
 from lm.model import DecoderLM, build_model
 
 
@@ -45,16 +47,21 @@ def configs(d_model: int, head_dim: int, layers: int, vocab: int, seq_len: int, 
 
 
 @torch.no_grad()
-def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, Cache]:
-    """(prefill seconds, decode seconds for new_tokens greedy steps, the cache at the end)."""
+def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int,
+           step: Callable[..., torch.Tensor] | None = None) -> tuple[float, float, Cache]:
+    """(prefill seconds, decode seconds for new_tokens greedy steps through `step` (default the model),
+    the cache at the end)."""
     B, L = prompt.shape
+    step = model if step is None else step
     cache = new_cache(model, B, L + new_tokens)
     t0 = time.perf_counter()
-    logits = model(prompt, torch.arange(L).expand(B, -1), cache)[:, -1]
+    logits = model(prompt, torch.arange(L, device=prompt.device).expand(B, -1), cache)[:, -1]
     t1 = time.perf_counter()
     for t in range(L, L + new_tokens):
         nxt = logits.argmax(-1, keepdim=True)
-        logits = model(nxt, torch.full((B, 1), t), cache)[:, -1]
+        logits = step(nxt, torch.full((B, 1), t, device=prompt.device), cache)[:, -1]
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1, cache
 
@@ -70,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sparsity", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true",
+                    help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
     ap.add_argument("--out", default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = []
+    modes = ["eager", "compiled"] if args.compile else ["eager"]
     for L in args.lengths:
+        torch.compiler.reset()  # the last length's graphs: dynamo allows few recompiles per code object
         results, models = {}, {}
         for name, cfg in configs(args.d_model, args.head_dim, args.layers, args.vocab, L + args.new_tokens,
                                  args.sparsity).items():
@@ -82,32 +93,43 @@ def main(argv: list[str] | None = None) -> int:
             model.train()(torch.randint(0, args.vocab, (1, 1024), device=args.device))  # MoSA thresholds
             models[name] = model.eval()
         prompt = torch.randint(0, args.vocab, (1, L), device=args.device)
-        timed: dict[str, list] = {name: [] for name in models}
-        for _ in range(args.repeats):  # the models alternate, so drift on a shared machine hits all alike
+        steps = {(name, "eager"): None for name in models}
+        if args.compile:
             for name, model in models.items():
-                timed[name].append(decode(model, prompt, args.new_tokens))
+                steps[name, "compiled"] = decode_step(model)
+                decode(model, prompt, args.new_tokens, steps[name, "compiled"])  # compiles (untimed)
+        timed: dict[tuple[str, str], list] = {key: [] for key in steps}
+        for _ in range(args.repeats):  # models and modes alternate, so drift on a shared machine hits all alike
+            for name, mode in steps:
+                timed[name, mode].append(decode(models[name], prompt, args.new_tokens, steps[name, mode]))
         for name, model in models.items():
-            runs = timed[name]
+            runs = timed[name, "eager"]
             prefill = statistics.median(r[0] for r in runs)
-            tok_s = args.new_tokens / statistics.median(r[1] for r in runs)
+            tok_s = {mode: args.new_tokens / statistics.median(r[1] for r in timed[name, mode]) for mode in modes}
             cache, T = runs[-1][2], L + args.new_tokens
             fill = cache_fill(model, cache)
             results[name] = (prefill, tok_s, cache_nbytes(cache), kv_bytes_analytic(model, T),
                              sum(n for n, _ in fill.values()), sum(c for _, c in fill.values()), model.kv_total(T),
                              format_fill(fill))
-            print(f"L={L} {name}: prefill {prefill:.3f}s, {tok_s:.1f} tok/s, cache {results[name][2] / 2**20:.2f} MiB, "
+            speeds = ", ".join(f"{mode} {v:.1f} tok/s" for mode, v in tok_s.items())
+            print(f"L={L} {name}: prefill {prefill:.3f}s, {speeds}, cache {results[name][2] / 2**20:.2f} MiB, "
                   f"stored/slots {results[name][7]}", file=sys.stderr)
         rows.append((L, results))
-    lines = [
-        "| prompt | model | prefill s | decode tok/s | cache MiB (allocated) | analytic KV MiB | tok/s / dense | "
-        "cache / dense | KV entries stored (measured) | slots allocated | analytic kv_total | stored / slots per head type |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    compiled = ["compiled tok/s", "compiled tok/s / dense", "compiled / eager"] if args.compile else []
+    head = ["prompt", "model", "prefill s", "decode tok/s", "cache MiB (allocated)", "analytic KV MiB", "tok/s / dense",
+            *compiled, "cache / dense", "KV entries stored (measured)", "slots allocated", "analytic kv_total",
+            "stored / slots per head type"]
+    lines = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 3) + "---|"]
     for L, results in rows:
         d = next(iter(results.values()))  # the dense baseline
         for name, m in results.items():
-            lines.append(f"| {L} | {name} | {m[0]:.3f} | {m[1]:.1f} | {m[2] / 2**20:.3f} | {m[3] / 2**20:.3f} | "
-                         f"{m[1] / d[1]:.2f} | {m[2] / d[2]:.3f} | {m[4]:,} | {m[5]:,} | {m[6]:,} | {m[7]} |")
+            speed = m[1]
+            more = ([f"{speed['compiled']:.1f}", f"{speed['compiled'] / d[1]['compiled']:.2f}",
+                     f"{speed['compiled'] / speed['eager']:.2f}"] if args.compile else [])
+            cells = [str(L), name, f"{m[0]:.3f}", f"{speed['eager']:.1f}", f"{m[2] / 2**20:.3f}", f"{m[3] / 2**20:.3f}",
+                     f"{speed['eager'] / d[1]['eager']:.2f}", *more, f"{m[2] / d[2]:.3f}", f"{m[4]:,}", f"{m[5]:,}",
+                     f"{m[6]:,}", m[7]]
+            lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     if args.out:
@@ -119,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             f"device {args.device}; Python {platform.python_version()}, torch {torch.__version__}  ",
             f"Model: {args.layers} layers, d_model {args.d_model}, head_dim {args.head_dim}, vocab {args.vocab}, "
             f"fp32, batch 1, random weights; seq_len = prompt + {args.new_tokens}; {args.new_tokens} greedy "
-            f"steps, median of {args.repeats}. Ratios: each model / dense at the same prompt length.  ",
+            f"steps, median of {args.repeats}. Ratios: each model / dense at the same prompt length"
+            + (", in the same mode; compiled = every decoding step through lm.generate.decode_step "
+               "(torch.compile, inductor; compiled once per model before the timed rounds, which alternate "
+               "models and modes)" if args.compile else "") + ".  ",
             "Allocated cache = keys + values + int32 position per slot + per-head counters, preallocated "
             "for prompt + new tokens (MoSA: capacity slots per head); analytic KV = kv_total(T) x 2 x "
             "head_dim x 4 bytes (MoSA Table 2). KV entries stored = key/value entries the caches actually hold "

@@ -1,0 +1,17 @@
+"""bench/decode.py end to end at toy size: eager and compiled decoding of the three models in one table."""
+from __future__ import annotations
+
+from bench.decode import main
+
+
+def test_decode_bench_reports_eager_and_compiled_side_by_side(tmp_path) -> None:
+    out = tmp_path / "decode.md"
+    assert main(["--lengths", "40", "--new-tokens", "3", "--d-model", "32", "--head-dim", "8", "--layers", "1",
+                 "--vocab", "50", "--repeats", "1", "--compile", "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 40 |")]
+    header = next(line for line in text.splitlines() if line.startswith("| prompt |")).split(" | ")
+    assert len(rows) == 3 and all(len(r) == len(header) for r in rows)
+    col = header.index("compiled tok/s / dense")
+    assert rows[0][col] == "1.00" and all(float(r[header.index("compiled tok/s")]) > 0 for r in rows)
+    assert "lm.generate.decode_step" in text
