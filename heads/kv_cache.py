@@ -83,12 +83,15 @@ class SlotKV:
 
     def _write_one(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """One entry per row (a decoding step), without index lists or host syncs: every row writes its next
-        slot; a row that keeps nothing writes back what that slot holds."""
-        slot = (self.fill % self.k.shape[2] if self.ring else self.fill.clamp(max=self.k.shape[2] - 1))[..., None]
-        at = slot[..., None].expand_as(k)  # [B, H, 1, d]
-        self.k.scatter_(2, at, torch.where(keep[..., None], k.to(self.k.dtype), self.k.gather(2, at)))
-        self.v.scatter_(2, at, torch.where(keep[..., None], v.to(self.v.dtype), self.v.gather(2, at)))
-        self.pos.scatter_(2, slot, torch.where(keep, pos.to(self.pos.dtype), self.pos.gather(2, slot)))
+        slot; a row that keeps nothing writes back what that slot holds. A row-wise index_copy_ into the flat
+        cache, which inductor updates in place (a scatter_ there copied the whole cache twice per step)."""
+        B, H, S = self.pos.shape
+        slot = self.fill % S if self.ring else self.fill.clamp(max=S - 1)  # [B, H]
+        flat = (torch.arange(B * H, device=slot.device).view(B, H) * S + slot).view(-1)  # [B*H] rows of [B*H*S]
+        keep = keep.reshape(B * H, 1)
+        for cache, new in ((self.k, k), (self.v, v), (self.pos[..., None], pos[..., None])):
+            rows = cache.view(B * H * S, -1)
+            rows.index_copy_(0, flat, torch.where(keep, new.reshape(B * H, -1).to(rows.dtype), rows.index_select(0, flat)))
 
     def attend(self, q: torch.Tensor, qpos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """q[B, H, Tq, d] at positions qpos[B, Tq] over the cached keys at positions <= qpos (and
