@@ -120,4 +120,4 @@ class AgentHeads(DenseHeads):
         keys = torch.cat((cache.landmarks, cache.kv.k.index_select(2, near)), 2)  # every agent slot + window
         values = torch.cat((cache.values, cache.kv.v.index_select(2, near)), 2)
         done = torch.arange(cache.landmarks.shape[2], device=x.device) < (t + 1) // self.options.block  # completed
-        return self._merge(attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None]))  # broadcast + local, one softmax
+        return self._merge(attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None]))  # one softmax

@@ -150,8 +150,8 @@ class MiTAHeads(DenseHeads):
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
         """Prefill: the full forward over the prompt. A later token at row t, with the landmarks of the
-        t // b blocks before its own eligible: one softmax over their shared entries (q~_j, v~_j), the keys of its top-s
-        routed experts (union) and its own block's keys at rows <= t (eqs. 10-12)."""
+        t // b blocks before its own eligible: one softmax over their shared entries (q~_j, v~_j), the keys
+        of its top-s routed experts (union) and its own block's keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
         if not prefill and x.shape[1] != 1:
