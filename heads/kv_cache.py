@@ -83,15 +83,16 @@ class SlotKV:
 
     def _write_one(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """One entry per row (a decoding step), without index lists or host syncs: every row writes its next
-        slot; a row that keeps nothing writes back what that slot holds. A row-wise index_copy_ into the flat
-        cache, which inductor updates in place (a scatter_ there copied the whole cache twice per step)."""
+        slot; a row that keeps nothing writes back what that slot holds. index_put_ at (b, h, slot), which
+        inductor updates in place (scatter_ there copied the whole cache twice per step; an index_copy_ into
+        a flat view was miscompiled by torch 2.11's inductor)."""
         B, H, S = self.pos.shape
         slot = self.fill % S if self.ring else self.fill.clamp(max=S - 1)  # [B, H]
-        flat = (torch.arange(B * H, device=slot.device).view(B, H) * S + slot).view(-1)  # [B*H] rows of [B*H*S]
-        keep = keep.reshape(B * H, 1)
-        for cache, new in ((self.k, k), (self.v, v), (self.pos[..., None], pos[..., None])):
-            rows = cache.view(B * H * S, -1)
-            rows.index_copy_(0, flat, torch.where(keep, new.reshape(B * H, -1).to(rows.dtype), rows.index_select(0, flat)))
+        at = (torch.arange(B, device=slot.device)[:, None].expand(B, H), torch.arange(H, device=slot.device).expand(B, H), slot)
+        for cache, new in ((self.k, k), (self.v, v), (self.pos, pos)):  # [B, H, S(, d)] and [B, H, 1(, d)]
+            extra = (1,) * (cache.dim() - 3)
+            old = cache.gather(2, slot.view(B, H, 1, *extra).expand(B, H, 1, *cache.shape[3:]))  # the slot's entry
+            cache.index_put_(at, torch.where(keep.view(B, H, 1, *extra), new.to(cache.dtype), old)[:, :, 0])
 
     def attend(self, q: torch.Tensor, qpos: torch.Tensor, window: int | None = None) -> torch.Tensor:
         """q[B, H, Tq, d] at positions qpos[B, Tq] over the cached keys at positions <= qpos (and

@@ -161,22 +161,21 @@ class MiTAHeads(DenseHeads):
             return self.forward(x, positions)
         t, b, scale = cache.row(), self.options.block, self.ctx.head_dim**-0.5  # t: 0-d tensor (static shapes)
         S, n_max = cache.kv.k.shape[2], cache.landmarks.shape[2]
-        start = t // b * b  # t's own block starts here; landmarks of the blocks before it are eligible
-        eligible = torch.arange(n_max, device=x.device)[None] < t // b  # [1, n_max]
+        eligible = torch.arange(n_max, device=x.device)[None] < t // b  # [1, n_max]: blocks before t's own
         R = q @ cache.landmarks.transpose(-1, -2) * scale  # [B, H, 1, n_max] routing logits
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, 1, s']
-        experts = _rows(cache.experts, sel)  # [B, H, 1, s', k'] key rows of the chosen experts
-        experts = experts.masked_fill(~sel_ok[..., None] | (experts < 0), S).flatten(3)  # S = unused
-        routed = torch.zeros(*R.shape[:3], S + 1, dtype=torch.bool, device=x.device).scatter_(-1, experts, True)
-        rows = torch.arange(S, device=x.device)
-        keys_ok = (routed[..., :S] | (rows >= start)) & (rows <= t)  # routed | own block, never a later slot
-        scores = (q @ cache.kv.k.transpose(-1, -2) * scale).masked_fill(~keys_ok, NEG_INF)
+        routed = _rows(cache.experts, sel[:, :, 0])  # [B, H, s', k'] key rows of the chosen experts
+        routed = routed.masked_fill(~sel_ok[:, :, 0, :, None] | (routed < 0), S).flatten(2).sort(-1).values
+        first = torch.cat((torch.ones_like(routed[..., :1], dtype=torch.bool), routed[..., 1:] != routed[..., :-1]), -1)
+        own = t // b * b + torch.arange(b, device=x.device)  # t's own block: rows <= t visible
+        rows = torch.cat((routed, own.expand(*routed.shape[:2], b)), -1).clamp(max=S - 1)  # [B, H, r = s'k' + b]
+        ok = torch.cat((first & (routed < S), (own <= t).expand(*routed.shape[:2], b)), -1)  # union: shared rows once
+        scores = (q @ _rows(cache.kv.k, rows).transpose(-1, -2) * scale).masked_fill(~ok[:, :, None], NEG_INF)
+        values = _rows(cache.kv.v, rows)  # [B, H, r, d]: only these rows, not the whole cache
         if not self.options.shared:
-            return self._merge(scores.softmax(-1) @ cache.kv.v)
+            return self._merge(scores.softmax(-1) @ values)
         p = torch.cat((R.masked_fill(~eligible, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
-        # two products instead of one over concatenated values: inductor may place the just-written V inside a
-        # concatenation's buffer, with strides that the torch.cond building the landmarks (heads/kv_cache.py) refuses
-        return self._merge(p[..., :n_max] @ cache.values + p[..., n_max:] @ cache.kv.v)
+        return self._merge(p[..., :n_max] @ cache.values + p[..., n_max:] @ values)
 
     def _shared_and_own_block(
         self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, eligible: Tensor, scale: float

@@ -47,7 +47,12 @@ def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., to
     """The model's forward for one-token decoding calls, through torch.compile(fullgraph=True, dynamic=False):
     every head type's decoding step has static shapes and reads no host-side counter (heads/kv_cache.py), so
     one graph serves every step of a generation (a new batch size or cache length compiles another). Pass it
-    as `step` to `generate` / `cached_logits`; the prefill stays eager."""
+    as `step` to `generate` / `cached_logits`; the prefill stays eager. Inductor needs torch >= 2.13: 2.11's
+    (the GPU image's) miscompiles hybrid steps (MoSA or MoSAIC with MiTA: cached keys differ from eager decoding
+    in float64, while aot_eager agrees), so there it is refused with a one-line ValueError."""
+    if backend == "inductor" and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        raise ValueError(f"compiled decoding needs torch >= 2.13 (torch {torch.__version__}'s inductor miscompiles "
+                         "hybrid decoding steps); decode without --compile")
     return torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
 
 
