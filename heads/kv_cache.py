@@ -223,10 +223,11 @@ def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Te
     """Landmarks lq[B, H, m, d] over keys K, V [B, H, N, d] where sees[m, N]: their values
     softmax(q~ K^T / sqrt(h')) V and (MiTA eq. 7, topk given) their experts' top-k key rows, -1 = none."""
     S = (lq @ K.transpose(-1, -2) * lq.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
-    if topk is None:
-        return S.softmax(-1) @ V, None
-    idx, ok = landmark_topk(S, topk)
-    return S.softmax(-1) @ V, idx.masked_fill(~ok, -1)
+    experts = None
+    if topk is not None:
+        idx, ok = landmark_topk(S, topk)
+        experts = idx.masked_fill(~ok, -1)
+    return S.softmax(-1) @ V, experts
 
 
 def gathered_prefill(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor,

@@ -43,6 +43,10 @@ BEYOND_TRAINING = {
 }
 
 
+# Inductor compiles decoding steps correctly from torch 2.13 on; 2.11's (the GPU image's) does not (decode_step).
+INDUCTOR_DECODING = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
 def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """The model's forward for one-token decoding calls, through torch.compile(fullgraph=True, dynamic=False):
     every head type's decoding step has static shapes and reads no host-side counter (heads/kv_cache.py), so
@@ -50,7 +54,7 @@ def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., to
     as `step` to `generate` / `cached_logits`; the prefill stays eager. Inductor needs torch >= 2.13: 2.11's
     (the GPU image's) miscompiles hybrid steps (MoSA or MoSAIC with MiTA: cached keys differ from eager decoding
     in float64, while aot_eager agrees), so there it is refused with a one-line ValueError."""
-    if backend == "inductor" and torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+    if backend == "inductor" and not INDUCTOR_DECODING:
         raise ValueError(f"compiled decoding needs torch >= 2.13 (torch {torch.__version__}'s inductor miscompiles "
                          "hybrid decoding steps); decode without --compile")
     return torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
