@@ -24,6 +24,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from heads import ConfigError
+from lm.accumulation import ends_step
 from lm.config import Config, from_dict
 from lm.errors import NonFiniteError
 from lm.model import DecoderLM, build_model
@@ -71,6 +72,7 @@ class StepCheckpoints(L.Callback):
     At a step that also validates, the checkpoint is written after the validation, so it carries
     that validation's result and a resumed run does not repeat it. `last.ckpt` is an atomic hard
     link to the step file (no second write), except for DeepSpeed, whose checkpoints are directories.
+    Under gradient accumulation a checkpoint is written only after the micro-batch that ends its step.
     """
 
     def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0) -> None:
@@ -96,9 +98,10 @@ class StepCheckpoints(L.Callback):
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         self.saved_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         step = trainer.global_step
-        if step % self.every == 0 and step % self.val_every != 0:
+        if ends_step(trainer, batch_idx) and step % self.every == 0 and step % self.val_every != 0:
             self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -17,7 +17,6 @@ swaps in a CompressedLM and the suffix loss, CompressedDataModule serves (tokens
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from heads import ConfigError
 from lm.checkpoint import StepCheckpoints, read_checkpoint
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
-from lm.data import DataError, LMDataModule, open_split
+from lm.data import DataError, LMDataModule, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
 from lm.train import build_trainer, ckpt_dir, resume_path
@@ -116,20 +115,24 @@ def decode(meta: torch.Tensor) -> Layout:
 
 
 class LayoutBatches(IterableDataset):
-    """Endless (tokens[B, window], encode(layout)) from step `start_step` on; batch s is a pure
-    function of (seed, s), so a resumed run sees the batches an uninterrupted one would (one device)."""
+    """Endless micro-batches (tokens[B, window], encode(layout)) from step `start_step` on, `accumulate` per
+    step; step s's batch (batch * accumulate windows, one layout) is a pure function of (seed, s), so a
+    resumed run sees the batches an uninterrupted one would (one device)."""
 
-    def __init__(self, windows: DocumentWindows, sampler: LayoutSampler, batch: int, seed: int, start_step: int = 0) -> None:
-        self.windows, self.sampler, self.batch_size, self.seed, self.start_step = windows, sampler, batch, seed, start_step
+    def __init__(self, windows: DocumentWindows, sampler: LayoutSampler, batch: int, seed: int, start_step: int = 0,
+                 accumulate: int = 1) -> None:
+        self.windows, self.sampler, self.batch_size, self.seed = windows, sampler, batch, seed
+        self.start_step, self.accumulate = start_step, accumulate
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
         layout = self.sampler.sample(step, rng)
-        return self.windows.sample(self.batch_size, layout.window, rng), encode(layout)
+        tokens = self.windows.sample(self.batch_size * self.accumulate, layout.window, rng)
+        return tokens[micro * self.batch_size : (micro + 1) * self.batch_size], encode(layout)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for step in itertools.count(self.start_step):
-            yield self.batch(step)
+        for step, micro in step_order(self.start_step, self.accumulate):
+            yield self.batch(step, micro)
 
 
 class CompressedDataModule(LMDataModule):
@@ -156,7 +159,8 @@ class CompressedDataModule(LMDataModule):
 
     def train_dataloader(self) -> Any:
         assert self.trainer is not None
-        data = LayoutBatches(self.train_windows, self.sampler, self.cfg.batch_size, self.seed, self.trainer.global_step)
+        data = LayoutBatches(self.train_windows, self.sampler, self.cfg.batch_size, self.seed, self.trainer.global_step,
+                             self.trainer.accumulate_grad_batches)
         return self._loader(data, batch_size=None)
 
     def val_dataloader(self) -> Any:

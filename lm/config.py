@@ -57,7 +57,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str = "data/gutenberg"  # a directory written by data_prep.prepare (index.json + shards)
-    batch_size: int = 16
+    batch_size: int = 16  # sequences per device and micro-batch (global batch = batch_size x devices x accumulation)
     val_batches: int = 16  # validation windows = val_batches * batch_size, fixed and evenly spaced
     num_workers: int = 0
 
@@ -76,7 +76,8 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 100_000
+    max_steps: int = 100_000  # optimizer steps
+    accumulate_grad_batches: int = 1  # micro-batches of data.batch_size per optimizer step (per device)
     precision: str = "auto"  # auto = bf16-mixed on GPU, 32-true on CPU
     accelerator: str = "auto"
     devices: int = 1
@@ -163,7 +164,7 @@ def validate(cfg: Config) -> Config:
     if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
     t = cfg.trainer
-    _positive(t, "max_steps", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
+    _positive(t, "max_steps", "accumulate_grad_batches", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
     if t.accelerator not in ACCELERATORS:
         raise ConfigError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
     if t.max_minutes is not None:

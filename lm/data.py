@@ -3,10 +3,12 @@
 A prepared directory holds `index.json` and flat uint16 shards `{train,val}_NNNNN.bin` (documents
 joined by an end-of-document token). Each split is read as one memory-mapped token stream.
 
-- Training: batch s holds `batch_size * world_size` windows of T+1 tokens at uniformly random
-  starts drawn from `numpy.random.default_rng([seed, s])`; rank r takes the r-th slice. The data
-  order is therefore a pure function of (seed, step): a resumed run starting at step s sees exactly
-  the batches an uninterrupted run would have seen, on any number of workers.
+- Training: optimizer step s's global batch holds `batch_size * world_size * accumulate` windows of
+  T+1 tokens at uniformly random starts drawn from `numpy.random.default_rng([seed, s])`; micro-batch i
+  (of `trainer.accumulate_grad_batches`) on rank r takes slice i * world_size + r. The data order is
+  therefore a pure function of (seed, step): a resumed run starting at step s sees exactly the batches
+  an uninterrupted run would have seen, on any number of workers, and step s's global batch is the
+  same windows for every split of it into devices and micro-batches.
 - Validation: `val_batches * batch_size` fixed windows with evenly spaced starts over the val split.
 Inputs are window[:-1], targets window[1:] (int64).
 """
@@ -103,29 +105,38 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
     return stream
 
 
+def step_order(start_step: int, accumulate: int = 1) -> Iterator[tuple[int, int]]:
+    """(step, micro-batch) pairs from `start_step` on, `accumulate` micro-batches per step. In a DataLoader
+    worker, that worker's share: worker w of n takes items w, w + n, ...; the loader reads its workers
+    round-robin, so the order is kept."""
+    worker = get_worker_info()
+    first, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
+    for item in itertools.count(start_step * accumulate + first, stride):
+        yield divmod(item, accumulate)
+
+
 class TrainBatches(IterableDataset):
-    """Endless batches (x[B, T], y[B, T]) from step `start_step` on; batch s = f(seed, s) (module doc)."""
+    """Endless micro-batches (x[B, T], y[B, T]) from step `start_step` on, `accumulate` per step; this
+    rank's share of step s's global batch = f(seed, s) (module doc)."""
 
     def __init__(
         self, stream: TokenStream, seq_len: int, batch_size: int, seed: int,
-        start_step: int = 0, rank: int = 0, world_size: int = 1,
+        start_step: int = 0, rank: int = 0, world_size: int = 1, accumulate: int = 1,
     ) -> None:
         self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
-        self.start_step, self.rank, self.world_size = start_step, rank, world_size
+        self.start_step, self.rank, self.world_size, self.accumulate = start_step, rank, world_size, accumulate
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.stream) - self.seq_len, size=self.batch_size * self.world_size)
-        mine = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
-        windows = torch.from_numpy(np.stack([self.stream.read(int(s), self.seq_len + 1) for s in mine]))
+        starts = rng.integers(0, len(self.stream) - self.seq_len, size=self.batch_size * self.world_size * self.accumulate)
+        first = (micro * self.world_size + self.rank) * self.batch_size
+        windows = [self.stream.read(int(s), self.seq_len + 1) for s in starts[first : first + self.batch_size]]
+        windows = torch.from_numpy(np.stack(windows))
         return windows[:, :-1], windows[:, 1:]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        worker = get_worker_info()
-        first, stride = (0, 1) if worker is None else (worker.id, worker.num_workers)
-        # DataLoader reads workers round-robin, so worker w taking steps w, w+n, ... keeps the order.
-        for step in itertools.count(self.start_step + first, stride):
-            yield self.batch(step)
+        for step, micro in step_order(self.start_step, self.accumulate):
+            yield self.batch(step, micro)
 
 
 class ValWindows(Dataset):
@@ -174,6 +185,7 @@ class LMDataModule(L.LightningDataModule):
         batches = TrainBatches(
             self.train_stream, self.model_cfg.seq_len, self.cfg.batch_size, self.seed,
             start_step=trainer.global_step, rank=trainer.global_rank, world_size=trainer.world_size,
+            accumulate=trainer.accumulate_grad_batches,
         )
         return self._loader(batches, batch_size=None)
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from heads import HeadGroup
+from lm.accumulation import micro_index
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model
@@ -48,7 +49,7 @@ class LMModule(L.LightningModule):
         self.val_history: list[dict[str, float]] = []  # one entry per validation, kept across resumes
         self._resume_rng: dict[str, Any] | None = None
         self._last_time: float | None = None  # end of the previous timed training step
-        self._timed = [0, 0.0]  # [steps, seconds] of timed training steps in this process
+        self._timed = [0, 0.0]  # [batches, seconds] of timed training (micro-)batches in this process
         self._last_train_loss = math.nan
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
@@ -63,9 +64,14 @@ class LMModule(L.LightningModule):
         return ce + sum(aux.values()), ce, aux
 
     @property
-    def tokens_per_step(self) -> int:
-        """Tokens per optimizer step over all devices."""
+    def tokens_per_batch(self) -> int:
+        """Tokens per training (micro-)batch over all devices."""
         return self.cfg.data.batch_size * self.cfg.model.seq_len * self.trainer.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step over all devices: its accumulated micro-batches."""
+        return self.tokens_per_batch * self.trainer.accumulate_grad_batches
 
     @property
     def tokens_seen(self) -> int:
@@ -75,7 +81,7 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, ce, aux = self.train_losses(*batch)
-        if self.global_step % self.cfg.trainer.log_every == 0:
+        if micro_index(self.trainer, batch_idx) == 0 and self.global_step % self.cfg.trainer.log_every == 0:
             self.log_head_stats()
         self.log("train/loss", ce, prog_bar=True)
         self.log("train/ppl", ce.exp())
@@ -111,7 +117,7 @@ class LMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
-        if self._last_time is not None:  # the first step after start or validation is not timed
+        if self._last_time is not None:  # the first batch after start or validation is not timed
             self._timed[0] += 1
             self._timed[1] += now - self._last_time
         self._last_time = now
@@ -120,8 +126,8 @@ class LMModule(L.LightningModule):
             self.log("train/tokens_per_s", self.tokens_per_s(), prog_bar=True)
 
     def tokens_per_s(self) -> float:
-        steps, seconds = self._timed
-        return steps * self.tokens_per_step / seconds if seconds > 0 else math.nan
+        batches, seconds = self._timed
+        return batches * self.tokens_per_batch / seconds if seconds > 0 else math.nan
 
     # ---- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

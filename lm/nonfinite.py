@@ -1,7 +1,8 @@
 """The non-finite guard: a NaN/inf loss or gradient never reaches the weights.
 
-After every backward pass (before gradient clipping and the optimizer step) the guard checks the
-optimised loss, every gradient and every buffer (routing EMAs, thresholds). On a bad step it either
+Before every optimizer step (after the step's backward passes, one per accumulated micro-batch, and
+before gradient clipping) the guard checks the optimised loss of the step's micro-batches, every
+gradient and every buffer (routing EMAs, thresholds). On a bad step it either
 - stops the run (`trainer.max_bad_steps: 0`, the default): NonFiniteError naming the step, the
   first offending parameter (and its head group) and the newest checkpoint on disk, which was
   written before the bad step and so holds finite weights; or
@@ -54,19 +55,20 @@ class NonFiniteGuard(L.Callback):
     def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None]) -> None:
         self.max_bad_steps, self.newest_checkpoint = max_bad_steps, newest_checkpoint
         self.skipped = 0
-        self._loss = torch.tensor(math.nan)
+        self._loss: torch.Tensor | None = None  # the step's loss: the sum of its micro-batches' (each already / A)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._loss = loss.detach()
+        self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        step_loss, self._loss = self._loss, None  # set by the step's backward passes
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: inf grads are the scaler's job
         grads = [] if scaler is not None else [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
         buffers = [(n, b) for n, b in pl_module.named_buffers() if b.is_floating_point()]
-        bad = not all_finite([self._loss, *(t for _, t in grads), *(t for _, t in buffers)])  # one sync per step
+        bad = not all_finite([step_loss, *(t for _, t in grads), *(t for _, t in buffers)])  # one sync per step
         if not trainer.strategy.reduce_boolean_decision(bad, all=False):  # any rank: all act
             return
-        loss = float(self._loss)
+        loss = float(step_loss)
         grad = first_nonfinite(grads)
         buffer = first_nonfinite(buffers)
         step = trainer.global_step + 1  # the step this update would have made

@@ -33,8 +33,9 @@ CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
 # What a run writes into its directory (the only things --overwrite deletes; train.log is the sweep's).
 OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
 # Fields a resumed run may change (each change is printed): how long, how often, on what hardware, the
-# optimiser's settings and the batch size (lm/resume_settings.py applies those); not the model, the seed
-# or validation.
+# optimiser's settings and the batch size (lm/resume_settings.py applies those); not the model, the seed,
+# validation or trainer.accumulate_grad_batches (Lightning's restored loop counts micro-batches, so the
+# accumulation windows would no longer start at step boundaries).
 # data.path may move: the data's hash is checked instead. A section named None: any of its fields.
 RESUMABLE: dict[str, set[str] | None] = {
     "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import OmegaConf
 
 from heads import ConfigError
+from lm.accumulation import StepTimer
 from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_loadable, read_checkpoint,
                            remove_temp_files)
 from lm.config import Config, TrainerConfig
@@ -40,7 +41,7 @@ def resolve_precision(t: TrainerConfig) -> str:
 def deepspeed_config(cfg: Config) -> dict[str, Any]:
     """DeepSpeed ZeRO-2 (optimizer states and gradients partitioned over the ranks) around the
     LMModule's own AdamW and schedule, clipping by global norm at optim.grad_clip. Lightning adds
-    gradient_accumulation_steps and the bf16 section from the trainer's settings."""
+    gradient_accumulation_steps (trainer.accumulate_grad_batches) and the bf16 section from the trainer's settings."""
     return {
         "train_micro_batch_size_per_gpu": cfg.data.batch_size,
         "gradient_clipping": cfg.optim.grad_clip,
@@ -104,18 +105,20 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     check_devices(t)
     strategy = build_strategy(cfg)
     deepspeed = t.strategy == "deepspeed_stage_2"
+    timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=resolve_precision(t),  # type: ignore[arg-type]
-        max_steps=t.max_steps, max_time=None if t.max_minutes is None else timedelta(minutes=t.max_minutes),
-        val_check_interval=t.val_every, check_val_every_n_epoch=None,
+        max_steps=t.max_steps, accumulate_grad_batches=t.accumulate_grad_batches,
+        val_check_interval=t.val_every * t.accumulate_grad_batches,  # counted in (micro-)batches
+        check_val_every_n_epoch=None,
         num_sanity_val_steps=0, log_every_n_steps=t.log_every,
         deterministic=t.deterministic,  # torch.use_deterministic_algorithms; the fused kernels follow it
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=tensorboard_logger(cfg),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints],
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
         enable_checkpointing=False, default_root_dir=t.out_dir,
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
@@ -125,8 +128,8 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
 def resume_path(cfg: Config, resume: str | None) -> str | None:
     """`--resume` -> the newest loadable checkpoint of this run, saying which damaged ones it passed over
     (None, i.e. a fresh start, if there is none yet); `--resume PATH` -> PATH, which must load. The
-    checkpoint's model config must equal this run's (checked for single-file checkpoints; DeepSpeed
-    writes directories)."""
+    checkpoint's model config and trainer.accumulate_grad_batches must equal this run's (checked for
+    single-file checkpoints; DeepSpeed writes directories)."""
     if resume is None:
         return None
     if resume == "last":
@@ -148,6 +151,10 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
         raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
+    accumulate = ckpt["config"]["trainer"].get("accumulate_grad_batches", 1)
+    if accumulate != cfg.trainer.accumulate_grad_batches:  # lm/run_dir.py: RESUMABLE
+        raise ConfigError(f"--resume: {path} was trained with trainer.accumulate_grad_batches={accumulate}, which "
+                          f"cannot change on resume")
     say(f"--resume: continuing from {path}")
     return str(path)
 

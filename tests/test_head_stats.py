@@ -1,8 +1,11 @@
 """Head statistics in training (lm/module.py): MoSA threshold / fill / overflow and MoSAIC load per head,
-dropped fraction and router entropy reach TensorBoard exactly every `trainer.log_every` steps."""
+dropped fraction and router entropy reach TensorBoard exactly every `trainer.log_every` steps (once per step
+under gradient accumulation)."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from lm.config import load_config
 from tests.synthetic import run_overrides, write_prepared
@@ -11,13 +14,15 @@ HEADS = ("[{type: dense, count: 2}, {type: mosa, count: 3, options: {sparsity: 4
          " {type: mosaic, count: 3, options: {sparsity: 4}}]")
 
 
-def test_head_stats_logged_every_log_every_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_head_stats_logged_every_log_every_steps(tmp_path: Path, accumulate: int) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lm.train import train
 
     data = write_prepared(tmp_path / "prepared")
-    overrides = run_overrides(data, tmp_path / "run", max_steps=7, log_every=3, val_every=100, ckpt_every=100)
+    overrides = run_overrides(data, tmp_path / "run", max_steps=7, log_every=3, val_every=100, ckpt_every=100,
+                              accumulate_grad_batches=accumulate)
     train(load_config(None, *overrides, f"model.heads={HEADS}"))
     scalars: dict[str, list] = {}
     histograms: dict[str, list] = {}

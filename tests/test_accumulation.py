@@ -1,0 +1,108 @@
+"""Gradient accumulation (trainer.accumulate_grad_batches, lm/accumulation.py): A micro-batches of B train
+like one batch of A*B (same windows, same weights up to float summation order); checkpoints, validation and
+the time limit act at step boundaries only, so a resumed run equals an uninterrupted one bit for bit."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads import ConfigError
+from lm.compressed_training import LayoutBatches, LayoutSampler, document_windows
+from lm.config import load_config
+from lm.data import TrainBatches, open_split
+from lm.train import train
+from tests.synthetic import run_overrides, write_prepared
+
+WEIGHT_RTOL = 1e-5  # max |w_A - w_1| / max |w_1| per tensor after 6 AdamW steps: fp32 summation order only
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_prepared(tmp_path_factory.mktemp("prepared"), train_tokens=4000, val_tokens=1000)
+
+
+def run(data: Path, out: Path, batch: int, accumulate: int, steps: int, resume: str | None = None, **trainer: object) -> dict:
+    if resume is None:
+        shutil.rmtree(out, ignore_errors=True)
+    overrides = run_overrides(data, out, max_steps=steps, ckpt_every=2, val_every=3, accumulate_grad_batches=accumulate,
+                              **trainer)
+    train(load_config(None, *overrides, f"data.batch_size={batch}"), resume=resume)
+    return torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def batches_done(ckpt: dict) -> int:
+    """Training batches Lightning's loop has fetched (the count a resumed loop continues from)."""
+    return ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"]
+
+
+def test_micro_batches_and_ranks_split_the_step_batch(data: Path) -> None:
+    """Micro-batch i on rank r of step s = slice i * world + r of step s's global batch, in order."""
+    stream = open_split(data, "train", load_config(None, *run_overrides(data, Path("unused"))).model)
+    whole = TrainBatches(stream, 32, 12, seed=7).batch(5)[0]
+    parts = [TrainBatches(stream, 32, 2, seed=7, rank=r, world_size=2, accumulate=3).batch(5, i)[0]
+             for i in range(3) for r in range(2)]
+    assert torch.equal(torch.cat(parts), whole)
+    resumed = iter(TrainBatches(stream, 32, 4, seed=7, start_step=5, accumulate=3))
+    one = TrainBatches(stream, 32, 4, seed=7, accumulate=3)
+    assert all(torch.equal(next(resumed)[0], one.batch(s, i)[0]) for s, i in ((5, 0), (5, 1), (5, 2), (6, 0)))
+    loader = torch.utils.data.DataLoader(TrainBatches(stream, 32, 4, seed=7, start_step=5, accumulate=3),
+                                         batch_size=None, num_workers=2)
+    got = [x for _, (x, _) in zip(range(4), loader)]  # workers read round-robin: the same order
+    assert all(torch.equal(g, one.batch(s, i)[0]) for g, (s, i) in zip(got, ((5, 0), (5, 1), (5, 2), (6, 0))))
+
+
+def test_compression_micro_batches_share_the_step_layout(data: Path) -> None:
+    cfg = load_config(None, *run_overrides(data, Path("unused")), "compression.layer=1", "compression.prefix_len=64",
+                      "compression.regime=random", "compression.max_depth=2")
+    windows, sampler = document_windows(data, "train", cfg), LayoutSampler(cfg.compression, cfg.model.seq_len)
+    whole_tokens, whole_layout = LayoutBatches(windows, sampler, 6, seed=3).batch(4)
+    micro = [LayoutBatches(windows, sampler, 2, seed=3, accumulate=3).batch(4, i) for i in range(3)]
+    assert torch.equal(torch.cat([t for t, _ in micro]), whole_tokens)
+    assert all(torch.equal(layout, whole_layout) for _, layout in micro)
+    loader = torch.utils.data.DataLoader(LayoutBatches(windows, sampler, 2, seed=3, accumulate=3), batch_size=None,
+                                         num_workers=2)
+    got = [t for _, (t, _) in zip(range(4), loader)]  # two workers, no batch repeated
+    one = LayoutBatches(windows, sampler, 2, seed=3, accumulate=3)
+    assert all(torch.equal(g, one.batch(s, i)[0]) for g, (s, i) in zip(got, ((0, 0), (0, 1), (0, 2), (1, 0))))
+
+
+def test_accumulated_micro_batches_train_like_the_whole_batch(data: Path, tmp_path: Path) -> None:
+    whole = run(data, tmp_path / "b8", batch=8, accumulate=1, steps=6)
+    micro = run(data, tmp_path / "b2x4", batch=2, accumulate=4, steps=6)
+    other = run(data, tmp_path / "b2x4_seed", batch=2, accumulate=4, steps=6, seed=99)
+    assert micro["global_step"] == whole["global_step"] == 6 and batches_done(micro) == 4 * batches_done(whole) == 24
+    assert micro["tokens_seen"] == whole["tokens_seen"] == 6 * 8 * 32
+    assert [h["step"] for h in micro["val_history"]] == [h["step"] for h in whole["val_history"]] == [3, 6]
+    assert sorted(p.name for p in (tmp_path / "b2x4" / "checkpoints").iterdir()) == \
+        ["last.ckpt", "step0000002.ckpt", "step0000004.ckpt", "step0000006.ckpt"]
+
+    def distance(a: dict, b: dict) -> float:
+        return max(((a["state_dict"][k] - v).abs().max() / v.abs().max()).item() for k, v in b["state_dict"].items())
+
+    assert distance(micro, whole) < WEIGHT_RTOL
+    assert distance(other, whole) > 100 * WEIGHT_RTOL  # other windows: the check above can fail
+
+
+def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundary(data: Path, tmp_path: Path) -> None:
+    full = run(data, tmp_path / "full", batch=2, accumulate=3, steps=8)
+    run(data, tmp_path / "part", batch=2, accumulate=3, steps=4)
+    for step in (2, 4):  # each written once, after its step's last micro-batch (not again in the next step)
+        ckpt = torch.load(tmp_path / "part" / "checkpoints" / f"step{step:07d}.ckpt", weights_only=False)
+        assert ckpt["global_step"] == step and batches_done(ckpt) == 3 * step
+    resumed = run(data, tmp_path / "part", batch=2, accumulate=3, steps=8, resume="last")
+    assert all(torch.equal(v, resumed["state_dict"][k]) for k, v in full["state_dict"].items())
+    assert resumed["val_history"] == full["val_history"] and resumed["tokens_seen"] == full["tokens_seen"]
+
+    timed = run(data, tmp_path / "timed", batch=2, accumulate=3, steps=10_000, max_minutes=1e-5)  # stops at once
+    assert 1 <= timed["global_step"] < 10_000 and batches_done(timed) == 3 * timed["global_step"]
+
+    with pytest.raises(ConfigError, match=r"trainer.accumulate_grad_batches: 3 -> 2"):
+        run(data, tmp_path / "part", batch=2, accumulate=2, steps=10, resume="last")
+
+
+def test_accumulate_grad_batches_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be > 0, got 0"):
+        load_config(None, "trainer.accumulate_grad_batches=0")
