@@ -12,13 +12,17 @@ Each head type is one file under heads/ defining
   `forward_fast`; `forward` dispatches on `options.impl`.
 Groups report `aux_losses` (name -> scalar tensor, already weighted, added to the LM loss) and
 `stats` (name -> detached tensor, 0-d or per head [H]) after each forward pass, and declare `causal`
-honestly. Stats stay tensors (no host sync in the forward pass, so training compiles with fullgraph=True);
+honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) is
+updated only where `updates_state` says so: in training, and not while a forward pass is replayed
+(activation checkpointing's recomputation, `frozen_state`). Stats stay tensors (no host sync in the forward pass, so training compiles with fullgraph=True);
 lm/module.py reads them only every `trainer.log_every` steps.
 """
 from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,6 +74,19 @@ class HeadOptions:
         return None
 
 
+_FROZEN = [False]  # inside `frozen_state`
+
+
+@contextmanager
+def frozen_state() -> Iterator[None]:
+    """Forward passes inside move no head state: for replaying a forward pass whose update already happened."""
+    _FROZEN[0] = True
+    try:
+        yield
+    finally:
+        _FROZEN[0] = False
+
+
 class HeadGroup(nn.Module):
     """Base class of all head groups. Subclasses set `Options` and implement forward_reference."""
 
@@ -90,6 +107,11 @@ class HeadGroup(nn.Module):
     def causal(self) -> bool:
         """Whether outputs at position t depend only on inputs at positions <= t."""
         return True
+
+    @property
+    def updates_state(self) -> bool:
+        """Whether this forward pass moves the group's batch-statistics state: in training, outside `frozen_state`."""
+        return self.training and not _FROZEN[0]
 
     def kv_entries(self, seq_len: int) -> int:
         """KV-cache entries of the whole group for a length-T sequence."""

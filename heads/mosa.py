@@ -222,5 +222,5 @@ class MoSAHeads(HeadGroup):
             self.stats["tau_mean"] = self.threshold.tau.mean().detach()
             self.stats["fill"] = counts.mean().detach() / self.capacity
             self.stats["overflow"] = 1.0 - counts.sum().detach() / candidates.sum().clamp_min(1)
-            if self.training:
+            if self.updates_state:
                 self.threshold.update(scores)

@@ -100,7 +100,7 @@ class RoutingHeads(HeadGroup):
         a = a_sum / counts.clamp(min=1)[..., None]  # mean over the clusters a token belongs to
         self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(u, nearest)}
         self.stats = {"routed_frac": (counts > 0).float().mean().detach()}
-        if self.training:
+        if self.updates_state:
             self.kmeans.update(u, nearest)
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
 

@@ -92,6 +92,7 @@ class TrainerConfig:
     max_minutes: Optional[float] = None  # also stop after this much training wall time (a guard for CPU demos)
     max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
     compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
+    activation_checkpointing: bool = False  # keep only each block's input, recompute the block in backward
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-reproducible steps (fused kernels too)
 
 
@@ -175,6 +176,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.max_bad_steps must be >= 0, got {t.max_bad_steps}")
     if t.max_bad_steps and t.strategy == "deepspeed_stage_2":
         raise ConfigError("trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0")
+    if t.activation_checkpointing and t.compile:
+        raise ConfigError("trainer.activation_checkpointing and trainer.compile cannot be combined (torch.compile "
+                          "refuses the head groups' side effects inside a checkpointed block); set one of them false")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

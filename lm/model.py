@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from heads import HeadGroup, head_class, make_options
+from lm.checkpointing import checkpointed
 from lm.config import HeadGroupConfig, ModelConfig
 
 
@@ -40,6 +41,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    checkpoint = False  # activation checkpointing (lm/checkpointing.py): recompute this block in backward
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.norm_attn = nn.LayerNorm(cfg.d_model)
@@ -48,6 +51,11 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg.d_model, cfg.ffn_mult)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[Any] | None = None) -> torch.Tensor:
+        if self.checkpoint and cache is None and torch.is_grad_enabled():
+            return checkpointed(self, self.body, x, positions)
+        return self.body(x, positions, cache)
+
+    def body(self, x: torch.Tensor, positions: torch.Tensor, cache: list[Any] | None = None) -> torch.Tensor:
         x = x + self.attn(self.norm_attn(x), positions, cache)
         return x + self.ffn(self.norm_ffn(x))
 
@@ -112,6 +120,14 @@ class DecoderLM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def checkpoint_blocks(model: nn.Module, on: bool = True) -> None:
+    """Activation checkpointing (lm/checkpointing.py) of every Block in `model` (a DecoderLM or a model built
+    around one)."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.checkpoint = on
 
 
 def build_model(cfg: ModelConfig) -> DecoderLM:

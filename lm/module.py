@@ -27,7 +27,7 @@ from heads import HeadGroup
 from lm.accumulation import micro_index
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
-from lm.model import build_model
+from lm.model import build_model, checkpoint_blocks
 from lm.run_dir import provenance
 from lm.perplexity import perplexity
 from lm.resume_settings import apply_changes
@@ -54,6 +54,10 @@ class LMModule(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
         self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
+
+    def setup(self, stage: str) -> None:
+        if self.cfg.trainer.activation_checkpointing:
+            checkpoint_blocks(self.model)  # also the blocks of a model built around a DecoderLM (compression)
 
     # ---- loss -------------------------------------------------------------------------------
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -39,7 +39,7 @@ OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json"
 # data.path may move: the data's hash is checked instead. A section named None: any of its fields.
 RESUMABLE: dict[str, set[str] | None] = {
     "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",
-                "accelerator", "devices", "num_nodes", "strategy", "out_dir", "compile", "max_bad_steps",
+                "accelerator", "devices", "num_nodes", "strategy", "out_dir", "compile", "activation_checkpointing", "max_bad_steps",
                 "deterministic"},
     "optim": None,
     "data": {"path", "num_workers", "batch_size"},
