@@ -3,6 +3,7 @@ parameters, tokens/s, KV entries, analytic FLOPs.
 
     python -m bench.resources --pair table2-tiny --seq-len 256 --batch 2 [--out bench/results/resources_cpu.md]
     python -m bench.resources --config configs/a.yaml --config configs/b.yaml [--device cuda]
+    python -m bench.resources --pair table2-tiny --activation-checkpointing   # each config also checkpointed
 
 Every config is measured in a fresh subprocess (honest peak RSS; no allocator state shared): random
 tokens, AdamW, forward + cross-entropy (+ auxiliary losses) + backward + step; `--warmup` steps are
@@ -57,19 +58,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, threads: int) -> dict[str, Any]:
-    """Runs in the worker subprocess: train steps on random tokens and report time and memory."""
+def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, threads: int,
+            checkpointing: bool = False) -> dict[str, Any]:
+    """Runs in the worker subprocess: train steps on random tokens and report time and memory (with
+    `checkpointing`: every block activation-checkpointed, lm/checkpointing.py)."""
     import resource
 
     import torch
     import torch.nn.functional as F
 
-    from lm.model import build_model
+    from lm.model import build_model, checkpoint_blocks
 
     torch.set_num_threads(threads)
     rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + heads + lm loaded
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
+    checkpoint_blocks(model, checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -123,10 +127,10 @@ def measured_kv(model: Any, tokens: Any) -> tuple[int | None, int | None]:
     return sum(n for n, _ in fill), sum(c for _, c in fill)
 
 
-def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace) -> dict[str, Any]:
+def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing: bool = False) -> dict[str, Any]:
     """Measure one config in a fresh Python process."""
     spec = json.dumps({"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-                       "device": a.device, "threads": a.threads})
+                       "device": a.device, "threads": a.threads, "checkpointing": checkpointing})
     out = subprocess.run([sys.executable, "-m", "bench.resources", "--worker", spec], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     if out.returncode != 0:
@@ -134,7 +138,7 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace) -> dict[str, 
         raise RuntimeError(f"{name}: worker failed: {lines[-1] if lines else out.returncode}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     cost = model_cost(cfg)
-    return {**result, "name": name, "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
+    return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""), "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
             "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
 
 
@@ -182,13 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="measure every config also with activation checkpointing (lm/checkpointing.py), next to it")
     p.add_argument("--out", type=Path, help="also write the markdown table here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         spec = json.loads(a.worker)
         cfg = from_dict({"model": spec["model"]}).model
-        print(json.dumps(measure(cfg, spec["batch"], spec["steps"], spec["warmup"], spec["device"], spec["threads"])))
+        print(json.dumps(measure(cfg, spec["batch"], spec["steps"], spec["warmup"], spec["device"], spec["threads"],
+                                 spec["checkpointing"])))
         return 0
     configs: list[tuple[str, ModelConfig]] = []
     try:
@@ -201,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("give at least one --pair or --config")
         if a.seq_len:
             configs = [(n, dataclasses.replace(c, seq_len=a.seq_len)) for n, c in configs]
-        results = [run_worker(name, cfg, a) for name, cfg in configs]
+        modes = (False, True) if a.activation_checkpointing else (False,)
+        results = [run_worker(name, cfg, a, mode) for name, cfg in configs for mode in modes]
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

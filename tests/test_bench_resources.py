@@ -1,0 +1,20 @@
+"""bench/resources.py end to end at toy size: each config in its own worker, and with
+--activation-checkpointing each config measured a second time with checkpointed blocks, next to it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import resources
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_activation_checkpointing_columns(tmp_path: Path) -> None:
+    out = tmp_path / "res.md"
+    code = resources.main(["--config", str(ROOT / "configs" / "quickstart.yaml"), "--seq-len", "32", "--batch", "1",
+                           "--steps", "1", "--warmup", "0", "--activation-checkpointing", "--out", str(out)])
+    assert code == 0
+    head, rule, *rows = out.read_text().split("\n\n", 1)[1].splitlines()
+    assert head.split(" | ")[1:3] == ["quickstart", "quickstart (activation checkpointing)"]
+    params = next(r for r in rows if r.startswith("| Parameters (M)")).rstrip(" |").split(" | ")
+    assert params[1] == params[2] and params[3] == "+0.0%"  # the same model, measured twice
