@@ -37,10 +37,12 @@ MIXES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix,accumulate", [*((mix, 1) for mix in MIXES), ("dense", 2)])
-def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accumulate: int) -> None:
+@pytest.mark.parametrize("mix,accumulate,checkpointing",
+                         [*((mix, 1, False) for mix in MIXES), ("dense", 2, False), ("mosa_threshold", 1, True)])
+def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accumulate: int, checkpointing: bool) -> None:
     """accumulate = 2: each rank runs 2 micro-batches of 2 per step (micro-batch i on rank r = slice 2i + r of
-    the step's 8 windows; Lightning syncs gradients on the last one)."""
+    the step's 8 windows; Lightning syncs gradients on the last one). checkpointing: the DDP run's blocks are
+    activation-checkpointed; their replays must not gather the thresholds' statistics again."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no gloo backend, so CPU DDP cannot run")
     from lm.train import train
@@ -51,7 +53,8 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accum
     ddp_out, single_out = tmp_path / "ddp", tmp_path / "single"
     heads, steps = MIXES[mix]
     overrides = [*run_overrides(data, ddp_out, max_steps=steps, val_every=5, ckpt_every=5, devices=2, strategy="ddp",
-                                accumulate_grad_batches=accumulate), f"model.heads={heads}"]
+                                accumulate_grad_batches=accumulate, activation_checkpointing=str(checkpointing).lower()),
+                 f"model.heads={heads}"]
     ran = subprocess.run(
         [sys.executable, str(ROOT / "train_lm.py"), "--config", str(config), *overrides,
          f"data.batch_size={4 // accumulate}", f"data.val_batches={2 * accumulate}"],  # 8 validation windows
