@@ -15,6 +15,8 @@ import lm
 from heads import REGISTRY, ConfigError
 from lm.config import load_config
 from lm.model import checkpoint_blocks
+from routing.kmeans import OnlineKMeans
+from routing.threshold import RunningQuantileThreshold
 from tests.synthetic import run_overrides, write_prepared
 
 TOL = 1e-12  # float64: relative max-abs error of the loss and of every gradient
@@ -57,6 +59,18 @@ def test_checkpointed_blocks_match_plain_blocks(kind: str, options: dict) -> Non
             p.grad = q.grad = None
         for (name, x), y in zip(plain.named_buffers(), twin.buffers()):  # moved once per step, identically
             assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("kind,update", [("mosa", RunningQuantileThreshold), ("routing", OnlineKMeans)])
+def test_a_replay_moves_no_state(kind: str, update: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state moves once per block and step: the replay in backward neither updates it again nor (under DDP)
+    gathers its statistics from the other ranks again."""
+    calls = []
+    original = update.update
+    monkeypatch.setattr(update, "update", lambda self, *args: calls.append(1) or original(self, *args))
+    _, twin = pair(kind, OPTIONS[kind])
+    step(twin, torch.randint(0, 97, (2, 32)), seed=0)
+    assert len(calls) == 2  # 2 blocks, one forward pass each
 
 
 def test_only_block_inputs_are_kept() -> None:
