@@ -2,7 +2,8 @@
 MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` after every validation.
 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
-by its head group), train/loss_total (CE + aux, the optimised loss), train/lr, train/tokens_seen,
+by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
+micro-batches under gradient accumulation), train/lr, train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), val/loss, val/ppl, and every
 `trainer.log_every` steps the head groups' statistics heads/<module>.<type>/<name> (scalars; per-head
 stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from heads import HeadGroup
-from lm.accumulation import micro_index
+from lm.accumulation import ends_step, micro_index
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model, checkpoint_blocks
@@ -50,7 +51,8 @@ class LMModule(L.LightningModule):
         self._resume_rng: dict[str, Any] | None = None
         self._last_time: float | None = None  # end of the previous timed training step
         self._timed = [0, 0.0]  # [batches, seconds] of timed training (micro-)batches in this process
-        self._last_train_loss = math.nan
+        self._last_train_loss: torch.Tensor | float = math.nan  # the last step's mean training CE
+        self._step_sums: dict[str, torch.Tensor] = {}  # this step's logged losses, summed over its micro-batches
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
         self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
@@ -85,16 +87,23 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, ce, aux = self.train_losses(*batch)
-        if micro_index(self.trainer, batch_idx) == 0 and self.global_step % self.cfg.trainer.log_every == 0:
+        micro = micro_index(self.trainer, batch_idx)
+        if micro == 0 and self.global_step % self.cfg.trainer.log_every == 0:
             self.log_head_stats()
-        self.log("train/loss", ce, prog_bar=True)
-        self.log("train/ppl", ce.exp())
-        for name, value in aux.items():
-            self.log(f"train/aux/{name}", value)
+        values = {"train/loss": ce, **{f"train/aux/{name}": value for name, value in aux.items()}}
         if aux:
-            self.log("train/loss_total", loss)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self._last_train_loss = ce.detach()  # a tensor: no host sync per step
+            values["train/loss_total"] = loss
+        if micro == 0:
+            self._step_sums = {}
+        for name, value in values.items():  # the step's mean over its micro-batches (tensors: no host sync)
+            self._step_sums[name] = self._step_sums.get(name, 0.0) + value.detach()
+        if ends_step(self.trainer, batch_idx):
+            means = {name: total / self.trainer.accumulate_grad_batches for name, total in self._step_sums.items()}
+            self._last_train_loss = means.pop("train/loss")
+            self.log("train/loss", self._last_train_loss, prog_bar=True)
+            self.log("train/ppl", self._last_train_loss.exp())
+            self.log_dict(means)
+            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
     def log_head_stats(self) -> None:

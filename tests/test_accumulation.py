@@ -106,3 +106,30 @@ def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundar
 def test_accumulate_grad_batches_must_be_positive() -> None:
     with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be > 0, got 0"):
         load_config(None, "trainer.accumulate_grad_batches=0")
+
+
+def test_logged_training_loss_is_the_step_mean(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train/loss at each step = the mean cross-entropy of that step's micro-batches (what was optimised)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lm.module import LMModule
+
+    seen: list[float] = []
+    original = LMModule.losses
+
+    def spy(self, x, y):  # noqa: ANN001, ANN202
+        out = original(self, x, y)
+        seen.append(out[1].item())
+        return out
+
+    monkeypatch.setattr(LMModule, "losses", spy)
+    run(data, tmp_path / "run", batch=2, accumulate=3, steps=4, log_every=1)
+    logged = {}
+    for events in (tmp_path / "run" / "tb").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "train/loss" in acc.Tags()["scalars"]:
+            logged = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(logged) == [0, 1, 2, 3]  # once per optimizer step (Lightning's step index: 0-based)
+    for step, value in logged.items():
+        assert value == pytest.approx(sum(seen[3 * step : 3 * step + 3]) / 3, rel=1e-6)
