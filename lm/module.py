@@ -181,7 +181,10 @@ class LMModule(L.LightningModule):
             "val_ppl": last.get("val_ppl"),
             "val_step": last.get("step"),
             "train_loss": float(self._last_train_loss),
-            "tokens_per_s": self.tokens_per_s(),
+            "tokens_per_s": self.tokens_per_s(),  # all devices together
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
+            "world_size": self.trainer.world_size,
+            "precision": str(self.trainer.precision),
             "params": self.model.num_params(),
             "kv_total": self.model.kv_total(),
             "seq_len": self.cfg.model.seq_len,

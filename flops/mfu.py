@@ -1,0 +1,93 @@
+"""Model FLOPs utilisation (MFU) of training runs, from what they logged:
+
+    python -m flops.mfu runs/tiny [runs/small ...] [--peak-tflops 989] [--out bench/results/mfu.md]
+
+achieved model FLOP/s = tokens/s (metrics.json: timed training steps, all devices together) x training FLOPs
+per token; MFU = that / (peak FLOP/s of one device x devices). Training FLOPs per token = 3 x the forward
+FLOPs of one sequence / T (backward = 2 x forward), counted as everywhere in this stack (flops/formulas.py,
+MoSA App. C: dense attention as the full T x T square, routers included) plus the vocabulary projection,
+which a GPU executes too (flops/model.py: `training_flops(..., include_lm_head=True)`). Activation
+checkpointing's replayed forward passes are not counted (model FLOPs, not hardware FLOPs). The peak is
+the device's dense bf16 peak (flops/model.py: PEAK_TFLOPS_BF16, from the name in metrics.json), or
+--peak-tflops; on a CPU there is none, and MFU is left out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from flops.model import model_cost, peak_flops, training_flops
+from lm.config import from_dict
+
+
+class RunError(ValueError):
+    """A run directory that cannot be read: the message is one line."""
+
+
+def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
+    """{run, device, devices, precision, compile, params, tokens_per_s, flops_per_token, achieved, peak, mfu} of
+    the run directory `run` (trainer.out_dir); peak and mfu None when no peak is known."""
+    config, metrics = run / "config.yaml", run / "metrics.json"
+    for path in (config, metrics):
+        if not path.is_file():
+            raise RunError(f"{run}: no {path.name} (not a training run directory, or no validation written yet)")
+    cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config)))  # type: ignore[arg-type]
+    if cfg.compression is not None:
+        raise RunError(f"{run}: a compression run; its FLOPs per token depend on the layout (flops.model.compressed_flops)")
+    m = json.loads(metrics.read_text())
+    tokens_per_s = m.get("tokens_per_s")
+    if not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0:
+        raise RunError(f"{run}: metrics.json has no measured tokens_per_s (too few training steps timed)")
+    per_token = training_flops(model_cost(cfg.model), 1, include_lm_head=True) / cfg.model.seq_len
+    device, devices = m.get("device", "unknown"), int(m.get("world_size", 1))
+    try:
+        peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device)
+    except ValueError:
+        peak = None
+    achieved = tokens_per_s * per_token
+    return {"run": str(run), "device": device, "devices": devices, "precision": m.get("precision", "?"),
+            "compile": cfg.trainer.compile, "params": m.get("params"), "tokens_per_s": tokens_per_s,
+            "flops_per_token": per_token, "achieved": achieved, "peak": peak,
+            "mfu": None if peak is None else achieved / (peak * devices)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| run | device | precision | compiled | params (M) | tokens/s | GFLOP / token | achieved TFLOP/s "
+             "| peak TFLOP/s per device | MFU |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peak = "-" if r["peak"] is None else f"{r['peak'] / 1e12:.0f}"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}"
+        lines.append(f"| {r['run']} | {r['devices']} x {r['device']} | {r['precision']} | {r['compile']} | {params} "
+                     f"| {r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.3f} | {r['achieved'] / 1e12:.3f} "
+                     f"| {peak} | {mfu} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flops.mfu", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device (default: from the device name)")
+    p.add_argument("--out", type=Path, help="also write the markdown table here")
+    a = p.parse_args(argv)
+    try:
+        if a.peak_tflops is not None and not a.peak_tflops > 0:
+            raise RunError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
+        text = table([run_mfu(run, a.peak_tflops) for run in a.runs])
+    except ValueError as err:  # RunError, or a ConfigError from the run's config
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

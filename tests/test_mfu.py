@@ -1,0 +1,49 @@
+"""flops/mfu.py: MFU of a training run from its config.yaml and metrics.json, against a hand count."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flops import mfu
+from lm.config import load_config
+from tests.synthetic import run_overrides, write_prepared
+
+# The tiny run (h = 32, 2 layers of 4 dense heads of h' = 8, T = 32, vocab 64, FFN 4h), per sequence, forward:
+# attention 4 x (8 h h' T + 4 h' T^2) = 393,216 per layer, FFN 16 h^2 T = 524,288 per layer, vocabulary
+# projection 2 h V T = 131,072; training = 3 x forward: 3 x (2 x 917,504 + 131,072) / T per token.
+FLOPS_PER_TOKEN = 3 * (2 * (393_216 + 524_288) + 131_072) / 32
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lm.train import train
+
+    data = write_prepared(tmp_path_factory.mktemp("data"), train_tokens=4000, val_tokens=1000)
+    out = tmp_path_factory.mktemp("run")
+    train(load_config(None, *run_overrides(data, out, max_steps=6, val_every=3)))
+    return out
+
+
+def test_mfu_of_a_run_against_a_hand_count(run: Path) -> None:
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["device"] == "cpu" and metrics["world_size"] == 1 and metrics["precision"] == "32-true"
+    r = mfu.run_mfu(run, peak_tflops=0.5)
+    assert r["flops_per_token"] == FLOPS_PER_TOKEN
+    assert r["achieved"] == pytest.approx(metrics["tokens_per_s"] * FLOPS_PER_TOKEN, rel=1e-12)
+    assert r["mfu"] == pytest.approx(r["achieved"] / 0.5e12, rel=1e-12)
+    assert mfu.run_mfu(run)["mfu"] is None  # a CPU has no known peak
+
+
+def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "mfu.md"
+    assert mfu.main([str(run), "--peak-tflops", "0.5", "--out", str(out)]) == 0
+    row = out.read_text().splitlines()[2].split(" | ")
+    assert row[1] == "1 x cpu" and row[2] == "32-true" and row[6] == f"{FLOPS_PER_TOKEN / 1e9:.3f}"
+    capsys.readouterr()
+    assert mfu.main([str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no config.yaml" in err
+    assert mfu.main([str(run), "--peak-tflops", "0"]) == 2
+    assert "--peak-tflops must be > 0" in capsys.readouterr().err
