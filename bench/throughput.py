@@ -54,6 +54,7 @@ def measure(cfg: Config, device: torch.device, steps: int, warmup: int) -> dict[
     """Median seconds per training step of `cfg` and the derived tokens/s."""
     torch.manual_seed(cfg.trainer.seed)
     module = LMModule(cfg).to(device)
+    module.setup("fit")  # what Lightning does before training (trainer.activation_checkpointing)
     opt_cfg = module.configure_optimizers()
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     B, T, V = cfg.data.batch_size, cfg.model.seq_len, cfg.model.vocab_size
