@@ -4,7 +4,8 @@ MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
 micro-batches under gradient accumulation), train/lr, train/tokens_seen,
-train/tokens_per_s (mean over timed training steps of this process), val/loss, val/ppl, and every
+train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
+val/loss, val/ppl, and every
 `trainer.log_every` steps the head groups' statistics heads/<module>.<type>/<name> (scalars; per-head
 stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
 `trainer.compile: true` runs the training forward + loss through torch.compile(fullgraph=True).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import resource
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +44,14 @@ def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[...,
     return torch.compile(fn, fullgraph=True, backend=backend)
 
 
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes so far: torch.cuda.max_memory_allocated on a GPU (no sync), else the process's peak RSS
+    (which includes the Python and torch runtime)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 class LMModule(L.LightningModule):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -51,6 +61,7 @@ class LMModule(L.LightningModule):
         self._resume_rng: dict[str, Any] | None = None
         self._last_time: float | None = None  # end of the previous timed training step
         self._timed = [0, 0.0]  # [batches, seconds] of timed training (micro-)batches in this process
+        self._peak_mem = 0  # peak_memory() after the last training batch
         self._last_train_loss: torch.Tensor | float = math.nan  # the last step's mean training CE
         self._step_sums: dict[str, torch.Tensor] = {}  # this step's logged losses, summed over its micro-batches
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
@@ -135,6 +146,8 @@ class LMModule(L.LightningModule):
             self._timed[1] += now - self._last_time
         self._last_time = now
         self.log("train/tokens_seen", float(self.tokens_seen))
+        self._peak_mem = peak_memory(self.device)
+        self.log("train/peak_mem_mib", self._peak_mem / 2**20)
         if self._timed[0]:
             self.log("train/tokens_per_s", self.tokens_per_s(), prog_bar=True)
 
@@ -185,6 +198,7 @@ class LMModule(L.LightningModule):
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
             "world_size": self.trainer.world_size,
             "precision": str(self.trainer.precision),
+            "peak_mem_bytes": self._peak_mem,  # as of the last training batch of this process
             "params": self.model.num_params(),
             "kv_total": self.model.kv_total(),
             "seq_len": self.cfg.model.seq_len,
