@@ -60,7 +60,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| run | device | precision | compiled | params (M) | tokens/s | GFLOP / token | achieved TFLOP/s "
              "| peak TFLOP/s per device | MFU |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        peak = "-" if r["peak"] is None else f"{r['peak'] / 1e12:.0f}"
+        peak = "-" if r["peak"] is None else f"{r['peak'] / 1e12:.4g}"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}"
         lines.append(f"| {r['run']} | {r['devices']} x {r['device']} | {r['precision']} | {r['compile']} | {params} "

@@ -5,6 +5,7 @@ Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary los
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
 micro-batches under gradient accumulation), train/lr, train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
+train/grad_norm (before clipping),
 val/loss, val/ppl, and every
 `trainer.log_every` steps the head groups' statistics heads/<module>.<type>/<name> (scalars; per-head
 stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
@@ -211,6 +212,13 @@ class LMModule(L.LightningModule):
         atomic_write(Path(self.cfg.trainer.out_dir) / "metrics.json", lambda f: f.write(text.encode()))
 
     # ---- optimisation -----------------------------------------------------------------------
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log the global L2 norm of the step's gradients before clipping (one fused reduction, read on logging
+        steps only). Nothing under DeepSpeed, which keeps its own gradient partitions, or on a skipped step."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads, 2.0))
+
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (weight decay on matrices only) with linear warmup + cosine (lm/schedule.py)."""
         o = self.cfg.optim

@@ -69,9 +69,34 @@ def test_tensorboard_scalars(trained: tuple[Path, dict]) -> None:
         acc = EventAccumulator(str(events))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    expected = {"train/loss", "train/ppl", "train/lr", "train/tokens_seen", "train/tokens_per_s", "train/peak_mem_mib",
-                "val/loss", "val/ppl"}
+    expected = {"train/loss", "train/ppl", "train/lr", "train/grad_norm", "train/tokens_seen", "train/tokens_per_s",
+                "train/peak_mem_mib", "val/loss", "val/ppl"}
     assert expected <= tags, expected - tags
+
+
+def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> None:
+    """train/grad_norm at step 0 = the L2 norm of the gradient of the freshly seeded model on batch 0 (before
+    clipping: larger than optim.grad_clip here)."""
+    import lightning as L
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lm.train import train
+
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=2, log_every=1))
+    train(cfg)
+    logged = {}
+    for events in (tmp_path / "run" / "tb").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "train/grad_norm" in acc.Tags()["scalars"]:
+            logged = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)  # as lm.train.train does
+    module = LMModule(cfg)
+    stream = open_split(data, "train", cfg.model)
+    module.losses(*TrainBatches(stream, cfg.model.seq_len, cfg.data.batch_size, cfg.trainer.seed).batch(0))[0].backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters()], 2.0).item()
+    assert sorted(logged) == [0, 1] and norm > cfg.optim.grad_clip
+    assert logged[0] == pytest.approx(norm, rel=1e-5) and logged[1] != logged[0]
 
 
 def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
