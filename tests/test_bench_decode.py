@@ -1,13 +1,9 @@
 """bench/decode.py end to end at toy size: eager and compiled decoding of the three models in one table."""
 from __future__ import annotations
 
-import pytest
-
 from bench.decode import main
-from lm.generate import INDUCTOR_DECODING
 
 
-@pytest.mark.skipif(not INDUCTOR_DECODING, reason="compiled decoding (lm.generate.decode_step) needs torch >= 2.13")
 def test_decode_bench_reports_eager_and_compiled_side_by_side(tmp_path) -> None:
     out = tmp_path / "decode.md"
     assert main(["--lengths", "40", "--new-tokens", "3", "--d-model", "32", "--head-dim", "8", "--layers", "1",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from lm.generate import (INDUCTOR_DECODING, cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic,
+from lm.generate import (cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic,
                          new_cache, sample)
 from lm.model import build_model
 
@@ -86,18 +86,15 @@ def test_compiled_decoding_is_one_graph_for_every_step(name: str) -> None:
 
 def test_inductor_decoding_of_every_head_type_matches_eager() -> None:
     """One model holding every decodable head type, compiled by inductor (generated code, torch.cond for the
-    block landmarks), float64 so that no selection flips on rounding: the same logits as eager decoding. On
-    torch < 2.13, whose inductor gets this model wrong, decode_step refuses."""
+    block landmarks), float64 so that no selection flips on rounding: the same logits as eager decoding (on
+    torch < 2.13 without kernel fusion, INDUCTOR_OPTIONS: with fusion, 2.11 is off by 0.1-0.6 relative on
+    such models)."""
     heads = [{"type": "dense", "count": 1}, {"type": "local", "count": 1, "options": {"window": 6}},
              {"type": "fixed", "count": 1, "options": {"sparsity": 4}}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
              {"type": "mosaic", "count": 2, "options": {"sparsity": 2}},
              {"type": "agent", "count": 1, "options": {"block": 5, "window": 3}},
              {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, TOPK[1]]
     model = model_for(heads, layers=1).double()  # one layer: inductor's compile time grows with the graph
-    if not INDUCTOR_DECODING:  # torch < 2.13: its inductor miscompiles this model
-        with pytest.raises(ValueError, match="compiled decoding needs torch >= 2.13"):
-            decode_step(model)
-        return
     tokens = torch.randint(0, 97, (2, T))
     eager, _ = cached_logits(model, tokens, 17)
     torch.compiler.reset()
