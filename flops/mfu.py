@@ -1,6 +1,6 @@
 """Model FLOPs utilisation (MFU) of training runs, from what they logged:
 
-    python -m flops.mfu runs/tiny [runs/small ...] [--peak-tflops 989] [--out bench/results/mfu.md]
+    python -m flops.mfu runs/tiny [runs/small ...] [--peak-tflops 989] [> bench/results/mfu.md]
 
 achieved model FLOP/s = tokens/s (metrics.json: timed training steps, all devices together) x training FLOPs
 per token; MFU = that / (peak FLOP/s of one device x devices). Training FLOPs per token = 3 x the forward
@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m flops.mfu", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device (default: from the device name)")
-    p.add_argument("--out", type=Path, help="also write the markdown table here")
     a = p.parse_args(argv)
     try:
         if a.peak_tflops is not None and not a.peak_tflops > 0:
@@ -82,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # RunError, or a ConfigError from the run's config
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(text, end="")
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
+    print(text, end="")  # a markdown table
     return 0
 
 

@@ -58,3 +58,16 @@ def run_overrides(data: Path, out: Path, **trainer: object) -> list[str]:
     }
     values.update({f"trainer.{k}": v for k, v in trainer.items()})
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def tb_scalars(run: Path, tag: str) -> dict[int, float]:
+    """{step: value} of one TensorBoard scalar a training run in `run` (trainer.out_dir) logged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[int, float] = {}
+    for events in (run / "tb").glob("events.out.tfevents.*"):  # train and validation writers
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values |= {e.step: e.value for e in acc.Scalars(tag)}
+    return values

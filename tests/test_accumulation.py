@@ -14,7 +14,7 @@ from lm.compressed_training import LayoutBatches, LayoutSampler, document_window
 from lm.config import load_config
 from lm.data import TrainBatches, open_split
 from lm.train import train
-from tests.synthetic import run_overrides, write_prepared
+from tests.synthetic import run_overrides, tb_scalars, write_prepared
 
 WEIGHT_RTOL = 1e-5  # max |w_A - w_1| / max |w_1| per tensor after 6 AdamW steps: fp32 summation order only
 
@@ -110,8 +110,6 @@ def test_accumulate_grad_batches_must_be_positive() -> None:
 
 def test_logged_training_loss_is_the_step_mean(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train/loss at each step = the mean cross-entropy of that step's micro-batches (what was optimised)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from lm.module import LMModule
 
     seen: list[float] = []
@@ -124,12 +122,7 @@ def test_logged_training_loss_is_the_step_mean(data: Path, tmp_path: Path, monke
 
     monkeypatch.setattr(LMModule, "losses", spy)
     run(data, tmp_path / "run", batch=2, accumulate=3, steps=4, log_every=1)
-    logged = {}
-    for events in (tmp_path / "run" / "tb").glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(events))
-        acc.Reload()
-        if "train/loss" in acc.Tags()["scalars"]:
-            logged = {e.step: e.value for e in acc.Scalars("train/loss")}
+    logged = tb_scalars(tmp_path / "run", "train/loss")
     assert sorted(logged) == [0, 1, 2, 3]  # once per optimizer step (Lightning's step index: 0-based)
     for step, value in logged.items():
         assert value == pytest.approx(sum(seen[3 * step : 3 * step + 3]) / 3, rel=1e-6)

@@ -16,7 +16,7 @@ from lm.config import load_config
 from lm.data import DataError, LMDataModule, TrainBatches, ValWindows, open_split
 from lm.module import LMModule
 from lm.schedule import lr_factor
-from tests.synthetic import run_overrides, write_prepared
+from tests.synthetic import run_overrides, tb_scalars, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,18 +78,12 @@ def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> 
     """train/grad_norm at step 0 = the L2 norm of the gradient of the freshly seeded model on batch 0 (before
     clipping: larger than optim.grad_clip here)."""
     import lightning as L
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from lm.train import train
 
     cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=2, log_every=1))
     train(cfg)
-    logged = {}
-    for events in (tmp_path / "run" / "tb").glob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(events))
-        acc.Reload()
-        if "train/grad_norm" in acc.Tags()["scalars"]:
-            logged = {e.step: e.value for e in acc.Scalars("train/grad_norm")}
+    logged = tb_scalars(tmp_path / "run", "train/grad_norm")
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)  # as lm.train.train does
     module = LMModule(cfg)
     stream = open_split(data, "train", cfg.model)
