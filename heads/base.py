@@ -14,8 +14,8 @@ Groups report `aux_losses` (name -> scalar tensor, already weighted, added to th
 `stats` (name -> detached tensor, 0-d or per head [H]) after each forward pass, and declare `causal`
 honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) is
 updated only where `updates_state` says so: in training, and not while a forward pass is replayed
-(activation checkpointing's recomputation, `frozen_state`). Stats stay tensors (no host sync in the forward pass, so training compiles with fullgraph=True);
-lm/module.py reads them only every `trainer.log_every` steps.
+(activation checkpointing's recomputation, `frozen_state`). Stats stay tensors (no host sync in the forward
+pass, so training compiles with fullgraph=True); lm/module.py reads them only every `trainer.log_every` steps.
 """
 from __future__ import annotations
 

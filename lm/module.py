@@ -3,12 +3,10 @@ MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` 
 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
-micro-batches under gradient accumulation), train/lr, train/tokens_seen,
+micro-batches under gradient accumulation), train/lr, train/grad_norm (before clipping), train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
-train/grad_norm (before clipping),
-val/loss, val/ppl, and every
-`trainer.log_every` steps the head groups' statistics heads/<module>.<type>/<name> (scalars; per-head
-stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
+val/loss, val/ppl, and every `trainer.log_every` steps the head groups' statistics
+heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
 `trainer.compile: true` runs the training forward + loss through torch.compile(fullgraph=True).
 """
 from __future__ import annotations
@@ -212,12 +210,16 @@ class LMModule(L.LightningModule):
         atomic_write(Path(self.cfg.trainer.out_dir) / "metrics.json", lambda f: f.write(text.encode()))
 
     # ---- optimisation -----------------------------------------------------------------------
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Log the global L2 norm of the step's gradients before clipping (one fused reduction, read on logging
-        steps only). Nothing under DeepSpeed, which keeps its own gradient partitions, or on a skipped step."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads, 2.0))
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip to the global L2 norm optim.grad_clip (Lightning's "norm" clipping) and log that norm, taken before
+        clipping, as train/grad_norm: one reduction serves both (read on logging steps only). Nothing to do
+        under DeepSpeed, which keeps its own gradient partitions and clips them itself, or on a skipped step."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if params and gradient_clip_val:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            self.log("train/grad_norm", norm)
+            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW (weight decay on matrices only) with linear warmup + cosine (lm/schedule.py)."""
