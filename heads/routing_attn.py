@@ -2,14 +2,20 @@
 
 Per head: shared query/key projection (W^Q = W^K, so queries and keys fall in the same clusters), value
 projection, all T tokens projected (cost 6hh'T incl. W^O). The shared queries are layer-normed without
-scale or bias (RT Alg. 1: Q <- LayerNorm(Q), K <- LayerNorm(K)); their unit-normalised directions u are
-clustered by online k-means (routing/kmeans.py) into ρ clusters; each cluster attends within itself,
-causally, with RoPE at original positions. With Q = K a token's score with itself is the largest
-possible (|q|^2), so, as in Reformer's shared-QK attention (the RT paper does not spell this out),
-a token does not attend to itself unless it is its cluster's first member and has nothing else:
+scale or bias (RT Alg. 1: Q <- LayerNorm(Q), K <- LayerNorm(K); option `layer_norm`, default true); their
+unit-normalised directions u are clustered by online k-means (routing/kmeans.py) into ρ clusters; each
+cluster attends within itself, causally, with RoPE at original positions. With Q = K a token's score with
+itself is the largest possible (|q|^2), so, as in Reformer's shared-QK attention (the RT paper does not spell
+this out), a token does not attend to itself unless it is its cluster's first member and has nothing else:
 M_jl = 0 iff I_j > I_l, or j = l = the first slot. A token's head output is the mean of its outputs
 over the clusters it belongs to (0 if none). Auxiliary loss: commitment
 `commitment * ||u - mu_nearest||^2`. KV entries per head: T (any future token may route to any cluster).
+
+Logits are q·k / sqrt(h') over the layer-normed (or raw) shared Q = K. RT's released code (google-research
+routing_transformer/utils.py) differs in two details: it scales q by 1/sqrt(h') *before* the layer norm, which
+removes the scaling, so its logits LN(q)·LN(k) span ±h' instead of ±sqrt(h'); and it lets a token attend to
+itself, whose logit is then the largest. We keep 1/sqrt(h') and the self mask (docs/mosa.md, "Not done /
+caveats", has the measured effect of the scale and of `layer_norm`).
 
 Cluster assignment (option `assignment`):
 - "topk": balanced clusters of k = T/ρ tokens, each cluster taking the k tokens most similar to its
@@ -44,6 +50,7 @@ class RoutingOptions(HeadOptions):
     capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
     decay: float = 0.999  # EMA decay of the centroids
     commitment: float = 1e-4  # weight of the commitment loss
+    layer_norm: bool = True  # RT Alg. 1: LayerNorm (no scale, bias) on the shared Q = K; false = raw projections
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -79,11 +86,12 @@ class RoutingHeads(HeadGroup):
         return self.options.assignment != "topk"
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
-        """x[B, T, h] -> q(=k) = LayerNorm(x W^Q), v [B, H, T, h'], u = normalize(q), each token's nearest
-        centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
+        """x[B, T, h] -> q(=k) = LayerNorm(x W^Q) (or x W^Q without `layer_norm`), v [B, H, T, h'],
+        u = normalize(q), each token's nearest centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
-        q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
+        if self.options.layer_norm:
+            q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
         u = F.normalize(q, dim=-1)
         sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
         nearest = sim.argmax(2)  # [B, H, T]
