@@ -4,18 +4,17 @@ Per head: shared query/key projection (W^Q = W^K, so queries and keys fall in th
 projection, all T tokens projected (cost 6hh'T incl. W^O). The shared queries are layer-normed without
 scale or bias (RT Alg. 1: Q <- LayerNorm(Q), K <- LayerNorm(K); option `layer_norm`, default true); their
 unit-normalised directions u are clustered by online k-means (routing/kmeans.py) into ρ clusters; each
-cluster attends within itself, causally, with RoPE at original positions. With Q = K a token's score with
-itself is the largest possible (|q|^2), so, as in Reformer's shared-QK attention (the RT paper does not spell
-this out), a token does not attend to itself unless it is its cluster's first member and has nothing else:
-M_jl = 0 iff I_j > I_l, or j = l = the first slot. A token's head output is the mean of its outputs
-over the clusters it belongs to (0 if none). Auxiliary loss: commitment
-`commitment * ||u - mu_nearest||^2`. KV entries per head: T (any future token may route to any cluster).
+cluster attends within itself, causally (a member sees the members at or before its own position, itself
+included), with RoPE at original positions. A token's head output is the mean of its outputs over the
+clusters it belongs to (0 if none). Auxiliary loss: commitment `commitment * ||u - mu_nearest||^2`. KV entries
+per head: T (any future token may route to any cluster).
 
-Logits are q·k / sqrt(h') over the layer-normed (or raw) shared Q = K. RT's released code (google-research
-routing_transformer/utils.py) differs in two details: it scales q by 1/sqrt(h') *before* the layer norm, which
-removes the scaling, so its logits LN(q)·LN(k) span ±h' instead of ±sqrt(h'); and it lets a token attend to
-itself, whose logit is then the largest. We keep 1/sqrt(h') and the self mask (docs/mosa.md, "Not done /
-caveats", has the measured effect of the scale and of `layer_norm`).
+Logits follow RT's released code (google-research routing_transformer/utils.py), where the paper is silent:
+- with the layer norm, LN(q)·LN(k) unscaled: the code scales q by 1/sqrt(h') *before* the layer norm, which
+  removes the scaling, so the logits span ±h' (without it: the usual q·k / sqrt(h'));
+- a token attends to itself (the causal mask includes the diagonal), although with Q = K its own logit is the
+  largest. Reformer's shared-QK rule (no attention to itself unless nothing else is visible), which this head
+  used before, cost perplexity in every comparison we ran (docs/mosa.md, "Not done / caveats").
 
 Cluster assignment (option `assignment`):
 - "topk": balanced clusters of k = T/ρ tokens, each cluster taking the k tokens most similar to its
@@ -62,13 +61,6 @@ class RoutingOptions(HeadOptions):
             raise ConfigError("routing: need capacity_factor > 0, decay in [0, 1), commitment >= 0")
 
 
-def _strictly_earlier(c: int, device: torch.device) -> torch.Tensor:
-    """[c, c] slot mask: slot j sees slots l < j, and slot 0 sees itself (its only possible key)."""
-    mask = torch.ones(c, c, dtype=torch.bool, device=device).tril(-1)
-    mask[0, 0] = True
-    return mask
-
-
 @register("routing")
 class RoutingHeads(HeadGroup):
     Options = RoutingOptions
@@ -80,6 +72,7 @@ class RoutingHeads(HeadGroup):
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
         self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
         self.capacity = math.ceil(options.capacity_factor * tokens_per_head(ctx.seq_len, options.sparsity))
+        self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
 
     @property
     def causal(self) -> bool:
@@ -124,9 +117,8 @@ class RoutingHeads(HeadGroup):
                     if not len(I):  # an empty cluster contributes nothing
                         continue
                     qc = self.rope(q[b, i, I], positions[b, I])  # shared Q = K
-                    allowed = I[:, None] > I[None, :]  # M_jl = 0 iff I_j > I_l: no attention to itself ...
-                    allowed[0, 0] = True  # ... except the first member, which has nothing else
-                    scores = (qc @ qc.T / d**0.5).masked_fill(~allowed, float("-inf"))
+                    allowed = I[:, None] >= I[None, :]  # M_jl = 0 iff I_j >= I_l: earlier members and itself
+                    scores = (qc @ qc.T * self.scale).masked_fill(~allowed, float("-inf"))
                     a_sum[b, i] = a_sum[b, i].index_add(0, I, (scores.softmax(-1) @ v[b, i, I]).to(x.dtype))
                     counts[b, i] = counts[b, i].index_add(0, I, torch.ones_like(I, dtype=x.dtype))
         return self._finish(a_sum, counts, u, nearest)
@@ -139,7 +131,8 @@ class RoutingHeads(HeadGroup):
         qs = q.gather(2, flat[..., None].expand(-1, -1, -1, d))  # [B, H, C*c, d]
         vs = v.gather(2, flat[..., None].expand(-1, -1, -1, d))
         qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
-        a = attend(qs, qs, vs.view(B, H * C, c, d), mask=_strictly_earlier(c, x.device))  # slots ascending
+        # slots ascending, padding last: causal over slots; attend scales by 1/sqrt(h'), so q carries the rest
+        a = attend(qs * (self.scale * d**0.5), qs, vs.view(B, H * C, c, d), causal=True)
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))

@@ -39,10 +39,10 @@ def test_nearest_clusters_partition_up_to_capacity() -> None:
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
 @pytest.mark.parametrize("layer_norm", [True, False])
-def test_one_cluster_is_shared_qk_attention_without_self(impl: str, layer_norm: bool) -> None:
-    """ρ = 1 with room for every token: one cluster holding the whole sequence. RT's attention is then
-    softmax over LayerNorm(x W^Q) (RoPE; raw x W^Q with layer_norm=False) with itself as keys, each token
-    seeing only earlier tokens (token 0 sees itself), written out here directly."""
+def test_one_cluster_is_causal_shared_qk_attention(impl: str, layer_norm: bool) -> None:
+    """ρ = 1 with room for every token: one cluster holding the whole sequence. RT's attention is then causal
+    softmax attention of LayerNorm(x W^Q) (RoPE) with itself as keys and unscaled logits, as RT's released code
+    computes it (raw x W^Q and logits / sqrt(h') with layer_norm=False), written out here directly."""
     T, d = 40, 8
     group: RoutingHeads = make_group("routing", dict(sparsity=1, impl=impl, layer_norm=layer_norm), T)
     x, positions = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
@@ -50,9 +50,8 @@ def test_one_cluster_is_shared_qk_attention_without_self(impl: str, layer_norm: 
     if layer_norm:
         q = (q - q.mean(-1, keepdim=True)) / (q.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
     q = group.rope(q, positions[:, None])
-    allowed = torch.ones(T, T, dtype=torch.bool).tril(-1)
-    allowed[0, 0] = True
-    p = (q @ q.transpose(-1, -2) / d**0.5).masked_fill(~allowed, float("-inf")).softmax(-1)
+    logits = q @ q.transpose(-1, -2) * (1.0 if layer_norm else d**-0.5)
+    p = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     expected = group.out((p @ v).transpose(1, 2).reshape(2, T, 3 * d))
     assert torch.allclose(group(x, positions), expected, atol=1e-5)
 
