@@ -35,9 +35,10 @@ def attend(
     v: torch.Tensor,
     causal: bool = False,
     mask: torch.Tensor | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + M) v (MoSA eq. 1). `mask` is boolean (True = may attend) and
-    broadcastable to [B, H, Tq, Tk]; `causal` means key j is visible to query i iff j <= i
+    """softmax(scale q k^T + M) v (MoSA eq. 1; scale defaults to 1 / sqrt(d)). `mask` is boolean (True = may
+    attend) and broadcastable to [B, H, Tq, Tk]; `causal` means key j is visible to query i iff j <= i
     (top-left aligned, so it requires Tq == Tk)."""
     if causal and mask is not None:
         raise ValueError("attend: pass either causal=True or an explicit mask, not both")
@@ -49,10 +50,11 @@ def attend(
         and q.dtype in (torch.float16, torch.bfloat16)
         and q.shape[-1] <= 256
     ):
-        out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                 softmax_scale=scale)
         return out.transpose(1, 2)
     if mask is not None and 2 < mask.dim() < q.dim():
         # SDPA's fused CPU kernel takes only 2-D or full-rank masks; a 3-D one sends it to the math
         # kernel, which keeps the [.., Tq, Tk] probabilities for backward.
         mask = mask.view((1,) * (q.dim() - mask.dim()) + mask.shape)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)

@@ -131,8 +131,7 @@ class RoutingHeads(HeadGroup):
         qs = q.gather(2, flat[..., None].expand(-1, -1, -1, d))  # [B, H, C*c, d]
         vs = v.gather(2, flat[..., None].expand(-1, -1, -1, d))
         qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
-        # slots ascending, padding last: causal over slots; attend scales by 1/sqrt(h'), so q carries the rest
-        a = attend(qs * (self.scale * d**0.5), qs, vs.view(B, H * C, c, d), causal=True)
+        a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True, scale=self.scale)  # slots ascending, padding last
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))
