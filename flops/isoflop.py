@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         base = baseline(a.size, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
-        r = solve(base, a.head, a.sparsity, a.dense_heads, parse_options(a.option))
+        options = parse_options(a.option)
+        r = solve(base, a.head, a.sparsity, a.dense_heads, options)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -169,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(dataclasses.asdict(r)))
     else:
+        shape = (f"rho={r.sparsity}, k={r.k}" if r.sparsity is not None
+                 else ", ".join(f"{key}={value}" for key, value in options.items()) or "default options")
         print(
-            f"{a.size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads (rho={r.sparsity}, k={r.k}); "
+            f"{a.size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
             f"FLOPs/pass {r.flops_per_pass / 1e9:.2f}G of {r.baseline_flops_per_pass / 1e9:.2f}G "
             f"({100 * r.budget_used:.2f}%); KV/layer {r.kv_per_layer} (dense {r.baseline_kv_total // base.n_layers}); "
             f"params {r.params / 1e6:.1f}M (dense {r.baseline_params / 1e6:.1f}M)"

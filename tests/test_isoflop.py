@@ -165,3 +165,17 @@ def test_long_sequence_mosa_vs_routing_ratio() -> None:
     mosa = group_cost("mosa", 1024, 64, 8192, 60, {"sparsity": 128}).flops
     routing = group_cost("routing", 1024, 64, 8192, 4, {"sparsity": 128}).flops
     assert round(100 * mosa / routing, 2) == 22.96 and round(100 * mosa / routing, 1) == round(22.99, 1)
+
+
+@pytest.mark.parametrize(
+    "args,shape",
+    [
+        (["--head", "mosa", "--sparsity", "8"], "69 mosa heads (rho=8, k=128)"),
+        (["--head", "local", "--option", "window=128"], "8 local heads (window=128)"),
+        (["--head", "agent"], "9 agent heads (default options)"),
+    ],
+)
+def test_cli_text_names_the_sparse_group(args: list[str], shape: str, capsys: pytest.CaptureFixture) -> None:
+    """The one-line summary shows rho and k for types with a sparsity, else the options given."""
+    assert isoflop_main(["--size", "tiny", *args]) == 0
+    assert f"tiny: 4 dense + {shape}; FLOPs/pass" in capsys.readouterr().out
