@@ -6,7 +6,8 @@ by its head group), train/loss_total (CE + aux, the optimised loss) (these four:
 micro-batches under gradient accumulation), train/lr, train/grad_norm (before clipping), train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
 val/loss, val/ppl, and every `trainer.log_every` steps the head groups' statistics
-heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading them is the only host sync, on logging steps.
+heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading
+them is the only host sync, on logging steps.
 `trainer.compile: true` runs the training forward + loss through torch.compile(fullgraph=True).
 """
 from __future__ import annotations
