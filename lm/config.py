@@ -94,6 +94,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
     activation_checkpointing: bool = False  # keep only each block's input, recompute the block in backward
     deterministic: bool = False  # torch.use_deterministic_algorithms: bitwise-reproducible steps (fused kernels too)
+    profiler: Optional[str] = None  # simple | pytorch: Lightning's profiler, report (+ trace) in <out_dir>/profile
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Config:
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
 
 
 def _positive(section: object, *names: str) -> None:
@@ -179,6 +181,8 @@ def validate(cfg: Config) -> Config:
     if t.activation_checkpointing and t.compile:
         raise ConfigError("trainer.activation_checkpointing and trainer.compile cannot be combined (torch.compile "
                           "refuses the head groups' side effects inside a checkpointed block); set one of them false")
+    if t.profiler not in PROFILERS:
+        raise ConfigError(f"trainer.profiler must be simple, pytorch or null, got {t.profiler!r}")
     if t.strategy not in ("auto", "ddp", "deepspeed_stage_2"):
         raise ConfigError(f"trainer.strategy must be auto, ddp or deepspeed_stage_2, got {t.strategy!r}")
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):

@@ -31,7 +31,7 @@ from lm.resume_settings import reported_here
 CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
 CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
 # What a run writes into its directory (the only things --overwrite deletes; train.log is the sweep's).
-OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
+OUTPUTS = ("checkpoints", "tb", "profile", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
 # Fields a resumed run may change (each change is printed): how long, how often, on what hardware, the
 # optimiser's settings and the batch size (lm/resume_settings.py applies those); not the model, the seed,
 # validation or trainer.accumulate_grad_batches (Lightning's restored loop counts micro-batches, so the
@@ -40,7 +40,7 @@ OUTPUTS = ("checkpoints", "tb", "metrics.json", "val_curve.png", "leakfree.json"
 RESUMABLE: dict[str, set[str] | None] = {
     "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",
                 "accelerator", "devices", "num_nodes", "strategy", "out_dir", "compile", "activation_checkpointing", "max_bad_steps",
-                "deterministic"},
+                "deterministic", "profiler"},
     "optim": None,
     "data": {"path", "num_workers", "batch_size"},
 }

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.profilers import Profiler, PyTorchProfiler, SimpleProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from omegaconf import OmegaConf
 
@@ -100,6 +101,19 @@ def check_devices(t: TrainerConfig) -> None:
         raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
 
 
+def build_profiler(t: TrainerConfig) -> Profiler | None:
+    """`trainer.profiler`, written to `<out_dir>/profile`: `simple` = Lightning's SimpleProfiler (wall time per
+    training hook, whole run); `pytorch` = its PyTorchProfiler with the default schedule (skip 1 step, warm up
+    1, record 3): per-operator CPU (and CUDA) time and memory as a table, and a trace for TensorBoard's profile
+    plugin or Perfetto / chrome://tracing."""
+    if t.profiler is None:
+        return None
+    out = Path(t.out_dir) / "profile"
+    if t.profiler == "simple":
+        return SimpleProfiler(dirpath=out, filename="simple")
+    return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True)
+
+
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
     t = cfg.trainer
     check_devices(t)
@@ -116,7 +130,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         deterministic=t.deterministic,  # torch.use_deterministic_algorithms; the fused kernels follow it
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
-        logger=tensorboard_logger(cfg),
+        logger=tensorboard_logger(cfg), profiler=build_profiler(t),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
         enable_checkpointing=False, default_root_dir=t.out_dir,

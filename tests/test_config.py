@@ -43,6 +43,7 @@ def test_bad_value() -> None:
     assert "trainer.strategy" in error_of(None, "trainer.strategy=fsdp")
     assert "trainer.precision" in error_of(None, "trainer.precision=fp8")
     assert "max_minutes" in error_of(None, "trainer.max_minutes=0")
+    assert "trainer.profiler" in error_of(None, "trainer.profiler=advanced")
 
 
 def test_unknown_head_type_and_option(tmp_path: Path) -> None:

@@ -255,3 +255,23 @@ def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data:
     assert seen == [True] * 8
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("profiler", ["simple", "pytorch"])
+def test_profiler_reports(data: Path, tmp_path: Path, profiler: str) -> None:
+    """trainer.profiler writes Lightning's report to <out_dir>/profile: `simple` times every training hook over the
+    run; `pytorch` records 3 steps after 2 (its default schedule) as an operator table and a Chrome trace."""
+    from lm.train import train
+
+    train(load_config(None, *run_overrides(data, tmp_path, max_steps=8, profiler=profiler)))
+    report = (tmp_path / "profile" / f"fit-{profiler}.txt").read_text()
+    if profiler == "simple":
+        row = next(line for line in report.splitlines() if "run_training_batch" in line)
+        assert [cell.strip() for cell in row.split("|")][3] == "8", row  # calls: one per step
+        return
+    steps = next(line for line in report.splitlines() if line.strip().startswith("ProfilerStep*"))
+    assert steps.split()[-1] == "3", steps  # recorded steps
+    assert "aten::mm" in report and "DenseHeads" in report  # operators and module names
+    (trace,) = (tmp_path / "profile").glob("fit-pytorch-*training_step*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)
