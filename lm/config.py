@@ -64,7 +64,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW; MoSA App. H: lr 2.5e-4, clip 0.25, linear warmup 4k steps, then cosine decay."""
+    """AdamW; MoSA App. H: lr 2.5e-4, clip 0.25, linear warmup 4k steps. The cosine decay after it is ours (the
+    paper states no decay; `min_lr_ratio: 1.0` keeps the peak rate)."""
 
     lr: float = 2.5e-4
     betas: tuple[float, float] = (0.9, 0.999)

@@ -1,4 +1,5 @@
-"""Learning-rate schedule of MoSA App. H: linear warmup, then cosine decay to a floor.
+"""Learning-rate schedule: MoSA App. H's linear warmup, then a cosine decay to a floor (ours: the paper states no
+decay; min_lr_ratio = 1 keeps the peak rate after the warmup).
 
 factor(s) = (s + 1) / W                                            for s < W
           = r + (1 - r) * (1 + cos(pi * min(1, (s - W) / (S - W)))) / 2   otherwise,
