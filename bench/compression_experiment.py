@@ -113,7 +113,7 @@ def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], va
             "|---|---|---|---|"]
     rows_flat = torch.cat(val_windows)
     for tol in tolerances:
-        chosen = choose_ratio(predictor, held["states"], tol, lo=min(ratios))
+        chosen = choose_ratio(predictor, held["states"], tol, ratios)
         achieved = [measure(model, w[None], P, [float(r)], probe)["delta"].item() for w, r in zip(rows_flat, chosen)]
         rows.append(f"| {tol:+.4f} | {chosen.mean():.4f} | {chosen.min():.4f} / {chosen.max():.4f} | {sum(achieved) / len(achieved):+.4f} |")
     return rows

@@ -20,6 +20,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -86,10 +87,12 @@ def fit(
 
 
 @torch.no_grad()
-def choose_ratio(predictor: RatioPredictor, states: torch.Tensor, tolerance: float, lo: float, hi: float = 1.0) -> torch.Tensor:
-    """r* = f(states, Delta*) for each prompt, clamped to the range [lo, hi] the data covered."""
+def choose_ratio(predictor: RatioPredictor, states: torch.Tensor, tolerance: float, ratios: Sequence[float]) -> torch.Tensor:
+    """r* = f(states, Delta*) for each prompt, clamped to [min, max] of the ratios its training data measured
+    (outside them the predictor, and the Delta it was fit on, would be extrapolated)."""
     delta = torch.full((states.shape[0],), float(tolerance))
-    return predictor(states, delta).clamp(lo, hi)
+    measured = [float(r) for r in ratios]
+    return predictor(states, delta).clamp(min(measured), max(measured))
 
 
 def _train(args: argparse.Namespace) -> dict:
@@ -120,7 +123,7 @@ def _choose(args: argparse.Namespace) -> dict:
     P, S = blob["prefix_len"], cfg.model.seq_len
     windows = fixed_windows(document_windows(args.data, args.split, cfg), 1, args.prompts, P + S + 1, seed=args.seed)[0]
     states = measure(model, windows, P, [], blob["probe_ratio"])["states"]
-    ratios = choose_ratio(predictor, states, args.delta, min(blob["ratios"]))
+    ratios = choose_ratio(predictor, states, args.delta, blob["ratios"])
     achieved = [measure(model, w[None], P, [float(r)], blob["probe_ratio"])["delta"].item() for w, r in zip(windows, ratios)]
     return {"tolerance": args.delta, "chosen_ratio": [round(float(r), 4) for r in ratios],
             "achieved_delta": [round(d, 4) for d in achieved],

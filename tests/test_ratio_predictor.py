@@ -62,8 +62,11 @@ def test_predictor_round_trip_recovers_ratio_from_tolerance(tmp_path):
     loaded, blob = RatioPredictor.load(path)
     assert blob["probe_ratio"] == 0.125
     assert torch.equal(loaded(test_states, tol), predictor(test_states, tol))
-    loose, tight = choose_ratio(loaded, test_states, 5.0, lo=1 / 32), choose_ratio(loaded, test_states, 1.0, lo=1 / 32)
-    assert loose.min() >= 1 / 32 and tight.max() <= 1 and (loose < tight).all()  # more tolerance, fewer states
+    loose, tight = choose_ratio(loaded, test_states, 5.0, RATIOS), choose_ratio(loaded, test_states, 1.0, RATIOS)
+    assert (loose < tight).all()  # more tolerance, fewer states
+    assert loose.min() >= RATIOS.min() and tight.max() <= RATIOS.max()  # never outside the measured ratios
+    raw = loaded(test_states, torch.full((100,), 1.0))  # unclamped: some prompts beyond the largest measured ratio
+    assert (raw > RATIOS.max()).any() and torch.equal(tight, raw.clamp(RATIOS.min(), RATIOS.max()))
 
 
 def _checkpoint(tmp_path) -> str:
