@@ -1,6 +1,7 @@
 """Issue 7 experiment: suffix perplexity of a compression model vs its FLOP-matched baseline after
 1, 2 and 3 compressions (adaptive_attention_compression.txt, "Evaluations"), online cache
-compression during decoding, and the ratio predictor's choices for tolerances Delta*.
+compression during decoding, the ratio predictor's choices for tolerances Delta*, and decoding with
+the predictor choosing each window's t (adaptive) against the fixed t.
 
 Both models are trained first (each run <= 4 min on CPU, under the shared lock):
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,7 +34,7 @@ from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
 from lm.compression import CompressedLM, Layout, tokens_for  # noqa: E402
 from lm.ratio_data import generate, measure  # noqa: E402
-from lm.ratio_predictor import RatioPredictor, choose_ratio, fit  # noqa: E402
+from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit  # noqa: E402
 
 
 def forward_flops(model: CompressedLM, layout: Layout) -> int:
@@ -87,8 +89,31 @@ def online_generation(model: CompressedLM, window: torch.Tensor, P: int, t: int)
             f"({3 * P * seq.shape[0] / dt:.0f} tokens/s, batch {seq.shape[0]}, CPU)"]
 
 
+def adaptive_generation(model: CompressedLM, window: torch.Tensor, P: int, t: int, adaptive: AdaptiveRatio) -> list[str]:
+    """Feed each sequence of window[B, n] alone through the online decoder, with the fixed t and with the
+    predictor's t per window (batch 1: a batch would share its largest choice); compare the next-token loss on the
+    tokens after the first window (those that see a memory) and the KV entries kept at the end."""
+    def run(gen: CompressedGenerator, row: torch.Tensor) -> tuple[float, list[int], int]:
+        cache = gen.new_cache(1)
+        logits = gen.feed(cache, row[None, :-1])[:, P - 1 :]
+        return F.cross_entropy(logits.transpose(1, 2), row[None, P:]).item(), cache.kept, cache.kv_entries()
+
+    fixed = [run(CompressedGenerator(model, window=P, t=t), row) for row in window]
+    chosen = [run(CompressedGenerator(model, window=P, adaptive=adaptive), row) for row in window]
+    kept = torch.tensor([c[1] for c in chosen], dtype=torch.float)  # [B, compressions]
+
+    def mean(runs: list[tuple[float, list[int], int]], i: int) -> float:
+        return sum(r[i] for r in runs) / len(runs)
+
+    return [f"- tolerance Delta* = {adaptive.tolerance:+.4f}; {window.shape[0]} held-out sequences of {window.shape[1]} "
+            f"tokens, each decoded alone; loss over the {window.shape[1] - P} tokens after the first window:",
+            f"  - fixed t = {t} per window: {mean(fixed, 0):.4f} nats, {mean(fixed, 2):.0f} KV entries at the end",
+            f"  - adaptive: t per window {', '.join(f'{a:.1f}' for a in kept.mean(0).tolist())} on average (range "
+            f"{int(kept.min())}-{int(kept.max())}): {mean(chosen, 0):.4f} nats, {mean(chosen, 2):.0f} KV entries at the end"]
+
+
 def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], val_windows: list[torch.Tensor],
-                      P: int, probe: float, tolerances: list[float] | None) -> list[str]:
+                      P: int, probe: float, tolerances: list[float] | None) -> tuple[list[str], AdaptiveRatio]:
     """Fit the predictor on training prompts; for each tolerance (default: the mean training Delta
     at each grid ratio, so the tolerances span what the data holds) report the ratios it picks for
     held-out prompts and the Delta measured there."""
@@ -116,7 +141,7 @@ def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], va
         chosen = choose_ratio(predictor, held["states"], tol, ratios)
         achieved = [measure(model, w[None], P, [float(r)], probe)["delta"].item() for w, r in zip(rows_flat, chosen)]
         rows.append(f"| {tol:+.4f} | {chosen.mean():.4f} | {chosen.min():.4f} / {chosen.max():.4f} | {sum(achieved) / len(achieved):+.4f} |")
-    return rows
+    return rows, AdaptiveRatio(predictor, tolerances[len(tolerances) // 2], probe, ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
     train = fixed_windows(document_windows(args.data, "train", cfg), args.predictor_batches, 16, P + S + 1, seed=1)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
-    pred = predictor_section(models["compressed"], train, held, P, cfg.compression.ratio,
-                             [float(x) for x in args.tolerances.split(",")] if args.tolerances else None)
+    pred, adaptive = predictor_section(models["compressed"], train, held, P, cfg.compression.ratio,
+                                       [float(x) for x in args.tolerances.split(",")] if args.tolerances else None)
+    adapt = adaptive_generation(models["compressed"], val[0], P, t, adaptive)
     c = cfg.compression
     lines = [
         "# Adaptive-attention compression on Gutenberg", "",
@@ -172,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         *table, "",
         "## Online KV-cache compression while decoding (compressed model)", "", *online, "",
         "## Ratio predictor", "", *pred, "",
+        "## Adaptive ratio while decoding (compressed model, the predictor above at the middle tolerance)", "", *adapt, "",
     ]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

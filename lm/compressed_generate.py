@@ -9,6 +9,11 @@ states are run through blocks [L, n) once to give their keys and values there. T
 amortised: one O((t + W) t) pass per W tokens, independent of the tokens being decoded, so it can run
 beside generation; here it runs at the window boundary. Position ids never exceed t + W.
 
+With an `AdaptiveRatio` (lm/ratio_predictor.py) each compression keeps t = round(r* W) states, r* chosen by
+the ratio predictor for the window being compressed and a tolerance Delta* (the post's adaptive ratio);
+without one, t = round(compression.ratio * W) every time. `CompressedCache.kept` lists the t of each
+compression so far.
+
 `CompressedCache.kv_entries()` counts the entries kept (sum over layers and heads) and
 `kv_uncompressed()` what a plain dense cache of every token so far would keep.
 
@@ -24,6 +29,7 @@ from typing import Any
 import torch
 
 from lm.compression import CompressedLM
+from lm.ratio_predictor import AdaptiveRatio
 
 
 @dataclass
@@ -34,6 +40,7 @@ class CompressedCache:
     layers: list[list[Any]] = field(default_factory=list)
     window_states: list[torch.Tensor] = field(default_factory=list)  # [B, n_i, d] pieces
     memory: torch.Tensor | None = None  # [B, t, d] at depth L
+    kept: list[int] = field(default_factory=list)  # t of each compression so far
     seen: int = 0  # tokens processed so far
     heads: int = 0  # attention heads summed over all layers
 
@@ -52,9 +59,10 @@ class CompressedCache:
 class CompressedGenerator:
     """Online-compressing decoder around a trained CompressedLM."""
 
-    def __init__(self, model: CompressedLM, window: int | None = None, t: int | None = None) -> None:
+    def __init__(self, model: CompressedLM, window: int | None = None, t: int | None = None,
+                 adaptive: AdaptiveRatio | None = None) -> None:
         comp = model.comp
-        self.model = model
+        self.model, self.adaptive = model, adaptive
         self.window = window or comp.prefix_len
         self.t = t or max(1, round(comp.ratio * self.window))
         if not 1 <= self.t <= self.window:
@@ -71,10 +79,11 @@ class CompressedGenerator:
         return cache
 
     def _reset(self, cache: CompressedCache) -> None:
-        """Fresh per-window caches: W slots below L, t + W above."""
+        """Fresh per-window caches: W slots below L, memory + W above."""
         p = next(self.model.parameters())
+        mem = 0 if cache.memory is None else cache.memory.shape[1]
         cache.layers = [
-            [g.new_cache(cache.batch, self.window + (self.t if i >= self.model.layer else 0), p.device, p.dtype)
+            [g.new_cache(cache.batch, self.window + (mem if i >= self.model.layer else 0), p.device, p.dtype)
              for g in block.attn.groups]
             for i, block in enumerate(self.model.lm.blocks)
         ]
@@ -110,13 +119,16 @@ class CompressedGenerator:
         return m.lm.lm_head(m.lm.norm(x))
 
     def _compress(self, cache: CompressedCache) -> None:
-        """m <- C([m | window], t); drop the window's entries; memory K/V for blocks [L, n)."""
+        """m <- C([m | window], t) (t adaptive or fixed); drop the window's entries; memory K/V for blocks [L, n)."""
         m, L = self.model, self.model.layer
-        cache.memory = m.memory([torch.cat(cache.window_states, dim=1)], self.t, cache.memory)
+        window = torch.cat(cache.window_states, dim=1)
+        t = self.t if self.adaptive is None else self.adaptive.tokens(m, window)
+        cache.memory = m.memory([window], t, cache.memory)
         cache.window_states = []
+        cache.kept.append(t)
         self._reset(cache)
         x = cache.memory
-        pos = torch.arange(self.t, device=x.device).expand(cache.batch, -1)
+        pos = torch.arange(t, device=x.device).expand(cache.batch, -1)
         for block, caches in zip(m.lm.blocks[L:], cache.layers[L:]):
             x = block(x, pos, caches)  # prefill: the memory states attend causally among themselves
 

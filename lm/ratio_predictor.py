@@ -19,12 +19,15 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lm.compression import CompressedLM, tokens_for
 
 
 def sinusoidal(delta: torch.Tensor, dim: int, min_period: float = 0.05, max_period: float = 50.0) -> torch.Tensor:
@@ -93,6 +96,32 @@ def choose_ratio(predictor: RatioPredictor, states: torch.Tensor, tolerance: flo
     delta = torch.full((states.shape[0],), float(tolerance))
     measured = [float(r) for r in ratios]
     return predictor(states, delta).clamp(min(measured), max(measured))
+
+
+@dataclass
+class AdaptiveRatio:
+    """The predictor at inference (the post's adaptive compression): for each span to compress, t = round(r* N)
+    with r* = f(states, Delta*) (`choose_ratio`), the states being the span compressed at the probe ratio, as in
+    the predictor's training data. A batch shares one t, its largest row's: every row keeps at least the states
+    its tolerance asks for."""
+
+    predictor: RatioPredictor
+    tolerance: float  # Delta*, nats/token
+    probe_ratio: float
+    ratios: Sequence[float]  # the ratios the predictor's data measured (r* is clamped to them)
+
+    @classmethod
+    def load(cls, path: str | Path, tolerance: float) -> "AdaptiveRatio":
+        """A predictor file written by `python -m lm.ratio_predictor train` (it holds probe_ratio and ratios)."""
+        predictor, blob = RatioPredictor.load(path)
+        return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"])
+
+    @torch.no_grad()
+    def tokens(self, model: CompressedLM, span: torch.Tensor) -> int:
+        """span[B, N, d] (depth-L states of the N tokens to compress) -> t in [1, N]."""
+        N = span.shape[1]
+        states = model.compress(span, tokens_for(self.probe_ratio, N))
+        return tokens_for(float(choose_ratio(self.predictor, states, self.tolerance, self.ratios).max()), N)
 
 
 def _train(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ from lm.compressed_training import (
 )
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, validate
+from lm.ratio_predictor import AdaptiveRatio, RatioPredictor
 
 V = 61
 
@@ -150,6 +151,53 @@ def test_generation_matches_training_forward_and_counts_entries(heads):
     assert cache.kv_uncompressed() == 4 * 4 * x.shape[1]  # 4 layers x 4 heads, every token
     seq, cache = gen.generate(x[:, :5], 30)
     assert seq.shape == (2, 35) and torch.equal(seq[:, :5], x[:, :5])
+
+
+class Scripted(AdaptiveRatio):
+    """An AdaptiveRatio whose choices are given: t = script[i] at the i-th compression."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = list(script)
+
+    def tokens(self, model: CompressedLM, span: torch.Tensor) -> int:
+        assert span.shape[1] == 12  # the window being compressed, W states
+        return self.script.pop(0)
+
+
+def test_adaptive_generation_keeps_the_chosen_t_per_window():
+    """With an adaptive ratio each compression keeps its own t: the decoder's logits are those of the model with
+    memories m_j = C([m_{j-1} | window_j], t_j) built from those t's, and the cache holds t_j + window above L."""
+    model = make()
+    W, script = 12, [2, 7, 1]
+    gen = CompressedGenerator(model, adaptive=Scripted(script))
+    x = tokens(3 * W + 5)
+    cache = gen.new_cache(2)
+    logits = torch.cat([gen.feed(cache, x[:, :W])] + [gen.feed(cache, x[:, i : i + 1]) for i in range(W, x.shape[1])], 1)
+    assert cache.kept == script
+    mem = None
+    with torch.no_grad():
+        for j in range(4):
+            window = x[:, j * W : (j + 1) * W]
+            ref = model.lm.lm_head(model.upper(model.lower(window), mem))
+            assert (ref - logits[:, j * W : j * W + window.shape[1]]).abs().max() < 1e-5, j
+            if j < 3:
+                mem = model.memory([model.lower(window)], script[j], mem)
+    assert cache.kv_entries() == 2 * 4 * 5 + 2 * 4 * (script[-1] + 5)  # 2 layers below L, 2 above, 4 heads
+
+
+def test_adaptive_ratio_clamps_to_the_measured_ratios(tmp_path):
+    """AdaptiveRatio.tokens: t = round(r* N), r* the predictor's choice for the span clamped to the ratios its
+    data measured; loaded from a predictor file (probe ratio and ratios travel with it)."""
+    model = make()
+    predictor = RatioPredictor(32)
+    path = tmp_path / "p.pt"
+    span = model.lower(tokens(12))
+    for bias, t in ((-5.0, 6), (5.0, 3)):  # log r = -softplus(bias): r ~ 0.99 -> clamped to 0.5; r ~ 0.007 -> 0.25
+        with torch.no_grad():
+            predictor.head[-1].weight.zero_()
+            predictor.head[-1].bias.fill_(bias)
+        predictor.save(path, probe_ratio=0.25, ratios=[0.25, 0.5])
+        assert AdaptiveRatio.load(path, tolerance=0.1).tokens(model, span) == t
 
 
 def test_generation_needs_cached_decoding():
