@@ -120,7 +120,7 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(data: Path, tmp_path: Pat
 
 
 def test_lr_schedule() -> None:
-    """Linear warmup to the peak, then cosine down to min_lr_ratio at max_steps (MoSA App. H)."""
+    """Linear warmup to the peak, then cosine down to min_lr_ratio at max_steps (warmup: MoSA App. H; the cosine is ours)."""
     f = [lr_factor(s, 10, 110, 0.1) for s in range(120)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[10] == pytest.approx(1.0)
     assert f[60] == pytest.approx(0.55) and f[110] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)
