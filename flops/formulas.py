@@ -117,8 +117,9 @@ def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 
 @formula("fixed")
 def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
-    """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head."""
-    k = sparse_k(T, o.require("sparsity"))
+    """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head, with k = ceil(T / rho), the
+    tokens heads/fixed.py selects (every multiple of rho below T; T / rho when rho divides T, as in App. C)."""
+    k = -(-T // o.require("sparsity"))
     return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k), kv=n * k, params=n * 4 * h * hd)
 
 

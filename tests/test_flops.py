@@ -89,9 +89,10 @@ def _counted_with(model: torch.nn.Module, *inputs: object) -> int:
             8 * (64 // 4),
         ),
         ([{"type": "fixed", "count": 6, "options": {"sparsity": 4}}], 0),
+        ([{"type": "fixed", "count": 6, "options": {"sparsity": 5}}], 0),  # rho does not divide T: 13 tokens
         ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0),
     ],
-    ids=["dense", "mosa", "fixed", "routing"],
+    ids=["dense", "mosa", "fixed", "fixed-uneven", "routing"],
 )
 def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int) -> None:
     """Reference implementation, CPU: matmul FLOPs (linear, bmm, SDPA) of one forward pass equal the
