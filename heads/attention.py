@@ -1,9 +1,9 @@
 """The one attention kernel entry point shared by all heads: flash-attn when it can run, else SDPA.
 
 Layout everywhere: q[B, H, Tq, d], k/v[B, H, Tk, d] -> out[B, H, Tq, d].
-flash-attn is used only on CUDA, for fp16/bf16 inputs, with no explicit mask (plain causal or none);
-everything else goes through torch's scaled_dot_product_attention (which itself picks flash /
-memory-efficient / math kernels).
+flash-attn is used only on CUDA, for fp16/bf16 inputs, with no explicit mask (plain causal or none, or
+its own sliding window: `sliding_window`); everything else goes through torch's
+scaled_dot_product_attention (which itself picks flash / memory-efficient / math kernels).
 """
 from __future__ import annotations
 
@@ -29,6 +29,20 @@ def flash_attn_interface() -> Any:
     return _FLASH_ATTN
 
 
+def flash_usable(q: torch.Tensor) -> bool:
+    """flash-attn is installed and runs on q's kind: CUDA, fp16/bf16, head dim <= 256."""
+    return (flash_attn_interface() is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256)
+
+
+def sliding_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal sliding-window attention with flash-attn's own window (only where `flash_usable(q)`): key j is
+    visible to query i iff i - window < j <= i, and the kernel computes just that band."""
+    out = flash_attn_interface().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 causal=True, window_size=(window - 1, 0))
+    return out.transpose(1, 2)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -42,16 +56,9 @@ def attend(
     (top-left aligned, so it requires Tq == Tk)."""
     if causal and mask is not None:
         raise ValueError("attend: pass either causal=True or an explicit mask, not both")
-    fa = flash_attn_interface()
-    if (
-        fa is not None
-        and mask is None
-        and q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and q.shape[-1] <= 256
-    ):
-        out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
-                                 softmax_scale=scale)
+    if mask is None and flash_usable(q):
+        out = flash_attn_interface().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                     causal=causal, softmax_scale=scale)
         return out.transpose(1, 2)
     if mask is not None and 2 < mask.dim() < q.dim():
         # SDPA's fused CPU kernel takes only 2-D or full-rank masks; a 3-D one sends it to the math

@@ -2,7 +2,8 @@
 
 Query at position i attends to the `window` most recent tokens j with i - window < j <= i
 (itself included). KV entries per head: min(window, T).
-Fast path (`window_blocks`): blocks of `window` queries attend to their own block and the previous one,
+Fast path: with flash-attn (CUDA, 16-bit) its sliding-window kernel (`window_size`), which computes only the
+band; elsewhere `window_blocks`: blocks of `window` queries attend to their own block and the previous one,
 with a [window, 2*window] band mask, so cost and memory are O(T * window) instead of O(T^2).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from heads.attention import attend
+from heads.attention import attend, flash_usable, sliding_window
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.kv_cache import SlotKV
@@ -72,7 +73,10 @@ class LocalHeads(DenseHeads):
         return self._merge(self._banded(*self._qkv(x, positions)))
 
     def _banded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Sliding-window attention over q, k, v [B, H, T, h'] in blocks of `window` rows -> [B, H, T, h']."""
+        """Sliding-window attention over q, k, v [B, H, T, h'] -> [B, H, T, h']: flash-attn's own window where it
+        runs (CUDA, 16-bit), else in blocks of `window` rows."""
+        if flash_usable(q):
+            return sliding_window(q, k, v, self.options.window)
         B, H, T, d = q.shape
         qb, kb, vb, band = window_blocks(q, k, v, min(self.options.window, T), self.options.window)
         return attend(qb, kb, vb, mask=band).view(B, H, -1, d)[:, :, :T]
