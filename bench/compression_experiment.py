@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Trained {cfg.trainer.max_steps} steps x {cfg.data.batch_size} samples, regime `{c.regime}` (P and r uniform, spread "
         f"{c.prefix_spread}/{c.ratio_spread} reached at step {c.ramp_steps}), recursion depth 1..{c.max_depth} per batch. "
         f"Baseline: identical, but the t states prepended above L are the previous chunk's last t raw depth-L states "
-        f"(`compression.mode=recent`), so blocks above L see the same t + S positions (FLOP-matched up to the "
-        f"compression layer itself, shown in the FLOPs column).", "",
+        f"(`compression.mode=recent`), so blocks above L see the same t + S positions. FLOP-matched at k = 1 up to the "
+        f"compression layer itself; at k >= 2 the compressed model also runs the blocks below L on the older chunks, "
+        f"which the baseline does not need (FLOPs column).", "",
         f"Validation: {args.batches} x {args.batch} windows of {3 * P + S + 1} tokens from the held-out book; "
         "each row scores the same suffix tokens (the last S + 1 of each window).", "",
         *table, "",
