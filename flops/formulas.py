@@ -185,13 +185,14 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """Causal MiTA (eqs. 5-12, Alg. 1) with m = T // b landmarks: 8hh'T + 2h'mT (landmark scores
     S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, reused as shared-expert scores) + if shared:
     2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
-    experts) + 4h'T*min(b, T) (own block). Pooling, top-k and gathers not counted. KV: all T.
-    Params: dense's 4hh'."""
+    experts) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
+    gathers not counted. KV: all T. Params: dense's 4hh'."""
     b, k = int(o.require("block")), int(o.require("k"))
     m = T // b
     s = min(int(o.require("s")), m)  # a query can route to at most the m landmarks
     shared = 4 * hd * m * T if o.get("shared", True) else 0
-    attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * min(b, T)
+    local = min(int(o.get("local_blocks", 1)) * b, T)
+    attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local
     return Cost(flops=n * (8 * h * hd * T + attend), kv=n * T, params=n * 4 * h * hd)
 
 

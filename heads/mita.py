@@ -7,16 +7,20 @@ Per head, with blocks of b rows (routing/landmarks.py) and n = T // b completed 
 - shared expert (eqs. 8-9): landmark values v~_j = softmax(S_j) V over rows <= e_j, keys q~_j;
 - routing: logits q . q~_j (Alg. 1 line 13), each query picks its top-s eligible landmarks;
 - output (eqs. 10-12), one softmax over: the shared entries (q~_j, v~_j) of eligible landmarks,
-  the keys of its s routed experts, and its own block's keys at rows <= t.
-Landmark j is eligible for a query at row t iff block j ended before t's block starts
-(j < t // b): every key it brings is at a row < t, so nothing after the query is ever visible, and
-routed keys never duplicate own-block keys.
+  the keys of its s routed experts, and the keys at rows <= t of its own block (option `local_blocks` = L:
+  of its own block and the L - 1 blocks before it).
+Landmark j is eligible for a query at row t iff block j ended before those local blocks start
+(j < t // b - (L - 1)): every key it brings is at a row < t, so nothing after the query is ever visible,
+and routed keys never duplicate local keys.
 
 Deviations from the paper, and why:
 - causality: pooling only over completed blocks, experts and landmark values over each landmark's
   prefix only, eligibility as above (the paper pools and ranks over the whole image);
 - the own-block term is added (causal local attention) so rows of the first block, which have no
-  eligible landmark, still have context, and each query sees its most recent tokens exactly;
+  eligible landmark, still have context, and each query sees its most recent tokens exactly. With
+  L = 1 (default) a query at row t sees only t mod b + 1 recent keys (the first row of a block none before
+  it); `local_blocks: 2` adds the previous block, so every query sees at least its b most recent tokens
+  (Gutenberg, bench/results/gutenberg_compare.md: better perplexity at equal FLOPs);
 - for s > 1 the routed keys are the *union* of the chosen experts (a key chosen by two experts
   counts once, as in MoBA's union of blocks); for s = 1, the paper's implemented case, this is
   exactly eq. 11's concatenation;
@@ -66,17 +70,18 @@ class MiTAOptions(HeadOptions):
     k: int = 64  # keys gathered by each landmark (expert width)
     s: int = 1  # routed experts per query (besides the shared one)
     shared: bool = True  # include the shared (compressed) expert, eqs. 8-9
+    local_blocks: int = 1  # L: a query attends causally to its own block and the L - 1 before it
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
-        for name in ("block", "k", "s"):
+        for name in ("block", "k", "s", "local_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mita: options.{name} must be >= 1, got {getattr(self, name)}")
 
 
 @register("mita")
 class MiTAHeads(DenseHeads):
-    """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + own block."""
+    """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + local block(s)."""
 
     Options = MiTAOptions
 
@@ -87,8 +92,9 @@ class MiTAHeads(DenseHeads):
         scale = self.ctx.head_dim**-0.5
         ends = rows[b - 1 :: b][:n]  # [n] e_j
         landmark_sees = rows[None, :] <= ends[:, None]  # [n, T]
-        eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None]  # [T, n]: j < t // b
-        own_block = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b == rows[:, None] // b)  # [T, T]
+        L = self.options.local_blocks
+        eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n]
+        own_block = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T] local
         heads = []
         for i in range(self.count):
             qi, ki, vi = q[:, i], k[:, i], v[:, i]  # [B, T, h']
@@ -121,14 +127,14 @@ class MiTAHeads(DenseHeads):
         b, scale = self.options.block, d**-0.5
         n = T // b
         lq = block_pool(q, b)  # [B, H, n, d] landmark queries (Alg. 1 line 2)
-        visible, eligible = prefix_mask(n, T, b, q.device), earlier_blocks(T, n, b, q.device)  # [n, T], [T, n]
+        visible, eligible = prefix_mask(n, T, b, q.device), earlier_blocks(T, n, b, q.device, self.options.local_blocks)
         with torch.no_grad():  # the routing decisions are indices: no gradient, nothing saved
             S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~visible, NEG_INF)  # line 4
             idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
             sel, sel_ok = route(q @ lq.transpose(-1, -2) * scale, eligible, self.options.s)  # [B, H, T, s'] (line 13)
         lv = attention_lse(lq, k, v, visible, scale)[0] if self.options.shared and n else None  # line 9, eq. 8
-        out, lse = self._shared_and_own_block(q, k, v, lq, lv, eligible, scale)
-        if T > b:  # else no query has an eligible landmark (sel_ok all False): shared + own block only
+        out, lse = self._shared_and_local(q, k, v, lq, lv, eligible, scale)
+        if T > b * self.options.local_blocks:  # else no query has an eligible landmark: shared + local only
             # The varlen kernels take no logit offset (s' = 1 only), and their segment sizes are data-dependent
             # (host syncs): under torch.compile the static grouped layout runs instead.
             use_varlen = sel.shape[-1] == 1 and not torch.compiler.is_compiling()
@@ -151,7 +157,7 @@ class MiTAHeads(DenseHeads):
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
         """Prefill: the full forward over the prompt. A later token at row t, with the landmarks of the
         t // b blocks before its own eligible: one softmax over their shared entries (q~_j, v~_j), the keys
-        of its top-s routed experts (union) and its own block's keys at rows <= t (eqs. 10-12)."""
+        of its top-s routed experts (union) and its local blocks' keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
         if not prefill and x.shape[1] != 1:
@@ -160,16 +166,17 @@ class MiTAHeads(DenseHeads):
         if prefill:
             return self.forward(x, positions)
         t, b, scale = cache.row(), self.options.block, self.ctx.head_dim**-0.5  # t: 0-d tensor (static shapes)
+        L = self.options.local_blocks
         S, n_max = cache.kv.k.shape[2], cache.landmarks.shape[2]
-        eligible = torch.arange(n_max, device=x.device)[None] < t // b  # [1, n_max]: blocks before t's own
+        eligible = torch.arange(n_max, device=x.device)[None] < t // b - (L - 1)  # [1, n_max]: before the local blocks
         R = q @ cache.landmarks.transpose(-1, -2) * scale  # [B, H, 1, n_max] routing logits
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, 1, s']
         routed = _rows(cache.experts, sel[:, :, 0])  # [B, H, s', k'] key rows of the chosen experts
         routed = routed.masked_fill(~sel_ok[:, :, 0, :, None] | (routed < 0), S).flatten(2).sort(-1).values
         first = torch.cat((torch.ones_like(routed[..., :1], dtype=torch.bool), routed[..., 1:] != routed[..., :-1]), -1)
-        own = t // b * b + torch.arange(b, device=x.device)  # t's own block: rows <= t visible
-        rows = torch.cat((routed, own.expand(*routed.shape[:2], b)), -1).clamp(max=S - 1)  # [B, H, r = s'k' + b]
-        ok = torch.cat((first & (routed < S), (own <= t).expand(*routed.shape[:2], b)), -1)  # union: shared rows once
+        own = (t // b - L + 1) * b + torch.arange(L * b, device=x.device)  # t's local blocks: rows 0..t visible
+        rows = torch.cat((routed, own.expand(*routed.shape[:2], L * b)), -1).clamp(min=0, max=S - 1)  # [B, H, s'k' + Lb]
+        ok = torch.cat((first & (routed < S), ((own >= 0) & (own <= t)).expand(*routed.shape[:2], L * b)), -1)
         scores = (q @ _rows(cache.kv.k, rows).transpose(-1, -2) * scale).masked_fill(~ok[:, :, None], NEG_INF)
         values = _rows(cache.kv.v, rows)  # [B, H, r, d]: only these rows, not the whole cache
         if not self.options.shared:
@@ -177,19 +184,25 @@ class MiTAHeads(DenseHeads):
         p = torch.cat((R.masked_fill(~eligible, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
         return self._merge(p[..., :n_max] @ cache.values + p[..., n_max:] @ values)
 
-    def _shared_and_own_block(
+    def _shared_and_local(
         self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, eligible: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's own block, causally:
-        the two parts by attention_lse, merged by log-sum-exp. Returns out [B, H, T, d] and its
-        log-sum-exp [B, H, T]."""
+        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's local blocks (its own and
+        the L - 1 before it), causally: the two parts by attention_lse, merged by log-sum-exp. Returns
+        out [B, H, T, d] and its log-sum-exp [B, H, T]."""
         B, H, T, d = q.shape
-        b = self.options.block
+        b, L = self.options.block, self.options.local_blocks
         nb, pad = -(-T // b), -(-T // b) * b - T
-        padded = (F.pad(z, (0, 0, 0, pad)) if pad else z for z in (q, k, v))
-        qb, kb, vb = (z.unflatten(2, (nb, b)) for z in padded)  # [B, H, nb, b, d]
-        causal = torch.ones(b, b, dtype=torch.bool, device=q.device).tril()
-        out, lse = attention_lse(qb, kb, vb, causal, scale)
+        qb = (F.pad(q, (0, 0, 0, pad)) if pad else q).unflatten(2, (nb, b))  # [B, H, nb, b, d]
+        if L == 1:  # the own block alone: a view, no copy
+            kb, vb = ((F.pad(z, (0, 0, 0, pad)) if pad else z).unflatten(2, (nb, b)) for z in (k, v))
+        else:  # block i's keys: blocks i - L + 1 .. i (zero rows before row 0, masked), [B, H, nb, L b, d]
+            kb, vb = (F.pad(z, (0, 0, (L - 1) * b, pad)).unflatten(2, (nb + L - 1, b)).unfold(2, L, 1)
+                      .permute(0, 1, 2, 5, 3, 4).flatten(3, 4) for z in (k, v))
+        i = torch.arange(nb, device=q.device)[:, None, None]  # key slot c of block i is row p = (i - L + 1) b + c
+        r, c = torch.arange(b, device=q.device)[:, None], torch.arange(L * b, device=q.device)[None, :]
+        local = (c <= (L - 1) * b + r) & (c >= (L - 1 - i) * b)  # [nb, b, L b]: 0 <= p <= t
+        out, lse = attention_lse(qb, kb, vb, local, scale)
         out, lse = out.flatten(2, 3)[:, :, :T], lse.flatten(2)[:, :, :T]
         if lv is None:
             return out, lse

@@ -29,10 +29,12 @@ def prefix_mask(n: int, T: int, block: int, device: torch.device) -> torch.Tenso
     return torch.arange(T, device=device)[None, :] <= block_ends(n, block, device)[:, None]
 
 
-def earlier_blocks(T: int, n: int, block: int, device: torch.device) -> torch.Tensor:
-    """[T, n] bool: landmark j is eligible for query row t iff block j ended before t's own block
-    starts (j < t // block), so its keys never overlap the query's own-block keys."""
-    return torch.arange(n, device=device)[None, :] < (torch.arange(T, device=device) // block)[:, None]
+def earlier_blocks(T: int, n: int, block: int, device: torch.device, local_blocks: int = 1) -> torch.Tensor:
+    """[T, n] bool: landmark j is eligible for query row t iff block j ended before the query's
+    `local_blocks` most recent blocks (its own and the ones before it) start, j < t // block - (local_blocks - 1),
+    so its keys never overlap the keys the query attends to locally."""
+    rows = torch.arange(T, device=device) // block - (local_blocks - 1)
+    return torch.arange(n, device=device)[None, :] < rows[:, None]
 
 
 def landmark_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,8 @@ OPTIONS = {  # option -> values to draw from
     "local": {"window": [1, 2, 3, 7, 16, 200]},
     "routing": {"sparsity": [1, 2, 3, 4, 8], "assignment": ["nearest", "topk"], "capacity_factor": [0.5, 1.0, 2.0],
                 "layer_norm": [True, False]},
-    "mita": {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False]},
+    "mita": {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False],
+             "local_blocks": [1, 2, 3]},
     "agent": {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16]},
     "topk": {"k": [1, 2, 3, 8, 64], "chunk": [1, 3, 7, 256]},
 }

@@ -24,6 +24,9 @@ TOL = 1e-12  # float64: relative RMS error and max-abs error (relative to the re
         (257, {"block": 32, "k": 257, "s": 3}),  # experts overlap heavily: union must drop repeats
         (100, {"block": 8, "k": 5, "s": 2, "shared": False}),
         (20, {"block": 32, "k": 4}),  # no completed block: own block only
+        (100, {"block": 8, "k": 6, "s": 1, "local_blocks": 2}),
+        (257, {"block": 16, "k": 12, "s": 2, "local_blocks": 3}),
+        (40, {"block": 16, "k": 8, "local_blocks": 4}),  # local blocks reach past row 0: local only
     ],
 )
 def test_fast_matches_reference(T: int, options: dict) -> None:
@@ -54,6 +57,22 @@ def test_full_experts_all_routed_no_shared_is_dense(impl: str) -> None:
     mita1 = lm.build_model(tiny_config(heads=[{"type": "mita", "count": 2, "options": options}], seq_len=T).model).double()
     mita1.load_state_dict(dense.state_dict())
     assert (mita1(tokens) - dense(tokens)).abs().max().item() > 1e-6
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_local_blocks_reaching_row_0_are_dense(impl: str) -> None:
+    """local_blocks = L: a query sees its own block and the L - 1 before it. When they reach row 0 for every
+    query (L b >= T + b - 1) no landmark is eligible and, without the shared expert, MiTA is dense causal
+    attention; with one block fewer the last block's queries reach rows 0..b-1 only through a routed expert of
+    k = 4 keys, and it is not."""
+    T, b = 45, 8
+    dense = lm.build_model(tiny_config(heads=[{"type": "dense", "count": 2}], seq_len=T).model).double()
+    tokens = torch.randint(0, 97, (2, T))
+    for L, equal in ((6, True), (5, False)):
+        options = {"block": b, "k": 4, "s": 1, "shared": False, "local_blocks": L, "impl": impl}
+        mita = lm.build_model(tiny_config(heads=[{"type": "mita", "count": 2, "options": options}], seq_len=T).model).double()
+        mita.load_state_dict(dense.state_dict())
+        assert ((mita(tokens) - dense(tokens)).abs().max().item() < TOL) == equal, L
 
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])

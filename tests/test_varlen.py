@@ -108,6 +108,7 @@ MITA_CASES = [
     (100, {"block": 8, "k": 6}),
     (257, {"block": 16, "k": 300}),  # k > T: young experts have fewer valid keys than k
     (101, {"block": 8, "k": 5, "shared": False}),
+    (100, {"block": 8, "k": 6, "local_blocks": 2}),
 ]
 
 
