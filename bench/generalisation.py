@@ -58,19 +58,22 @@ def val_loss(model: DecoderLM, windows: ValWindows, batch_size: int) -> float:
     return total / count
 
 
-def _parse(spec: str, names: tuple[str, ...]) -> dict[str, int]:
+def _parse(spec: str, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, int]:
+    """"a:b:c" -> {names[0]: a, ...}; the `optional` names may follow."""
     parts = spec.split(":")
-    if len(parts) != len(names) or not all(p.isdigit() for p in parts):
-        raise ConfigError(f"expected {':'.join(names)} (integers), got {spec!r}")
-    return dict(zip(names, map(int, parts)))
+    if not len(names) <= len(parts) <= len(names) + len(optional) or not all(p.isdigit() for p in parts):
+        form = ":".join(names) + "".join(f"[:{n}]" for n in optional)
+        raise ConfigError(f"expected {form} (integers), got {spec!r}")
+    return dict(zip(names + optional, map(int, parts)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True, help="checkpoint of a model trained with dense heads")
     parser.add_argument("--topk", type=int, nargs="*", default=[], help="k values for top-k heads")
-    parser.add_argument("--mita", nargs="*", default=[], help="block:k:s triples for MiTA heads")
-    parser.add_argument("--mita-no-shared", nargs="*", default=[], help="block:k:s triples, MiTA without shared expert")
+    parser.add_argument("--mita", nargs="*", default=[], help="block:k:s[:local_blocks] for MiTA heads")
+    parser.add_argument("--mita-no-shared", nargs="*", default=[],
+                        help="block:k:s[:local_blocks], MiTA without shared expert")
     parser.add_argument("--agent", nargs="*", default=[], help="block:window pairs for agent heads")
     parser.add_argument("--local", type=int, nargs="*", default=[],
                         help="control: sliding-window heads (heads/local.py) of these widths, i.e. the local context alone")
@@ -87,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         windows = ValWindows(open_split(cfg.data.path, "val", cfg.model), T, args.val_windows)
         variants: list[tuple[str, dict[str, Any]]] = [("dense", {})]
         variants += [("topk", {"k": k, "chunk": 128}) for k in args.topk]
-        variants += [("mita", _parse(s, ("block", "k", "s"))) for s in args.mita]
-        variants += [("mita", {**_parse(s, ("block", "k", "s")), "shared": False}) for s in args.mita_no_shared]
+        mita = ("block", "k", "s"), ("local_blocks",)
+        variants += [("mita", _parse(s, *mita)) for s in args.mita]
+        variants += [("mita", {**_parse(s, *mita), "shared": False}) for s in args.mita_no_shared]
         variants += [("agent", _parse(s, ("block", "window"))) for s in args.agent]
         variants += [("local", {"window": w}) for w in args.local]
         rows = []
@@ -113,7 +117,8 @@ def _describe(head_type: str, options: dict[str, Any], T: int) -> str:
         return f"k = {options['k']}"
     if head_type == "mita":
         shared = "" if options.get("shared", True) else ", no shared expert"
-        return f"b = {options['block']} (m = {T // options['block']}), k = {options['k']}, s = {options['s']}{shared}"
+        local = f", {options['local_blocks']} local blocks" if options.get("local_blocks", 1) != 1 else ""
+        return f"b = {options['block']} (m = {T // options['block']}), k = {options['k']}, s = {options['s']}{local}{shared}"
     if head_type == "agent":
         return f"b = {options['block']} ({T // options['block']} agents), window = {options['window']}"
     if head_type == "local":
