@@ -94,7 +94,7 @@ class MiTAHeads(DenseHeads):
         landmark_sees = rows[None, :] <= ends[:, None]  # [n, T]
         L = self.options.local_blocks
         eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n]
-        own_block = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T] local
+        local = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T]: local blocks
         heads = []
         for i in range(self.count):
             qi, ki, vi = q[:, i], k[:, i], v[:, i]  # [B, T, h']
@@ -111,7 +111,7 @@ class MiTAHeads(DenseHeads):
                 chosen.scatter_(-1, R.topk(min(s, n), dim=-1).indices, True)
             chosen &= eligible
             routed = (chosen.double() @ expert.double()) > 0  # [B, T, T] union of chosen experts' keys
-            keys_ok = routed | own_block
+            keys_ok = routed | local
             shared_ok = eligible.expand_as(R) if self.options.shared else torch.zeros_like(chosen)
             scores = torch.cat((R, qi @ ki.transpose(-1, -2) * scale), -1)  # [B, T, n + T] eq. 10
             scores = scores.masked_fill(~torch.cat((shared_ok, keys_ok), -1), NEG_INF)
@@ -156,7 +156,7 @@ class MiTAHeads(DenseHeads):
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
         """Prefill: the full forward over the prompt. A later token at row t, with the landmarks of the
-        t // b blocks before its own eligible: one softmax over their shared entries (q~_j, v~_j), the keys
+        blocks before its local blocks eligible: one softmax over their shared entries (q~_j, v~_j), the keys
         of its top-s routed experts (union) and its local blocks' keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
