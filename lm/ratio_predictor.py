@@ -4,7 +4,9 @@ From (prompt, ratio r, Delta = Loss(compressed at r) - Loss(full)) triples (lm/r
 r = f(states, Delta): a down-projecting MLP turns the prompt's compressed states into low-dimensional
 latents (mean-pooled over the states), a sinusoidal embedding encodes Delta, and an MLP maps both to
 log r <= 0 (r = t / P, the post's p / seq_len). At inference a tolerance Delta* gives
-r* = f(states, Delta*): how much of the prefix to keep so the loss rises by about Delta*.
+r* = f(states, Delta*): how much of the prefix to keep so the loss rises by about Delta*. While decoding,
+`CompressedGenerator(model, adaptive=AdaptiveRatio.load("predictor.pt", Delta*))` compresses every window with
+the t this gives (lm/compressed_generate.py).
 
 The states are the prompt compressed at one fixed probe ratio (`probe_ratio` in the data file), the
 same for every r: compressing at r itself would tell the predictor r through the number of states.
