@@ -102,3 +102,22 @@ def test_compression_override_switches_the_optional_section_on() -> None:
     assert load_config(CONFIGS / "tiny.yaml").compression is None
     cfg = load_config(CONFIGS / "tiny.yaml", "compression.ratio=0.25", "compression.layer=3")
     assert (cfg.compression.ratio, cfg.compression.layer) == (0.25, 3)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_SETTINGS = {"gutenberg_compare.yaml", "causal_routing.yaml"}  # bench settings, not training configs (own tests)
+TRAINING_CONFIGS = sorted(p for p in [*ROOT.glob("configs/*.yaml"), *ROOT.glob("configs/experiments/*.yaml")]
+                          if p.name not in BENCH_SETTINGS)
+
+
+@pytest.mark.parametrize("path", TRAINING_CONFIGS, ids=[p.name for p in TRAINING_CONFIGS])
+def test_every_training_config_loads_and_runs(path: Path) -> None:
+    """Every shipped config validates and its head mix runs, shrunk to toy width (its layers, head types,
+    counts and options kept; T = 256 >= every config's sparsity, block and window)."""
+    T = 256
+    cfg = load_config(path, "model.d_model=32", "model.head_dim=8", f"model.seq_len={T}", "model.vocab_size=97")
+    model = lm.build_model(cfg.model)
+    with torch.no_grad():
+        logits = model(torch.randint(0, 97, (1, T)))
+    assert logits.shape == (1, T, 97) and torch.isfinite(logits).all()
+    assert model.kv_total() > 0
