@@ -35,12 +35,16 @@ def flash_usable(q: torch.Tensor) -> bool:
             and q.shape[-1] <= 256)
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """flash_attn_func in this module's [B, H, T, d] layout (flash-attn's is [B, T, H, d])."""
+    out = flash_attn_interface().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+    return out.transpose(1, 2)
+
+
 def sliding_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
     """Causal sliding-window attention with flash-attn's own window (only where `flash_usable(q)`): key j is
     visible to query i iff i - window < j <= i, and the kernel computes just that band."""
-    out = flash_attn_interface().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 causal=True, window_size=(window - 1, 0))
-    return out.transpose(1, 2)
+    return _flash(q, k, v, causal=True, window_size=(window - 1, 0))
 
 
 def attend(
@@ -57,9 +61,7 @@ def attend(
     if causal and mask is not None:
         raise ValueError("attend: pass either causal=True or an explicit mask, not both")
     if mask is None and flash_usable(q):
-        out = flash_attn_interface().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     causal=causal, softmax_scale=scale)
-        return out.transpose(1, 2)
+        return _flash(q, k, v, causal=causal, softmax_scale=scale)
     if mask is not None and 2 < mask.dim() < q.dim():
         # SDPA's fused CPU kernel takes only 2-D or full-rank masks; a 3-D one sends it to the math
         # kernel, which keeps the [.., Tq, Tk] probabilities for backward.

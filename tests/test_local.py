@@ -48,6 +48,9 @@ def test_fast_path_keeps_no_score_or_mask_per_head() -> None:
     assert sum(saved_for_backward(group, T)) < H * T * 2 * w * 4
 
 
+calls: list[tuple] = []  # (causal, window_size, softmax_scale) of each call to the stand-in below
+
+
 def _flash_contract(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None):  # noqa: ANN001, ANN202
     """flash_attn_func as its docstring defines it, in float64 torch ([B, T, H, d] layout): query i sees keys
     i - window_size[0] <= j <= i + window_size[1] (-1 = unbounded), and j <= i when causal (Tq == Tk)."""
@@ -64,9 +67,6 @@ def _flash_contract(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     return torch.einsum("bhij,bjhd->bihd", s.masked_fill(~ok, float("-inf")).softmax(-1), v)
-
-
-calls: list[tuple] = []
 
 
 @pytest.mark.parametrize("T,window", [(100, 16), (37, 64), (50, 1)])
