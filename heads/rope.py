@@ -10,17 +10,21 @@ theta_j = base^(-2j/r), j = 0 .. r/2-1.
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from routing.float32_state import Float32Buffers
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates the first `rot_dim` dims of vectors x[..., T, head_dim] by explicit positions[..., T]."""
+class RotaryEmbedding(Float32Buffers):
+    """Rotates the first `rot_dim` dims of vectors x[..., T, head_dim] by explicit positions[..., T]; the
+    frequencies stay fp32 in a bf16 model."""
 
     def __init__(self, head_dim: int, fraction: float = 0.5, base: float = 10000.0) -> None:
         super().__init__()
         rot_dim = int(head_dim * fraction) // 2 * 2
         if not 0 <= rot_dim <= head_dim:
             raise ValueError(f"rope fraction {fraction} gives rot_dim {rot_dim} outside [0, {head_dim}]")
+        if not base > 1.0:
+            raise ValueError(f"rope base must be > 1, got {base}")
         self.head_dim, self.rot_dim = head_dim, rot_dim
         inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / max(rot_dim, 1))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [r/2]

@@ -144,6 +144,8 @@ def validate(cfg: Config) -> Config:
     _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len")
     if not 0.0 <= m.rope_fraction <= 1.0:
         raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
+    if not m.rope_base > 1.0:  # theta_j = base^(-2j/r): base <= 1 gives constant, infinite or NaN frequencies
+        raise ConfigError(f"model.rope_base must be > 1, got {m.rope_base}")
     if m.vocab_size > 65535:
         raise ConfigError(f"model.vocab_size must be <= 65535 (uint16 token shards), got {m.vocab_size}")
     for layer in m.layer_heads:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from routing.distributed import all_reduce_sum
+from routing.float32_state import Float32Buffers
 
 
-class OnlineKMeans(nn.Module):
+class OnlineKMeans(Float32Buffers):
+    """means[H, C, d]: the centroids, an fp32 buffer even in a bf16 model."""
+
     def __init__(self, heads: int, clusters: int, dim: int, decay: float) -> None:
         super().__init__()
         self.decay = decay
@@ -22,7 +24,7 @@ class OnlineKMeans(nn.Module):
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
         """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T]."""
-        return torch.einsum("bhtd,hcd->bhct", u, self.means)
+        return torch.einsum("bhtd,hcd->bhct", u, self.means.to(u.dtype))
 
     def commitment(self, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
         """Mean squared distance of u[B, H, T, d] to its nearest centroid (nearest[B, H, T])."""

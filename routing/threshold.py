@@ -15,13 +15,13 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from routing.distributed import all_gather_cat
+from routing.float32_state import Float32Buffers
 
 
-class RunningQuantileThreshold(nn.Module):
-    """tau[H]: EMA of the batch (1 - fraction)-quantile of each head's router logits."""
+class RunningQuantileThreshold(Float32Buffers):
+    """tau[H]: EMA of the batch (1 - fraction)-quantile of each head's router logits (fp32 even in a bf16 model)."""
 
     def __init__(self, heads: int, fraction: float, momentum: float) -> None:
         super().__init__()
@@ -41,6 +41,6 @@ class RunningQuantileThreshold(nn.Module):
         per_head = all_gather_cat(per_head, dim=1)  # [H, ranks*B*T]
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
-        q = per_head.kthvalue(rank, dim=1).values.to(self.tau.dtype)  # tau is bf16 under bf16-true
+        q = per_head.kthvalue(rank, dim=1).values.to(self.tau.dtype)
         self.tau.copy_(torch.where(self.initialized, self.tau.lerp(q, self.momentum), q))  # no host sync
         self.initialized.fill_(True)

@@ -40,6 +40,8 @@ def test_wrong_type(tmp_path: Path) -> None:
 def test_bad_value() -> None:
     assert "n_layers" in error_of(None, "model.n_layers=0")
     assert "rope_fraction" in error_of(None, "model.rope_fraction=1.5")
+    for base in ("0", "-10000", "1"):  # zero / negative: infinite or NaN frequencies; 1: all frequencies 1
+        assert "rope_base" in error_of(None, f"model.rope_base={base}")
     assert "trainer.strategy" in error_of(None, "trainer.strategy=fsdp")
     assert "trainer.precision" in error_of(None, "trainer.precision=fp8")
     assert "max_minutes" in error_of(None, "trainer.max_minutes=0")

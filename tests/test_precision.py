@@ -40,3 +40,5 @@ def test_one_bf16_training_step(data: Path, tmp_path: Path, head: str, precision
     assert torch.isfinite(torch.as_tensor(module._last_train_loss))
     moved = [k for k, v in module.named_parameters() if not torch.equal(v.detach().float(), before[k].float())]
     assert any("groups.1." in k for k in moved), f"no {head} parameter was updated"
+    halved = [k for k, b in module.named_buffers() if b.dtype in (torch.bfloat16, torch.float16)]
+    assert not halved, f"state buffers cast to 16 bits: {halved}"  # routing/float32_state.py
