@@ -131,8 +131,8 @@ def routing(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     With the causal "nearest" assignment of heads/routing_attn.py each cluster has
     ceil(capacity_factor * k) slots (= k at the default 1.0). KV: all T keys are kept, since a
     future query may fall into any cluster."""
-    k = sparse_k(T, o.require("sparsity"))
-    clusters = max(T // k, 1)
+    clusters = int(o.require("sparsity"))  # heads/routing_attn.py keeps rho centroids, whatever T
+    k = sparse_k(T, clusters)
     if o.get("assignment", "nearest") == "nearest":
         k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
     return Cost(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), kv=n * T, params=n * 3 * h * hd)
@@ -153,11 +153,12 @@ def local(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 
 @formula("topk")
 def topk(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
-    """Per-query top-k (Gupta et al. 2021, eq. 4): 8hh'T (Q, K, V, O) + 2h'T^2 (all scores QK^T are
-    needed to select) + 2h'T*min(k, T) (weights times the k kept values); selection not counted.
+    """Per-query top-k (Gupta et al. 2021, eq. 4) as implemented there and in heads/topk.py: all scores QK^T
+    (2h'T^2, needed to select) and the k kept weights, scattered into a dense row, times all values (2h'T^2;
+    the paper's §2.2 says its implementation "does not leverage this sparsity"). So 8hh'T + 4h'T^2, dense's
+    App. C cost: the head saves activation memory (O(Tk) kept, not O(T^2)), not FLOPs; selection not counted.
     KV: all T keys (any of them can be in a later query's top-k). Params: dense's 4hh'."""
-    k = min(int(o.require("k")), T)
-    return Cost(flops=n * (8 * h * hd * T + 2 * hd * T * T + 2 * hd * T * k), kv=n * T, params=n * 4 * h * hd)
+    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * T), kv=n * T, params=n * 4 * h * hd)
 
 
 @formula("mosaic")

@@ -33,7 +33,7 @@ import torch
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
-from heads.kv_cache import BlockKV
+from heads.kv_cache import BlockKV, one_token
 from heads.local import window_blocks
 from routing.landmarks import block_ends, block_pool, prefix_mask
 
@@ -109,8 +109,8 @@ class AgentHeads(DenseHeads):
         blocks and to the keys t-w < p <= t."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         prefill = cache.kv.fresh
-        if not prefill and x.shape[1] != 1:
-            raise ValueError(f"agent: decoding takes one token per call after the prefill, got {x.shape[1]}")
+        if not prefill:
+            one_token("agent", x)
         cache.write(q, k, v, positions)
         if prefill:
             return self.forward(x, positions)

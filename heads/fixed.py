@@ -16,7 +16,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
-from heads.kv_cache import SlotKV, gathered_prefill, gathered_step
+from heads.kv_cache import SlotKV, gathered_prefill, gathered_step, one_token
 from routing.selection import Selection
 
 
@@ -74,6 +74,7 @@ class FixedHeads(HeadGroup):
             I = self.indices(x.shape[1], x.device).expand(B, self.count, -1)
             gathered_prefill(cache, x, positions, I, torch.ones_like(I, dtype=torch.bool), self.qkv.weight, self.rope)
             return self.forward_fast(x, positions)
+        one_token("fixed", x)
         member = (positions[:, :1] % self.options.sparsity == 0).expand(B, self.count)
         ones = torch.ones(member.shape, device=x.device, dtype=x.dtype)  # r = 1
         return gathered_step(cache, x, positions, member, ones, self.qkv.weight, self.out.weight, self.rope)

@@ -23,6 +23,13 @@ from heads.attention import attend
 from routing.landmarks import landmark_topk, prefix_mask
 
 
+def one_token(head: str, x: torch.Tensor) -> None:
+    """After the prefill, heads whose cached state advances token by token (selection counters, ring buffers,
+    blocks) decode one token per call: x[B, 1, h]. One-line error otherwise."""
+    if x.shape[1] != 1:
+        raise ValueError(f"{head}: decoding takes one token per call after the prefill, got {x.shape[1]}")
+
+
 @dataclass
 class SlotKV:
     k: torch.Tensor  # [B, H, S, d]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from heads.attention import attend, flash_usable, sliding_window
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
-from heads.kv_cache import SlotKV
+from heads.kv_cache import SlotKV, one_token
 
 
 def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
@@ -91,5 +91,7 @@ class LocalHeads(DenseHeads):
         """Prefill (empty cache): the fast path, keeping the last `window` keys; later: one token."""
         q, k, v = self._qkv(x, positions)
         prefill = cache.fresh
+        if not prefill:  # a chunk written at once would overwrite ring slots its earlier queries still need
+            one_token("local", x)
         cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand_as(k[..., 0]))
         return self._merge(self._banded(q, k, v) if prefill else cache.attend(q, positions, window=self.options.window))

@@ -43,7 +43,7 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads import varlen
 from heads.gathered_lean import accumulator
-from heads.kv_cache import BlockKV
+from heads.kv_cache import BlockKV, one_token
 from heads.lse_attention import attention_lse, merge
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
@@ -160,8 +160,8 @@ class MiTAHeads(DenseHeads):
         of its top-s routed experts (union) and its local blocks' keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
-        if not prefill and x.shape[1] != 1:
-            raise ValueError(f"mita: decoding takes one token per call after the prefill, got {x.shape[1]}")
+        if not prefill:
+            one_token("mita", x)
         cache.write(q, k, v, positions)
         if prefill:
             return self.forward(x, positions)

@@ -38,7 +38,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
-from heads.kv_cache import SlotKV, gathered_prefill, gathered_step
+from heads.kv_cache import SlotKV, gathered_prefill, gathered_step, one_token
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.predictor import MembershipPredictor, predictor_loss, topk_targets
 from routing.selection import Selection, earliest_first, prefix_quota
@@ -197,6 +197,7 @@ class MoSAHeads(HeadGroup):
             sel = self.select(scores)
             gathered_prefill(cache, x, positions, sel.idx, sel.valid, self.qkv.weight, self.rope)
             return self.forward_fast(x, positions)
+        one_token("mosa", x)
         slots = self.quota(positions[:, :1]) if self.options.selection in QUOTA_SELECTIONS else cache.k.shape[2]
         member = self.threshold.above(scores)[..., 0] & (cache.fill < slots)
         if self.options.keep_first:

@@ -27,7 +27,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast
-from heads.kv_cache import SlotKV, gathered_prefill
+from heads.kv_cache import SlotKV, gathered_prefill, one_token
 from routing.selection import Selection
 from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, capacity, choose,
                                   gate_weights, load_mismatch, resolve_top_s, slots)
@@ -215,8 +215,7 @@ class MosaicHeads(HeadGroup):
             gathered_prefill(cache.kv, x, positions, sel.idx, visible, self.qkv.weight, self.rope)
             cache.members += members
             return y
-        if x.shape[1] != 1:
-            raise ValueError("mosaic: after the prefill, decode one token at a time")
+        one_token("mosaic", x)
         B = x.shape[0]
         N, o = self.count, self.options
         weights, chosen = self._route(x)

@@ -25,7 +25,11 @@ def test_app_c_per_head_formulas() -> None:
     assert group_cost("fixed", h, hd, T, 1, {"sparsity": 8}).flops == 8 * h * hd * k + 4 * hd * k**2
     # App. C: rho (6hh'k + 4h'k^2) + 2h'T, i.e. one routing head ~ rho fixed heads
     assert group_cost("routing", h, hd, T, 1, {"sparsity": 8}).flops == 8 * (6 * h * hd * k + 4 * hd * k**2) + 2 * hd * T
+    # rho = 200 does not divide T: heads/routing_attn.py still keeps 200 clusters (of k = 5), not T // k = 204
+    assert group_cost("routing", h, hd, T, 1, {"sparsity": 200}).flops == 6 * h * hd * T + 200 * 4 * hd * 5**2 + 2 * hd * T
     assert group_cost("local", h, hd, T, 1, {"window": 128}).flops == 8 * h * hd * T + 4 * hd * T * 128
+    # top-k scatters its k weights into a dense row and multiplies by all values (as Gupta et al.'s code)
+    assert group_cost("topk", h, hd, T, 2, {"k": 64}).flops == group_cost("dense", h, hd, T, 2).flops
 
 
 def test_kv_entries_and_short_sequences() -> None:
@@ -91,8 +95,10 @@ def _counted_with(model: torch.nn.Module, *inputs: object) -> int:
         ([{"type": "fixed", "count": 6, "options": {"sparsity": 4}}], 0),
         ([{"type": "fixed", "count": 6, "options": {"sparsity": 5}}], 0),  # rho does not divide T: 13 tokens
         ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0),
+        # top-k multiplies its scattered weights by all values, as Gupta et al.'s code: a dense head's FLOPs
+        ([{"type": "dense", "count": 2}, {"type": "topk", "count": 2, "options": {"k": 8}}], 0),
     ],
-    ids=["dense", "mosa", "fixed", "fixed-uneven", "routing"],
+    ids=["dense", "mosa", "fixed", "fixed-uneven", "routing", "topk"],
 )
 def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int) -> None:
     """Reference implementation, CPU: matmul FLOPs (linear, bmm, SDPA) of one forward pass equal the

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from heads.kv_cache import SlotKV
+from tests.head_checks import make_group
 
 B, H, T, D = 2, 3, 23, 4
 
@@ -59,3 +60,21 @@ def test_a_full_cache_refuses_the_entry(step: int) -> None:
             cache.write(keep, kv, kv, torch.zeros(1, 2, step, dtype=torch.long))
             written += step
     assert written == 4 // step * step and int(cache.fill[0, 0]) == written  # the failed write stored nothing
+
+
+STEPWISE = {"local": {"window": 4}, "fixed": {"sparsity": 2}, "mosa": {"sparsity": 2, "selection": "quota"},
+            "mosaic": {"sparsity": 2}, "agent": {"block": 4, "window": 3}, "mita": {"block": 4, "k": 4}}
+
+
+@pytest.mark.parametrize("head", sorted(STEPWISE))
+def test_stepwise_heads_refuse_a_multi_token_step(head: str) -> None:
+    """Heads whose cached state advances token by token (a local head's ring buffer would overwrite keys the chunk's
+    earlier queries need; MoSA's and fixed heads' single-slot writes would fold the tokens into the features)
+    refuse a chunk after the prefill with one line; single steps go on."""
+    group = make_group(head, STEPWISE[head], 16, count=2)
+    cache = group.new_cache(2, 16)
+    x, positions = torch.randn(2, 9, 32), torch.arange(9).expand(2, 9)
+    group(x[:, :6], positions[:, :6], cache=cache)
+    with pytest.raises(ValueError, match=f"^{head}: decoding takes one token per call after the prefill, got 2$"):
+        group(x[:, 6:8], positions[:, 6:8], cache=cache)
+    assert group(x[:, 6:7], positions[:, 6:7], cache=cache).shape == (2, 1, 32)
