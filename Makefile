@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
+TORCH_INDEX ?=    # e.g. https://download.pytorch.org/whl/cpu: PyPI's Linux torch is a CUDA build of several GB
 TRITON  ?= triton==3.7.1
 STAMP   := $(VENV)/.installed
 SHARED  ?= ../shared/data
@@ -18,7 +19,7 @@ export HF_HUB_OFFLINE ?= 1
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"           # pinned CPU build first: no CUDA wheels pulled in
+	$(BIN)/pip install -q "$(TORCH)" $(if $(strip $(TORCH_INDEX)),--index-url $(strip $(TORCH_INDEX)))  # pinned, first
 	$(BIN)/pip install -q "$(TRITON)" -e ".[dev]"
 	touch $(STAMP)
 
