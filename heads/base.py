@@ -59,6 +59,16 @@ class HeadOptions:
         if self.impl not in ("fast", "reference"):
             raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
 
+    def validate_length(self, seq_len: int) -> None:
+        """Raise ConfigError (one line) for options a model trained on length-T sequences would waste (checked at
+        config load only: a built group must still run on sequences shorter than that, where they are clamped)."""
+
+    def at_most(self, head: str, name: str, seq_len: int, otherwise: str) -> None:
+        """validate_length's check that options.<name> <= T, where the head would degenerate (`otherwise`)."""
+        value = getattr(self, name)
+        if value > seq_len:
+            raise ConfigError(f"{head}: options.{name} = {value} > model.seq_len {seq_len}: {otherwise}")
+
     def validate_count(self, count: int) -> None:
         """Raise ConfigError (one line) if these options cannot work with `count` heads (checked at config load
         and when a group is built)."""

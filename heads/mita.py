@@ -78,6 +78,10 @@ class MiTAOptions(HeadOptions):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mita: options.{name} must be >= 1, got {getattr(self, name)}")
 
+    def validate_length(self, seq_len: int) -> None:
+        self.at_most("mita", "block", seq_len, "no block would complete, so there would be no landmarks")
+        self.at_most("mita", "k", seq_len, "every expert would hold all the keys")
+
 
 @register("mita")
 class MiTAHeads(DenseHeads):

@@ -36,6 +36,9 @@ class TopKOptions(HeadOptions):
         if self.chunk < 1:
             raise ConfigError(f"topk: options.chunk must be >= 1, got {self.chunk}")
 
+    def validate_length(self, seq_len: int) -> None:
+        self.at_most("topk", "k", seq_len, "every query would keep all its keys (dense attention)")
+
 
 def _future(c0: int, c1: int, device: torch.device) -> torch.Tensor:
     """[c1 - c0, c1] bool: True where key row j is after query row i (c0 <= i < c1)."""

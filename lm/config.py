@@ -159,6 +159,7 @@ def validate(cfg: Config) -> Config:
             sparsity = getattr(opts, "sparsity", None)
             if sparsity is not None and sparsity > m.seq_len:  # k = T / rho would be below one token per head
                 raise ConfigError(f"model.heads: {g.type} sparsity {sparsity} > model.seq_len {m.seq_len}")
+            opts.validate_length(m.seq_len)
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
             opts.validate_count(g.count)

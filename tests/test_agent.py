@@ -30,6 +30,9 @@ def test_fast_path_keeps_no_score_tensor() -> None:
 
 
 def _models(T: int, **options) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Dense and agent models (same weights) for sequences of up to T tokens; a block over T is allowed by
+    building them for length `block` (config load refuses block > model.seq_len) and running them on T."""
+    T = max(T, options.get("block", 0), options.get("window", 0))
     dense = lm.build_model(tiny_config(heads=[{"type": "dense", "count": 2}], seq_len=T).model).double()
     agent = lm.build_model(tiny_config(heads=[{"type": "agent", "count": 2, "options": options}], seq_len=T).model).double()
     agent.load_state_dict(dense.state_dict())  # same qkv / out layout as dense

@@ -48,6 +48,16 @@ def test_bad_value() -> None:
     assert "trainer.profiler" in error_of(None, "trainer.profiler=advanced")
 
 
+@pytest.mark.parametrize("head,option,value", [("topk", "k", 65), ("local", "window", 65), ("agent", "block", 65),
+                                               ("mita", "block", 65), ("mita", "k", 100)])
+def test_head_option_beyond_the_sequence_length(head: str, option: str, value: int) -> None:
+    """k > T and its kind (a window, block or expert size over model.seq_len) would degenerate the head: refused."""
+    heads = f"model.heads=[{{type: {head}, count: 2, options: {{{option}: {value}}}}}]"
+    msg = error_of(None, "model.seq_len=64", heads)
+    assert f"{head}: options.{option} = {value} > model.seq_len 64" in msg
+    load_config(None, "model.seq_len=64", heads.replace(str(value), "64"))  # equal to T is allowed
+
+
 def test_unknown_head_type_and_option(tmp_path: Path) -> None:
     msg = error_of(write(tmp_path, "model: {heads: [{type: dense_ish, count: 4}]}\n"))
     assert "dense_ish" in msg and "dense" in msg.replace("dense_ish", "")  # names the known types
