@@ -54,6 +54,12 @@ class HeadOptions:
 
     impl: str = "fast"  # "fast" (batched / fused kernels) or "reference" (plain readable code)
 
+    @property
+    def causal(self) -> bool:
+        """Whether heads with these options are causal: outputs at position t depend only on inputs at positions
+        <= t. False only for a paper's faithful, non-causal rule kept behind an option."""
+        return True
+
     def validate(self, ctx: GroupContext) -> None:
         """Raise ConfigError (one line) for values that cannot work with this context."""
         if self.impl not in ("fast", "reference"):
@@ -115,8 +121,8 @@ class HeadGroup(nn.Module):
 
     @property
     def causal(self) -> bool:
-        """Whether outputs at position t depend only on inputs at positions <= t."""
-        return True
+        """Whether outputs at position t depend only on inputs at positions <= t (HeadOptions.causal)."""
+        return self.options.causal
 
     @property
     def updates_state(self) -> bool:

@@ -57,6 +57,10 @@ class MoSAOptions(HeadOptions):
     threshold_momentum: float = 0.02  # causal selections: EMA rate of the running quantile
     predictor_weight: float = 1.0  # predictor: weight of its BCE loss (it trains only the predictor)
 
+    @property
+    def causal(self) -> bool:
+        return self.selection != "expert_choice"  # the paper's top-k over the whole sequence
+
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
         if self.sparsity < 1:
@@ -93,10 +97,6 @@ class MoSAHeads(HeadGroup):
         if self.causal:
             self.threshold = RunningQuantileThreshold(count, 1.0 / options.sparsity, options.threshold_momentum)
             self.capacity = options.kv_per_head(ctx.seq_len)
-
-    @property
-    def causal(self) -> bool:
-        return self.options.selection != "expert_choice"
 
     def kv_entries(self, seq_len: int) -> int:
         if self.causal:

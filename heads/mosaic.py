@@ -46,6 +46,10 @@ class MosaicOptions(HeadOptions):
     priority: str = "recency"  # recency (causal) | random (not causal)
     padded: str = "include"  # include | identity | ignore (App. E.2)
 
+    @property
+    def causal(self) -> bool:
+        return self.priority == "recency"
+
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
         if self.sparsity < 1:
@@ -105,10 +109,6 @@ class MosaicHeads(HeadGroup):
         self.router = nn.Linear(ctx.d_model, count, bias=False)  # W^r
         self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)  # rows: (q|k|v, head, h')
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)  # columns: (head, h')
-
-    @property
-    def causal(self) -> bool:
-        return self.options.priority == "recency"
 
     def kv_entries(self, seq_len: int) -> int:
         """k slots per head, k fixed by the training length (a shorter sequence fills at most T)."""

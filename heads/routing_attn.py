@@ -51,6 +51,10 @@ class RoutingOptions(HeadOptions):
     commitment: float = 1e-4  # weight of the commitment loss
     layer_norm: bool = True  # RT Alg. 1: LayerNorm (no scale, bias) on the shared Q = K; false = raw projections
 
+    @property
+    def causal(self) -> bool:
+        return self.assignment != "topk"  # RT's balanced clusters of k tokens over the whole sequence
+
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
         if self.sparsity < 1:
@@ -73,10 +77,6 @@ class RoutingHeads(HeadGroup):
         self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
         self.capacity = math.ceil(options.capacity_factor * tokens_per_head(ctx.seq_len, options.sparsity))
         self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
-
-    @property
-    def causal(self) -> bool:
-        return self.options.assignment != "topk"
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
         """x[B, T, h] -> q(=k) = LayerNorm(x W^Q) (or x W^Q without `layer_norm`), v [B, H, T, h'],

@@ -1,7 +1,8 @@
 """Config sanity warnings: settings that are valid but almost certainly not what was meant.
 
 Each is one line on stderr (rank 0 only), never an error: a head group's own advice (`HeadOptions.advice`,
-e.g. MoSAIC load far from capacity; the IsoFLOP solver and sweeps print the same text), a shrunk run (`trainer.max_steps=30` on a
+e.g. MoSAIC load far from capacity; the IsoFLOP solver and sweeps print the same text), a non-causal head mix
+(its teacher-forced validation loss leaks), a shrunk run (`trainer.max_steps=30` on a
 preset) that keeps the preset's warm-up never leaves it (the loss stays near ln V), one whose
 `val_every` exceeds `max_steps` validates only at the end, and validation windows that overlap (or a
 validation split shorter than one batch of windows) measure fewer distinct tokens than they count.
@@ -27,9 +28,14 @@ def warn(message: str) -> None:
 def config_warnings(cfg: Config) -> list[str]:
     """Warnings that follow from the config alone (each distinct head advice once)."""
     m, o, t = cfg.model, cfg.optim, cfg.trainer
-    advice = {make_options(g.type, dict(g.options), m.group_context(layer)).advice(g.count)
-              for layer in range(m.n_layers) for g in m.mix(layer)}
-    out = [f"model.heads: {text}" for text in sorted(advice - {None})]
+    groups = [(g, make_options(g.type, dict(g.options), m.group_context(layer)))
+              for layer in range(m.n_layers) for g in m.mix(layer)]
+    out = [f"model.heads: {text}" for text in sorted({opts.advice(g.count) for g, opts in groups} - {None})]
+    leaky = sorted({g.type for g, opts in groups if not opts.causal})
+    if leaky:
+        out.append(f"model.heads: {', '.join(leaky)} not causal (a paper's faithful rule): the validation loss logged "
+                   f"while training is teacher-forced and sees future tokens; python -m lm.evaluate --ckpt ... "
+                   f"measures it leak-free")
     if o.warmup_steps >= t.max_steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
                    f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")

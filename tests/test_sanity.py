@@ -27,6 +27,16 @@ def test_sensible_config_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
     assert warnings_of(capsys.readouterr().err) == []
 
 
+def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixture[str]) -> None:
+    load_config("configs/experiments/mosa_hybrid_faithful.yaml", "trainer.max_steps=30", "optim.warmup_steps=3",
+                "trainer.val_every=10")
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert "model.heads: mosa not causal" in line and "leak-free" in line
+    load_config("configs/experiments/mosa_hybrid.yaml", "trainer.max_steps=30", "optim.warmup_steps=3",
+                "trainer.val_every=10")  # the causal selection: silent
+    assert warnings_of(capsys.readouterr().err) == []
+
+
 @pytest.mark.parametrize(("val_tokens", "expected"), [
     (4000, None),  # 16 windows of 33 tokens = 528 <= 4000
     (400, "validation windows overlap: data.val_batches x data.batch_size = 16 windows of 33 tokens need 528"),
