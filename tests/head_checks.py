@@ -9,6 +9,17 @@ import torch
 
 from heads import GroupContext, HeadGroup, head_class, make_options
 
+# Options that fit each registered head type into the tests' tiny models (seq_len >= 32); every type needs an entry.
+TINY_OPTIONS = {"dense": {}, "mosa": {"sparsity": 4}, "mosaic": {"sparsity": 4}, "fixed": {"sparsity": 4},
+                "local": {"window": 8}, "mita": {"block": 8, "k": 8}, "agent": {"block": 8, "window": 8},
+                "routing": {"sparsity": 4}, "topk": {"k": 8}}
+
+
+def tiny_options(head_type: str) -> dict:
+    """A copy of TINY_OPTIONS[head_type] (a KeyError names a registered type missing from it)."""
+    return dict(TINY_OPTIONS[head_type])
+
+
 # fp32 tolerances for fast vs reference: relative RMS error and max-abs error relative to the
 # reference's max-abs (the two paths sum in different orders, so they agree to float rounding).
 REL_RMS_TOL = 1e-5

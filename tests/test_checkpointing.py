@@ -17,13 +17,13 @@ from lm.config import load_config
 from lm.model import checkpoint_blocks
 from routing.kmeans import OnlineKMeans
 from routing.threshold import RunningQuantileThreshold
+from tests.head_checks import tiny_options
 from tests.synthetic import run_overrides, write_prepared
 
 TOL = 1e-12  # float64: relative max-abs error of the loss and of every gradient
-# options that make each type fit the tiny model (seq_len 32); fast-moving state for the stateful heads
-OPTIONS = {"mosa": {"sparsity": 4, "threshold_momentum": 0.5}, "mosaic": {"sparsity": 4}, "fixed": {"sparsity": 4},
-           "local": {"window": 8}, "mita": {"block": 8, "k": 8}, "agent": {"block": 8, "window": 8},
-           "routing": {"sparsity": 4, "decay": 0.5}, "topk": {"k": 8}}
+# fast-moving state for the stateful heads, on top of their tiny-model options
+FAST_STATE = {"mosa": {"threshold_momentum": 0.5}, "routing": {"decay": 0.5}}
+OPTIONS = {k: {**tiny_options(k), **FAST_STATE.get(k, {})} for k in sorted(REGISTRY)}
 
 
 def pair(kind: str, options: dict) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -42,7 +42,7 @@ def step(model: torch.nn.Module, tokens: torch.Tensor, seed: int) -> torch.Tenso
     return loss.detach()
 
 
-CASES = [*((k, OPTIONS.get(k, {})) for k in sorted(REGISTRY)), ("mosa", {"sparsity": 4, "selection": "expert_choice"}),
+CASES = [*OPTIONS.items(), ("mosa", {"sparsity": 4, "selection": "expert_choice"}),
          ("mosa", {"sparsity": 4, "selection": "predictor"})]
 
 

@@ -11,6 +11,7 @@ import torch
 from heads import REGISTRY
 from lm.module import LMModule, compiled
 from tests.conftest import tiny_config
+from tests.head_checks import tiny_options
 
 T = 32
 
@@ -21,7 +22,8 @@ def test_training_step_compiles_fullgraph(head_type: str) -> None:
     """A 1-layer model (1 dense + 2 heads of the type): the step compiles with fullgraph=True (a graph
     break raises) under aot_eager, which traces forward and backward exactly as inductor receives them
     (inductor's C++ code generation itself is not rerun here), and matches eager: loss and all grads."""
-    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": head_type, "count": 2}], n_layers=1, seq_len=T)
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": head_type, "count": 2, "options": tiny_options(head_type)}],
+                      n_layers=1, seq_len=T)
     module = LMModule(cfg).train()
     x, y = torch.randint(0, 97, (2, T)), torch.randint(0, 97, (2, T))
     torch._dynamo.reset()

@@ -10,6 +10,7 @@ import lm
 from heads import REGISTRY, HeadGroup
 from lm.dead_gradients import DeadGradientCheck, zero_gradient_params
 from tests.conftest import tiny_config
+from tests.head_checks import tiny_options
 
 
 def _backward(model: torch.nn.Module, T: int = 64) -> None:
@@ -22,9 +23,11 @@ def _backward(model: torch.nn.Module, T: int = 64) -> None:
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_every_head_type_trains_every_parameter(head_type: str) -> None:
     """One LM backward through a dense + <type> model reaches every parameter (no false warning)."""
-    model = lm.build_model(tiny_config([{"type": "dense", "count": 1}, {"type": head_type, "count": 2}]).model)
+    heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 2, "options": tiny_options(head_type)}]
+    model = lm.build_model(tiny_config(heads).model)
     _backward(model)
-    assert zero_gradient_params(model) == []
+    unreached = [name for name, p in model.named_parameters() if p.grad is None]  # cut off from the graph
+    assert unreached == [] and zero_gradient_params(model) == []
 
 
 def test_a_group_that_contributes_nothing_is_named(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from heads import ConfigError, HeadGroup
+from heads import REGISTRY, ConfigError, HeadGroup
 from tests.head_checks import fast_and_reference, make_group
 
 CASES = 40  # accepted configurations per head type
@@ -63,6 +63,10 @@ def decode(group: HeadGroup, x: torch.Tensor, prefill: int) -> torch.Tensor | No
     out = [group(x[:, :prefill], pos[:, :prefill], cache)]
     out += [group(x[:, t : t + 1], pos[:, t : t + 1], cache) for t in range(prefill, T)]
     return torch.cat(out, 1)
+
+
+def test_every_registered_type_is_in_the_grid() -> None:
+    assert set(OPTIONS) == set(REGISTRY)
 
 
 @pytest.mark.parametrize("head_type", sorted(OPTIONS))

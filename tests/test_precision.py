@@ -11,11 +11,8 @@ from heads import REGISTRY
 from lm.config import load_config
 from lm.data import LMDataModule
 from lm.module import LMModule
+from tests.head_checks import tiny_options
 from tests.synthetic import run_overrides, write_prepared
-
-# options that make each type fit the tiny model (seq_len 32)
-OPTIONS = {"mosa": {"sparsity": 4}, "mosaic": {"sparsity": 4}, "fixed": {"sparsity": 4}, "local": {"window": 8},
-           "mita": {"block": 8, "k": 8}, "agent": {"block": 8, "window": 8}, "routing": {"sparsity": 4}, "topk": {"k": 8}}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("head", sorted(REGISTRY))
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_one_bf16_training_step(data: Path, tmp_path: Path, head: str, precision: str, impl: str) -> None:
-    options = {**OPTIONS.get(head, {}), "impl": impl}
+    options = {**tiny_options(head), "impl": impl}
     heads = f"[{{type: dense, count: 1}}, {{type: {head}, count: 2, options: {options}}}]".replace("'", "")
     cfg = load_config(None, *run_overrides(data, tmp_path, max_steps=1), f"model.heads={heads}", "data.batch_size=2")
     torch.manual_seed(0)
