@@ -28,18 +28,27 @@ def test_only_strided_positions_get_output() -> None:
     assert group.kv_entries(T) == 3 * 7  # ceil(50 / 8) tokens per head
 
 
-def test_equals_mosa_with_fixed_selection_and_unit_router() -> None:
-    """Fixed = MoSA with I = [0, ρ, ...] and r = 1 (App. A)."""
-    from heads.gathered import gathered_heads_fast
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_equals_mosa_with_fixed_selection_and_constant_router(impl: str) -> None:
+    """Fixed = MoSA with I = [0, ρ, ...] and r = 1 (App. A): a MoSA group with the same projections, its selection
+    forced to the strided set and a zero router (r = σ(0) = 1/2, which scales every head's output, so the model
+    output and its input gradient are exactly half the fixed group's). MoSA runs its fast path, whose `select` can
+    be forced; its reference is compared with that path in tests/test_mosa.py."""
     from routing.selection import Selection
 
     T, rho = 40, 4
-    group = make_group("fixed", dict(sparsity=rho), T)
-    x, pos = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+    fixed = make_group("fixed", dict(sparsity=rho, impl=impl), T)
+    mosa = make_group("mosa", dict(sparsity=rho, selection="expert_choice"), T)
+    mosa.qkv.weight.data.copy_(fixed.qkv.weight), mosa.out.weight.data.copy_(fixed.out.weight)
+    torch.nn.init.zeros_(mosa.router.weight)
     idx = torch.arange(0, T, rho).expand(2, 3, -1)
-    want = gathered_heads_fast(x, pos, Selection(idx, torch.ones_like(idx, dtype=torch.bool)),
-                               torch.ones(idx.shape), group.qkv.weight, group.out.weight, group.rope)
-    torch.testing.assert_close(group(x, pos), want)
+    mosa.select = lambda scores: Selection(idx, torch.ones_like(idx, dtype=torch.bool))
+    x, pos = torch.randn(2, T, 32, requires_grad=True), torch.arange(T).expand(2, T)
+    y_fixed, y_mosa = fixed(x, pos), mosa(x, pos)
+    torch.testing.assert_close(y_mosa, 0.5 * y_fixed)
+    cot = torch.randn_like(y_fixed)
+    (g_fixed,), (g_mosa,) = torch.autograd.grad(y_fixed, x, cot), torch.autograd.grad(y_mosa, x, cot)
+    torch.testing.assert_close(g_mosa, 0.5 * g_fixed)
 
 
 def test_causal() -> None:

@@ -143,3 +143,17 @@ def test_every_registered_formula_has_a_name_in_the_registry() -> None:
     assert set(FORMULAS) == set(REGISTRY) | {"compression"}
     cfg = dataclasses.replace(lm.ModelConfig(), heads=[lm.config.HeadGroupConfig("dense", 9)])
     assert model_cost(cfg).flops_per_pass == 54_760_833_024  # Table 4, Tiny
+
+
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
+def test_params_and_kv_formulas_match_the_built_model(head_type: str) -> None:
+    """Every type's formula states the parameters and KV entries of the module it describes, exactly (FLOPs of
+    masked or banded kernels are checked against the counter above where the executed work is the counted one)."""
+    from tests.head_checks import tiny_options
+
+    heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]
+    cfg = tiny_config(heads, d_model=32, head_dim=8, seq_len=64).model
+    model = lm.build_model(cfg)
+    cost = model_cost(cfg)
+    assert cost.params == model.num_params()
+    assert cost.kv_total == model.kv_total()
