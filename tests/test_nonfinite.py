@@ -17,15 +17,19 @@ from tests.synthetic import run_overrides, write_prepared
 
 
 class Toy(L.LightningModule):
-    """A linear regression whose loss is NaN at the steps in `bad`; records the weights after every step."""
+    """A linear regression whose loss is NaN at the steps in `bad` and whose running-statistic buffer turns NaN at
+    the steps in `bad_buffer` (the loss stays finite); records the weights after every step."""
 
-    def __init__(self, bad: set[int]) -> None:
+    def __init__(self, bad: set[int], bad_buffer: frozenset[int] = frozenset()) -> None:
         super().__init__()
-        self.lin, self.bad = torch.nn.Linear(4, 1), bad
+        self.lin, self.bad, self.bad_buffer = torch.nn.Linear(4, 1), bad, bad_buffer
+        self.register_buffer("ema", torch.zeros(()))
         self.after: list[torch.Tensor] = []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = (self.lin(batch[0]) - batch[1]).pow(2).mean()
+        if self.global_step in self.bad_buffer:
+            self.ema.fill_(math.nan)
         return loss * math.nan if self.global_step in self.bad else loss
 
     def on_train_batch_end(self, *args: object) -> None:
@@ -66,6 +70,24 @@ def test_a_bad_step_beyond_the_budget_stops_the_run_with_one_line() -> None:
     message = str(err.value)
     assert "\n" not in message and "step 4" in message and "lin.weight" in message and "after skipping 1" in message
     assert len(toy.after) == 3 and all(torch.isfinite(w).all() for w in toy.after)
+
+
+def test_a_non_finite_buffer_stops_even_within_the_skip_budget() -> None:
+    """Skipping drops gradients, which cannot undo a state buffer (routing EMA, threshold) gone NaN."""
+    toy = Toy(bad=set(), bad_buffer=frozenset({2}))
+    with pytest.raises(NonFiniteError, match=r"^non-finite training at step 3: loss [0-9.]+, non-finite buffer ema;"):
+        fit(toy, max_bad_steps=5)
+    assert len(toy.after) == 2
+
+
+def test_the_skip_budget_survives_a_checkpoint() -> None:
+    """The guard's state (bad steps used so far) round-trips through the checkpoint's callback state, so a resumed
+    run does not get a fresh budget."""
+    toy = Toy(bad={1})
+    guard = fit(toy, max_bad_steps=2)
+    resumed = NonFiniteGuard(2, lambda: None)
+    resumed.load_state_dict(guard.state_dict())
+    assert guard.skipped == resumed.skipped == 1
 
 
 def test_a_diverging_run_stops_and_names_its_last_finite_checkpoint(tmp_path: Path) -> None:
