@@ -8,13 +8,14 @@ model.vocab_size; two of them hash into validation (Treasure Island, A Modest Pr
 <shared>/gutenberg it runs offline on Python's own documentation, which ships with CPython
 (data_prep's `builtin` source; ~113k tokens, so training stops at 120 steps). Model and schedule:
 configs/quickstart.yaml (overrides as in train_lm.py). A rerun continues an interrupted run (or just
-reports a finished one); --fresh retrains.
+reports a finished one); --fresh retrains (deleting only the run's own outputs, as train_lm.py --overwrite)
+and prepares the data again if its settings changed (e.g. model.vocab_size).
 """
 from __future__ import annotations
 
 import argparse
 import math
-import shutil
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,10 +28,21 @@ CONFIG = ROOT / "configs" / "quickstart.yaml"
 BOOKS = 14
 VAL_FRACTION = 0.1
 BUILTIN_STEPS = 120  # the builtin corpus has ~113k training tokens: ~4 epochs, before overfitting sets in
+# Errors of lm.train and data_prep name train_lm.py's and data_prep's flags; quickstart's own equivalents.
+OWN_FLAGS = ((r"--resume\b", "resuming"), (r"--overwrite\b", "--fresh"), (r"^--out\b", "data.path"),
+             (r"another --out\b", "another data.path"))
 
 
-def prepare_data(cfg: Config, shared: Path) -> None:
-    """Prepare the quickstart corpus and point cfg.data.path (and the run directory) at it."""
+def in_own_flags(message: str) -> str:
+    """`message` naming quickstart's flags and overrides instead of train_lm.py's and data_prep's."""
+    for pattern, own in OWN_FLAGS:
+        message = re.sub(pattern, own, message)
+    return message
+
+
+def prepare_data(cfg: Config, shared: Path, overwrite: bool) -> None:
+    """Prepare the quickstart corpus and point cfg.data.path (and the run directory) at it; `overwrite`
+    replaces a preparation with other settings."""
     from data_prep.prepare import prepare
 
     gutenberg = shared / "gutenberg"
@@ -38,37 +50,38 @@ def prepare_data(cfg: Config, shared: Path) -> None:
     if gutenberg.is_dir():
         print(f"data: the first {BOOKS} Gutenberg books of {gutenberg}, vocab {vocab} -> {cfg.data.path}")
         prepare("gutenberg", str(gutenberg), cfg.data.path, vocab_size=vocab, max_docs=BOOKS,
-                val_fraction=VAL_FRACTION, progress=False)
+                val_fraction=VAL_FRACTION, overwrite=overwrite, progress=False)
     else:
         cfg.data.path += "-builtin"
         cfg.trainer.out_dir += "-builtin"
         cfg.trainer.max_steps = min(cfg.trainer.max_steps, BUILTIN_STEPS)
         print(f"data: {gutenberg} not found, so training offline on Python's own documentation "
               f"(pydoc_data, shipped with CPython; small, so at most {BUILTIN_STEPS} steps) -> {cfg.data.path}")
-        prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=VAL_FRACTION, progress=False)
+        prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=VAL_FRACTION, overwrite=overwrite,
+                progress=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data",
                         help="directory holding gutenberg/ (default ../shared/data)")
-    parser.add_argument("--fresh", action="store_true", help="delete an earlier quickstart run and retrain")
+    parser.add_argument("--fresh", action="store_true", help="delete an earlier quickstart run's outputs and retrain; "
+                        "prepare the data again if its settings changed")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     from data_prep import DataError as PrepError
     from lm.errors import DataError, NonFiniteError
 
     try:
         cfg = load_config(CONFIG, *args.overrides)
-        prepare_data(cfg, args.shared)
-        if args.fresh:
-            shutil.rmtree(cfg.trainer.out_dir, ignore_errors=True)
+        prepare_data(cfg, args.shared, overwrite=args.fresh)
         from lm.train import train
 
-        metrics = train(cfg, resume="last", validate_first=True)  # a fresh run when there is none yet
+        # --resume (a fresh run when there is none yet), or --overwrite
+        metrics = train(cfg, resume=None if args.fresh else "last", validate_first=True, overwrite=args.fresh)
     except (ConfigError, DataError, PrepError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
         return 2
     except NonFiniteError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -18,7 +18,6 @@ an exclusive <out_dir>/s<seed>/<variant>.claim file holding their pid (a dead pi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from bench.gutenberg_compare import base_config, eval_windows, prepare_data, run_config, train_and_evaluate, wanted_variants
+from flops.cli import script_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "causal_routing"
@@ -239,8 +239,9 @@ def parse_seeds(text: str | None, seeds: list[int]) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "causal_routing.yaml"))
+    parser = script_parser(__doc__)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "causal_routing.yaml"),
+                        help="settings YAML: base config, variants and seeds")
     parser.add_argument("--only", default=None, help="comma-separated variant names")
     parser.add_argument("--seeds", default=None, help="comma-separated subset of the settings' seeds")
     parser.add_argument("--report", action="store_true", help="only rewrite the results from finished runs")

@@ -8,7 +8,7 @@ Both models are trained first (each run <= 4 min on CPU, under the shared lock):
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml  # optional
 then
-    python bench/compression_experiment.py --compressed runs/compression --baseline runs/compression_baseline \
+    python bench/compression_experiment.py --compressed runs/compression --baseline runs/compression_baseline \\
         [--fixed runs/compression_fixed] --data data/gutenberg_v2k --out bench/results/compression.md
 
 Every model/depth is scored on the same suffix tokens: fixed validation windows of 3P + S + 1 tokens
@@ -17,7 +17,6 @@ convention (flops/formulas.py), vocabulary projection excluded.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import platform
 import sys
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flops.cli import comma_list, finite_float, positive_int, script_parser  # noqa: E402
 from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
@@ -145,16 +145,19 @@ def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], va
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--compressed", required=True, help="run dir of configs/experiments/compression.yaml")
     parser.add_argument("--baseline", required=True, help="run dir of configs/experiments/compression_baseline.yaml")
     parser.add_argument("--fixed", default=None, help="optional run dir of configs/experiments/compression_fixed.yaml")
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", default="bench/results/compression.md")
-    parser.add_argument("--batches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--tolerances", default=None, help="comma-separated Delta* (default: mean training Delta per ratio)")
-    parser.add_argument("--predictor-batches", type=int, default=16, help="x 16 training prompts for the predictor")
+    parser.add_argument("--data", required=True,
+                        help="prepared data directory (data_prep.prepare) of the models' tokenizer")
+    parser.add_argument("--out", default="bench/results/compression.md", help="write the markdown report here")
+    parser.add_argument("--batches", type=positive_int, default=8, help="validation batches")
+    parser.add_argument("--batch", type=positive_int, default=16, help="validation windows per batch")
+    parser.add_argument("--tolerances", type=comma_list(finite_float), default=None,
+                        help="comma-separated Delta* (default: mean training Delta per ratio)")
+    parser.add_argument("--predictor-batches", type=positive_int, default=16,
+                        help="x 16 training prompts for the predictor")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     models, cfgs = {}, {}
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     train = fixed_windows(document_windows(args.data, "train", cfg), args.predictor_batches, 16, P + S + 1, seed=1)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
     pred, adaptive = predictor_section(models["compressed"], train, held, P, cfg.compression.ratio,
-                                       [float(x) for x in args.tolerances.split(",")] if args.tolerances else None)
+                                       args.tolerances)
     adapt = adaptive_generation(models["compressed"], val[0], P, t, adaptive)
     c = cfg.compression
     lines = [

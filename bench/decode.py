@@ -1,4 +1,4 @@
-"""Autoregressive decoding speed and KV-cache size: dense baseline vs a MoSA hybrid, side by side.
+"""Autoregressive decoding speed and KV-cache size: dense baseline vs MoSA and MoSAIC hybrids, side by side.
 
     OMP_NUM_THREADS=1 python -m bench.decode [--lengths 1024 4096 8192] [--new-tokens 64] \\
         [--d-model 128] [--device cpu] [--compile] [--out bench/results/decode_cpu.md]
@@ -18,7 +18,6 @@ head selects about 1/rho of the tokens, as after training. Weights are random: t
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from flops.cli import positive_int, script_parser
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
 from lm.model import DecoderLM, build_model
@@ -67,16 +67,17 @@ def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--sparsity", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
+    ap = script_parser(__doc__)
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 8192],
+                    help="prompt lengths L, one row each")
+    ap.add_argument("--new-tokens", type=positive_int, default=64, help="greedy decoding steps after the prefill")
+    ap.add_argument("--d-model", type=positive_int, default=128, help="model width h")
+    ap.add_argument("--head-dim", type=positive_int, default=16, help="head width h'")
+    ap.add_argument("--layers", type=positive_int, default=2, help="decoder blocks")
+    ap.add_argument("--vocab", type=positive_int, default=1000, help="vocabulary size (random weights)")
+    ap.add_argument("--sparsity", type=positive_int, default=32, help="rho of the MoSA hybrid's heads")
+    ap.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (median reported)")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     ap.add_argument("--compile", action="store_true",
                     help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
     ap.add_argument("--out", default=None, help="write a markdown table here")

@@ -15,7 +15,6 @@ code paths (lm-eval for the tasks; the same documents and token counts for perpl
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from lm_eval.api.model import TemplateLM
 
+from flops.cli import positive_int, script_parser
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
 from lm.checkpoint import read_checkpoint
@@ -121,12 +121,12 @@ def unigram_summary(uni: UnigramLM, docs: list[TokenDoc]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", default=str(ROOT / "runs/quickstart/checkpoints/last.ckpt"))
-    ap.add_argument("--shared", default=str(ROOT.parent / "shared/data"))
-    ap.add_argument("--items", type=int, default=300, help="documents per zero-shot task")
+    ap = script_parser(__doc__)
+    ap.add_argument("--ckpt", default=str(ROOT / "runs/quickstart/checkpoints/last.ckpt"), help="quickstart checkpoint")
+    ap.add_argument("--shared", default=str(ROOT.parent / "shared/data"), help="directory holding gutenberg/")
+    ap.add_argument("--items", type=positive_int, default=300, help="documents per zero-shot task")
     ap.add_argument("--work", default=str(ROOT / "runs/eval_quickstart"), help="task files and JSON go here")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eval_quickstart.md"))
+    ap.add_argument("--out", default=str(ROOT / "bench/results/eval_quickstart.md"), help="write the markdown report here")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     torch.manual_seed(0)

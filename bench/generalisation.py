@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flops.cli import positive_int, script_parser
 from heads import ConfigError
 from lm.checkpoint import load_model
 from lm.config import HeadGroupConfig, ModelConfig
@@ -68,17 +69,17 @@ def _parse(spec: str, names: tuple[str, ...], optional: tuple[str, ...] = ()) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--ckpt", required=True, help="checkpoint of a model trained with dense heads")
-    parser.add_argument("--topk", type=int, nargs="*", default=[], help="k values for top-k heads")
+    parser.add_argument("--topk", type=positive_int, nargs="*", default=[], help="k values for top-k heads")
     parser.add_argument("--mita", nargs="*", default=[], help="block:k:s[:local_blocks] for MiTA heads")
     parser.add_argument("--mita-no-shared", nargs="*", default=[],
                         help="block:k:s[:local_blocks], MiTA without shared expert")
     parser.add_argument("--agent", nargs="*", default=[], help="block:window pairs for agent heads")
-    parser.add_argument("--local", type=int, nargs="*", default=[],
+    parser.add_argument("--local", type=positive_int, nargs="*", default=[],
                         help="control: sliding-window heads (heads/local.py) of these widths, i.e. the local context alone")
-    parser.add_argument("--val-windows", type=int, default=64, help="validation windows of seq_len tokens")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--val-windows", type=positive_int, default=64, help="validation windows of seq_len tokens")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="validation windows per forward pass")
     parser.add_argument("--out", default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

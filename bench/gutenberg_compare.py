@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 from omegaconf import OmegaConf
 
+from flops.cli import script_parser
 from flops.run_sweep import locked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,8 +238,9 @@ def wanted_variants(order: list[str], only: str | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"))
+    parser = script_parser(__doc__)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml"),
+                        help="settings YAML: base config, variants and evaluation")
     parser.add_argument("--only", default=None, help="comma-separated variant names (rerun even if present)")
     parser.add_argument("--force", action="store_true", help="rerun variants that already have results, retraining even a finished run directory")
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")

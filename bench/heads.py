@@ -8,13 +8,14 @@ The variants are MoSA's two selections by default, or any head type (`--variants
 `--sparsity` where the type has one). For each T, `--dense-heads` dense heads set the budget; each other
 variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T +
 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh
-subprocess, one after the other, so the ratios come from one run on one machine. Peak memory: CPU = peak-RSS
-increase of the process over its state after building the group and input (ru_maxrss), in a separate process
+subprocess, one after the other, so the ratios come from one run on one machine. Peak memory is that of the
+step after a warm-up step (one-time allocations, ~40 MiB of autograd and BLAS buffers on CPU, excluded): CPU =
+peak-RSS increase over the RSS before that step (VmHWM, reset by /proc/self/clear_refs), in a separate process
 whose glibc returns every freed block over 128 KiB to the system (MALLOC_MMAP_THRESHOLD_, a fixed threshold):
 RSS then follows the live tensors, as CUDA's counter does, instead of what the allocator kept from earlier
 allocations (with glibc's default a MiTA step read 850 MiB against ~550 MiB live); CUDA =
-max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after one
-warm-up step, in a process with the default allocator (the fixed threshold makes every large allocation
+max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after those
+two, in a process with the default allocator (the fixed threshold makes every large allocation
 page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's
 parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many
 parameters as the dense group, so this is the activation memory the head's implementation is responsible for.
@@ -28,7 +29,6 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from flops.cli import positive_int, script_parser
 
 VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
     "dense": ("dense", {}),
@@ -107,6 +109,7 @@ def worker(spec: dict) -> dict:
         x.grad = None
         group.zero_grad(set_to_none=True)
 
+    step()  # warm-up: one-time allocations (autograd's and the BLAS libraries' buffers, ~40 MiB on CPU) land here
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -115,9 +118,9 @@ def worker(spec: dict) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        base = reset_peak_rss()
         step()
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024  # KiB -> bytes (Linux)
+        peak = _status_kib("VmHWM") * 1024 - base
     times = []
     for _ in range(spec["repeats"]):
         if device.type == "cuda":
@@ -133,6 +136,18 @@ def worker(spec: dict) -> dict:
             "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (Linux), e.g. VmRSS (resident now) or VmHWM (peak resident)."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux clear_refs 5); that RSS in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
 CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc: mmap (and unmap on free) every block >= 128 KiB
 
 
@@ -144,17 +159,18 @@ def run_worker(spec: dict, env: dict[str, str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 8192])
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--dense-heads", type=int, default=4)
-    parser.add_argument("--sparsity", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per variant, alternating (medians)")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
-    parser.add_argument("--device", default="cpu")
+    parser = script_parser(__doc__)
+    parser.add_argument("--T", type=positive_int, nargs="+", default=[1024, 4096, 8192], help="sequence lengths")
+    parser.add_argument("--d-model", type=positive_int, default=128, help="model width h")
+    parser.add_argument("--head-dim", type=positive_int, default=32, help="head width h'")
+    parser.add_argument("--dense-heads", type=positive_int, default=4, help="dense heads that set the FLOP budget")
+    parser.add_argument("--sparsity", type=positive_int, default=32, help="rho of the variants whose type has one")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per step")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="timed fwd+bwd steps (median reported)")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="fresh processes per variant, alternating (medians)")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                        help="head groups to measure (dense = the budget)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -198,11 +214,11 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
-        f"Time = median fwd+bwd of {args.repeats} steps after a warm-up, median over {args.rounds} alternating rounds "
-        f"of fresh processes; memory = "
+        f"Time = median fwd+bwd of {args.repeats} steps after two, median over {args.rounds} alternating rounds "
+        f"of fresh processes; memory = the step after a warm-up step: "
         + ("CUDA max_memory_allocated increase." if args.device.startswith("cuda") else
-           "peak-RSS increase (ru_maxrss) of a fresh process with MALLOC_MMAP_THRESHOLD_=131072, so that RSS follows "
-           "the live tensors."),
+           "peak-RSS increase (VmHWM after clear_refs) of a fresh process with MALLOC_MMAP_THRESHOLD_=131072, so "
+           "that RSS follows the live tensors."),
         "",
         f"Command: `{command}`",
         "",

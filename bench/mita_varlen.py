@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from flops.cli import nonnegative_int, positive_int, script_parser
+
 
 def run(T: int, varlen: bool, args: argparse.Namespace) -> tuple[float, int, str]:
     """(median seconds, peak bytes, backend name) of fwd+bwd of one MiTA group at length T."""
@@ -50,16 +52,16 @@ def run(T: int, varlen: bool, args: argparse.Namespace) -> tuple[float, int, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--k", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+    p = script_parser(__doc__)
+    p.add_argument("--T", type=positive_int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths")
+    p.add_argument("--d-model", type=positive_int, default=1024, help="model width h")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head width h'")
+    p.add_argument("--heads", type=positive_int, default=16, help="heads in the MiTA group")
+    p.add_argument("--block", type=positive_int, default=64, help="block size b (m = T / b landmarks)")
+    p.add_argument("--k", type=positive_int, default=64, help="tokens per routed expert")
+    p.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps first")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed fwd+bwd steps (median reported)")
     p.add_argument("--out", default=None, help="write a markdown table here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -5,7 +5,8 @@ parameters, tokens/s, KV entries, analytic FLOPs.
     python -m bench.resources --config configs/a.yaml --config configs/b.yaml [--device cuda]
     python -m bench.resources --pair table2-tiny --activation-checkpointing   # each config also checkpointed
 
-Every config is measured in a fresh subprocess (honest peak RSS; no allocator state shared): random
+Every config is measured in a fresh subprocess (honest peak RSS; no allocator state shared), `--rounds` times
+with the configs alternating (medians over rounds; the per-round time changes are printed too): random
 tokens, AdamW, forward + cross-entropy (+ auxiliary losses) + backward + step; `--warmup` steps are
 discarded, then the median of `--steps` timed steps. Peak memory is torch.cuda.max_memory_allocated
 on GPU and the process's peak RSS (ru_maxrss) on CPU, also shown above the RSS once torch, heads/
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flops.cli import nonnegative_int, positive_int, script_parser
 from flops.model import model_cost
 from flops.presets import baseline
 from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
@@ -142,6 +144,13 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing
             "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
 
 
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One config's results over rounds: medians of the measured time and memory, the rest from the first round."""
+    step_ms = statistics.median(r["step_ms"] for r in rounds)
+    return {**rounds[0], "step_ms": step_ms, "tokens_per_s": rounds[0]["tokens_per_s"] * rounds[0]["step_ms"] / step_ms,
+            "peak_mem_bytes": statistics.median(r["peak_mem_bytes"] for r in rounds)}
+
+
 ROWS = [  # (label, key, format, scale)
     ("Heads per layer", "heads", "{}", None),
     ("Parameters (M)", "params", "{:.2f}", 1e-6),
@@ -177,15 +186,17 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.resources", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m bench.resources")
     p.add_argument("--pair", action="append", default=[], help=f"built-in pair: {', '.join(PAIRS)}")
     p.add_argument("--config", action="append", default=[], help="YAML training config (its model section)")
-    p.add_argument("--seq-len", type=int, help="override T of every config (sparsity rho is kept, so k = T/rho)")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--seq-len", type=positive_int, help="override T of every config (sparsity rho is kept, so k = T/rho)")
+    p.add_argument("--batch", type=positive_int, default=2, help="sequences per step")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--rounds", type=positive_int, default=1,
+                   help="fresh processes per config, all configs in turn each round (medians; load drift hits all alike)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="measure every config also with activation checkpointing (lm/checkpointing.py), next to it")
     p.add_argument("--out", type=Path, help="also write the markdown table here")
@@ -209,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.seq_len:
             configs = [(n, dataclasses.replace(c, seq_len=a.seq_len)) for n, c in configs]
         modes = (False, True) if a.activation_checkpointing else (False,)
-        results = [run_worker(name, cfg, a, mode) for name, cfg in configs for mode in modes]
+        runs = [(name, cfg, mode) for name, cfg in configs for mode in modes]
+        rounds = [[run_worker(name, cfg, a, mode) for name, cfg, mode in runs] for _ in range(a.rounds)]  # all configs, in turn, per round
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    results = [combine([r[i] for r in rounds]) for i in range(len(runs))]
     r0 = results[0]
     header = (
         f"Command: `python -m bench.resources {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
@@ -220,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.threads} thread(s)  \n"
         f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "
         f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
-        f"each config in a fresh process.\n"
+        f"each config in a fresh process; {a.rounds} round(s) of all configs in turn, medians over rounds.  \n"
+        + "".join(f"Wall-time change per round, {r['name']}: "
+                  + ", ".join(f"{100 * (x[i]['step_ms'] / x[0]['step_ms'] - 1):+.1f}%" for x in rounds) + "  \n"
+                  for i, r in enumerate(results) if i)
     )
     text = header + "\n" + table(results)
     print(text)

@@ -6,12 +6,11 @@ and optimizer of lm/module.py (no Lightning loop, no data loading: random tokens
 tokens/s = batch * seq_len / median. Results go to bench/results/throughput_<device>.md together
 with the machine, library versions and the exact command.
 
-    python bench/throughput.py --config configs/quickstart.yaml [--config configs/tiny.yaml] \
+    python bench/throughput.py --config configs/quickstart.yaml [--config configs/tiny.yaml] \\
         [model.n_layers=4 data.batch_size=8 ...] [--steps 20 --warmup 5] [--out PATH]
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import platform
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 import lightning  # noqa: E402
 import torch  # noqa: E402
 
+from flops.cli import nonnegative_int, positive_int, script_parser  # noqa: E402
 from heads import ConfigError  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
@@ -84,11 +84,11 @@ def measure(cfg: Config, device: torch.device, steps: int, warmup: int) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--config", action="append", required=True, help="YAML config (repeatable)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every config")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per config")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per config")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed steps first")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/throughput_<device>.md")
     args = parser.parse_args(argv)
     try:

@@ -19,7 +19,6 @@ caches a kernel's target per process).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -33,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from flops.cli import script_parser
 
 # Opt-in shared memory per block (bytes), cudaDevAttrMaxSharedMemoryPerBlockOptin, of each architecture's GPUs.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -200,7 +201,7 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x10")
     parser.add_argument("--quick", action="store_true", help="only the largest heads the dispatcher admits")
     parser.add_argument("--json", action="store_true", help="print one JSON object per compiled kernel")

@@ -14,14 +14,14 @@ def find_files(src: str | Path, suffixes: tuple[str, ...], what: str) -> list[Pa
     sorted by relative path so the document order never depends on the file system."""
     root = Path(src).expanduser()
     if not root.exists():
-        raise DataError(f"--src {root}: no such file or directory")
+        raise DataError(f"{root}: no such file or directory")
     if root.is_file():
         files = [root] if root.name.endswith(suffixes) else []
     else:
         files = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffixes)),
                        key=lambda p: p.relative_to(root).as_posix())
     if not files:
-        raise DataError(f"--src {root}: no {what} files ({', '.join('*' + s for s in suffixes)}) found")
+        raise DataError(f"{root}: no {what} files ({', '.join('*' + s for s in suffixes)}) found")
     return files
 
 

@@ -14,7 +14,6 @@ size's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out:
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import platform
 import statistics
@@ -22,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flops.cli import script_parser
 from flops.json_files import read_json
 from heads.base import ConfigError
 
@@ -173,7 +173,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flops.aggregate", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m flops.aggregate")
     p.add_argument("sweeps", type=Path, nargs="+", help="sweep directories (one panel per model size)")
     p.add_argument("--out", type=Path, help="output prefix (default <first sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")

@@ -8,13 +8,14 @@ the baseline's. Sparsity 1 is the dense baseline itself (Table 5's first column)
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from flops.cli import positive_int, script_parser
 from flops.formulas import FORMULAS, Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
@@ -48,7 +49,7 @@ def _mix(dense: int, head: str, n: int, options: dict[str, Any]) -> list[HeadGro
 
 def check_sparsity(seq_len: int, sparsity: float) -> int:
     """k = T / rho for an IsoFLOP point: rho must divide T and leave k >= 2 (one-line errors)."""
-    if sparsity != int(sparsity) or sparsity < 1:
+    if not (math.isfinite(sparsity) and sparsity >= 1 and sparsity == int(sparsity)):
         raise ConfigError(f"sparsity must be a positive integer, got {sparsity}")
     if seq_len % int(sparsity):
         raise ConfigError(f"sparsity {int(sparsity)} does not divide seq_len {seq_len}")
@@ -69,7 +70,7 @@ def solve(
     if not 0 <= dense_heads <= total_heads:
         raise ConfigError(f"dense_heads must be in [0, {total_heads}], got {dense_heads}")
     options = dict(options or {})
-    if sparsity is not None and options.get("sparsity", sparsity) != sparsity:
+    if sparsity is not None and "sparsity" in options and options["sparsity"] != sparsity:
         raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
     if head in REGISTRY:  # unknown options, wrong types and bad values: the same check as training's
         has_sparsity = "sparsity" in {f.name for f in dataclasses.fields(REGISTRY[head].Options)}
@@ -142,16 +143,11 @@ def parse_options(texts: list[str]) -> dict[str, Any]:
     return out
 
 
-def _number(text: str) -> int | float:
-    value = float(text)
-    return int(value) if value.is_integer() else value
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flops.isoflop", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m flops.isoflop")
     p.add_argument("--size", default="tiny", help=f"dense baseline preset: {', '.join(SIZES)}")
     p.add_argument("--head", required=True, help="sparse head type (a name in flops/formulas.py)")
-    p.add_argument("--sparsity", type=_number, help="rho; k = T / rho tokens per sparse head")
+    p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
     for name in ("seq-len", "hidden", "layers", "heads", "head-dim"):

@@ -13,7 +13,6 @@ the device's dense bf16 peak (flops/model.py: PEAK_TFLOPS_BF16, from the name in
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from flops.cli import script_parser
 from flops.model import model_cost, peak_flops, training_flops
 from lm.config import from_dict
 
@@ -70,7 +70,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flops.mfu", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m flops.mfu")
     p.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device (default: from the device name)")
     a = p.parse_args(argv)

@@ -5,7 +5,7 @@
 
 For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
 trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml --resume [overrides]`
-(an interrupted point continues from its last checkpoint), log to `<out_dir>/train.log` (no progress
+(an interrupted point continues from its newest checkpoint), log to `<out_dir>/train.log` (no progress
 bars: the log is not a terminal). `<dir>/status.json` records every point: `running` (with the
 training process id) while it trains, then `done` only when the run reached trainer.max_steps,
 `partial` when it stopped early without an error (trainer.max_minutes), `failed` with its exit code
@@ -105,6 +105,19 @@ def train_point(entry: dict[str, Any], overrides: list[str], started: Callable[[
     return status
 
 
+def describe(status: dict[str, Any]) -> str:
+    """A point's status as the runner prints it, e.g. `done in 6.7 s` or `failed (rc 2) in 3.1 s: <log line>`."""
+    failed = status["status"] == "failed"
+    text = status["status"] + (f" (rc {status['rc']})" if failed and status.get("rc") else "")
+    if "seconds" in status:
+        text += f" in {status['seconds']} s"
+    if "leakfree_ppl" in status:
+        text += f", leak-free perplexity {status['leakfree_ppl']:.2f}"
+    if status["status"] == "partial":
+        text += " (stopped before trainer.max_steps; rerun to continue)"
+    return text + (f": {status['error']}" if failed else "")
+
+
 def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int | None) -> dict[str, Any]:
     """Add the leak-free evaluation of a trained non-causal point to its status (a failure is recorded)."""
     try:
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the val_batches * batch_size windows of training's validation)")
     p.add_argument("--lock", type=Path, help="hold this lock file (flock) while training each point, e.g. /tmp/cpu_heavy.lock")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # overrides before or after the options
     try:
         return run(a)
     except ConfigError as err:
@@ -190,7 +203,7 @@ def run(a: argparse.Namespace) -> int:
             if status[name]["status"] == "done" and needs_leak_free(entry):
                 print(f"{head}: leak-free evaluation ...", flush=True)
                 status[name] = evaluate_point(entry, status[name], a.leakfree_windows)
-        print(f"{head}: {status[name]}", flush=True)
+        print(f"{head}: {describe(status[name])}", flush=True)
         save()
     save()
     failed = [name for name, s in status.items() if s["status"] == "failed"]

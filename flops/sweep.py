@@ -1,7 +1,7 @@
 """IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity).
 
-    python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \
-        --out sweeps/tiny [--base configs/base.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \
+    python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
+        --out sweeps/tiny [--base configs/base.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \\
         [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
@@ -13,7 +13,6 @@ FLOPs, KV entries, parameters and causality. Train them with `python -m flops.ru
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -23,7 +22,8 @@ from typing import Any
 
 import torch
 
-from flops.isoflop import _number, _parse_option, solve
+from flops.cli import comma_list, positive_int, script_parser
+from flops.isoflop import _parse_option, solve
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, load_config, to_yaml, validate
@@ -83,10 +83,12 @@ def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flops.sweep", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m flops.sweep")
     p.add_argument("--size", default="tiny", help=f"dense baseline: {', '.join(SIZES)}, or 'base' (the --base model)")
-    p.add_argument("--heads", required=True, help="comma-separated sparse head types, e.g. mosa,fixed,routing")
-    p.add_argument("--sparsity", required=True, help="comma-separated rho values; 1 = the dense baseline")
+    p.add_argument("--heads", required=True, type=comma_list(str),
+                   help="comma-separated sparse head types, e.g. mosa,fixed,routing")
+    p.add_argument("--sparsity", required=True, type=comma_list(positive_int),
+                   help="comma-separated rho values; 1 = the dense baseline")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
@@ -98,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(a.base, *a.overrides)
         size = None if a.size == "base" else a.size
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
-        sparsities = [_number(s) for s in a.sparsity.split(",")]
-        heads = [h for h in a.heads.split(",") if h]
-        points = sweep_points(cfg, heads, sparsities, a.out, a.dense_heads, _options(a.option), a.seeds)
+        points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,11 +12,11 @@ page), so the prefix is context for the suffix.
 
 Training reuses the stack's LightningModule / Trainer (lm/module.py, lm/train.py): CompressedModule
 swaps in a CompressedLM and the suffix loss, CompressedDataModule serves (tokens, layout) batches.
-    python -m lm.compressed_training --config configs/experiments/compression.yaml [overrides]
+    python -m lm.compressed_training --config configs/experiments/compression.yaml [--resume | --resume-from PATH |
+        --overwrite] [overrides]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,6 +30,7 @@ from torch.utils.data import IterableDataset
 
 from heads import ConfigError
 from lm.checkpoint import StepCheckpoints, read_checkpoint
+from lm.cli import resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
@@ -195,7 +196,8 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     validate and checkpoint the last step, return metrics.json's content. The run directory rules
     are lm.train.train's (lm/run_dir.py)."""
     if cfg.compression is None:
-        raise ConfigError("compression: the config has no compression section")
+        raise ConfigError("compression: the config has no compression section; train a plain model with "
+                          "python train_lm.py --config CONFIG")
     data = CompressedDataModule(cfg)
     data.check()
     claim(cfg, resume is not None, overwrite)
@@ -243,16 +245,13 @@ def evaluate(model: CompressedLM, windows: list[torch.Tensor], layout: Layout) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train a CompressedLM: python -m lm.compressed_training --config X.yaml [overrides]")
-    parser.add_argument("--config", required=True, help="YAML with a compression section (configs/experiments/compression*.yaml)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--resume", nargs="?", const="last", default=None, metavar="PATH",
-                      help="continue the run in trainer.out_dir (newest checkpoint), or from PATH")
-    mode.add_argument("--overwrite", action="store_true", help="delete the run already in trainer.out_dir and start again")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. compression.ratio=0.25")
-    args = parser.parse_args(argv)
+    parser = training_parser("Train a CompressedLM: python -m lm.compressed_training --config X.yaml [overrides]",
+                             "YAML with a compression section (configs/experiments/compression*.yaml)",
+                             "compression.ratio=0.25")
+    args = parser.parse_intermixed_args(argv)
     try:
-        metrics = train_compressed(load_config(args.config, *args.overrides), resume=args.resume, overwrite=args.overwrite)
+        metrics = train_compressed(load_config(args.config, *args.overrides), resume=resume_of(args),
+                                   overwrite=args.overwrite)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -8,13 +8,14 @@ valid but suspect (lm/sanity.py) print one-line warnings.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import KeyValidationError, OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
 from lm.sanity import config_warnings, warn
@@ -216,7 +217,18 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
 def _one_line(err: OmegaConfBaseException) -> str:
     message = " ".join(str(err).split("\n")[0].split())
     key = getattr(err, "full_key", None)
+    if isinstance(err, KeyValidationError) and str(key).startswith("model.layer_heads."):
+        return (f"{key}: model.layer_heads keys are layer indices, each set to a whole head mix: "
+                "model.layer_heads.1=[{type: dense, count: 4}] or model.layer_heads={1: [...]} (items only once "
+                "the layer has a mix)")
     return f"{key}: {message}" if key else message
+
+
+def _whole_layer(update: str) -> str:
+    """`model.layer_heads.N=[...]` as `model.layer_heads={N: [...]}`: OmegaConf's dotted path cannot add the
+    int key N (it would be the string "N"); the merge keeps the other layers' mixes."""
+    match = re.fullmatch(r"model\.layer_heads\.([^.=]+)=(.*)", update, flags=re.DOTALL)
+    return f"model.layer_heads={{{match[1]}: {match[2]}}}" if match else update
 
 
 def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
@@ -238,6 +250,7 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
     try:
         merged = OmegaConf.merge(schema, *layers)
         updates = [*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())]
+        updates = [_whole_layer(u) for u in updates]
         if merged.compression is None and any(u.startswith("compression.") for u in updates):
             merged.compression = CompressionConfig()  # `compression.x=...` switches the optional section on
         # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4

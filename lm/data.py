@@ -28,7 +28,7 @@ from lm.config import DataConfig, ModelConfig
 from lm.sanity import validation_warnings, warn
 from lm.errors import DataError
 
-PREPARE_HINT = "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out DIR"
+PREPARE_HINT = "python -m data_prep.prepare --source gutenberg|c4|text --src RAW_INPUT --out DIR"
 
 
 class TokenStream:
@@ -79,8 +79,10 @@ def check_token_range(path: Path, vocab_size: int) -> None:
 def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
     """Check a prepared directory against the model config and open one split; DataError if unusable."""
     directory = Path(path)
-    if not directory.is_dir():
+    if not directory.exists():
         raise DataError(f"data.path: {directory} does not exist; prepare it with: {PREPARE_HINT}")
+    if not directory.is_dir():
+        raise DataError(f"data.path: {directory} is not a directory; prepare one with: {PREPARE_HINT}")
     index_file = directory / "index.json"
     if not index_file.is_file():
         raise DataError(f"data.path: {directory} has no index.json (not a prepared directory; see {PREPARE_HINT})")

@@ -32,16 +32,15 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from data_prep import tokenizer as sp_codec
 from data_prep.documents import Skips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
 from lm.data import TokenStream
-from lm.generate import load_for_generation
+from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
-from lm.scoring import Scores, score
+from lm.scoring import Scores, progress_bar, score
 
 FORMATS = ("auto", "text", "gutenberg", "c4", "prepared")
 C4_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -126,7 +125,7 @@ def summarize(nll: float, tokens: int, nbytes: int) -> dict[str, float]:
 def evaluate_documents(model: DecoderLM, docs: Sequence[TokenDoc], context: int, stride: int,
                        leak_free: bool, batch_size: int = 8, show_progress: bool = True) -> dict[str, Any]:
     """Per-document and total loss / perplexity / bits per byte, and the mean loss by window position."""
-    bar = tqdm(desc="windows", unit="win", disable=not show_progress, file=sys.stderr)
+    bar = progress_bar(desc="windows", unit="win", disable=not show_progress)
     try:
         scores: list[Scores] = score(model, [d.tokens for d in docs], [1] * len(docs), context, stride,
                                      batch_size=batch_size, leak_free=leak_free, progress=bar.update)
@@ -167,23 +166,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Sliding-window perplexity and bits per byte of a checkpoint on text.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--input", required=True, help="file, directory, C4 json(.gz) or prepared directory")
-    ap.add_argument("--format", default="auto", choices=FORMATS)
-    ap.add_argument("--split", default="val", help="split of a prepared directory (default val)")
+    ap.add_argument("--format", default="auto", choices=FORMATS,
+                    help="input format (default auto: prepared for a directory with index.json, c4 for "
+                         ".json(l)(.gz) names, text otherwise)")
+    ap.add_argument("--split", default=None, help="split of a prepared directory (default val)")
     ap.add_argument("--context", type=int, default=None, help="window length (default: model seq_len)")
     ap.add_argument("--stride", type=int, default=None, help="tokens scored per window after the first (default: context/2)")
     ap.add_argument("--leak-free", default="auto", choices=("auto", "on", "off"),
                     help="auto: on iff some head is not causal")
-    ap.add_argument("--max-docs", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--tokenizer", default=None, help="default: <data.path>/tokenizer.model of the checkpoint")
+    ap.add_argument("--max-docs", type=int, default=None, help="score only the first N documents (default: all)")
+    ap.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
     ap.add_argument("--curve", default=None, help="PNG of the mean loss by window position")
     args = ap.parse_args(argv)
     try:
         model, sp = load_for_generation(args.ckpt, args.tokenizer)
         T = model.cfg.seq_len
-        context = args.context or T
-        stride = args.stride or max(1, context // 2)
+        context = T if args.context is None else args.context
+        stride = max(1, context // 2) if args.stride is None else args.stride
         if not 1 <= context <= T:
             raise ValueError(f"--context must be in 1..{T} (the model's seq_len), got {context}")
         if not 1 <= stride <= context:
@@ -191,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch_size < 1 or (args.max_docs is not None and args.max_docs < 1):
             raise ValueError("--batch-size and --max-docs must be >= 1")
         fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
-        docs = read_documents(args.input, fmt, sp, args.split, args.max_docs)
+        if args.split is not None and fmt != "prepared":
+            raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "
+                             f"as --format {fmt}")
+        docs = read_documents(args.input, fmt, sp, args.split or "val", args.max_docs)
     except ValueError as err:  # DataError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -3,9 +3,11 @@
     python -m lm.export_hf --ckpt runs/quickstart/checkpoints/last.ckpt --out hf/quickstart
 
 DIR then holds config.json (SparseHeadsConfig with this package's model config), model.safetensors,
-generation_config.json, the checkpoint's SentencePiece tokenizer (tokenizer.model + tokenizer_config.json)
-and modeling_sparse_heads.py, which only imports lm/hf_model.py and lm/hf_tokenizer.py: the heads are
-this package's code, so the reader needs `pip install sparse-heads-lm` (no second implementation):
+generation_config.json (a vocabulary padded beyond the tokenizer's pieces lists the extra ids in
+`suppress_tokens`, so `generate` never emits an id the tokenizer cannot decode), the checkpoint's
+SentencePiece tokenizer (tokenizer.model + tokenizer_config.json) and modeling_sparse_heads.py, which only
+imports lm/hf_model.py and lm/hf_tokenizer.py: the heads are this package's code, so the reader needs
+`pip install sparse-heads-lm` (no second implementation):
 
     model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
     tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)
@@ -24,7 +26,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.tokenizer import EOS_ID
-from lm.generate import load_for_generation
+from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.hf_model import SparseHeadsConfig, SparseHeadsForCausalLM
 from lm.hf_tokenizer import SparseHeadsTokenizer
 
@@ -51,6 +53,8 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
     hf.lm.load_state_dict(model.state_dict())
     hf.generation_config.eos_token_id = EOS_ID
     hf.generation_config.pad_token_id = EOS_ID
+    # a vocabulary padded beyond the tokenizer: `generate` never emits an id the tokenizer cannot decode
+    hf.generation_config.suppress_tokens = list(range(sp.get_piece_size(), model.cfg.vocab_size)) or None
 
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -74,9 +78,9 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Export a train_lm.py checkpoint as a Hugging Face model directory.")
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--out", required=True, help="new (or empty) directory")
-    ap.add_argument("--tokenizer", default=None, help="default: <data.path>/tokenizer.model of the checkpoint")
+    ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
     try:
         out = export(args.ckpt, args.out, args.tokenizer)

@@ -18,6 +18,7 @@ models' decoding goes (bench/results/decode_cpu.md).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -26,10 +27,13 @@ from typing import Any, Callable
 
 import torch
 
+from lm.config import Config
 from lm.model import DecoderLM
 from lm.sanity import warn
 
 Cache = list[list[Any]]
+TOKENIZER_HELP = ("SentencePiece model file; default: the tokenizer the checkpoint carries (else "
+                  "<data.path>/tokenizer.model of its config); must be the checkpoint's own (same SHA-256)")
 
 # What each head type's decoding does past the training length (its slots are sized from model.seq_len).
 BEYOND_TRAINING = {
@@ -120,8 +124,10 @@ def cached_logits(model: DecoderLM, tokens: torch.Tensor, prefill: int,
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits[B, V] -> next tokens[B]. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+           generator: torch.Generator | None = None, vocab: int | None = None) -> torch.Tensor:
+    """logits[B, V] -> next tokens[B]. temperature 0 = greedy; top_k 0 = off; top_p 1 = off; `vocab`: only
+    ids < vocab are drawn (the tokenizer's pieces, when the model's vocabulary is padded beyond them)."""
+    logits = logits[..., :vocab]
     if temperature <= 0:
         return logits.argmax(-1)
     # shift first: the top logit becomes 0, so a tiny temperature gives -inf elsewhere, never inf - inf = nan
@@ -141,10 +147,11 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
 def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              stop_id: int | None = None, cache: Cache | None = None,
-             step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+             step: Callable[..., torch.Tensor] | None = None, vocab: int | None = None) -> torch.Tensor:
     """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens (stops early when every sequence
     produced stop_id). `cache`: an empty one for T0 + max_new_tokens tokens, to read its fill afterwards;
-    `step`: what decodes each new token (default the model; `decode_step(model)` compiles it)."""
+    `step`: what decodes each new token (default the model; `decode_step(model)` compiles it); `vocab`: only
+    ids below it are generated (`sample`)."""
     model.eval()
     B, T0 = prompt.shape
     if T0 + max_new_tokens > model.cfg.seq_len:
@@ -155,7 +162,7 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     tokens = [prompt]
     done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
     for t in range(T0, T0 + max_new_tokens):
-        nxt = sample(logits, temperature, top_k, top_p, generator)
+        nxt = sample(logits, temperature, top_k, top_p, generator, vocab)
         tokens.append(nxt[:, None])
         if stop_id is not None:
             done |= nxt == stop_id
@@ -167,11 +174,8 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
 
 
 def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -> tuple[DecoderLM, Any]:
-    """(model in eval mode, SentencePiece processor) from a train_lm.py checkpoint; the tokenizer
-    defaults to the one the checkpoint carries (lm/run_dir.py), else <data.path>/tokenizer.model of its
-    config. One-line ValueError on failure."""
-    import sentencepiece as spm
-
+    """(model in eval mode, SentencePiece processor) from a train_lm.py checkpoint, with the tokenizer
+    `load_tokenizer` gives. One-line ValueError on failure."""
     from heads import ConfigError
     from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
 
@@ -189,17 +193,38 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except RuntimeError as err:  # weights that do not fit the config (read_checkpoint handled damaged files)
         raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
-    carried = saved.get("run", {}).get("tokenizer_model")
+    return model.eval(), load_tokenizer(path, saved.get("run", {}), cfg, tokenizer)
+
+
+def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str | Path | None) -> Any:
+    """The SentencePiece processor for checkpoint `ckpt` (its `run` record, lm/run_dir.py, and config `cfg`):
+    the tokenizer it carries, else the file `tokenizer` (default <data.path>/tokenizer.model), which must be
+    the one the checkpoint records (same SHA-256) when it records one. At most model.vocab_size pieces (fewer:
+    a padded vocabulary, as training allows). One-line ValueError otherwise."""
+    import sentencepiece as spm
+
+    carried = run.get("tokenizer_model")
     if tokenizer is None and carried is not None:
-        tok_path, sp = path, spm.SentencePieceProcessor(model_proto=carried)
+        proto, what = carried, f"the tokenizer in {ckpt}"
     else:
-        tok_path = Path(tokenizer) if tokenizer else Path(cfg.data.path) / "tokenizer.model"
+        tok_path = Path(tokenizer) if tokenizer is not None else Path(cfg.data.path) / "tokenizer.model"
         if not tok_path.is_file():
             raise ValueError(f"tokenizer not found: {tok_path} (pass --tokenizer PATH)")
-        sp = spm.SentencePieceProcessor(model_file=str(tok_path))
-    if sp.get_piece_size() != cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {tok_path} has {sp.get_piece_size()} pieces, model.vocab_size is {cfg.model.vocab_size}")
-    return model.eval(), sp
+        proto, what = tok_path.read_bytes(), f"tokenizer {tok_path}"
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+    except RuntimeError:
+        sp = None
+    if sp is None or sp.get_piece_size() == 0:  # an empty proto loads as a processor without pieces
+        raise ValueError(f"{what} is not a SentencePiece model")
+    sha = hashlib.sha256(proto).hexdigest()
+    expected = hashlib.sha256(carried).hexdigest() if carried is not None else run.get("tokenizer_sha256")
+    if expected is not None and sha != expected:
+        raise ValueError(f"{what} is not the one {ckpt} was trained with (SHA-256 {sha[:12]}, "
+                         f"the checkpoint's {expected[:12]})")
+    if sp.get_piece_size() > cfg.model.vocab_size:
+        raise ValueError(f"{what} has {sp.get_piece_size()} pieces, more than model.vocab_size {cfg.model.vocab_size}")
+    return sp
 
 
 def check_memory(model: DecoderLM, max_len: int) -> None:
@@ -230,16 +255,16 @@ def _load_problem(err: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Sample from a train_lm.py checkpoint with the KV cache.")
     ap.add_argument("--ckpt", required=True, help="Lightning checkpoint written by train_lm.py")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=100)
+    ap.add_argument("--prompt", required=True, help="text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=100,
+                    help="tokens to generate at most (fewer if the end-of-document token comes first; default 100)")
     ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     ap.add_argument("--compile", action="store_true",
                     help="decode through torch.compile (one graph for every step; compiling takes a while first)")
-    ap.add_argument("--tokenizer", default=None,
-                    help="default: the tokenizer the checkpoint carries, else <data.path>/tokenizer.model of its config")
+    ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
     try:
         if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0 or not 0 < args.top_p <= 1:
@@ -255,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = new_cache(model, 1, len(ids) + args.max_new_tokens)
         step = decode_step(model) if args.compile else None
         out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
-                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache, step=step)
+                       stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache, step=step,
+                       vocab=sp.get_piece_size())
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

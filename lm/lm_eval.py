@@ -29,11 +29,10 @@ from typing import Any
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from tqdm import tqdm
 
 from data_prep import tokenizer as sp_codec
-from lm.generate import generate, load_for_generation, sample
-from lm.scoring import score
+from lm.generate import TOKENIZER_HELP, generate, load_for_generation, sample
+from lm.scoring import progress_bar, score
 
 MODEL_NAME = "sparse-heads"
 
@@ -62,7 +61,7 @@ class SparseHeadsLM(TemplateLM):
         return self.sp.decode(list(tokens))
 
     def _score(self, sequences: list[list[int]], firsts: list[int], strides: list[int], disable_tqdm: bool):
-        bar = tqdm(desc="windows", disable=disable_tqdm)
+        bar = progress_bar(desc="windows", disable=disable_tqdm)
         try:
             return score(self.model, sequences, firsts, self.seq_len, strides, self.batch_size, self.leak_free,
                          progress=bar.update)
@@ -92,7 +91,7 @@ class SparseHeadsLM(TemplateLM):
             ctx = self.tok_encode(context)[-(self.seq_len - max_new):] or [self.eot_token_id]
             settings = (max_new, bool(kw.get("do_sample", False)), float(kw.get("temperature", 0.0)))
             groups[(len(ctx), settings)].append((i, ctx))
-        for (_, (max_new, do_sample, temperature)), members in tqdm(groups.items(), disable=disable_tqdm):
+        for (_, (max_new, do_sample, temperature)), members in progress_bar(groups.items(), disable_tqdm):
             temp = temperature if do_sample else 0.0
             for b in range(0, len(members), self.batch_size):
                 batch = members[b : b + self.batch_size]
@@ -104,11 +103,13 @@ class SparseHeadsLM(TemplateLM):
 
     def _generate(self, prompt: torch.Tensor, max_new: int, temperature: float) -> torch.Tensor:
         if self.model.causal:
-            return generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id)
+            return generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id,
+                            vocab=self.sp.get_piece_size())
         tokens = prompt  # heads that cannot decode incrementally: recompute the prefix at every step
         with torch.no_grad():
             for _ in range(max_new):
-                tokens = torch.cat([tokens, sample(self.model(tokens)[:, -1], temperature)[:, None]], dim=1)
+                nxt = sample(self.model(tokens)[:, -1], temperature, vocab=self.sp.get_piece_size())
+                tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         return tokens
 
     def _cut(self, generated: list[int], until: str | list[str]) -> str:
@@ -185,14 +186,15 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     ap.add_argument("--include-path", default=None, help="directory (or file) of extra task YAMLs")
     ap.add_argument("--limit", type=float, default=None, help="documents per task (or a fraction)")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--num-fewshot", type=int, default=None)
-    ap.add_argument("--leak-free", default="auto", choices=("auto", "on", "off"))
-    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--batch-size", type=int, default=8, help="windows or generations per forward pass (default 8)")
+    ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    ap.add_argument("--leak-free", default="auto", choices=("auto", "on", "off"),
+                    help="auto: on iff some head is not causal")
+    ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     ap.add_argument("--output", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     try:

@@ -20,12 +20,14 @@ number for heads that are not causal as published (MoSA expert choice, balanced 
 """
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from lm.leakfree import leak_free_logits
 
@@ -77,6 +79,11 @@ def batches(wins: list[Window], batch_size: int, pad: bool) -> list[list[Window]
     for w in wins:
         by_len[w.length].append(w)
     return [g[b : b + batch_size] for _, g in sorted(by_len.items()) for b in range(0, len(g), batch_size)]
+
+
+def progress_bar(iterable: Any = None, disable: bool = False, **kwargs: Any) -> tqdm:
+    """A tqdm bar on stderr, off when stderr is not a terminal: no bar frames in log files (as train_lm.py)."""
+    return tqdm(iterable, disable=disable or not sys.stderr.isatty(), file=sys.stderr, **kwargs)
 
 
 @torch.no_grad()

@@ -140,12 +140,13 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
 
 
 def resume_path(cfg: Config, resume: str | None) -> str | None:
-    """`--resume` -> the newest loadable checkpoint of this run, saying which damaged ones it passed over
-    (None, i.e. a fresh start, if there is none yet); `--resume PATH` -> PATH, which must load. The
-    checkpoint's model config and trainer.accumulate_grad_batches must equal this run's (checked for
-    single-file checkpoints; DeepSpeed writes directories)."""
+    """`resume="last"` (--resume) -> the newest loadable checkpoint of this run, saying which damaged ones it
+    passed over (None, i.e. a fresh start, if there is none yet); a path (--resume-from PATH) -> that path,
+    which must load. The checkpoint's model config and trainer.accumulate_grad_batches must equal this run's
+    (checked for single-file checkpoints; DeepSpeed writes directories)."""
     if resume is None:
         return None
+    flag = "--resume" if resume == "last" else "--resume-from"
     if resume == "last":
         found = newest_loadable(ckpt_dir(cfg), lambda p, why: say(f"warning: --resume: skipping {p.name}: {why}"))
         if found is None:
@@ -159,17 +160,17 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
         try:
             ckpt = read_checkpoint(path)
         except CheckpointError as err:
-            raise ConfigError(f"--resume: {err}") from None
+            raise ConfigError(f"{flag}: {err}") from None
     saved = ckpt["config"]["model"]
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]
     if differ:
-        raise ConfigError(f"--resume: {path} was trained with different model.{', model.'.join(differ)}")
+        raise ConfigError(f"{flag}: {path} was trained with different model.{', model.'.join(differ)}")
     accumulate = ckpt["config"]["trainer"].get("accumulate_grad_batches", 1)
     if accumulate != cfg.trainer.accumulate_grad_batches:  # lm/run_dir.py: RESUMABLE
-        raise ConfigError(f"--resume: {path} was trained with trainer.accumulate_grad_batches={accumulate}, which "
+        raise ConfigError(f"{flag}: {path} was trained with trainer.accumulate_grad_batches={accumulate}, which "
                           f"cannot change on resume")
-    say(f"--resume: continuing from {path}")
+    say(f"{flag}: continuing from {path}")
     return str(path)
 
 
@@ -177,7 +178,11 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
     checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
     also validate the untrained model (step 0) when starting from scratch. The run directory must be
-    new, or this run's (`resume`), or given up (`overwrite`): lm/run_dir.py."""
+    new, or this run's (`resume`), or given up (`overwrite`): lm/run_dir.py. A config with a compression
+    section is refused (lm/compressed_training.py trains those)."""
+    if cfg.compression is not None:
+        raise ConfigError("compression: this config adds compression layers, which train_lm.py does not train; "
+                          "use python -m lm.compressed_training --config CONFIG")
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
     claim(cfg, resume is not None, overwrite)
@@ -195,15 +200,17 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
         trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     step = trainer.global_step
-    if not module.val_history or module.val_history[-1]["step"] != step:
+    final_validation = not module.val_history or module.val_history[-1]["step"] != step
+    if final_validation:
         trainer.validate(module, datamodule=data, verbose=False)
-    if checkpoints.saved_step != step:
+    if final_validation or checkpoints.saved_step != step:  # (again) after the validation, so it carries its result
         checkpoints.save(trainer)
     out = Path(t.out_dir)
+    curve = None  # drawn from two validations on
     if trainer.is_global_zero:
-        plot_val_curve(module.val_history, out / "val_curve.png", title=out.name)
+        curve = plot_val_curve(module.val_history, out / "val_curve.png", title=out.name)
     rank_zero_info(
         f"outputs: TensorBoard `tensorboard --logdir {out / 'tb'}` | checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | "
-        f"metrics {out / 'metrics.json'} | curve {out / 'val_curve.png'}"
+        f"metrics {out / 'metrics.json'}" + (f" | curve {curve}" if curve else "")
     )
     return module.metrics()

@@ -1,6 +1,7 @@
 """A tiny prepared corpus and a train_lm.py-style checkpoint on it, for the evaluation / export tests."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -41,18 +42,22 @@ def prepared_corpus(root: Path) -> Path:
 
 
 def save_checkpoint(root: Path, data: Path, mix: str = "dense", seq_len: int = 48, seed: int = 0,
-                    name: str = "last.ckpt") -> tuple[Path, DecoderLM]:
-    """A checkpoint as train_lm.py writes it (config + 'model.'-prefixed state dict) for data/tokenizer.model.
-    The model has random weights, a few training-mode passes setting MoSA's running thresholds."""
+                    name: str = "last.ckpt", vocab_size: int | None = None) -> tuple[Path, DecoderLM]:
+    """A checkpoint as train_lm.py writes it (config, 'model.'-prefixed state dict, the tokenizer's bytes and
+    hash) for data/tokenizer.model; `vocab_size`: the model's, padded beyond the tokenizer's pieces (default
+    equal). The model has random weights, a few training-mode passes setting MoSA's running thresholds."""
     import sentencepiece as spm
 
-    vocab = spm.SentencePieceProcessor(model_file=str(data / "tokenizer.model")).get_piece_size()
+    tokenizer = (data / "tokenizer.model").read_bytes()
+    pieces = spm.SentencePieceProcessor(model_proto=tokenizer).get_piece_size()
+    vocab = vocab_size or pieces
     torch.manual_seed(seed)
     cfg = tiny_config(MIXES[mix], vocab_size=vocab, seq_len=seq_len, init_std=0.2)
     cfg.data.path = str(data)
     model = build_model(cfg.model)
-    model.train()(torch.randint(0, vocab, (4, seq_len)))
+    model.train()(torch.randint(0, pieces, (4, seq_len)))
     ckpt = root / name
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                "run": {"tokenizer_model": tokenizer, "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest()}}, ckpt)
     return ckpt, model.eval()

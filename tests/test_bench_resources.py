@@ -18,3 +18,18 @@ def test_activation_checkpointing_columns(tmp_path: Path) -> None:
     assert head.split(" | ")[1:3] == ["quickstart", "quickstart (activation checkpointing)"]
     params = next(r for r in rows if r.startswith("| Parameters (M)")).rstrip(" |").split(" | ")
     assert params[1] == params[2] and params[3] == "+0.0%"  # the same model, measured twice
+
+
+def test_the_checkpointing_worker_checkpoints_every_block(monkeypatch) -> None:  # noqa: ANN001
+    """measure(checkpointing=True) runs every block through lm/checkpointing.py on every step (and False never)."""
+    import lm.model
+    from lm.config import load_config
+
+    calls: list[int] = []
+    original = lm.model.checkpointed
+    monkeypatch.setattr(lm.model, "checkpointed", lambda *args: calls.append(1) or original(*args))
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml"), "model.seq_len=32").model
+    for on in (False, True):
+        calls.clear()
+        resources.measure(cfg, batch=1, steps=2, warmup=1, device="cpu", threads=1, checkpointing=on)
+        assert len(calls) == (3 * cfg.n_layers if on else 0)  # 3 training steps; decoding is never checkpointed

@@ -26,6 +26,7 @@ from tests.synthetic import run_overrides, write_prepared
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, str(ROOT / "train_lm.py"), "--config", "{empty_yaml}", "{run}"]
 GENERATE = [sys.executable, "-m", "lm.generate", "--prompt", "the cat"]
+EVALUATE = [sys.executable, "-m", "lm.evaluate", "--ckpt", "{dense_ckpt}", "--input", "{texts}/a.txt"]
 ISOFLOP = [sys.executable, "-m", "flops.isoflop", "--size", "tiny"]
 MOSA = "model.heads=[{type: dense, count: 2}, {type: mosa, count: 2, options: %s}]"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
@@ -46,10 +47,20 @@ CASES = [
     ("num-nodes", [*TRAIN, "trainer.num_nodes=0"], 2, r"TrainerConfig\.num_nodes must be > 0, got 0"),
     ("max-bad-steps", [*TRAIN, "trainer.max_bad_steps=-1"], 2, r"trainer\.max_bad_steps must be >= 0"),
     # train_lm.py: data and checkpoints
+    ("data-path-is-a-file", [*TRAIN, "data.path={readme}"], 2,
+     r"data\.path: \S*README\.md is not a directory; prepare one with: python -m data_prep\.prepare --source gutenberg\|c4"),
     ("token-out-of-range", [*TRAIN, "data.path={bad_tokens}"], 2,
      r"train_00000\.bin holds token id 70 >= model\.vocab_size 64"),
-    ("resume-empty", [*TRAIN, "--resume", "{empty_ckpt}"], 2, r"--resume: checkpoint .*empty\.ckpt is empty"),
-    ("resume-garbled", [*TRAIN, "--resume", "{garbled_ckpt}"], 2, r"garbled\.ckpt is truncated or not a torch file"),
+    ("resume-empty", [*TRAIN, "--resume-from", "{empty_ckpt}"], 2, r"--resume-from: checkpoint .*empty\.ckpt is empty"),
+    ("resume-garbled", [*TRAIN, "--resume-from", "{garbled_ckpt}"], 2, r"garbled\.ckpt is truncated or not a torch file"),
+    ("resume-from-missing", [*TRAIN, "--resume-from", "{tmp}/none.ckpt"], 2,
+     r"^error: --resume-from: checkpoint \S+/none\.ckpt not found$"),
+    ("compression-config", [*TRAIN, "compression.layer=1"], 2,
+     r"compression: .* train_lm\.py does not train; use python -m lm\.compressed_training --config CONFIG"),
+    # lm.compressed_training (overrides on both sides of an option reach the config check)
+    ("compressed-plain-config", [sys.executable, "-m", "lm.compressed_training", "--config", "{empty_yaml}",
+                                 "trainer.log_every=2", "--overwrite", "trainer.val_every=2"], 2,
+     r"compression: the config has no compression section; train a plain model with python train_lm\.py"),
     ("diverges", [*TRAIN, "optim.lr=1e6", "optim.grad_clip=1e9", "optim.warmup_steps=0", "trainer.val_every=100"], 3,
      r"non-finite training at step 2: loss nan, first non-finite gradient in model\.\S+; stopped; "
      r"no checkpoint written yet"),
@@ -60,6 +71,18 @@ CASES = [
     ("generate-nan-temperature", [*GENERATE, "--ckpt", "{dense_ckpt}", "--temperature", "nan"], 2,
      r"finite --temperature >= 0"),
     ("generate-empty-ckpt", [*GENERATE, "--ckpt", "{empty_ckpt}"], 2, r"empty\.ckpt is empty"),
+    ("generate-tokenizer-not-sentencepiece", [*GENERATE, "--ckpt", "{dense_ckpt}", "--tokenizer", "{readme}"], 2,
+     r"^error: tokenizer \S*README\.md is not a SentencePiece model$"),
+    # lm.evaluate / lm.export_hf
+    ("evaluate-tokenizer-not-sentencepiece", [*EVALUATE, "--tokenizer", "{readme}"], 2,
+     r"tokenizer \S*README\.md is not a SentencePiece model"),
+    ("evaluate-context-zero", [*EVALUATE, "--context", "0"], 2, r"--context must be in 1\.\.64 .*, got 0"),
+    ("evaluate-split-of-a-file", [*EVALUATE, "--split", "train"], 2,
+     r"--split applies to prepared directories only; --input \S*a\.txt is read as --format text"),
+    ("evaluate-c4-format-of-text", [*EVALUATE, "--format", "c4"], 2, r"^error: \S*a\.txt: no C4 JSON-lines files"),
+    ("export-tokenizer-not-sentencepiece", [sys.executable, "-m", "lm.export_hf", "--ckpt", "{dense_ckpt}", "--out",
+                                            "{tmp}/hf", "--tokenizer", "{readme}"], 2,
+     r"tokenizer \S*README\.md is not a SentencePiece model"),
     # flops.isoflop / flops.sweep
     ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
      r"option window must be an int, got 'abc'"),
@@ -85,7 +108,7 @@ CASES = [
      r"metrics\.json is damaged"),
     # data_prep.prepare
     ("prepare-missing-src", [sys.executable, "-m", "data_prep.prepare", "--source", "gutenberg", "--src", "{tmp}/none",
-                             "--out", "{tmp}/prep"], 2, r"--src .*none: no such file or directory"),
+                             "--out", "{tmp}/prep"], 2, r"error: \S*none: no such file or directory"),
     ("prepare-changed-inputs", [sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", "{texts}",
                                 "--out", "{prepared}", "--vocab-size", "400", "--no-progress"], 2,
      r"holds a preparation with other inputs \(1 removed \(b\.txt\)\); pass --overwrite"),
@@ -145,7 +168,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (Path(out_dir) / "metrics.json").write_text('{"step": 3, "val_')  # cut short mid-write
     point = {"name": "mosa_s4", "head": "mosa", "causal": True, "out_dir": out_dir, "config": str(tmp / "none.yaml")}
     return {
-        "tmp": str(tmp), "texts": str(texts), "prepared": str(tmp / "prepared"), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
+        "tmp": str(tmp), "texts": str(texts), "readme": str(ROOT / "README.md"), "prepared": str(tmp / "prepared"), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
         "run": json.dumps([*run_overrides(data, tmp / "run", max_steps=4, val_every=4), "optim.warmup_steps=1"]), "bad_tokens": str(bad),
         "empty_ckpt": str(tmp / "empty.ckpt"), "garbled_ckpt": str(tmp / "garbled.ckpt"),
         "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),

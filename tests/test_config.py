@@ -78,6 +78,23 @@ def test_overrides_reach_list_items_and_keywords() -> None:
     assert cfg.model.heads[0].count == 4 and cfg.trainer.max_steps == 7 and cfg.optim.lr == 1e-3
 
 
+def test_a_layer_mix_is_set_by_its_index() -> None:
+    """model.layer_heads has int keys, which OmegaConf's dotted path alone cannot add (it gave an unfilled
+    `Key $KEY ($KEY_TYPE)` template); the other layers' mixes stay."""
+    override = CONFIGS / "experiments" / "mosa_layer_override.yaml"  # layers 0 and 5 have mixes of their own
+    cfg = load_config(override, "model.layer_heads.1=[{type: dense, count: 2}]", "model.layer_heads.0.0.count=3")
+    assert {k: [(g.type, g.count) for g in v] for k, v in cfg.model.layer_heads.items()} == {
+        0: [("dense", 3)], 1: [("dense", 2)], 5: [("dense", 9)]}
+    assert [g.count for g in load_config(CONFIGS / "tiny.yaml", "model.layer_heads.2=[{type: dense, count: 4}]")
+            .model.mix(2)] == [4]
+    assert error_of(None, "model.layer_heads.9=[{type: dense, count: 2}]") == \
+        "model.layer_heads: layer 9 outside [0, 6)"
+    hint = "model.layer_heads keys are layer indices, each set to a whole head mix: model.layer_heads.1=["
+    for bad, key in (("model.layer_heads.x=[{type: dense, count: 2}]", "model.layer_heads.x"),
+                     ("model.layer_heads.1.0.count=2", "model.layer_heads.1")):  # layer 1 has no mix of its own
+        assert error_of(None, bad).startswith(f"{key}: {hint}")
+
+
 # MoSA App. H Table 4 (layers, h, heads of h'=64) and Table 5 parameter counts (vocab 8000).
 # Ours: untied input embedding and output projection (8000 x h each), no biases, 2 LayerNorms per
 # block + a final one. Tiny: 6 * (4 * 512 * 576 + 2 * 512 * 2048 + 4 * 512) + 2 * 8000 * 512 + 1024
@@ -133,3 +150,10 @@ def test_every_training_config_loads_and_runs(path: Path) -> None:
         logits = model(torch.randint(0, 97, (1, T)))
     assert logits.shape == (1, T, 97) and torch.isfinite(logits).all()
     assert model.kv_total() > 0
+
+
+def test_no_two_training_configs_share_a_run_directory() -> None:
+    """Each config trains into a trainer.out_dir of its own (runs/default, the fallback, would collide)."""
+    out_dirs = {path.name: load_config(path).trainer.out_dir for path in TRAINING_CONFIGS}
+    shared = {d for d in out_dirs.values() if list(out_dirs.values()).count(d) > 1}
+    assert not shared, {name: d for name, d in out_dirs.items() if d in shared}

@@ -268,18 +268,18 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
 
 def test_missing_path_and_no_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, err = run_cli(capsys, "--source", "gutenberg", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
-    assert code == 2 and err == f"error: --src {tmp_path / 'nope'}: no such file or directory"
+    assert code == 2 and err == f"error: {tmp_path / 'nope'}: no such file or directory"
     (tmp_path / "notes.md").write_text("not a book")
     code, err = run_cli(capsys, "--source", "c4", "--src", str(tmp_path), "--out", str(tmp_path / "o"))
     assert code == 2 and "\n" not in err
-    assert err.startswith(f"error: --src {tmp_path}: no C4 JSON-lines files (*.json.gz")
+    assert err.startswith(f"error: {tmp_path}: no C4 JSON-lines files (*.json.gz")
 
 
 def test_cli_subprocess_prints_no_traceback(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", str(tmp_path / "x"),
                            "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [f"error: --src {tmp_path / 'x'}: no such file or directory"]
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'x'}: no such file or directory"]
 
 
 def test_empty_and_undecodable_files_are_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

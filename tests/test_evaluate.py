@@ -151,7 +151,46 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
         (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
         (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),
+        (["--ckpt", str(ckpt), "--input", ok, "--stride", "0"], "--stride must be in 1..48 (--context), got 0"),
+        (["--ckpt", str(ckpt), "--input", ok, "--context", "0"], "--context must be in 1..48 (the model's seq_len), got 0"),
+        (["--ckpt", str(ckpt), "--input", ok, "--split", "train"],
+         f"--split applies to prepared directories only; --input {ok} is read as --format text"),
+        (["--ckpt", str(ckpt), "--input", ok, "--format", "c4"], f"error: {ok}: no C4 JSON-lines files"),
+        (["--ckpt", str(ckpt), "--input", ok, "--tokenizer", str(tmp_path / "ok.txt")],
+         f"tokenizer {ok} is not a SentencePiece model"),
     ]
     for args, message in cases:
         rc, _, err = run(capsys, *args)
         assert rc == 2 and message in err and err.count("\n") == 1, (args, err)
+
+
+def test_cli_refuses_another_tokenizer_than_the_checkpoints(corpus: Path, tmp_path: Path, capsys) -> None:
+    """--tokenizer must be the checkpoint's own (its SHA-256): another one scores garbage without a sign."""
+    from data_prep.tokenizer import train
+
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    (tmp_path / "ok.txt").write_text(english(3, 4), encoding="utf-8")
+    (tmp_path / "other.model").write_bytes(train(english(5, 200).splitlines(), 360, threads=1))
+    (tmp_path / "copy.model").write_bytes((corpus / "tokenizer.model").read_bytes())
+    rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "ok.txt"), "--tokenizer",
+                     str(tmp_path / "other.model"))
+    assert rc == 2 and err.count("\n") == 1
+    assert f"tokenizer {tmp_path / 'other.model'} is not the one {ckpt} was trained with (SHA-256" in err, err
+    rc, own, err = run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "ok.txt"), "--tokenizer",
+                       str(tmp_path / "copy.model"))
+    assert rc == 0, err
+    assert own["total"] == run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "ok.txt"))[1]["total"]
+
+
+def test_cli_writes_no_progress_frames_to_a_log(corpus: Path, tmp_path: Path, capsys) -> None:
+    """stderr that is not a terminal (a log file; here capsys) gets the summary line only, no bar frames."""
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--stride", "4")
+    assert rc == 0 and err.splitlines() == [err.strip()] and " documents, " in err, err
+
+
+def test_cli_scores_a_model_with_a_padded_vocabulary(corpus: Path, tmp_path: Path, capsys) -> None:
+    """model.vocab_size above the tokenizer's pieces (as training allows) loads and scores."""
+    ckpt, model = save_checkpoint(tmp_path, corpus, seq_len=32, vocab_size=512)
+    rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--stride", "16")
+    assert rc == 0 and model.cfg.vocab_size == 512 and res["total"]["tokens"] > 0, err

@@ -53,6 +53,30 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
     assert torch.equal(new, generate(ours, prompt, 8, temperature=0))
 
 
+def test_padded_vocabulary_exports_and_never_generates_an_undecodable_id(corpus: Path, tmp_path: Path, capsys) -> None:
+    """model.vocab_size above the tokenizer's pieces: config.json keeps the model's vocabulary (the weights'
+    shape), generation_config.json suppresses the ids the tokenizer lacks, so `generate` equals lm/generate.py
+    restricted to the tokenizer's ids and its output decodes."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, ours = save_checkpoint(tmp_path, corpus, seq_len=40, vocab_size=1024)
+    out = tmp_path / "hf"
+    assert main(["--ckpt", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    pieces = len(tok)
+    assert pieces < 1024 and json.loads((out / "config.json").read_text())["vocab_size"] == 1024
+    assert json.loads((out / "generation_config.json").read_text())["suppress_tokens"] == list(range(pieces, 1024))
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    prompt = torch.tensor([tok(english(3, 1)).input_ids[:8]])
+    new = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(new, generate(ours, prompt, 12, temperature=0, vocab=pieces))
+    assert not torch.equal(new, generate(ours, prompt, 12, temperature=0))  # the padded ids would be chosen
+    sampled = hf.generate(prompt, max_new_tokens=30, do_sample=True, eos_token_id=None)
+    assert int(sampled.max()) < pieces and isinstance(tok.decode(sampled[0]), str)
+
+
 def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None:
     ckpt, _ = save_checkpoint(tmp_path, corpus)
     (tmp_path / "full").mkdir()
@@ -60,9 +84,11 @@ def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> N
     (tmp_path / "trunc.ckpt").write_bytes(ckpt.read_bytes()[:2000])
     cases = [(["--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "a")], "checkpoint not found"),
              (["--ckpt", str(tmp_path / "trunc.ckpt"), "--out", str(tmp_path / "b")], "truncated or not a torch file"),
-             (["--ckpt", str(ckpt), "--out", str(tmp_path / "full")], "not an empty directory")]
+             (["--ckpt", str(ckpt), "--out", str(tmp_path / "full")], "not an empty directory"),
+             (["--ckpt", str(ckpt), "--out", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "full" / "x")],
+              "x is not a SentencePiece model")]
     for args, message in cases:
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abc")

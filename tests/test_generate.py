@@ -146,8 +146,9 @@ def test_greedy_generation_agrees_with_full_forward() -> None:
     assert torch.equal(greedy, out[:, 5:])
 
 
-def _checkpoint(tmp_path, vocab: int = 60):
-    """A train_lm.py-style checkpoint (config + 'model.'-prefixed state dict) and its tokenizer."""
+def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None):
+    """A train_lm.py-style checkpoint (config + 'model.'-prefixed state dict) and its tokenizer of `vocab`
+    pieces; `model_vocab`: the model's vocabulary (default `vocab`)."""
     import sentencepiece as spm
     from omegaconf import OmegaConf
 
@@ -158,7 +159,7 @@ def _checkpoint(tmp_path, vocab: int = 60):
     lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=g).tolist()) for _ in range(300)]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(data / "tokenizer"),
                                    vocab_size=vocab, model_type="bpe", minloglevel=2)
-    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosaic", "count": 4}], vocab_size=vocab)
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosaic", "count": 4}], vocab_size=model_vocab or vocab)
     cfg.data.path = str(data)
     model = build_model(cfg.model)
     ckpt = tmp_path / "last.ckpt"
@@ -192,6 +193,64 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
         assert main(["--ckpt", str(path), "--prompt", "the"]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_a_padded_vocabulary_is_never_sampled() -> None:
+    """Ids the tokenizer lacks (a model vocabulary padded beyond its pieces) are never drawn, whatever the
+    sampling settings, and greedy decoding takes the best id the tokenizer has."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[:, 20:] += 100  # the padded ids would win every draw
+    g = torch.Generator().manual_seed(1)
+    for kw in ({"temperature": 0}, {}, {"top_k": 40}, {"top_p": 0.99}, {"temperature": 5.0}):
+        assert all(bool((sample(logits, generator=g, vocab=20, **kw) < 20).all()) for _ in range(20)), kw
+    assert torch.equal(sample(logits, temperature=0, vocab=20), logits[:, :20].argmax(-1))
+    out = generate(model_for(CAUSAL_TYPES["dense"]), torch.randint(0, 10, (2, 4)), 30, generator=g, vocab=10)
+    assert bool((out < 10).all())
+
+
+def test_cli_decodes_a_model_with_a_padded_vocabulary(tmp_path, capsys) -> None:
+    """model.vocab_size 200 over a 60-piece tokenizer, as training allows: loads, and every sampled id decodes."""
+    from lm.generate import main
+
+    ckpt, _ = _checkpoint(tmp_path, model_vocab=200)
+    assert main(["--ckpt", str(ckpt), "--prompt", "the cat", "--max-new-tokens", "30", "--temperature", "2"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
+
+
+def test_tokenizer_must_be_the_checkpoints(tmp_path) -> None:
+    """A tokenizer file other than the one the checkpoint records (SHA-256), a file that is no SentencePiece
+    model, and a tokenizer larger than the model are one-line ValueErrors; a copy of the right one loads."""
+    import hashlib
+    import shutil
+
+    from lm.generate import load_for_generation
+
+    ckpt, _ = _checkpoint(tmp_path)
+    proto = (tmp_path / "data" / "tokenizer.model").read_bytes()
+    state = torch.load(ckpt, weights_only=False)
+    carried, recorded = tmp_path / "carried.ckpt", tmp_path / "recorded.ckpt"
+    torch.save({**state, "run": {"tokenizer_model": proto, "tokenizer_sha256": hashlib.sha256(proto).hexdigest()}},
+               carried)
+    torch.save({**state, "run": {"tokenizer_model": None, "tokenizer_sha256": hashlib.sha256(proto).hexdigest()}},
+               recorded)
+    other = tmp_path / "other"
+    other.mkdir()
+    small, _ = _checkpoint(other, vocab=50)  # another tokenizer (50 pieces)
+    shutil.copy(tmp_path / "data" / "tokenizer.model", tmp_path / "copy.model")
+    (tmp_path / "notes.md").write_text("# not a tokenizer\n")
+    for path in (carried, recorded):
+        assert load_for_generation(path, tmp_path / "copy.model")[1].serialized_model_proto() == proto
+        with pytest.raises(ValueError, match=f"tokenizer {other}/data/tokenizer.model is not the one {path} was "
+                                             r"trained with \(SHA-256 [0-9a-f]{12}, the checkpoint's [0-9a-f]{12}\)"):
+            load_for_generation(path, other / "data" / "tokenizer.model")
+        with pytest.raises(ValueError, match=f"^tokenizer {tmp_path}/notes.md is not a SentencePiece model$"):
+            load_for_generation(path, tmp_path / "notes.md")
+    (tmp_path / "data" / "tokenizer.model").write_bytes((other / "data" / "tokenizer.model").read_bytes())
+    with pytest.raises(ValueError, match="is not the one"):  # the default <data.path>/tokenizer.model, replaced
+        load_for_generation(recorded)
+    with pytest.raises(ValueError, match=f"^tokenizer {tmp_path}/copy.model has 60 pieces, more than "
+                                         "model.vocab_size 50$"):
+        load_for_generation(small, tmp_path / "copy.model")
 
 
 def test_cache_fill_counts_the_entries_stored() -> None:

@@ -14,6 +14,7 @@ from flops.isoflop import main as isoflop_main
 from flops.isoflop import solve
 from flops.model import model_cost
 from flops.presets import baseline
+from heads.base import ConfigError
 from lm.config import HeadGroupConfig
 
 SPARSITIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -157,6 +158,15 @@ def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.C
 def test_cli_error_exit_status_in_a_subprocess() -> None:
     out = _cli("--size", "tiny", "--head", "mosa", "--sparsity", "3")
     assert out.returncode == 2 and out.stderr.strip() == "error: sparsity 3 does not divide seq_len 1024"
+
+
+@pytest.mark.parametrize("head", ["mosa", "fixed", "mosaic", "local", "topk"])
+@pytest.mark.parametrize("sparsity", [float("nan"), float("inf"), 0, -8])
+def test_solve_rejects_a_sparsity_that_is_no_positive_integer(head: str, sparsity: float) -> None:
+    """From Python too (the CLI's argparse type never lets these through): a ConfigError naming the sparsity,
+    not a KeyError (nan != nan) or an OverflowError (int(inf))."""
+    with pytest.raises(ConfigError, match="sparsity must be"):
+        solve(baseline("micro"), head, sparsity, 2)
 
 
 def test_long_sequence_mosa_vs_routing_ratio() -> None:

@@ -117,6 +117,35 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
         assert text == lm.tok_decode(ref).split("\n\n")[0]
 
 
+@pytest.mark.parametrize("mix", ["dense", "mosa_expert_choice"])  # KV-cached decoding / prefix recomputed
+def test_padded_vocabulary_generates_only_the_tokenizers_ids(setup, tmp_path: Path, mix: str) -> None:
+    """model.vocab_size above the tokenizer's pieces (as training allows): the checkpoint loads and
+    generation, greedy or sampled, never produces an id the tokenizer cannot decode."""
+    from lm_eval.api.instance import Instance
+
+    root = setup[0]
+    ckpt, _ = save_checkpoint(tmp_path, root / "data", mix=mix, seq_len=T, vocab_size=1024)
+    lm = SparseHeadsLM(str(ckpt))
+    pieces = lm.sp.get_piece_size()
+    prompt = torch.tensor([lm.tok_encode(english(3, 1))[:8]] * 2)
+    for temperature in (0.0, 3.0):
+        assert int(lm._generate(prompt, 12, temperature).max()) < pieces < 1024
+    reqs = [Instance("generate_until", {}, (english(4, 1), {"until": [], "max_gen_toks": 8, "do_sample": True,
+                                                              "temperature": 3.0}), 0)]
+    assert isinstance(lm.generate_until(reqs, disable_tqdm=True)[0], str)
+
+
+def test_progress_bars_stay_out_of_logs(setup, capsys) -> None:
+    """stderr that is not a terminal (a log file; here capsys) gets no progress-bar frames."""
+    from lm_eval.api.instance import Instance
+
+    lm = setup[3]
+    capsys.readouterr()
+    lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (english(2, 12),), 0)])
+    lm.generate_until([Instance("generate_until", {}, (english(3, 1), {"until": [], "max_gen_toks": 2}), 0)])
+    assert capsys.readouterr().err == ""
+
+
 def _write_tasks(root: Path) -> Path:
     words = english(9, 60).split()
     mc, cloze = [], []

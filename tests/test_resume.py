@@ -123,3 +123,16 @@ def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr
     assert last["global_step"] == 10 and last["lr_schedulers"][0]["base_lrs"] == [1e-3, 1e-3]
     assert all(g["initial_lr"] == 1e-3 for g in last["optimizer_states"][0]["param_groups"])
     assert metrics["tokens_seen"] == 4 * 8 * 32 + 6 * 4 * 32  # 4 steps of batch 8, then 6 of batch 4
+
+
+def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> None:
+    """max_steps 4 with ckpt_every 2 and val_every 3: step 4's checkpoint is due before the end-of-run validation;
+    it is written again after it, so a run resumed from it (e.g. to train longer) keeps that validation."""
+    from lm.config import load_config
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    metrics = train(load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=2, val_every=3)))
+    saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert [h["step"] for h in saved["val_history"]] == [h["step"] for h in metrics["history"]] == [3, 4]
+    assert saved["val_history"] == metrics["history"]

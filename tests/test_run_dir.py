@@ -77,6 +77,27 @@ def test_a_directory_holding_a_run_is_refused(run: tuple[Path, Path], capsys: py
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing touched
 
 
+def test_overrides_stand_on_either_side_of_the_options(run: tuple[Path, Path], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Overrides before and after --overwrite all apply, and one right after --resume is an override, not
+    a checkpoint path (`--resume [PATH]` took `trainer.max_steps=4` for one; argparse refused the later ones)."""
+    import train_lm
+
+    data, _ = run
+    out = tmp_path / "run"
+    shutil.copytree(run[1], out)  # a finished 10-step run
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    first, rest = overrides(data, out)[:5], overrides(data, out)[5:]
+    assert train_lm.main(["--config", config, *first, "--overwrite", *rest, "trainer.max_steps=2"]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["d_model"] == 32 and saved["trainer"]["max_steps"] == 2  # both sides applied
+    assert json.loads((out / "metrics.json").read_text())["step"] == 2  # started again
+    capsys.readouterr()
+    assert train_lm.main(["--config", config, *first, *rest, "--resume", "trainer.max_steps=4"]) == 0
+    assert f"--resume: continuing from {out / 'checkpoints' / 'step0000002.ckpt'}" in capsys.readouterr().err
+    assert json.loads((out / "metrics.json").read_text())["step"] == 4
+
+
 def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     data, out = run

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,17 +62,38 @@ def _fake_metrics(entry: dict, ppl: float, step: int = 3) -> None:
     (out / "metrics.json").write_text(json.dumps({"step": step, "val_ppl": ppl, "tokens_per_s": 1000.0}))
 
 
-def test_runner_skips_finished_and_records_failures(tmp_path: Path) -> None:
+def test_runner_skips_finished_and_records_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     manifest = _sweep(tmp_path)
     points = {e["name"]: e for e in manifest["points"]}
     _fake_metrics(points["dense_s1"], 30.0)
     _fake_metrics(points["mosa_s4"], 40.0, step=1)  # unfinished: trained again, fails (no data)
+    capsys.readouterr()  # flops.sweep's lines
     rc = run_main([str(tmp_path / "sw"), "--only", "dense_s1,mosa_s4"])
     status = json.loads((tmp_path / "sw" / "status.json").read_text())
     assert rc == 1
     assert status["dense_s1"] == {"status": "done"}
     assert status["mosa_s4"]["status"] == "failed" and status["mosa_s4"]["rc"] == 2
     assert "nodata does not exist" in status["mosa_s4"]["error"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[1/2] dense_s1: finished, skipped"
+    # a readable line, not the status dict: the exit code, the time and the training log's last line
+    assert re.fullmatch(r"\[2/2\] mosa_s4: failed \(rc 2\) in \d+\.\d s: error: .*nodata does not exist.*", lines[-1])
+
+
+def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """run_sweep runs `train_lm.py --config <point> --resume <overrides>`: the overrides reach the run (a
+    `--resume [PATH]` option took the first one for a checkpoint path and every point failed)."""
+    from tests.synthetic import write_prepared
+
+    data = write_prepared(tmp_path / "data")
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "sw"),
+                       f"data.path={data}", "model.vocab_size=64", "trainer.accelerator=cpu"]) == 0
+    assert run_main([str(tmp_path / "sw"), "trainer.max_steps=2", "trainer.val_every=2", "optim.warmup_steps=1",
+                     "data.batch_size=2", "data.val_batches=1"]) == 0
+    entry = json.loads((tmp_path / "sw" / "sweep.json").read_text())["points"][0]
+    assert json.loads((Path(entry["out_dir"]) / "metrics.json").read_text())["step"] == 2
+    assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["status"] == "done"
+    assert re.fullmatch(r"\[1/1\] dense_s1: done in \d+\.\d s", capsys.readouterr().out.splitlines()[-1])
 
 
 def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:

@@ -61,6 +61,22 @@ def test_validation_curve_png(trained: tuple[Path, dict]) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
+def test_end_of_run_summary_names_only_written_files(data: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The curve needs two validations: a run with one names no curve (it named a missing val_curve.png)."""
+    from lm.train import train
+
+    caplog.set_level("INFO", logger="lightning.pytorch.utilities.rank_zero")
+    for name, val_every, curve in (("one", 100, False), ("two", 1, True)):
+        out = tmp_path / name
+        train(load_config(None, *run_overrides(data, out, max_steps=2, val_every=val_every)))
+        (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("outputs: ")]
+        caplog.clear()
+        assert f"checkpoint {out / 'checkpoints' / 'last.ckpt'} | metrics {out / 'metrics.json'}" in summary
+        assert (out / "val_curve.png").is_file() == curve
+        assert summary.endswith(f" | curve {out / 'val_curve.png'}") == curve, summary
+
+
 def test_tensorboard_scalars(trained: tuple[Path, dict]) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -192,6 +208,9 @@ def data_error(path: Path, **model: object) -> str:
 
 def test_data_errors(tmp_path: Path, data: Path) -> None:
     assert "does not exist" in data_error(tmp_path / "missing")
+    (tmp_path / "notes.md").write_text("not data")
+    message = data_error(tmp_path / "notes.md")
+    assert "notes.md is not a directory" in message and "--source gutenberg|c4|text" in message
     (tmp_path / "empty_dir").mkdir()
     assert "no index.json" in data_error(tmp_path / "empty_dir")
     assert "vocab_size 64 > model.vocab_size 50" in data_error(data, vocab_size=50)

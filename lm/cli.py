@@ -1,0 +1,28 @@
+"""Command-line arguments the training entry points share (train_lm.py, lm.compressed_training): the
+config, how to treat a run already in trainer.out_dir, and dotted overrides anywhere on the line.
+No Lightning import, so --help and bad arguments stay fast."""
+from __future__ import annotations
+
+import argparse
+
+
+def training_parser(description: str, config_help: str, override_example: str) -> argparse.ArgumentParser:
+    """--config FILE, one of --resume | --resume-from PATH | --overwrite, and overrides; parse with
+    `parse_intermixed_args`, so overrides may stand before, between and after the options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help=config_help)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue from the newest loadable checkpoint of trainer.out_dir (a fresh start if none)")
+    mode.add_argument("--resume-from", metavar="PATH", help="continue from this checkpoint")
+    mode.add_argument("--overwrite", action="store_true",
+                      help="delete the run already in trainer.out_dir (checkpoints, logs, metrics) and start again")
+    parser.add_argument("overrides", nargs="*", help=f"dotted overrides, e.g. {override_example}")
+    return parser
+
+
+def resume_of(args: argparse.Namespace) -> str | None:
+    """The `resume` argument of lm.train.train: "last" (--resume), a checkpoint path (--resume-from) or None."""
+    if args.resume_from is not None:
+        return args.resume_from
+    return "last" if args.resume else None

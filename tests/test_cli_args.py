@@ -1,0 +1,77 @@
+"""Command-line arguments of the flops/ and bench/ scripts (flops/cli.py): --help shows the script's whole
+module docstring, and a bad number or list is one `error:` line (exit 2) before any work starts."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPTS = ["bench.causal_routing", "bench.compression_experiment", "bench.decode", "bench.eval_quickstart",
+           "bench.generalisation", "bench.gutenberg_compare", "bench.heads", "bench.mita_varlen", "bench.resources",
+           "bench.throughput", "bench.triton_aot", "flops.aggregate", "flops.isoflop", "flops.mfu", "flops.sweep",
+           "quickstart"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_the_whole_docstring(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    assert module.__doc__.strip() in capsys.readouterr().out  # verbatim: usage examples and last sentence included
+
+
+SWEEP = ["--size", "micro", "--out", "{out}", "--heads", "mosa"]
+POSITIVE = "expected a positive integer, got"
+BAD = [
+    ("flops.isoflop", ["--head", "mosa", "--sparsity", "nan"], f"argument --sparsity: {POSITIVE} 'nan'"),
+    ("flops.isoflop", ["--head", "mosa", "--sparsity", "inf"], f"argument --sparsity: {POSITIVE} 'inf'"),
+    ("flops.isoflop", ["--head", "local", "--sparsity", "0"], f"argument --sparsity: {POSITIVE} '0'"),
+    ("flops.isoflop", ["--head", "mosa", "--sparsity", "-8"], f"argument --sparsity: {POSITIVE} '-8'"),
+    ("flops.isoflop", ["--head", "mosa", "--sparsity", "8.5"], f"argument --sparsity: {POSITIVE} '8.5'"),
+    ("flops.sweep", [*SWEEP, "--sparsity", "8,a"], f"argument --sparsity: {POSITIVE} 'a'"),
+    ("flops.sweep", [*SWEEP, "--sparsity", "nan"], f"argument --sparsity: {POSITIVE} 'nan'"),
+    ("flops.sweep", [*SWEEP, "--sparsity", "8,,16"],
+     "argument --sparsity: expected comma-separated values without empty entries, got '8,,16'"),
+    ("flops.sweep", [*SWEEP, "--sparsity", "4,8,4"], "argument --sparsity: 4 given more than once in '4,8,4'"),
+    ("flops.sweep", ["--size", "micro", "--out", "{out}", "--heads", "", "--sparsity", "8"],
+     "argument --heads: expected comma-separated values without empty entries, got ''"),
+    ("flops.sweep", ["--size", "micro", "--out", "{out}", "--heads", "mosa,,fixed", "--sparsity", "8"],
+     "argument --heads: expected comma-separated values without empty entries, got 'mosa,,fixed'"),
+    ("bench.decode", ["--lengths", "64", "0"], f"argument --lengths: {POSITIVE} '0'"),
+    ("bench.decode", ["--new-tokens", "0"], f"argument --new-tokens: {POSITIVE} '0'"),
+    ("bench.resources", ["--pair", "table2-tiny", "--steps", "0"], f"argument --steps: {POSITIVE} '0'"),
+    ("bench.resources", ["--pair", "table2-tiny", "--batch", "0"], f"argument --batch: {POSITIVE} '0'"),
+    ("bench.resources", ["--pair", "table2-tiny", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got '-1'"),
+    ("bench.heads", ["--repeats", "0"], f"argument --repeats: {POSITIVE} '0'"),
+    ("bench.heads", ["--dense-heads", "0"], f"argument --dense-heads: {POSITIVE} '0'"),
+    ("bench.mita_varlen", ["--block", "0"], f"argument --block: {POSITIVE} '0'"),
+    ("bench.throughput", ["--config", "configs/tiny.yaml", "--steps", "0"], f"argument --steps: {POSITIVE} '0'"),
+    ("bench.generalisation", ["--ckpt", "none.ckpt", "--val-windows", "0"], f"argument --val-windows: {POSITIVE} '0'"),
+    ("bench.eval_quickstart", ["--items", "0"], f"argument --items: {POSITIVE} '0'"),
+    ("bench.compression_experiment", ["--compressed", "a", "--baseline", "b", "--data", "c", "--tolerances", "0.1,inf"],
+     "argument --tolerances: expected a finite number, got 'inf'"),
+]
+
+
+@pytest.mark.parametrize("name,argv,message", BAD)
+def test_bad_numbers_are_one_line_before_any_work(name: str, argv: list[str], message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(name).main([arg.replace("{out}", str(out)) for arg in argv])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+    assert not out.exists()  # flops.sweep: no configs, no sweep.json
+
+
+def test_sweep_bad_sparsity_list_in_a_subprocess(tmp_path: Path) -> None:
+    argv = [arg.replace("{out}", str(tmp_path / "sw")) for arg in SWEEP]
+    proc = subprocess.run([sys.executable, "-m", "flops.sweep", *argv, "--sparsity", "8,a"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, f"error: argument --sparsity: {POSITIVE} 'a'\n")
