@@ -9,20 +9,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from heads.base import frozen_state
+
 
 @torch.no_grad()
-def future_leak(model: nn.Module, tokens: torch.Tensor, t: int, vocab_size: int, seed: int = 0) -> float:
+def future_leak(model: nn.Module, tokens: torch.Tensor, t: int, vocab_size: int, seed: int = 0,
+                training: bool = False) -> float:
     """max |logits[:, :t+1](tokens) - logits[:, :t+1](tokens')| where tokens' = tokens with every
-    position > t replaced by fresh random tokens. The model is run in eval mode."""
+    position > t replaced by fresh random tokens. The model runs in eval mode, or with `training` in train mode
+    (the training-time paths: MoSAIC's training priorities, a head's batch statistics) with its state frozen, so
+    that the first pass moves no threshold or centroid the second would see, and the same RNG draws in both."""
     if not 0 <= t < tokens.shape[1] - 1:
         raise ValueError(f"t must be in [0, {tokens.shape[1] - 1}), got {t}")
     was_training = model.training
-    model.eval()
+    model.train(training)
     g = torch.Generator(device="cpu").manual_seed(seed)
     perturbed = tokens.clone()
     tail = perturbed[:, t + 1 :]
     perturbed[:, t + 1 :] = torch.randint(0, vocab_size, tail.shape, generator=g).to(tokens.device)
-    a = model(tokens)[:, : t + 1]
-    b = model(perturbed)[:, : t + 1]
+    logits = []
+    with frozen_state(), torch.random.fork_rng(devices=[]):
+        for x in (tokens, perturbed):
+            torch.manual_seed(seed)
+            logits.append(model(x)[:, : t + 1])
     model.train(was_training)
-    return (a - b).abs().max().item()
+    return (logits[0] - logits[1]).abs().max().item()

@@ -90,3 +90,23 @@ def test_random_configurations_keep_the_contract(head_type: str) -> None:
             if decoded is not None:
                 err = (decoded - y).abs().max().item()
                 assert err < 1e-10, f"decoding differs from the full forward by {err:.1e}: {what}"
+
+
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
+def test_causal_in_training_mode(head_type: str) -> None:
+    """The training-time paths (MoSAIC's training priorities, batch statistics) leak no future token either; a
+    non-causal option is flagged as such (the faithful expert choice), and leaks in training mode as in eval."""
+    import lm
+    from lm.causality import future_leak
+    from tests.conftest import tiny_config
+    from tests.head_checks import tiny_options
+
+    heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]
+    model = lm.build_model(tiny_config(heads, init_std=0.3).model)
+    assert model.causal
+    assert future_leak(model, torch.randint(0, 97, (2, 64)), t=27, vocab_size=97, training=True) <= 1e-5
+    if head_type == "mosa":
+        heads[1]["options"]["selection"] = "expert_choice"
+        leaky = lm.build_model(tiny_config(heads, init_std=0.3).model)
+        assert not leaky.causal
+        assert future_leak(leaky, torch.randint(0, 97, (2, 64)), t=27, vocab_size=97, training=True) > 1e-2
