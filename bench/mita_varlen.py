@@ -44,6 +44,8 @@ def run(T: int, varlen: bool, args: argparse.Namespace) -> tuple[float, int, str
             start.record()
             group(x, pos).float().square().mean().backward()
             end.record()
+            x.grad = None  # fresh gradients every step, as in training (none accumulate across steps)
+            group.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(start.elapsed_time(end) / 1e3)
