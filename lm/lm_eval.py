@@ -64,7 +64,7 @@ class SparseHeadsLM(TemplateLM):
         bar = progress_bar(desc="windows", disable=disable_tqdm)
         try:
             return score(self.model, sequences, firsts, self.seq_len, strides, self.batch_size, self.leak_free,
-                         progress=bar.update)
+                         progress=bar.update, vocab=self.sp.get_piece_size())
         finally:
             bar.close()
 

@@ -89,9 +89,11 @@ def progress_bar(iterable: Any = None, disable: bool = False, **kwargs: Any) -> 
 @torch.no_grad()
 def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence[int], context: int,
           stride: int | Sequence[int], batch_size: int = 8, leak_free: bool = False,
-          progress: Callable[[int], Any] | None = None) -> list[Scores]:
+          progress: Callable[[int], Any] | None = None, vocab: int | None = None) -> list[Scores]:
     """Scores of targets x[first:] of each sequence (module docstring); `stride` is one for all or one per
-    sequence; `progress(n)` is called after each batch with the number of windows done (e.g. tqdm.update)."""
+    sequence; `progress(n)` is called after each batch with the number of windows done (e.g. tqdm.update);
+    `vocab`: the argmax (`greedy`) is taken over ids below it, the tokenizer's pieces when the model's vocabulary
+    is padded beyond them (as generation, lm/generate.sample, never picks a padded id)."""
     strides = [stride] * len(sequences) if isinstance(stride, int) else list(stride)
     wins = [w for i, (x, f, st) in enumerate(zip(sequences, firsts, strides))
             for w in windows(len(x), f, context, st, i)]
@@ -120,7 +122,7 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence
             logp = logits.float().log_softmax(-1)
             tgt = tokens[:, 1:][:, kept]
             tok_nll = -logp.gather(-1, tgt[..., None])[..., 0].double().cpu()
-            hit = (logp.argmax(-1) == tgt).cpu()
+            hit = (logp[..., :vocab].argmax(-1) == tgt).cpu()
             for j, w in enumerate(batch):
                 cols = [at[p] for p in range(w.length - (w.e - w.s), w.length)]
                 out = slice(w.s - firsts[w.seq], w.e - firsts[w.seq])

@@ -194,3 +194,25 @@ def test_cli_scores_a_model_with_a_padded_vocabulary(corpus: Path, tmp_path: Pat
     ckpt, model = save_checkpoint(tmp_path, corpus, seq_len=32, vocab_size=512)
     rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--stride", "16")
     assert rc == 0 and model.cfg.vocab_size == 512 and res["total"]["tokens"] > 0, err
+
+
+def test_greedy_is_the_argmax_over_the_tokenizers_ids() -> None:
+    """With a padded vocabulary, `greedy` (lm-eval's is_greedy) compares the target with the argmax over the
+    tokenizer's ids only: a padded id the model happens to rank first can never be generated."""
+
+    class Toy(torch.nn.Module):
+        causal = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # id 5 (padding) first, id 0 second
+            logits = torch.zeros(*tokens.shape, 6)
+            logits[..., 5], logits[..., 0] = 3.0, 2.0
+            return logits + self.w
+
+    sequence = [0, 0, 0, 0]
+    (padded,), (pieces,) = (score(Toy(), [sequence], [1], 4, 4, vocab=v) for v in (None, 5))
+    assert not padded.greedy.any() and pieces.greedy.all()
+    assert torch.equal(padded.nll, pieces.nll)  # the likelihood is the model's, over its whole vocabulary
