@@ -12,28 +12,21 @@ from __future__ import annotations
 
 import sys
 
-from heads import ConfigError
-from lm.cli import resume_of, training_parser
+from lm.cli import exit_status, resume_of, training_parser
 from lm.config import load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = training_parser(__doc__.split("\n")[0], "YAML file (configs/*.yaml)", "model.n_layers=4")
     args = parser.parse_intermixed_args(argv)
-    from lm.errors import DataError, NonFiniteError  # after argument parsing: --help stays fast
 
-    try:
+    def run() -> None:
         cfg = load_config(args.config, *args.overrides)
-        from lm.train import train
+        from lm.train import train  # after argument parsing: --help stays fast
 
         train(cfg, resume=resume_of(args), overwrite=args.overwrite)
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except NonFiniteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    return 0
+
+    return exit_status(run)
 
 
 if __name__ == "__main__":

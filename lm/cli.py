@@ -4,6 +4,9 @@ No Lightning import, so --help and bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def training_parser(description: str, config_help: str, override_example: str) -> argparse.ArgumentParser:
@@ -26,3 +29,17 @@ def resume_of(args: argparse.Namespace) -> str | None:
     if args.resume_from is not None:
         return args.resume_from
     return "last" if args.resume else None
+
+
+def exit_status(run: Callable[[], Any]) -> int:
+    """Run a training entry point's work: 0; a config or data error: one `error:` line on stderr, 2; a diverged
+    run (lm/nonfinite.py): one line naming the step and the last finite checkpoint, 3."""
+    from heads import ConfigError
+    from lm.errors import DataError, NonFiniteError
+
+    try:
+        run()
+    except (ConfigError, DataError, NonFiniteError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3 if isinstance(err, NonFiniteError) else 2
+    return 0

@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset
 
 from heads import ConfigError
 from lm.checkpoint import StepCheckpoints, read_checkpoint
-from lm.cli import resume_of, training_parser
+from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
@@ -249,14 +249,13 @@ def main(argv: list[str] | None = None) -> int:
                              "YAML with a compression section (configs/experiments/compression*.yaml)",
                              "compression.ratio=0.25")
     args = parser.parse_intermixed_args(argv)
-    try:
+
+    def run() -> None:
         metrics = train_compressed(load_config(args.config, *args.overrides), resume=resume_of(args),
                                    overwrite=args.overwrite)
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
-    return 0
+        print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
+
+    return exit_status(run)  # 2: config or data error, 3: diverged
 
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ CASES = [
     ("diverges", [*TRAIN, "optim.lr=1e6", "optim.grad_clip=1e9", "optim.warmup_steps=0", "trainer.val_every=100"], 3,
      r"non-finite training at step 2: loss nan, first non-finite gradient in model\.\S+; stopped; "
      r"no checkpoint written yet"),
+    ("compressed-diverges", [sys.executable, "-m", "lm.compressed_training", "--config", "{empty_yaml}", "{run}",
+                             "compression.layer=1", "compression.prefix_len=16", "optim.lr=1e6", "optim.grad_clip=1e9",
+                             "optim.warmup_steps=0", "trainer.val_every=100"], 3, r"^error: non-finite training at step \d+"),
     # lm.generate
     ("generate-routing", [*GENERATE, "--ckpt", "{routing_ckpt}"], 2, r"'routing' does not support KV-cached decoding"),
     ("generate-huge", [*GENERATE, "--ckpt", "{dense_ckpt}", "--max-new-tokens", "100000000000"], 2,
