@@ -50,8 +50,9 @@ class AgentOptions(HeadOptions):
         if not 1 <= self.window <= self.block:
             raise ConfigError(f"agent: options.window must be in [1, block={self.block}], got {self.window}")
 
-    def validate_length(self, seq_len: int) -> None:
-        self.at_most("agent", "block", seq_len, "no block would complete, so there would be no agents")
+    def validate_length(self, head: str, seq_len: int) -> None:
+        super().validate_length(head, seq_len)
+        self.at_most(head, "block", seq_len, "no block would complete, so there would be no agents")
 
 
 @register("agent")

@@ -65,9 +65,14 @@ class HeadOptions:
         if self.impl not in ("fast", "reference"):
             raise ConfigError(f"impl must be 'fast' or 'reference', got {self.impl!r}")
 
-    def validate_length(self, seq_len: int) -> None:
-        """Raise ConfigError (one line) for options a model trained on length-T sequences would waste (checked at
-        config load only: a built group must still run on sequences shorter than that, where they are clamped)."""
+    def validate_length(self, head: str, seq_len: int) -> None:
+        """Raise ConfigError (one line) for options of `head` heads that a model trained on length-T sequences
+        would waste (checked at config load only: a built group must still run on sequences shorter than that,
+        where they are clamped). Here: a sparsity rho > T (k = T / rho below one token per head); types with
+        other sizes extend it."""
+        sparsity = getattr(self, "sparsity", None)
+        if sparsity is not None and sparsity > seq_len:
+            raise ConfigError(f"model.heads: {head} sparsity {sparsity} > model.seq_len {seq_len}")
 
     def at_most(self, head: str, name: str, seq_len: int, otherwise: str) -> None:
         """validate_length's check that options.<name> <= T, where the head would degenerate (`otherwise`)."""

@@ -48,8 +48,9 @@ class LocalOptions(HeadOptions):
         if self.window < 1:
             raise ConfigError(f"local: window must be >= 1, got {self.window}")
 
-    def validate_length(self, seq_len: int) -> None:
-        self.at_most("local", "window", seq_len, "every query would see all its keys (dense attention)")
+    def validate_length(self, head: str, seq_len: int) -> None:
+        super().validate_length(head, seq_len)
+        self.at_most(head, "window", seq_len, "every query would see all its keys (dense attention)")
 
     def kv_per_head(self, seq_len: int) -> int:
         return min(self.window, seq_len)

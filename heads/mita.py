@@ -78,9 +78,10 @@ class MiTAOptions(HeadOptions):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mita: options.{name} must be >= 1, got {getattr(self, name)}")
 
-    def validate_length(self, seq_len: int) -> None:
-        self.at_most("mita", "block", seq_len, "no block would complete, so there would be no landmarks")
-        self.at_most("mita", "k", seq_len, "every expert would hold all the keys")
+    def validate_length(self, head: str, seq_len: int) -> None:
+        super().validate_length(head, seq_len)
+        self.at_most(head, "block", seq_len, "no block would complete, so there would be no landmarks")
+        self.at_most(head, "k", seq_len, "every expert would hold all the keys")
 
 
 @register("mita")

@@ -36,8 +36,9 @@ class TopKOptions(HeadOptions):
         if self.chunk < 1:
             raise ConfigError(f"topk: options.chunk must be >= 1, got {self.chunk}")
 
-    def validate_length(self, seq_len: int) -> None:
-        self.at_most("topk", "k", seq_len, "every query would keep all its keys (dense attention)")
+    def validate_length(self, head: str, seq_len: int) -> None:
+        super().validate_length(head, seq_len)
+        self.at_most(head, "k", seq_len, "every query would keep all its keys (dense attention)")
 
 
 def _future(c0: int, c1: int, device: torch.device) -> torch.Tensor:

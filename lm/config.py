@@ -157,10 +157,7 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"model.heads: layer {layer} has an empty head mix")
         for g in m.mix(layer):
             opts = make_options(g.type, dict(g.options), m.group_context(layer))
-            sparsity = getattr(opts, "sparsity", None)
-            if sparsity is not None and sparsity > m.seq_len:  # k = T / rho would be below one token per head
-                raise ConfigError(f"model.heads: {g.type} sparsity {sparsity} > model.seq_len {m.seq_len}")
-            opts.validate_length(m.seq_len)
+            opts.validate_length(g.type, m.seq_len)
             if g.count < 1:
                 raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
             opts.validate_count(g.count)
