@@ -36,7 +36,7 @@ from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
-from lm.train import build_trainer, ckpt_dir, resume_path
+from lm.train import build_trainer, checked_strategy, ckpt_dir, resume_path
 
 
 class LayoutSampler:
@@ -200,13 +200,14 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
                           "python train_lm.py --config CONFIG")
     data = CompressedDataModule(cfg)
     data.check()
+    strategy = checked_strategy(cfg)
     claim(cfg, resume is not None, overwrite)
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CompressedModule(cfg)
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints)
+    trainer = build_trainer(cfg, checkpoints, strategy)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(module, datamodule=data, verbose=False)

@@ -107,7 +107,7 @@ def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundar
 
 
 def test_accumulate_grad_batches_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be a finite number > 0, got 0"):
         load_config(None, "trainer.accumulate_grad_batches=0")
 
 

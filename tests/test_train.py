@@ -132,7 +132,19 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(data: Path, tmp_path: Pat
 
     cfg = load_config(None, *run_overrides(data, tmp_path))
     assert not sys.stderr.isatty()  # pytest captures it
-    assert build_trainer(cfg, StepCheckpoints(tmp_path, 10, 10)).progress_bar_callback is None
+    assert build_trainer(cfg, StepCheckpoints(tmp_path, 10, 10), "auto").progress_bar_callback is None
+
+
+def test_a_start_the_trainer_set_up_refuses_leaves_the_run_directory_unclaimed(data: Path, tmp_path: Path) -> None:
+    """The device check runs before the directory is claimed: the corrected rerun starts without --overwrite."""
+    from lm.run_dir import holds_run
+    from lm.train import train
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"trainer\.devices=64, but this machine has \d+ CUDA GPU"):
+        train(load_config(None, *run_overrides(data, out, accelerator="gpu", devices=64)))
+    assert not holds_run(out) and not (out / "config.yaml").exists()
+    assert train(load_config(None, *run_overrides(data, out, max_steps=2, val_every=2)))["step"] == 2
 
 
 def test_lr_schedule() -> None:
