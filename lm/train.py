@@ -140,6 +140,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
         enable_checkpointing=False, default_root_dir=t.out_dir,
+        use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
     )

@@ -207,6 +207,14 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
     assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
     assert torch.equal(val[2][0], ValWindows(open_split(data, "val", cfg.model), 32, 5)[2][0])
+    # over 2 ranks every window is validated once, also when 2 does not divide the count (Lightning's
+    # DistributedSampler would pad rank 1 with a repeat of window 0; use_distributed_sampler is off)
+    ranks = [ValWindows(open_split(data, "val", cfg.model), 32, 5, rank=r, world_size=2).starts for r in (0, 1)]
+    assert sorted(np.concatenate(ranks).tolist()) == val.starts.tolist() and [len(r) for r in ranks] == [3, 2]
+    from lm.checkpoint import StepCheckpoints
+    from lm.train import build_trainer
+
+    assert not build_trainer(cfg, StepCheckpoints(Path("unused"), 10, 10), "auto")._accelerator_connector.use_distributed_sampler
 
 
 def data_error(path: Path, **model: object) -> str:
