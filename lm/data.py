@@ -37,8 +37,12 @@ class TokenStream:
     def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int) -> None:
         """Checks every shard once: present, the size index.json states, token ids < vocab_size."""
         self.split = split
-        self.paths = [directory / s["file"] for s in shards]
-        sizes = [int(s["tokens"]) for s in shards]
+        try:
+            self.paths = [directory / s["file"] for s in shards]
+            sizes = [int(s["tokens"]) for s in shards]
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(f"data.path: {directory / 'index.json'} has a damaged {split} shard entry "
+                            f"({type(err).__name__}: {err}); prepare the directory again") from None
         for path, n in zip(self.paths, sizes):
             if not path.is_file():
                 raise DataError(f"data.path: shard {path} listed in index.json is missing")

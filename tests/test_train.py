@@ -240,6 +240,13 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
     broken = write_prepared(tmp_path / "truncated")
     (broken / "train_00001.bin").write_bytes(b"\0" * 10)
     assert "train_00001.bin" in data_error(broken)
+    # an index entry without its file, or with a token count that is no number
+    for name, damage in (("no_file", lambda e: e.pop("file")), ("bad_tokens", lambda e: e.update(tokens="lots"))):
+        edited = write_prepared(tmp_path / name)
+        index = json.loads((edited / "index.json").read_text())
+        damage(index["splits"]["train"]["shards"][0])
+        (edited / "index.json").write_text(json.dumps(index))
+        assert "index.json has a damaged train shard entry" in data_error(edited)
 
 
 # ---- entry point ---------------------------------------------------------------------------------
