@@ -61,6 +61,7 @@ class LocalHeads(DenseHeads):
     """Sliding-window heads: the dense heads' projections (`qkv`, `out`) with a band mask."""
 
     Options = LocalOptions
+    beyond_training = "keeps attending to its last `window` tokens"
     options: LocalOptions
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

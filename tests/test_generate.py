@@ -281,6 +281,25 @@ def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFi
     assert lines == [f"warning: generating {T + 5} tokens, past the training length {T}: dense attends to every "
                      "token, at rotary positions never seen in training; mosa adds no token once its capacity "
                      "slots (sized for the training length) are full"]
+
+
+def test_every_type_with_a_kv_cache_says_what_it_does_past_the_training_length() -> None:
+    """A subclass inherits its parent's cache code but must state its own behaviour (top-k is not dense there)."""
+    from heads import REGISTRY
+    from heads.base import GroupContext, make_options
+    from tests.head_checks import tiny_options
+
+    ctx = GroupContext(d_model=32, head_dim=8, seq_len=64)
+    for name, cls in REGISTRY.items():
+        group = cls(ctx, 2, make_options(name, tiny_options(name), ctx))
+        try:
+            group.new_cache(1, 8)
+        except NotImplementedError:
+            assert cls.beyond_training == "", name
+            continue
+        assert "beyond_training" in vars(cls) and cls.beyond_training, f"{name} does not state beyond_training"
+
+
 def test_a_tiny_temperature_samples_the_argmax_instead_of_nan() -> None:
     """logits / 1e-30 overflows to inf (and softmax to nan) unless the logits are shifted first."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
