@@ -20,6 +20,20 @@ def tiny_options(head_type: str) -> dict:
     return dict(TINY_OPTIONS[head_type])
 
 
+def decodable_types() -> set[str]:
+    """The registered head types with a KV cache (new_cache does not raise NotImplementedError)."""
+    from heads import REGISTRY
+
+    out = set()
+    for name in REGISTRY:
+        try:
+            make_group(name, tiny_options(name), 64).new_cache(1, 8)
+        except NotImplementedError:
+            continue
+        out.add(name)
+    return out
+
+
 # fp32 tolerances for fast vs reference: relative RMS error and max-abs error relative to the
 # reference's max-abs (the two paths sum in different orders, so they agree to float rounding).
 REL_RMS_TOL = 1e-5
