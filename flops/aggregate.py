@@ -8,9 +8,10 @@ Reads each `<dir>/sweep.json`, `status.json`, and every point's `metrics.json` (
 done: its run reached trainer.max_steps (and, if not causal, was evaluated leak-free). Points that
 stopped early are `partial`: listed with the step they reached, marked in the tables and drawn as
 hollow markers, never part of a curve or a mean. Replicas (`flops.sweep --seeds N`) of a point are
-summarised as mean ± sample standard deviation over the done ones. The PNG has one panel per model
-size (one per sweep directory's size), a line per head type with error bars, each starting at that
-size's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
+summarised as mean ± sample standard deviation over the done ones; points of different sweep directories
+are never pooled (a hybrid and a pure sweep of one size are two experiments). The PNG has one panel per
+sweep (titled by its size, and its directory when two sweeps share a size), a line per head type with
+error bars, each starting at that sweep's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from flops.json_files import read_json
 from heads.base import ConfigError
 
 COLUMNS = [
-    "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
+    "sweep", "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
     "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "val_ppl", "leakfree_ppl", "ppl",
     "tokens_per_s",
 ]
@@ -52,8 +53,15 @@ def point_status(recorded: str | None, step: int | None, target: int | None, ppl
     return "partial" if step is not None else "not run"
 
 
-def collect(sweep: Path) -> list[dict[str, Any]]:
-    """One row per point; `ppl` is val_ppl for causal heads and leakfree_ppl otherwise (None if missing)."""
+def sweep_labels(sweeps: list[Path]) -> list[str]:
+    """One label per sweep directory: its size, or "size (directory)" when another sweep has the same size."""
+    sizes = [read_json(sweep / "sweep.json", keys=("points", "size"))["size"] for sweep in sweeps]
+    return [size if sizes.count(size) == 1 else f"{size} ({sweep})" for size, sweep in zip(sizes, sweeps)]
+
+
+def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
+    """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
+    leakfree_ppl otherwise (None if missing)."""
     manifest = read_json(sweep / "sweep.json", keys=("points", "size"))
     status = read_json(sweep / "status.json", {})
     rows = []
@@ -61,7 +69,7 @@ def collect(sweep: Path) -> list[dict[str, Any]]:
         out = Path(e["out_dir"])
         m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
-        row.update(size=manifest["size"], step=m.get("step"), max_steps=max_steps(e), val_ppl=m.get("val_ppl"),
+        row.update(sweep=label or manifest["size"], size=manifest["size"], step=m.get("step"), max_steps=max_steps(e), val_ppl=m.get("val_ppl"),
                    leakfree_ppl=lf.get("leakfree_ppl"), tokens_per_s=m.get("tokens_per_s"))
         row["ppl"] = row["val_ppl"] if e["causal"] else row["leakfree_ppl"]
         row["status"] = point_status(status.get(e["name"], {}).get("status"), row["step"], row["max_steps"], row["ppl"])
@@ -70,10 +78,10 @@ def collect(sweep: Path) -> list[dict[str, Any]]:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """(size, head, sparsity) -> {mean, std, n (done replicas), partial (rows not done), rows}."""
+    """(sweep, head, sparsity) -> {mean, std, n (done replicas), partial (rows not done), rows}."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["size"], r["head"], r["sparsity"]), []).append(r)
+        groups.setdefault((r["sweep"], r["head"], r["sparsity"]), []).append(r)
     out = {}
     for key, members in groups.items():
         done = [r["ppl"] for r in members if r["status"] == "done"]
@@ -86,16 +94,16 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, 
 
 
 def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[int, float, float]]]:
-    """(size, head type) -> [(sparsity, mean ppl, std)] over done points, sorted, each starting at that
-    size's dense baseline (sparsity 1) when it is done."""
+    """(sweep, head type) -> [(sparsity, mean ppl, std)] over done points, sorted, each starting at that
+    sweep's dense baseline (sparsity 1) when it is done."""
     s = summary(rows)
     out: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
-    for (size, head, rho), g in s.items():
+    for (sweep, head, rho), g in s.items():
         if head == "dense" or g["mean"] is None:
             continue
-        base = s.get((size, "dense", 1))
+        base = s.get((sweep, "dense", 1))
         start = [(1, base["mean"], base["std"])] if base and base["mean"] is not None else []
-        out.setdefault((size, head), start).append((rho, g["mean"], g["std"]))
+        out.setdefault((sweep, head), start).append((rho, g["mean"], g["std"]))
     return {key: sorted(points) for key, points in out.items()}
 
 
@@ -119,14 +127,14 @@ def cell(g: dict[str, Any] | None) -> str:
 def markdown(rows: list[dict[str, Any]], note: str) -> str:
     s = summary(rows)
     lines = [note, ""]
-    for size in dict.fromkeys(r["size"] for r in rows):
-        mine = [r for r in rows if r["size"] == size]
+    for sweep in dict.fromkeys(r["sweep"] for r in rows):
+        mine = [r for r in rows if r["sweep"] == sweep]
         sparsities = sorted({r["sparsity"] for r in mine})
         heads = sorted({r["head"] for r in mine if r["head"] != "dense"})
-        lines += [f"Size {size}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
+        lines += [f"Size {sweep}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
                   "mean ± std over finished seeds; `x* @step/max` = partial run, not in the mean or the curve:", ""]
         lines += ["| head | " + " | ".join(f"rho={r}" for r in sparsities) + " |", "|---" * (len(sparsities) + 1) + "|"]
-        lines += [f"| {h} | " + " | ".join(cell(s.get((size, "dense" if r == 1 else h, r))) for r in sparsities) + " |"
+        lines += [f"| {h} | " + " | ".join(cell(s.get((sweep, "dense" if r == 1 else h, r))) for r in sparsities) + " |"
                   for h in heads]
         lines.append("")
     lines += ["All points:", "", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
@@ -140,30 +148,30 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    sweeps = list(dict.fromkeys(r["sweep"] for r in rows))
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5 * len(sweeps), 4), squeeze=False)
     lines = curves(rows)
     colours = {h: f"C{i}" for i, h in enumerate(sorted({r["head"] for r in rows if r["head"] != "dense"}))}
     s = summary(rows)
-    for ax, size in zip(axes[0], sizes):
-        for (sz, head), points in lines.items():
-            if sz == size:
+    for ax, sweep in zip(axes[0], sweeps):
+        for (sw, head), points in lines.items():
+            if sw == sweep:
                 xs, ys, es = zip(*points)
                 ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[head], label=head)
-        partial = [r for g in s.values() for r in g["partial"] if r["size"] == size]
+        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep]
         if partial:
             ax.scatter([r["sparsity"] for r in partial], [r["ppl"] for r in partial], facecolors="none",
                        edgecolors="black", label="partial run (not in the curve)")
-        base = s.get((size, "dense", 1))
+        base = s.get((sweep, "dense", 1))
         if base and base["mean"] is not None:
             ax.axhline(base["mean"], color="grey", linestyle="--", linewidth=1, label="dense baseline")
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["sparsity"] for r in rows if r["size"] == size})
+        ticks = sorted({r["sparsity"] for r in rows if r["sweep"] == sweep})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
         ax.set_ylabel("validation perplexity")
-        ax.set_title(f"{size}")
+        ax.set_title(sweep)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
@@ -174,12 +182,12 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.aggregate")
-    p.add_argument("sweeps", type=Path, nargs="+", help="sweep directories (one panel per model size)")
+    p.add_argument("sweeps", type=Path, nargs="+", help="sweep directories (one panel each)")
     p.add_argument("--out", type=Path, help="output prefix (default <first sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")
     a = p.parse_args(argv)
     try:
-        rows = [row for sweep in a.sweeps for row in collect(sweep)]
+        rows = [row for sweep, label in zip(a.sweeps, sweep_labels(a.sweeps)) for row in collect(sweep, label)]
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -142,7 +142,9 @@ def routing(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 def local(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """Sliding-window attention (each query sees the last w tokens, itself included):
     8hh'T (Q, K, V, O on all tokens) + 4h'T*min(w, T) (each query scores w keys, no causal halving,
-    App. C's convention with T^2 replaced by T*w). KV: the last min(w, T) tokens."""
+    App. C's convention with T^2 replaced by T*w). KV: the last min(w, T) tokens. An algorithmic count, like
+    "no causal halving": the SDPA fast path (heads/local.py window_blocks) scores blocks of w queries against
+    2w keys, 4h'T*2w, so it executes 1.2x this at h = 512, h' = 64, w = 256; flash-attn's window executes ~w."""
     w = min(int(o.require("window")), T)
     return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * w), kv=n * w, params=n * 4 * h * hd)
 
@@ -176,7 +178,8 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
     8hh'T + 4h'mT (aggregation: m = T // b agents over T keys) + 4h'Tm (broadcast: T queries over m
     agents) + 4h'T*min(w, T) (local window). Pooling not counted. KV: all T (a future agent
-    aggregates over its whole prefix). Params: dense's 4hh' (no agent bias, no DWC)."""
+    aggregates over its whole prefix). Params: dense's 4hh' (no agent bias, no DWC). An algorithmic count: the
+    fast path scores each block of b queries against 2b window keys (1.06x this at h = 512, b = w = 64)."""
     m, w = T // int(o.require("block")), min(int(o.require("window")), T)
     return Cost(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w), kv=n * T, params=n * 4 * h * hd)
 
@@ -184,10 +187,12 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
 @formula("mita")
 def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     """Causal MiTA (eqs. 5-12, Alg. 1) with m = T // b landmarks: 8hh'T + 2h'mT (landmark scores
-    S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, reused as shared-expert scores) + if shared:
-    2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
+    S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, the same product as the shared expert's scores) + if
+    shared: 2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
     experts) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
-    gathers not counted. KV: all T. Params: dense's 4hh'."""
+    gathers not counted. KV: all T. Params: dense's 4hh'. An algorithmic count: heads/mita.py takes the routing
+    decisions from S and Q Q~^T computed once more without autograd (+4h'mT), and on CPU pads routed groups to
+    multiples of b (1.04x this at h = 512, b = k = 64, s = 1)."""
     b, k = int(o.require("block")), int(o.require("k"))
     m = T // b
     s = min(int(o.require("s")), m)  # a query can route to at most the m landmarks

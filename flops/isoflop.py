@@ -73,8 +73,10 @@ def solve(
     if sparsity is not None and "sparsity" in options and options["sparsity"] != sparsity:
         raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
     if head in REGISTRY:  # unknown options, wrong types and bad values: the same check as training's
-        has_sparsity = "sparsity" in {f.name for f in dataclasses.fields(REGISTRY[head].Options)}
-        given = {"sparsity": sparsity} if sparsity is not None and has_sparsity else {}
+        fields = [f.name for f in dataclasses.fields(REGISTRY[head].Options)]
+        if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
+            raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
+        given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
         make_options(head, {**options, **given}, base.group_context(0))
     if sparsity is None:  # the head type's own option or default, e.g. mosa's sparsity 8
         sparsity = Options(head, options).get("sparsity")

@@ -6,11 +6,13 @@ left out of `flops_per_pass`, which reproduces MoSA Table 4 exactly.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from flops.formulas import group_cost
+from flops.formulas import Options, group_cost
+from heads.base import ConfigError
 from lm.compression import Layout
-from lm.config import CompressionConfig, ModelConfig
+from lm.config import CompressionConfig, HeadGroupConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,24 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
     )
 
 
+def slots_set_by_training_length(g: HeadGroupConfig) -> bool:
+    """Whether the group's heads size their slots from model.seq_len, not from the window they run on: MoSA's
+    threshold selection and Routing's nearest-centroid clusters (capacity ceil(capacity_factor * k(seq_len))),
+    MoSAIC (k(seq_len) per expert). On a shorter window their formula, which takes k from the window, would
+    undercount them (4.3x for MoSA at a quarter of the length)."""
+    o = Options(g.type, g.options)
+    return (g.type == "mosaic" or (g.type == "mosa" and o.get("selection") == "threshold")
+            or (g.type == "routing" and o.get("assignment") == "nearest"))
+
+
 def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
-    """Forward FLOPs of block `layer` (its head mix and FFN) on one window of `seq_len` tokens."""
+    """Forward FLOPs of block `layer` (its head mix and FFN) on one window of `seq_len` tokens; a ConfigError
+    for a window shorter than model.seq_len when a head group's slots are set by model.seq_len."""
+    if seq_len < cfg.seq_len:
+        for g in cfg.mix(layer):
+            if slots_set_by_training_length(g):
+                raise ConfigError(f"no FLOP count of {g.type} heads ({g.options}) on {seq_len}-token windows: their slots "
+                                  f"are set by model.seq_len={cfg.seq_len}, not by the window")
     groups = sum(group_cost(g.type, cfg.d_model, cfg.head_dim, seq_len, g.count, g.options).flops for g in cfg.mix(layer))
     return groups + ffn_flops(cfg.d_model, cfg.ffn_mult, seq_len)
 
@@ -82,7 +100,8 @@ def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = Fal
 
 
 # Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets.
-# Matched as substrings of torch.cuda.get_device_name(), most specific first.
+# Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is not an
+# L4, "NVIDIA GH200" not an H200), most specific first.
 PEAK_TFLOPS_BF16: dict[str, float] = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
@@ -94,6 +113,7 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
     "A100": 312.0,
     "A800": 312.0,
     "L40S": 362.0,
+    "L40": 181.0,
     "L4": 121.0,
     "A10G": 70.0,
     "A10": 125.0,
@@ -104,7 +124,7 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
 def peak_flops(device_name: str) -> float:
     """Dense bf16 peak FLOP/s of a GPU from its name; ValueError (one line) if not in the table."""
     for key, tflops in PEAK_TFLOPS_BF16.items():
-        if key.lower() in device_name.lower():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
             return tflops * 1e12
     raise ValueError(f"no peak FLOP/s known for device {device_name!r}; known: {', '.join(PEAK_TFLOPS_BF16)}")
 

@@ -5,7 +5,7 @@
         [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
-`--size` (or the base's own shape with `--size base`) and the head mix solved by flops.isoflop;
+`--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape) and the head mix solved by flops.isoflop;
 sparsity 1 is the dense baseline, written once as `dense_s1`. `--seeds N` writes N replicas of every
 point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
 (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
@@ -26,7 +26,7 @@ from flops.cli import comma_list, positive_int, script_parser
 from flops.isoflop import _parse_option, solve
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
-from lm.config import Config, HeadGroupConfig, load_config, to_yaml, validate
+from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
 from lm.model import build_model
 
 
@@ -70,6 +70,21 @@ def sweep_points(
     return points
 
 
+def preset_conflicts(size: str, model: ModelConfig) -> None:
+    """ConfigError if the --base YAML or an override sets a model shape that the preset `size` would silently
+    replace (a field that differs from both ModelConfig's default and the preset)."""
+    default, preset = ModelConfig(), SIZES[size]
+    dense = sum(g.count for g in model.heads if g.type == "dense")
+    given = dict(n_layers=model.n_layers, d_model=model.d_model, head_dim=model.head_dim, seq_len=model.seq_len)
+    for name, value in given.items():
+        if value not in (getattr(default, name), preset[name]):
+            raise ConfigError(f"model.{name}={value} conflicts with --size {size} ({name}={preset[name]}); "
+                              "pass --size base to sweep the config's own shape")
+    if model.heads != default.heads and dense != preset["n_heads"]:
+        raise ConfigError(f"the config's {dense} dense heads conflict with --size {size} ({preset['n_heads']}); "
+                          "pass --size base to sweep the config's own baseline")
+
+
 def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
     """['mosa.selection=expert_choice'] -> {'mosa': {'selection': 'expert_choice'}}."""
     out: dict[str, dict[str, Any]] = {}
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(a.base, *a.overrides)
         size = None if a.size == "base" else a.size
+        if size in SIZES:
+            preset_conflicts(size, cfg.model)
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
         points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
     except ConfigError as err:

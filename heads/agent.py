@@ -60,6 +60,7 @@ class AgentHeads(DenseHeads):
     """Causal agent attention heads: pooled-block agents plus a local window, one softmax."""
 
     Options = AgentOptions
+    beyond_training = "keeps every token and adds an agent per block (its cache grows with the length)"
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']

@@ -113,6 +113,9 @@ class HeadGroup(nn.Module):
 
     type_name: ClassVar[str] = ""
     Options: ClassVar[type[HeadOptions]] = HeadOptions
+    # What the group's decoding does past the training length (lm/generate.py says it before generating there);
+    # every type with a KV cache states its own (tests/test_generate.py), "" for those without one.
+    beyond_training: ClassVar[str] = ""
 
     def __init__(self, ctx: GroupContext, count: int, options: HeadOptions) -> None:
         super().__init__()

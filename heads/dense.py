@@ -18,6 +18,7 @@ from heads.kv_cache import SlotKV
 @register("dense")
 class DenseHeads(HeadGroup):
     Options = HeadOptions
+    beyond_training = "attends to every token, at rotary positions never seen in training"
 
     def __init__(self, ctx: GroupContext, count: int, options: HeadOptions) -> None:
         super().__init__(ctx, count, options)

@@ -36,6 +36,7 @@ class FixedOptions(HeadOptions):
 @register("fixed")
 class FixedHeads(HeadGroup):
     Options = FixedOptions
+    beyond_training = "keeps adding every rho-th token (its cache grows with the length)"
     options: FixedOptions
 
     def __init__(self, ctx: GroupContext, count: int, options: FixedOptions) -> None:

@@ -30,7 +30,7 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     B, H, T, d = q.shape
     nb = -(-T // block)
     pad = nb * block - T  # padded query/key rows sit after every real row: invisible to real queries
-    qb = F.pad(q, (0, 0, 0, pad)).view(B * H, nb, block, d)
+    qb = F.pad(q, (0, 0, 0, pad)).reshape(B * H, nb, block, d)  # pad 0 returns q itself, maybe a strided view
     kp = F.pad(k, (0, 0, block, pad)).view(B * H, nb + 1, block, d)  # block -1 (zeros) first
     vp = F.pad(v, (0, 0, block, pad)).view(B * H, nb + 1, block, d)
     kb, vb = torch.cat((kp[:, :-1], kp[:, 1:]), 2), torch.cat((vp[:, :-1], vp[:, 1:]), 2)
@@ -61,6 +61,7 @@ class LocalHeads(DenseHeads):
     """Sliding-window heads: the dense heads' projections (`qkv`, `out`) with a band mask."""
 
     Options = LocalOptions
+    beyond_training = "keeps attending to its last `window` tokens"
     options: LocalOptions
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,7 @@ class MiTAHeads(DenseHeads):
     """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + local block(s)."""
 
     Options = MiTAOptions
+    beyond_training = "keeps every token and adds a landmark per block (its cache grows with the length)"
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']

@@ -84,6 +84,7 @@ class MoSAOptions(HeadOptions):
 @register("mosa")
 class MoSAHeads(HeadGroup):
     Options = MoSAOptions
+    beyond_training = "adds no token once its capacity slots (sized for the training length) are full"
     options: MoSAOptions
 
     def __init__(self, ctx: GroupContext, count: int, options: MoSAOptions) -> None:

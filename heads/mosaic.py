@@ -99,6 +99,7 @@ class MosaicCache:
 @register("mosaic")
 class MosaicHeads(HeadGroup):
     Options = MosaicOptions
+    beyond_training = "adds no member once its k slots (sized for the training length) are full"
     options: MosaicOptions
 
     def __init__(self, ctx: GroupContext, count: int, options: MosaicOptions) -> None:

@@ -96,6 +96,7 @@ class TopKHeads(DenseHeads):
     """Dense heads (same weights) whose softmax keeps only each query's k best causal keys."""
 
     Options = TopKOptions
+    beyond_training = "keeps its top k of every cached token, at rotary positions never seen in training"
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']

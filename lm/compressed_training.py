@@ -36,7 +36,7 @@ from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
-from lm.train import build_trainer, ckpt_dir, resume_path
+from lm.train import build_trainer, checked_strategy, ckpt_dir, resume_path
 
 
 class LayoutSampler:
@@ -117,19 +117,21 @@ def decode(meta: torch.Tensor) -> Layout:
 
 class LayoutBatches(IterableDataset):
     """Endless micro-batches (tokens[B, window], encode(layout)) from step `start_step` on, `accumulate` per
-    step; step s's batch (batch * accumulate windows, one layout) is a pure function of (seed, s), so a
-    resumed run sees the batches an uninterrupted one would (one device)."""
+    step; step s's global batch (batch * world_size * accumulate windows, one layout) is a pure function of
+    (seed, s), so a resumed run sees the batches an uninterrupted one would; rank r takes micro-batch i's slice
+    i * world_size + r, as lm/data.py's TrainBatches."""
 
     def __init__(self, windows: DocumentWindows, sampler: LayoutSampler, batch: int, seed: int, start_step: int = 0,
-                 accumulate: int = 1) -> None:
+                 accumulate: int = 1, rank: int = 0, world_size: int = 1) -> None:
         self.windows, self.sampler, self.batch_size, self.seed = windows, sampler, batch, seed
-        self.start_step, self.accumulate = start_step, accumulate
+        self.start_step, self.accumulate, self.rank, self.world_size = start_step, accumulate, rank, world_size
 
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
         layout = self.sampler.sample(step, rng)
-        tokens = self.windows.sample(self.batch_size * self.accumulate, layout.window, rng)
-        return tokens[micro * self.batch_size : (micro + 1) * self.batch_size], encode(layout)
+        tokens = self.windows.sample(self.batch_size * self.world_size * self.accumulate, layout.window, rng)
+        first = (micro * self.world_size + self.rank) * self.batch_size
+        return tokens[first : first + self.batch_size], encode(layout)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for step, micro in step_order(self.start_step, self.accumulate):
@@ -161,14 +163,17 @@ class CompressedDataModule(LMDataModule):
     def train_dataloader(self) -> Any:
         assert self.trainer is not None
         data = LayoutBatches(self.train_windows, self.sampler, self.cfg.batch_size, self.seed, self.trainer.global_step,
-                             self.trainer.accumulate_grad_batches)
+                             self.trainer.accumulate_grad_batches, self.trainer.global_rank, self.trainer.world_size)
         return self._loader(data, batch_size=None)
 
     def val_dataloader(self) -> Any:
+        """The val_batches fixed batches, batch r, r + world_size, ... on rank r (each batch once)."""
+        assert self.trainer is not None
         layout = self.val_layout()
         meta = encode(layout)
         windows = fixed_windows(self.val_windows, self.cfg.val_batches, self.cfg.batch_size, layout.window, self.seed)
-        return self._loader([(w, meta) for w in windows], batch_size=None)
+        mine = windows[self.trainer.global_rank :: self.trainer.world_size]
+        return self._loader([(w, meta) for w in mine], batch_size=None)
 
 
 class CompressedModule(LMModule):
@@ -200,13 +205,14 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
                           "python train_lm.py --config CONFIG")
     data = CompressedDataModule(cfg)
     data.check()
+    strategy = checked_strategy(cfg)
     claim(cfg, resume is not None, overwrite)
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CompressedModule(cfg)
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints)
+    trainer = build_trainer(cfg, checkpoints, strategy)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(module, datamodule=data, verbose=False)

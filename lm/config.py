@@ -8,6 +8,7 @@ valid but suspect (lm/sanity.py) print one-line warnings.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,20 +130,21 @@ class Config:
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+MAX_MINUTES = 525_600  # trainer.max_minutes: a year; larger values overflow the trainer's timedelta
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
 
 
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if value <= 0:
-            raise ConfigError(f"{type(section).__name__}.{name} must be > 0, got {value}")
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{type(section).__name__}.{name} must be a finite number > 0, got {value}")
 
 
 def validate(cfg: Config) -> Config:
     """Value checks beyond types. Raises a one-line ConfigError."""
     m = cfg.model
-    _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len")
+    _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len", "init_std")
     if not 0.0 <= m.rope_fraction <= 1.0:
         raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
     if not m.rope_base > 1.0:  # theta_j = base^(-2j/r): base <= 1 gives constant, infinite or NaN frequencies
@@ -168,12 +170,20 @@ def validate(cfg: Config) -> Config:
     _positive(o, "lr", "grad_clip")
     if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    if not all(0.0 <= beta < 1.0 for beta in o.betas):
+        raise ConfigError(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
+    if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
+        raise ConfigError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
     t = cfg.trainer
     _positive(t, "max_steps", "accumulate_grad_batches", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
     if t.accelerator not in ACCELERATORS:
         raise ConfigError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
     if t.max_minutes is not None:
         _positive(t, "max_minutes")
+        if t.max_minutes > MAX_MINUTES:
+            raise ConfigError(f"trainer.max_minutes must be <= {MAX_MINUTES} (a year), got {t.max_minutes}")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"trainer.seed must be in [0, 2**32), got {t.seed}")
     if t.keep_last_k < 0:
         raise ConfigError(f"trainer.keep_last_k must be >= 0 (0 = keep every checkpoint), got {t.keep_last_k}")
     if t.max_bad_steps < 0:

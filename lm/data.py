@@ -37,8 +37,12 @@ class TokenStream:
     def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int) -> None:
         """Checks every shard once: present, the size index.json states, token ids < vocab_size."""
         self.split = split
-        self.paths = [directory / s["file"] for s in shards]
-        sizes = [int(s["tokens"]) for s in shards]
+        try:
+            self.paths = [directory / s["file"] for s in shards]
+            sizes = [int(s["tokens"]) for s in shards]
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(f"data.path: {directory / 'index.json'} has a damaged {split} shard entry "
+                            f"({type(err).__name__}: {err}); prepare the directory again") from None
         for path, n in zip(self.paths, sizes):
             if not path.is_file():
                 raise DataError(f"data.path: shard {path} listed in index.json is missing")
@@ -142,11 +146,13 @@ class TrainBatches(IterableDataset):
 
 
 class ValWindows(Dataset):
-    """`count` fixed windows with evenly spaced starts over the validation stream."""
+    """`count` fixed windows with evenly spaced starts over the validation stream; rank r of `world_size` holds
+    windows r, r + world_size, ...: every window once over the ranks (no padding repeats, unlike Lightning's
+    DistributedSampler, which would count some twice when world_size does not divide count)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, count: int) -> None:
+    def __init__(self, stream: TokenStream, seq_len: int, count: int, rank: int = 0, world_size: int = 1) -> None:
         self.stream, self.seq_len = stream, seq_len
-        self.starts = np.linspace(0, len(stream) - seq_len - 1, count).round().astype(np.int64)
+        self.starts = np.linspace(0, len(stream) - seq_len - 1, count).round().astype(np.int64)[rank::world_size]
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -192,6 +198,8 @@ class LMDataModule(L.LightningDataModule):
         return self._loader(batches, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
-        assert self.val_stream is not None
-        windows = ValWindows(self.val_stream, self.model_cfg.seq_len, self.cfg.val_batches * self.cfg.batch_size)
+        trainer = self.trainer
+        assert trainer is not None and self.val_stream is not None
+        windows = ValWindows(self.val_stream, self.model_cfg.seq_len, self.cfg.val_batches * self.cfg.batch_size,
+                             rank=trainer.global_rank, world_size=trainer.world_size)
         return self._loader(windows, batch_size=self.cfg.batch_size, shuffle=False)

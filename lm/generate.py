@@ -35,18 +35,6 @@ Cache = list[list[Any]]
 TOKENIZER_HELP = ("SentencePiece model file; default: the tokenizer the checkpoint carries (else "
                   "<data.path>/tokenizer.model of its config); must be the checkpoint's own (same SHA-256)")
 
-# What each head type's decoding does past the training length (its slots are sized from model.seq_len).
-BEYOND_TRAINING = {
-    "dense": "attends to every token, at rotary positions never seen in training",
-    "local": "keeps attending to its last `window` tokens",
-    "fixed": "keeps adding every rho-th token (its cache grows with the length)",
-    "mosa": "adds no token once its capacity slots (sized for the training length) are full",
-    "mosaic": "adds no member once its k slots (sized for the training length) are full",
-    "agent": "keeps every token and adds an agent per block (its cache grows with the length)",
-    "mita": "keeps every token and adds a landmark per block (its cache grows with the length)",
-}
-
-
 # torch < 2.13 (2.11 is the GPU image's): inductor's kernel fusion gets hybrid decoding steps wrong (cached keys
 # and logits off by O(1) against eager decoding in float64, e.g. MoSAIC next to MiTA, or MoSA next to fixed and
 # local heads; aot_eager agrees with eager; bench/results/compat_torch211.md). Without fusion (max_fusion_size=1)
@@ -93,8 +81,8 @@ def format_fill(fill: dict[str, tuple[int, int]]) -> str:
 
 def beyond_training(model: DecoderLM, length: int) -> str:
     """One line: what each head type of the model does at `length` > model.seq_len."""
-    types = dict.fromkeys(g.type_name for block in model.blocks for g in block.attn.groups)
-    said = "; ".join(f"{t} {BEYOND_TRAINING.get(t, 'has no documented behaviour there')}" for t in types)
+    types = dict.fromkeys((g.type_name, g.beyond_training) for block in model.blocks for g in block.attn.groups)
+    said = "; ".join(f"{name} {what}" for name, what in types)
     return f"generating {length} tokens, past the training length {model.cfg.seq_len}: {said}"
 
 

@@ -114,10 +114,16 @@ def build_profiler(t: TrainerConfig) -> Profiler | None:
     return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True)
 
 
-def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
+def checked_strategy(cfg: Config) -> Any:
+    """trainer.strategy for build_trainer, once the devices are checked (one-line ConfigErrors). Called before
+    the run directory is claimed, so that a start refused here leaves trainer.out_dir free for the corrected rerun."""
+    check_devices(cfg.trainer)
+    return build_strategy(cfg)
+
+
+def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L.Trainer:
+    """The Lightning Trainer of a run; `strategy` from checked_strategy(cfg)."""
     t = cfg.trainer
-    check_devices(t)
-    strategy = build_strategy(cfg)
     deepspeed = t.strategy == "deepspeed_stage_2"
     timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
     return L.Trainer(
@@ -134,6 +140,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints) -> L.Trainer:
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
         enable_checkpointing=False, default_root_dir=t.out_dir,
+        use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
     )
@@ -185,6 +192,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
                           "use python -m lm.compressed_training --config CONFIG")
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     data.check()  # one-line DataError before any Lightning set-up
+    strategy = checked_strategy(cfg)
     claim(cfg, resume is not None, overwrite)
     if rank_zero_only.rank == 0:
         for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
@@ -195,7 +203,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
                                   keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints)
+    trainer = build_trainer(cfg, checkpoints, strategy)
     if validate_first and ckpt is None:
         trainer.validate(module, datamodule=data, verbose=False)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt)

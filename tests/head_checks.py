@@ -20,6 +20,20 @@ def tiny_options(head_type: str) -> dict:
     return dict(TINY_OPTIONS[head_type])
 
 
+def decodable_types() -> set[str]:
+    """The registered head types with a KV cache (new_cache does not raise NotImplementedError)."""
+    from heads import REGISTRY
+
+    out = set()
+    for name in REGISTRY:
+        try:
+            make_group(name, tiny_options(name), 64).new_cache(1, 8)
+        except NotImplementedError:
+            continue
+        out.add(name)
+    return out
+
+
 # fp32 tolerances for fast vs reference: relative RMS error and max-abs error relative to the
 # reference's max-abs (the two paths sum in different orders, so they agree to float rounding).
 REL_RMS_TOL = 1e-5
@@ -27,11 +41,12 @@ REL_MAX_TOL = 1e-4
 
 
 def make_group(head_type: str, options: dict, T: int, count: int = 3, d_model: int = 32, head_dim: int = 8,
-               std: float | None = 0.3, seed: int = 0, dtype: torch.dtype = torch.float32) -> HeadGroup:
+               std: float | None = 0.3, seed: int = 0, dtype: torch.dtype = torch.float32,
+               rope_fraction: float = GroupContext.rope_fraction) -> HeadGroup:
     """A head group with weights ~ N(0, std^2) (large enough that attention is far from uniform);
     std=None keeps the layers' default initialisation."""
     torch.manual_seed(seed)
-    ctx = GroupContext(d_model=d_model, head_dim=head_dim, seq_len=T)
+    ctx = GroupContext(d_model=d_model, head_dim=head_dim, seq_len=T, rope_fraction=rope_fraction)
     group = head_class(head_type)(ctx, count, make_options(head_type, dict(options), ctx)).to(dtype)
     if std is not None:
         for p in group.parameters():

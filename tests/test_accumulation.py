@@ -67,6 +67,12 @@ def test_compression_micro_batches_share_the_step_layout(data: Path) -> None:
     got = [t for _, (t, _) in zip(range(4), loader)]  # two workers, no batch repeated
     one = LayoutBatches(windows, sampler, 2, seed=3, accumulate=3)
     assert all(torch.equal(g, one.batch(s, i)[0]) for g, (s, i) in zip(got, ((0, 0), (0, 1), (0, 2), (1, 0))))
+    # two ranks: micro-batch i of rank r is slice 2i + r of the step's global batch, all with the step's layout
+    ranks = [[LayoutBatches(windows, sampler, 2, seed=3, accumulate=3, rank=r, world_size=2).batch(4, i) for i in range(3)]
+             for r in (0, 1)]
+    doubled, layout = LayoutBatches(windows, sampler, 12, seed=3).batch(4)
+    assert torch.equal(torch.cat([ranks[r][i][0] for i in range(3) for r in (0, 1)]), doubled)
+    assert all(torch.equal(m[1], layout) for rank in ranks for m in rank)
 
 
 def test_accumulated_micro_batches_train_like_the_whole_batch(data: Path, tmp_path: Path) -> None:
@@ -107,7 +113,7 @@ def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundar
 
 
 def test_accumulate_grad_batches_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be > 0, got 0"):
+    with pytest.raises(ConfigError, match=r"accumulate_grad_batches must be a finite number > 0, got 0"):
         load_config(None, "trainer.accumulate_grad_batches=0")
 
 

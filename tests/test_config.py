@@ -48,6 +48,21 @@ def test_bad_value() -> None:
     assert "trainer.profiler" in error_of(None, "trainer.profiler=advanced")
 
 
+@pytest.mark.parametrize("override,field", [
+    ("trainer.seed=-1", "trainer.seed must be in [0, 2**32)"), ("trainer.seed=4294967296", "trainer.seed"),
+    ("optim.betas=[1.5,0.999]", "optim.betas must both be in [0, 1)"), ("optim.betas=[0.9,1.0]", "optim.betas"),
+    ("optim.lr=nan", "OptimConfig.lr must be a finite number > 0"), ("optim.grad_clip=inf", "OptimConfig.grad_clip"),
+    ("model.init_std=-1", "ModelConfig.init_std"), ("model.init_std=nan", "ModelConfig.init_std"),
+    ("trainer.max_minutes=nan", "TrainerConfig.max_minutes"), ("trainer.max_minutes=1e30", "trainer.max_minutes must be <="),
+    ("optim.weight_decay=-5", "optim.weight_decay must be a finite number >= 0"),
+])
+def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(override: str, field: str) -> None:
+    """Each of these passed the type check and failed deep in training (seed_everything, AdamW, timedelta,
+    the weight init) with a traceback, or, for a negative weight decay, trained silently (torch checks only
+    the constructor default, not the per-group value)."""
+    assert field in error_of(None, override)
+
+
 @pytest.mark.parametrize("head,option,value", [("topk", "k", 65), ("local", "window", 65), ("agent", "block", 65),
                                                ("mita", "block", 65), ("mita", "k", 100)])
 def test_head_option_beyond_the_sequence_length(head: str, option: str, value: int) -> None:

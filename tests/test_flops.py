@@ -61,9 +61,13 @@ def test_training_flops_and_mfu() -> None:
     assert training_flops(cost, 1, include_lm_head=True) == 3 * (cost.flops_per_pass + 2 * 512 * 8000 * 1024)
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    # whole words: an L40 is not an L4, a workstation RTX A1000 not an A100, a GH200 is listed as itself
+    assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12
+    assert peak_flops("NVIDIA GH200 480GB") == 989e12 and peak_flops("NVIDIA A10G") == 70e12
     assert mfu(156e12, 1.0, 312e12) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="no peak FLOP/s known"):
-        peak_flops("Some CPU")
+    for unknown in ("Some CPU", "NVIDIA RTX A1000", "NVIDIA A1000X"):
+        with pytest.raises(ValueError, match="no peak FLOP/s known"):
+            peak_flops(unknown)
 
 
 def _counted(model: torch.nn.Module, tokens: torch.Tensor) -> int:
@@ -136,6 +140,31 @@ def test_compressed_model_matches_flop_counter(mode: str, spans: tuple[int, ...]
     analytic = compressed_flops(cfg, comp, layout)
     expected = B * (analytic + 2 * cfg.d_model * cfg.vocab_size * layout.suffix)
     assert abs(counted - expected) / expected < 0.02, (counted, expected)
+
+
+@pytest.mark.parametrize("options", [{"sparsity": 4, "selection": "threshold"}, {"sparsity": 4, "selection": "quota"}])
+def test_compressed_flops_refuse_heads_whose_slots_the_training_length_sets(options: dict) -> None:
+    """Below L the blocks run on chunks shorter than model.seq_len: a MoSA threshold head still computes on
+    capacity(seq_len) slots there, which its formula at the chunk's length would undercount, so it is refused
+    in one line; a quota head's slots follow the chunk and its count matches the counter."""
+    from lm.compression import CompressedLM, Layout
+    from lm.config import CompressionConfig
+
+    torch.manual_seed(0)
+    # the fast path computes on every slot of the layout (the reference only on the tokens actually selected)
+    heads = [{"type": "dense", "count": 1}, {"type": "mosa", "count": 3, "options": options}]
+    cfg = tiny_config(heads, n_layers=4, d_model=32, head_dim=8, seq_len=32).model
+    comp, layout, B = CompressionConfig(layer=2, n_heads=2, prefix_len=16, ratio=0.25), Layout((16,), 4, 16), 2
+    if options["selection"] == "threshold":
+        with pytest.raises(ConfigError, match="no FLOP count of mosa heads .* on 16-token windows: their slots are set "
+                                              "by model.seq_len=32"):
+            compressed_flops(cfg, comp, layout)
+        return
+    counted = _counted_with(CompressedLM(cfg, comp).eval(), torch.randint(0, cfg.vocab_size, (B, layout.window)), layout)
+    # MoSA's h'k output scaling (App. C), 3 heads of h' = 8: 2 blocks below L x 2 windows of 16 tokens (k = 4), and
+    # 2 blocks above L on t + suffix = 20 tokens (k = 5)
+    elementwise = 2 * 2 * 3 * 8 * (16 // 4) + 2 * 3 * 8 * (20 // 4)
+    assert counted == B * (compressed_flops(cfg, comp, layout) + 2 * cfg.d_model * cfg.vocab_size * layout.suffix - elementwise)
 
 
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:

@@ -15,6 +15,7 @@ from conftest import tiny_config
 from lm.generate import (cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic,
                          new_cache, sample)
 from lm.model import build_model
+from tests.head_checks import decodable_types
 
 T = 45  # = seq_len, so MoSAIC's padded tail and capacities are reached inside the sequence
 CAUSAL_TYPES = {
@@ -94,6 +95,7 @@ def test_inductor_decoding_of_every_head_type_matches_eager() -> None:
              {"type": "mosaic", "count": 2, "options": {"sparsity": 2}},
              {"type": "agent", "count": 1, "options": {"block": 5, "window": 3}},
              {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, TOPK[1]]
+    assert {g["type"] for g in heads} == decodable_types()
     model = model_for(heads, layers=1).double()  # one layer: inductor's compile time grows with the graph
     tokens = torch.randint(0, 97, (2, T))
     eager, _ = cached_logits(model, tokens, 17)
@@ -281,6 +283,22 @@ def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFi
     assert lines == [f"warning: generating {T + 5} tokens, past the training length {T}: dense attends to every "
                      "token, at rotary positions never seen in training; mosa adds no token once its capacity "
                      "slots (sized for the training length) are full"]
+
+
+def test_every_type_with_a_kv_cache_is_decoded_here_and_says_what_it_does_past_the_training_length() -> None:
+    """A new decodable type needs a CAUSAL_TYPES entry (decoding == forward, compiled decoding) and its own
+    beyond_training: a subclass inherits its parent's cache code, not its behaviour (top-k is not dense there)."""
+    from heads import REGISTRY
+
+    decodable = decodable_types()
+    assert decodable <= {g["type"] for heads in [*CAUSAL_TYPES.values(), TOPK] for g in heads}
+    for name, cls in REGISTRY.items():
+        if name in decodable:
+            assert "beyond_training" in vars(cls) and cls.beyond_training, f"{name} does not state beyond_training"
+        else:
+            assert cls.beyond_training == "", name
+
+
 def test_a_tiny_temperature_samples_the_argmax_instead_of_nan() -> None:
     """logits / 1e-30 overflows to inf (and softmax to nan) unless the logits are shifted first."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10

@@ -1,12 +1,14 @@
 """The head-group contract on random configurations of every head type (seeded, so reproducible): random
 options (edge values included: window 1, block 1, k > T, sparsity 1 or > T, capacity factors below and above 1),
-head counts, training lengths, and input lengths up to twice the training length. In fp64, so that any
+head counts, training lengths, input lengths up to twice the training length, and RoPE on none, some or all
+dims of a head. In fp64, so that any
 difference is a bug, not rounding:
 - fast path == reference, output and every gradient (rtol 1e-10, atol 1e-12: some gradients are exactly 0 in
   theory, e.g. MoSAIC's router under `renorm` with one chosen head, and both paths give 1e-16 noise);
 - causal groups: resampling the inputs after row t leaves the outputs at rows <= t unchanged;
 - decodable groups: a prefill of p rows then one row per call == the full forward.
-Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones."""
+Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones, and fails
+(instead of drawing forever) when too few of its draws are accepted, e.g. after a misspelt option in OPTIONS."""
 from __future__ import annotations
 
 import random
@@ -18,6 +20,7 @@ from heads import REGISTRY, ConfigError, HeadGroup
 from tests.head_checks import fast_and_reference, make_group
 
 CASES = 40  # accepted configurations per head type
+DRAWS = 50 * CASES  # ... out of at most this many draws
 OPTIONS = {  # option -> values to draw from
     "dense": {},
     "mosa": {"sparsity": [1, 2, 3, 4, 8, 100], "selection": ["threshold", "quota", "predictor", "expert_choice"],
@@ -39,17 +42,22 @@ OPTIONS = {  # option -> values to draw from
 def random_groups(head_type: str, seed: int):
     """Yield (group, T, batch, description) for CASES accepted random configurations of `head_type`."""
     rng = random.Random(seed)
-    accepted = 0
-    while accepted < CASES:
+    accepted, refusal = 0, None
+    for _ in range(DRAWS):
         options = {name: rng.choice(values) for name, values in OPTIONS[head_type].items()}
-        seq_len, count = rng.choice([8, 17, 32, 64]), rng.randint(1, 4)
+        seq_len, count, rope = rng.choice([8, 17, 32, 64]), rng.randint(1, 4), rng.choice([0.0, 0.25, 0.5, 1.0])
         T, batch = rng.randint(1, 2 * seq_len), rng.randint(1, 3)
         try:
-            group = make_group(head_type, options, seq_len, count=count, d_model=16, head_dim=8, dtype=torch.float64)
-        except ConfigError:
+            group = make_group(head_type, options, seq_len, count=count, d_model=16, head_dim=8, dtype=torch.float64,
+                               rope_fraction=rope)
+        except ConfigError as err:
+            refusal = err
             continue
         accepted += 1
-        yield group, T, batch, f"{head_type} {options} count={count} seq_len={seq_len} T={T} batch={batch}"
+        yield group, T, batch, f"{head_type} {options} count={count} seq_len={seq_len} rope={rope} T={T} batch={batch}"
+        if accepted == CASES:
+            return
+    pytest.fail(f"{head_type}: only {accepted} of {DRAWS} random configurations accepted; last refusal: {refusal}")
 
 
 def decode(group: HeadGroup, x: torch.Tensor, prefill: int) -> torch.Tensor | None:

@@ -147,6 +147,8 @@ def test_cli_json() -> None:
         (["--size", "huge", "--head", "mosa", "--sparsity", "8"], "unknown size 'huge'"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--dense-heads", "10"], "dense_heads must be in [0, 9]"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--layers", "0"], "n_layers must be >= 1"),
+        (["--size", "tiny", "--head", "local", "--option", "window=64", "--sparsity", "8"],
+         "--sparsity does not apply to local heads (their options: impl, window)"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
@@ -164,8 +166,8 @@ def test_cli_error_exit_status_in_a_subprocess() -> None:
 @pytest.mark.parametrize("sparsity", [float("nan"), float("inf"), 0, -8])
 def test_solve_rejects_a_sparsity_that_is_no_positive_integer(head: str, sparsity: float) -> None:
     """From Python too (the CLI's argparse type never lets these through): a ConfigError naming the sparsity,
-    not a KeyError (nan != nan) or an OverflowError (int(inf))."""
-    with pytest.raises(ConfigError, match="sparsity must be"):
+    not a KeyError (nan != nan) or an OverflowError (int(inf)); local and top-k heads have no sparsity at all."""
+    with pytest.raises(ConfigError, match="sparsity does not apply" if head in ("local", "topk") else "sparsity must be"):
         solve(baseline("micro"), head, sparsity, 2)
 
 

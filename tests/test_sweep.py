@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import lm
-from flops.aggregate import collect, curves
+from flops.aggregate import collect, curves, sweep_labels
 from flops.aggregate import main as aggregate_main
 from flops.model import model_cost
 from flops.run_sweep import main as run_main
@@ -54,6 +54,22 @@ def test_sweep_marks_non_causal_points(tmp_path: Path) -> None:
 def test_sweep_rejects_bad_sparsity(tmp_path: Path, capsys) -> None:
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "3", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "error: sparsity 3 does not divide seq_len 128"
+
+
+def test_preset_size_refuses_a_config_with_another_shape(tmp_path: Path, capsys) -> None:
+    """--size micro would silently replace model.n_layers=3: refused; --size base sweeps the config's shape."""
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "a"),
+                       "model.n_layers=3"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model.n_layers=3 conflicts with --size micro (n_layers=2); "
+                                               "pass --size base to sweep the config's own shape")
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "b"),
+                       "model.heads=[{type: dense, count: 4}]"]) == 2
+    assert "the config's 4 dense heads conflict with --size micro (6)" in capsys.readouterr().err
+    shape = ["model.n_layers=3", "model.d_model=64", "model.head_dim=16", "model.seq_len=128",
+             "model.heads=[{type: dense, count: 6}]"]
+    assert sweep_main(["--size", "base", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "c"), *shape]) == 0
+    assert lm.load_config(str(tmp_path / "c" / "dense_s1.yaml")).model.n_layers == 3
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "d"), *shape[1:]]) == 0
 
 
 def _fake_metrics(entry: dict, ppl: float, step: int = 3) -> None:
@@ -136,31 +152,31 @@ def test_aggregate_marks_partial_points_and_leaves_them_out(tmp_path: Path) -> N
     assert "| mosa | 30.00 | 28.00 | 20.00* @2/3 |" in md and "| fixed | 30.00 | 33.00 | 25.00* @3/3 |" in md
 
 
-def test_seeds_give_replicas_and_mean_std_over_several_sizes(tmp_path: Path) -> None:
+def test_seeds_give_replicas_and_mean_std_and_sweeps_are_never_pooled(tmp_path: Path) -> None:
     manifest = _sweep(tmp_path, "--seeds", "2")
     assert [(e["name"], e["seed"]) for e in manifest["points"]][:3] == [
         ("dense_s1_seed1234", 1234), ("dense_s1_seed1235", 1235), ("mosa_s4_seed1234", 1234)]
     assert lm.load_config(manifest["points"][1]["config"]).trainer.seed == 1235
     for e in manifest["points"]:
         _fake_metrics(e, {1234: 30.0, 1235: 32.0}[e["seed"]] + e["sparsity"] / 4)
-    other = tmp_path / "other"  # a second size, so the PNG has two panels
+    other = tmp_path / "other"  # the same size again, pure (0 dense heads): another experiment, never pooled
     other.mkdir()
-    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--out", str(other / "sw"),
-                       "trainer.max_steps=3", "model.n_layers=3"]) == 0
-    small = json.loads((other / "sw" / "sweep.json").read_text())
-    small["size"] = "micro3"
-    (other / "sw" / "sweep.json").write_text(json.dumps(small))
-    for e in small["points"]:
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--dense-heads", "0",
+                       "--out", str(other / "sw"), "trainer.max_steps=3"]) == 0
+    pure = json.loads((other / "sw" / "sweep.json").read_text())
+    for e in pure["points"]:
         _fake_metrics(e, 25.0)
-    rows = collect(tmp_path / "sw") + collect(other / "sw")
-    assert curves(rows)[("micro", "mosa")] == [(1, 31.25, pytest.approx(2 ** 0.5)), (4, 32.0, pytest.approx(2 ** 0.5)),
-                                             (16, 35.0, pytest.approx(2 ** 0.5))]
-    assert curves(rows)[("micro3", "mosa")] == [(1, 25.0, 0.0), (4, 25.0, 0.0)]
+    labels = sweep_labels([tmp_path / "sw", other / "sw"])
+    assert labels == [f"micro ({tmp_path / 'sw'})", f"micro ({other / 'sw'})"]
+    rows = collect(tmp_path / "sw", labels[0]) + collect(other / "sw", labels[1])
+    assert curves(rows)[(labels[0], "mosa")] == [(1, 31.25, pytest.approx(2 ** 0.5)), (4, 32.0, pytest.approx(2 ** 0.5)),
+                                               (16, 35.0, pytest.approx(2 ** 0.5))]
+    assert curves(rows)[(labels[1], "mosa")] == [(1, 25.0, 0.0), (4, 25.0, 0.0)]
     out = tmp_path / "both"
     assert aggregate_main([str(tmp_path / "sw"), str(other / "sw"), "--out", str(out)]) == 0
     md = out.with_suffix(".md").read_text()
     assert "| mosa | 31.25 ± 1.41 (n=2) | 32.00 ± 1.41 (n=2) | 35.00 ± 1.41 (n=2) |" in md
-    assert "Size micro3" in md
+    assert "| mosa | 25.00 | 25.00 |" in md and f"Size {labels[1]}" in md
     from PIL import Image
 
     assert Image.open(out.with_suffix(".png")).size[0] > 1000  # two panels side by side

@@ -132,7 +132,19 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(data: Path, tmp_path: Pat
 
     cfg = load_config(None, *run_overrides(data, tmp_path))
     assert not sys.stderr.isatty()  # pytest captures it
-    assert build_trainer(cfg, StepCheckpoints(tmp_path, 10, 10)).progress_bar_callback is None
+    assert build_trainer(cfg, StepCheckpoints(tmp_path, 10, 10), "auto").progress_bar_callback is None
+
+
+def test_a_start_the_trainer_set_up_refuses_leaves_the_run_directory_unclaimed(data: Path, tmp_path: Path) -> None:
+    """The device check runs before the directory is claimed: the corrected rerun starts without --overwrite."""
+    from lm.run_dir import holds_run
+    from lm.train import train
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"trainer\.devices=64, but this machine has \d+ CUDA GPU"):
+        train(load_config(None, *run_overrides(data, out, accelerator="gpu", devices=64)))
+    assert not holds_run(out) and not (out / "config.yaml").exists()
+    assert train(load_config(None, *run_overrides(data, out, max_steps=2, val_every=2)))["step"] == 2
 
 
 def test_lr_schedule() -> None:
@@ -195,6 +207,14 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
     assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
     assert torch.equal(val[2][0], ValWindows(open_split(data, "val", cfg.model), 32, 5)[2][0])
+    # over 2 ranks every window is validated once, also when 2 does not divide the count (Lightning's
+    # DistributedSampler would pad rank 1 with a repeat of window 0; use_distributed_sampler is off)
+    ranks = [ValWindows(open_split(data, "val", cfg.model), 32, 5, rank=r, world_size=2).starts for r in (0, 1)]
+    assert sorted(np.concatenate(ranks).tolist()) == val.starts.tolist() and [len(r) for r in ranks] == [3, 2]
+    from lm.checkpoint import StepCheckpoints
+    from lm.train import build_trainer
+
+    assert not build_trainer(cfg, StepCheckpoints(Path("unused"), 10, 10), "auto")._accelerator_connector.use_distributed_sampler
 
 
 def data_error(path: Path, **model: object) -> str:
@@ -220,6 +240,13 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
     broken = write_prepared(tmp_path / "truncated")
     (broken / "train_00001.bin").write_bytes(b"\0" * 10)
     assert "train_00001.bin" in data_error(broken)
+    # an index entry without its file, or with a token count that is no number
+    for name, damage in (("no_file", lambda e: e.pop("file")), ("bad_tokens", lambda e: e.update(tokens="lots"))):
+        edited = write_prepared(tmp_path / name)
+        index = json.loads((edited / "index.json").read_text())
+        damage(index["splits"]["train"]["shards"][0])
+        (edited / "index.json").write_text(json.dumps(index))
+        assert "index.json has a damaged train shard entry" in data_error(edited)
 
 
 # ---- entry point ---------------------------------------------------------------------------------
