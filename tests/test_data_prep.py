@@ -15,6 +15,7 @@ from data_prep import DataError, c4, gutenberg, shards, tokenizer
 from data_prep.documents import Skips
 from data_prep.hub import stream_rows
 from data_prep.prepare import main, prepare
+from data_prep.sources import open_source
 from data_prep.split import Splitter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,12 +71,12 @@ def write_texts(directory: Path, texts: dict[str, str]) -> Path:
 ])
 def test_strip_gutenberg_markers(start: str, end: str) -> None:
     body = "CHAPTER I\n\n  It was a dark night; *** the end *** was near.\nEnd of chapter."
-    stripped, found = gutenberg.strip_gutenberg(pg_book(body, start, end))
-    assert found and stripped == body
+    stripped, missing = gutenberg.strip_gutenberg(pg_book(body, start, end))
+    assert missing == () and stripped == body
 
 
 def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
-    assert gutenberg.strip_gutenberg("Plain text.\nNo markers.\n") == ("Plain text.\nNo markers.", False)
+    assert gutenberg.strip_gutenberg("Plain text.\nNo markers.\n") == ("Plain text.\nNo markers.", ("START", "END"))
     twice = pg_book("The body.", start="*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nNotes\n"
                                         "*** START OF THIS PROJECT GUTENBERG EBOOK X ***")
     assert gutenberg.strip_gutenberg(twice)[0] == "The body."
@@ -83,9 +84,9 @@ def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
 
 def test_strip_gutenberg_real_books(shared_data: Path) -> None:
     skips = Skips()
-    books = {d.id: d.text for d in gutenberg.file_documents(
-        [shared_data / "gutenberg" / f for f in ("pg1080_a_modest_proposal.txt.gz",
-                                                 "pg148_the_autobiography_of_benjamin_franklin.txt.gz")], skips)}
+    names = ["pg1080_a_modest_proposal.txt.gz", "pg148_the_autobiography_of_benjamin_franklin.txt.gz"]
+    books = {d.id: d.text for d in gutenberg.file_documents([shared_data / "gutenberg" / f for f in names], names,
+                                                            skips)}
     proposal = books["pg1080_a_modest_proposal"]
     assert proposal.startswith("Produced by An Anonymous Volunteer\n\n")
     assert proposal.endswith("the youngest being nine years old, and my wife past\nchild-bearing.")
@@ -100,9 +101,40 @@ def test_line_endings_normalised(tmp_path: Path) -> None:
     raw = pg_book("one\ntwo\n\nthree\rfour").replace("\n", "\r\n").encode()
     (tmp_path / "b.txt").write_bytes(raw)
     (tmp_path / "c.txt.gz").write_bytes(gzip.compress(raw))
-    docs = list(gutenberg.file_documents(sorted(tmp_path.iterdir()), Skips()))
+    files = sorted(tmp_path.iterdir())
+    docs = list(gutenberg.file_documents(files, [p.name for p in files], Skips()))
     assert [d.text for d in docs] == ["one\ntwo\n\nthree\nfour"] * 2
     assert [d.id for d in docs] == ["b", "c"]
+
+
+@pytest.mark.parametrize("kept, missing, gone", [
+    (pg_book("The body.", start=""), "START", "LICENSE"),  # header kept, licence stripped
+    (pg_book("The body.", end=""), "END", "EBook of A Tale, by Someone"),  # header stripped
+])
+def test_one_missing_marker_is_warned(kept: str, missing: str, gone: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    """A book with only one of the START/END markers is kept, with a warning naming the missing one."""
+    path = write_texts(tmp_path / "a", {"x.txt": kept}) / "x.txt"
+    skips = Skips()
+    [doc] = gutenberg.file_documents([path], ["a/x.txt"], skips)
+    assert doc.text.endswith("The body.") and gone not in doc.text
+    assert skips.counts == {f"gutenberg_files_without_{missing.lower()}_marker": 1}
+    assert f"warning: a/x.txt: no Project Gutenberg {missing} marker; kept everything" in capsys.readouterr().err
+
+
+def test_book_ids_are_relative_paths(tmp_path: Path) -> None:
+    """Books with the same file name in different folders (the Author/Title.txt layout) are different
+    documents; in a flat folder, and for a single file, the id stays the file name without suffix."""
+    write_texts(tmp_path / "src" / "x", {"Poems.txt": pg_book(words(1, 30))})
+    write_texts(tmp_path / "src" / "y", {"Poems.txt": pg_book(words(2, 30))})
+    index = prepare("gutenberg", str(tmp_path / "src"), tmp_path / "out", vocab_size=400, val_fraction=0.5, **QUIET)
+    assert sorted(documents_of(tmp_path / "out", "train") + documents_of(tmp_path / "out", "val")) == \
+        sorted([words(1, 30), words(2, 30)])
+    assert set(index["forced_split"]) <= {"x/Poems", "y/Poems"}
+    single = open_source("gutenberg", str(tmp_path / "src" / "x" / "Poems.txt"))
+    assert [d.id for d in single.read(Skips())] == ["Poems"]
+    flat = write_texts(tmp_path / "flat", {"pg1_a.txt": pg_book("A."), "pg2_b.txt": "B."})
+    assert [d.id for d in open_source("gutenberg", str(flat)).read(Skips())] == ["pg1_a", "pg2_b"]
 
 
 # ---------------------------------------------------------------- C4 and the hub route
