@@ -145,7 +145,7 @@ def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_d
     if n == 0:
         summary = ", ".join(f"{v} {k}" for k, v in skips.summary()["skipped_files_by_reason"].items())
         raise DataError(f"no usable documents in {', '.join(corpus.sources[:3])}{' ...' * (len(corpus.sources) > 3)} "
-                        f"({len(corpus.sources)} inputs; skipped files: {summary or 'none'})")
+                        f"({len(corpus.sources)} inputs; skipped files: {summary or 'none'}{skips.describe_counts()})")
     splitter.finalize()
     return n, skips
 

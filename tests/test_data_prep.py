@@ -187,8 +187,19 @@ def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match=r"^streaming allenai/c4/en split 'train' failed \(ConnectionError: "
-                                        r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\);"):
+                                        r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\); "
+                                        r"check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE$"):
         prepare("c4-hub", None, tmp_path / "out", **QUIET)
+
+
+def test_hub_errors_blame_the_network_only_when_it_is_one(tmp_path: Path) -> None:
+    """A missing data file or an unparsable row is not a network problem: no network/offline hint."""
+    with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(FileNotFoundError: .*\); "
+                                        r"check the dataset id \(--src\), --hub-split and --data-files$"):
+        prepare("c4-hub", "json", tmp_path / "out", data_files=str(tmp_path / "missing.jsonl"), **QUIET)
+    (tmp_path / "a.jsonl").write_text('{"text": "lone \\ud83d surrogate"}\n')
+    with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(ArrowInvalid: [^;]*$"):
+        prepare("c4-hub", "json", tmp_path / "out", data_files=str(tmp_path / "a.jsonl"), **QUIET)
 
 
 # ---------------------------------------------------------------- shards, split, resume
@@ -362,6 +373,28 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
     assert "warning: a.json.gz: skipped 3 broken JSON line(s), first at line 11" in err
+
+
+def test_unencodable_text_is_a_broken_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Valid JSON whose "text" has an escaped lone surrogate cannot be UTF-8 encoded: skipped and counted."""
+    good = [json.dumps({"text": words(400 + i, 3)}) for i in range(8)]
+    lines = good[:3] + ['{"text": "hello \\ud83d world"}', '{"text": "x \\udc00"}'] + good[3:]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    index = prepare("c4", str(tmp_path / "src"), tmp_path / "out", vocab_size=400, val_fraction=0.2, **QUIET)
+    assert index["skipped"]["broken_json_lines"] == 2
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 8
+    err = capsys.readouterr().err
+    assert err.count("warning: a.jsonl: skipped 2 broken JSON line(s), first at line 4") == 1
+
+
+def test_no_usable_documents_names_the_skipped_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = [json.dumps({"content": f"row {i}"}) for i in range(100)] + ['{"text": "  "}', "{broken"]
+    (tmp_path / "a.jsonl").write_text("\n".join(rows) + "\n")
+    code, err = run_cli(capsys, "--source", "c4", "--src", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 2 and err.splitlines()[-1] == (
+        'error: no usable documents in a.jsonl (1 inputs; skipped files: none; 1 broken JSON lines; '
+        '1 empty documents; 100 rows without a string "text" field)')
 
 
 def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
