@@ -4,12 +4,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tqdm import tqdm
 
 from data_prep import DataError, c4, gutenberg, shards, tokenizer
 from data_prep.documents import Skips
@@ -359,6 +361,54 @@ def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and err.startswith("error: --vocab-size 100 is too small: this corpus needs at least ")
     code, err = run_cli(capsys, *args, "70000")
     assert code == 2 and err == "error: --vocab-size must be in 1..65536 (tokens are stored as uint16), got 70000"
+
+
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_must_be_positive(threads: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    code = main(["--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--no-progress",
+                 "--threads", threads])
+    assert code == 2 and capsys.readouterr().err.strip() == f"error: --threads must be a positive integer, got {threads}"
+
+
+def test_empty_tokenizer_sample_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"),
+                        "--sample-chars", "1")
+    assert code == 2 and err == ("error: the tokenizer sample is empty (no training line fits in --sample-chars); "
+                                 "raise --sample-chars or lower --val-fraction")
+
+
+def test_document_forced_into_train_feeds_the_tokenizer(tmp_path: Path) -> None:
+    """With --val-fraction 0.99 both documents hash to validation; the one forced into train is sampled."""
+    texts = {"a.txt": words(1, 20), "b.txt": words(2, 20)}
+    assert all(Splitter(0.99).by_hash(name) == "val" for name in texts)
+    src = write_texts(tmp_path / "src", texts)
+    index = prepare("text", str(src), tmp_path / "out", vocab_size=400, val_fraction=0.99, **QUIET)
+    [(forced, split)] = index["forced_split"].items()
+    assert split == "train" and documents_of(tmp_path / "out", "train") == [texts[forced]]
+    assert documents_of(tmp_path / "out", "val") == [t for name, t in texts.items() if name != forced]
+
+
+def test_tokenizer_bytes_do_not_depend_on_threads(tmp_path: Path) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 30) for i in range(6)})
+    kw = dict(vocab_size=500, val_fraction=0.2, progress=False)
+    one = prepare("text", str(src), tmp_path / "t1", threads=1, **kw)
+    two = prepare("text", str(src), tmp_path / "t2", threads=2, **kw)
+    assert (tmp_path / "t1/tokenizer.model").read_bytes() == (tmp_path / "t2/tokenizer.model").read_bytes()
+    assert one == two
+
+
+def test_input_hashing_has_a_progress_bar_and_its_own_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 30) for i in range(4)})
+    size = sum(p.stat().st_size for p in src.iterdir())
+    prepare("text", str(src), tmp_path / "out", vocab_size=400, val_fraction=0.3, threads=1, progress=True)
+    out, err = capsys.readouterr()
+    total = tqdm.format_sizeof(size, divisor=1024)  # the bar counts the bytes of every input file
+    assert re.search(rf"\rhash: 100%\|[^\r\n]*\| {re.escape(total)}/{re.escape(total)} \[", err)
+    assert re.search(r"s \(hash [\d.]+s, scan [\d.]+s, tokenizer [\d.]+s, tokenise [\d.]+s\)$", out.strip())
+    prepare("text", str(src), tmp_path / "quiet", vocab_size=400, val_fraction=0.3, **QUIET)
+    assert "hash" not in capsys.readouterr().err
 
 
 def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
