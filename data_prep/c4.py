@@ -23,9 +23,21 @@ def text_id(text: str) -> str:
     return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
+def parse_row(line: bytes) -> dict | None:
+    """The JSON object on one line, or None if the line is broken: bad JSON, bad UTF-8, not an object,
+    or a "text" that cannot be UTF-8 encoded (an escaped lone surrogate such as "\\ud83d")."""
+    try:
+        row = json.loads(line)
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            row["text"].encode("utf-8")
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, UnicodeEncodeError
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
-    """The JSON objects of one JSON-lines file (.gz or plain). Broken lines (bad JSON, bad UTF-8,
-    not an object) are skipped and counted; a corrupt gzip stream ends the file with a warning."""
+    """The JSON objects of one JSON-lines file (.gz or plain). Broken lines (see `parse_row`) are
+    skipped and counted; a corrupt gzip stream ends the file with a warning."""
     broken = first_broken = rows = 0
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
@@ -33,11 +45,8 @@ def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except ValueError:  # JSONDecodeError and UnicodeDecodeError
-                    row = None
-                if not isinstance(row, dict):
+                row = parse_row(line)
+                if row is None:
                     broken, first_broken = broken + 1, first_broken or line_no
                     continue
                 rows += 1

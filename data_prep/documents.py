@@ -9,6 +9,9 @@ from typing import Callable, Iterator, NamedTuple
 from data_prep.errors import warn
 
 
+COUNT_NAMES = {"rows_without_text": 'rows without a string "text" field', "broken_json_lines": "broken JSON lines"}
+
+
 class Document(NamedTuple):
     """One training document. `id` is stable across runs and orderings (it decides the split)."""
 
@@ -37,6 +40,11 @@ class Skips:
 
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] += n
+
+    def describe_counts(self) -> str:
+        """The counted items for an error line, e.g. '; 100 rows without a string "text" field', or ''."""
+        return "".join(f"; {n} {COUNT_NAMES.get(what, what.replace('_', ' '))}"
+                       for what, n in sorted(self.counts.items()))
 
     def new_pass(self) -> "Skips":
         """An empty ledger for the next pass over the same corpus, sharing the warnings already shown."""

@@ -29,9 +29,9 @@ _TRAILER = re.compile(r"^[ \t]*End of (?:the |this )?Project Gutenberg", re.IGNO
 _TRAILER_WINDOW = 1000  # the closing "End of the Project Gutenberg EBook of ..." sits in the last lines
 
 
-def strip_gutenberg(text: str) -> tuple[str, bool]:
-    """(body, found): the book without PG header/footer, and whether a START or END marker was found.
-    Without markers the whole text is returned (already-clean text passes through unchanged)."""
+def strip_gutenberg(text: str) -> tuple[str, tuple[str, ...]]:
+    """(body, missing): the book without PG header/footer, and which of the markers ("START", "END") were
+    not found. Without markers the whole text is returned (already-clean text passes through unchanged)."""
     text = normalize_newlines(text)
     end_match = _END.search(text)
     end = end_match.start() if end_match else len(text)
@@ -41,33 +41,41 @@ def strip_gutenberg(text: str) -> tuple[str, bool]:
     trailers = list(_TRAILER.finditer(body, max(0, len(body) - _TRAILER_WINDOW)))
     if trailers:
         body = body[: trailers[-1].start()]
-    return body.strip("\n").rstrip(), bool(starts or end_match)
+    missing = tuple(marker for marker, found in (("START", starts), ("END", end_match)) if not found)
+    return body.strip("\n").rstrip(), missing
 
 
-def book_id(path: Path) -> str:
-    """A stable document id: the file name without .txt/.txt.gz (e.g. "pg1342_pride_and_prejudice")."""
-    name = path.name
+def book_id(name: str) -> str:
+    """A stable document id: the file's path relative to --src without .txt/.txt.gz
+    (e.g. "pg1342_pride_and_prejudice", or "Austen, Jane/Persuasion" in an author/title layout)."""
     for suffix in (".gz", ".txt"):
         name = name.removesuffix(suffix)
     return name
 
 
+_KEPT = {"START": "kept everything before the END marker (the PG header may remain)",
+         "END": "kept everything after the START marker (the PG licence may remain)"}
+
+
 def _book(doc_id: str, name: str, text: str, skips: Skips) -> Document | None:
-    body, found = strip_gutenberg(text)
-    if not found:
+    body, missing = strip_gutenberg(text)
+    if len(missing) == 2:
         skips.count("gutenberg_files_without_markers")
         skips.warn_once(f"{name}: no Project Gutenberg START/END markers; kept the whole text")
+    elif missing:
+        skips.count(f"gutenberg_files_without_{missing[0].lower()}_marker")
+        skips.warn_once(f"{name}: no Project Gutenberg {missing[0]} marker; {_KEPT[missing[0]]}")
     if not body.strip():
         skips.skip_file(name, "empty", "nothing between the Project Gutenberg markers")
         return None
     return Document(doc_id, body)
 
 
-def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
-    """One document per book file (.txt or .txt.gz, UTF-8)."""
-    for path in files:
+def file_documents(files: list[Path], names: list[str], skips: Skips) -> Iterator[Document]:
+    """One document per book file (.txt or .txt.gz, UTF-8); `names` are the paths relative to --src."""
+    for path, name in zip(files, names):
         text = read_text(path, skips)
-        if text is not None and (doc := _book(book_id(path), path.name, text, skips)) is not None:
+        if text is not None and (doc := _book(book_id(name), name, text, skips)) is not None:
             yield doc
 
 

@@ -16,10 +16,26 @@ HUB_DATASETS = {
 }
 
 
-def _fail(action: str, err: Exception) -> DataError:
+# connection failures of the HTTP stacks under `datasets` (requests, httpx, aiohttp) and hub offline mode
+_NETWORK_ERRORS = {"ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout", "Timeout", "TimeoutException",
+                   "NetworkError", "ClientConnectorError", "ServerDisconnectedError", "OfflineModeIsEnabled"}
+
+
+def is_network_error(err: BaseException | None) -> bool:
+    """Whether `err`, or an exception it was raised from, is a connection failure or offline mode."""
+    while err is not None:
+        if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _NETWORK_ERRORS:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _fail(action: str, err: Exception, hint: str | None) -> DataError:
+    """One line for a failed load or stream; the network hint only for connection/offline errors."""
+    if is_network_error(err):
+        hint = "check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
     first_line = (str(err).strip().splitlines() or [""])[0][:200]
-    return DataError(f"{action} failed ({type(err).__name__}: {first_line}); "
-                     "check the network, HF_DATASETS_OFFLINE/HF_HUB_OFFLINE and the dataset/split names")
+    return DataError(f"{action} failed ({type(err).__name__}: {first_line})" + (f"; {hint}" if hint else ""))
 
 
 def stream_rows(path: str, name: str | None, split: str, data_files: str | list[str] | None = None) -> Iterator[dict]:
@@ -33,8 +49,8 @@ def stream_rows(path: str, name: str | None, split: str, data_files: str | list[
     try:
         stream = datasets.load_dataset(path, name, split=split, data_files=data_files, streaming=True)
     except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
-        raise _fail(what, err) from None
+        raise _fail(what, err, "check the dataset id (--src), --hub-split and --data-files") from None
     try:
         yield from stream
     except Exception as err:
-        raise _fail(what, err) from None
+        raise _fail(what, err, None) from None

@@ -12,21 +12,30 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Callable
+
+from data_prep.errors import progress_bar
 
 CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, on_block: Callable[[int], object] = lambda n: None) -> str:
+    """The file's SHA-256; `on_block(n)` is called after each block of n bytes (for a progress bar)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
             digest.update(block)
+            on_block(len(block))
     return digest.hexdigest()
 
 
-def input_manifest(files: list[Path], names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} for the corpus' local input files."""
-    return {name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)} for path, name in zip(files, names)}
+def input_manifest(files: list[Path], names: list[str], progress: bool = False) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} for the corpus' local input files, with a bar over bytes if `progress`."""
+    sizes = [path.stat().st_size for path in files]
+    with progress_bar(total=sum(sizes), desc="hash", unit="B", unit_scale=True, unit_divisor=1024,
+                      progress=progress and bool(files)) as bar:
+        return {name: {"bytes": size, "sha256": sha256_file(path, bar.update)}
+                for path, name, size in zip(files, names, sizes)}
 
 
 def input_changes(old: dict[str, dict], new: dict[str, dict]) -> str:

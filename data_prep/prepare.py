@@ -34,11 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from tqdm import tqdm
-
 from data_prep import tokenizer
 from data_prep.documents import Corpus, Document, Skips
-from data_prep.errors import DataError, warn
+from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
 from data_prep.shards import SplitWriter, write_atomic, write_json
@@ -128,25 +126,32 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
 def _documents(corpus: Corpus, skips: Skips, max_docs: int | None, desc: str, total: int | None,
                progress: bool) -> Iterator[Document]:
     docs = itertools.islice(corpus.read(skips), max_docs)
-    return tqdm(docs, desc=desc, total=total, unit="doc", disable=not progress, dynamic_ncols=True)
+    return progress_bar(docs, desc=desc, total=total, unit="doc", progress=progress)
 
 
 def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_docs: int | None,
           progress: bool) -> tuple[int, Skips]:
-    """Pass 1: see every document id (for the split) and sample training lines for the tokenizer."""
+    """Pass 1: see every document id (for the split) and sample training lines for the tokenizer
+    (including the document forced into train when every document hashes to validation)."""
     skips = Skips()
     total = min(corpus.size_hint, max_docs or corpus.size_hint) if corpus.size_hint else max_docs
-    n = 0
+    n, forced_train = 0, None
     for doc in _documents(corpus, skips, max_docs, "scan", total, progress):
         n += 1
         splitter.observe(doc.id)
-        if sampler is not None and splitter.by_hash(doc.id) == "train":
+        if sampler is None:
+            continue
+        if splitter.by_hash(doc.id) == "train":
             sampler.add(doc.id, doc.text)
+        elif splitter.would_force_train(doc.id):
+            forced_train = doc
     if n == 0:
         summary = ", ".join(f"{v} {k}" for k, v in skips.summary()["skipped_files_by_reason"].items())
         raise DataError(f"no usable documents in {', '.join(corpus.sources[:3])}{' ...' * (len(corpus.sources) > 3)} "
-                        f"({len(corpus.sources)} inputs; skipped files: {summary or 'none'})")
+                        f"({len(corpus.sources)} inputs; skipped files: {summary or 'none'}{skips.describe_counts()})")
     splitter.finalize()
+    if forced_train is not None and splitter.forced.get(forced_train.id) == "train":
+        sampler.add(forced_train.id, forced_train.text)
     return n, skips
 
 
@@ -221,13 +226,15 @@ def prepare(
     threads: int | None = None, progress: bool = True,
 ) -> dict:
     """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input."""
-    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--sample-chars", sample_chars)):
+    for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--sample-chars", sample_chars),
+                        ("--threads", threads)):
         if value is not None and value < 1:
             raise DataError(f"{name} must be a positive integer, got {value}")
     tokenizer.check_vocab_size(vocab_size)
     splitter = Splitter(val_fraction)
-    threads = threads or min(4, len(os.sched_getaffinity(0)))
-    clock = time.perf_counter()
+    if threads is None:
+        threads = min(4, len(os.sched_getaffinity(0)))
+    clock, times = time.perf_counter(), {}
     corpus = open_source(source, src, hub_split, data_files)
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
@@ -235,17 +242,17 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    inputs = input_manifest(corpus.files, corpus.sources)
+    inputs = input_manifest(corpus.files, corpus.sources, progress)
     done, state = _previous_run(out, settings, inputs, overwrite)
     if done is not None:
         print(f"{out} is already prepared with these settings; nothing to do")
         return done
+    times["hash"], clock = time.perf_counter() - clock, time.perf_counter()  # inputs and finished shards
 
     model_file = out / TOKENIZER
     reuse = state is not None and model_file.is_file() and \
         hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
     sampler = None if reuse else LineSampler(sample_chars)
-    times = {}
     n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
     if not reuse:
@@ -284,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub-split", help="hub split (default: train for c4-hub, en for gutenberg-hub)")
     parser.add_argument("--data-files", nargs="+", help="hub sources: data_files for datasets.load_dataset "
                                                         "(e.g. --src json --data-files URL_OR_GLOB ...)")
-    parser.add_argument("--threads", type=int, help="tokenizer threads (default: min(4, CPUs))")
+    parser.add_argument("--threads", type=int, help="tokenizer threads, >= 1 (default: min(4, CPUs)); "
+                                                     "the output does not depend on it")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier preparation with other settings")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

@@ -16,12 +16,12 @@ SOURCES = (*LOCAL, "builtin", *HUB_DATASETS)
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 
 
-def text_documents(files: list[Path], root: Path, skips: Skips) -> Iterator[Document]:
-    """Plain text files, one document each; id = path relative to --src."""
-    for path in files:
+def text_documents(files: list[Path], names: list[str], skips: Skips) -> Iterator[Document]:
+    """Plain text files, one document each; id = path relative to --src (`names`)."""
+    for path, name in zip(files, names):
         text = read_text(path, skips)
         if text is not None:
-            yield Document(path.relative_to(root).as_posix() if root.is_dir() else path.name, text)
+            yield Document(name, text)
 
 
 def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
@@ -35,17 +35,17 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
         if not src:
             raise DataError(f"--source {kind} needs --src DIR (a directory of input files)")
         root = Path(src).expanduser()
+        suffixes, what = {"gutenberg": (gutenberg.SUFFIXES, "Gutenberg book"), "c4": (c4.SUFFIXES, "C4 JSON-lines"),
+                          "text": (TEXT_SUFFIXES, "text")}[kind]
+        files = find_files(root, suffixes, what)
+        names = [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files]  # ids of books/texts
         if kind == "gutenberg":
-            files = find_files(root, gutenberg.SUFFIXES, "Gutenberg book")
-            read = partial(gutenberg.file_documents, files)
+            read = partial(gutenberg.file_documents, files, names)
         elif kind == "c4":
-            files = find_files(root, c4.SUFFIXES, "C4 JSON-lines")
             read = partial(c4.file_documents, files)
         else:
-            files = find_files(root, TEXT_SUFFIXES, "text")
-            read = partial(text_documents, files, root)
-        return Corpus(kind, [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files],
-                      read, size_hint=len(files) if kind != "c4" else None, files=files)
+            read = partial(text_documents, files, names)
+        return Corpus(kind, names, read, size_hint=len(files) if kind != "c4" else None, files=files)
     if kind == "builtin":
         count = len(builtin.topics())
         return Corpus(kind, [builtin.NAME], builtin.documents, size_hint=count)

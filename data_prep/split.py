@@ -42,6 +42,11 @@ class Splitter:
         self._counts["val" if s < self.val_fraction else "train"] += 1
         self._lowest, self._highest = min(self._lowest, (s, doc_id)), max(self._highest, (s, doc_id))
 
+    def would_force_train(self, doc_id: str) -> bool:
+        """Whether `doc_id`, just observed, goes to train if the scan ends now: no document so far is
+        in train by hash and this one has the highest score (so `finalize` forces it into train)."""
+        return self._counts["train"] == 0 and self._highest[1] == doc_id
+
     def finalize(self) -> None:
         """Force one document into an empty split; fail if there are fewer than two distinct documents."""
         if self._lowest[1] == self._highest[1]:

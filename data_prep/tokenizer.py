@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from data_prep.errors import DataError
 
@@ -21,6 +22,7 @@ MODEL_TYPE = "bpe"
 UNK_ID, EOS_ID, NEWLINE_ID = 0, 1, 2
 MAX_VOCAB = 2**16  # ids must fit in uint16 shards
 MAX_SENTENCE_BYTES = 1 << 15
+SAVED_THREADS = 1  # trainer_spec.num_threads in every saved model, so its bytes do not depend on --threads
 
 
 def check_vocab_size(vocab_size: int) -> None:
@@ -29,9 +31,13 @@ def check_vocab_size(vocab_size: int) -> None:
 
 
 def train(lines: Sequence[str], vocab_size: int, threads: int) -> bytes:
-    """Train on `lines` and return the serialized model; vocabulary problems become one DataError line."""
+    """Train on `lines` and return the serialized model (the same bytes for any `threads`);
+    an empty sample and vocabulary problems become one DataError line."""
     check_vocab_size(vocab_size)
     chars = sum(map(len, lines))
+    if not lines:
+        raise DataError("the tokenizer sample is empty (no training line fits in --sample-chars); "
+                        "raise --sample-chars or lower --val-fraction")
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -43,7 +49,14 @@ def train(lines: Sequence[str], vocab_size: int, threads: int) -> bytes:
         )
     except RuntimeError as err:
         raise _vocab_error(str(err), vocab_size, chars) from None
-    return model.getvalue()
+    return _without_thread_count(model.getvalue())
+
+
+def _without_thread_count(model: bytes) -> bytes:
+    """The model with trainer_spec.num_threads set to SAVED_THREADS (training itself does not depend on it)."""
+    proto = sentencepiece_model_pb2.ModelProto.FromString(model)
+    proto.trainer_spec.num_threads = SAVED_THREADS
+    return proto.SerializeToString()
 
 
 def _vocab_error(message: str, vocab_size: int, chars: int) -> DataError:

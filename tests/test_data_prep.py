@@ -4,17 +4,20 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tqdm import tqdm
 
 from data_prep import DataError, c4, gutenberg, shards, tokenizer
 from data_prep.documents import Skips
 from data_prep.hub import stream_rows
 from data_prep.prepare import main, prepare
+from data_prep.sources import open_source
 from data_prep.split import Splitter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,12 +73,12 @@ def write_texts(directory: Path, texts: dict[str, str]) -> Path:
 ])
 def test_strip_gutenberg_markers(start: str, end: str) -> None:
     body = "CHAPTER I\n\n  It was a dark night; *** the end *** was near.\nEnd of chapter."
-    stripped, found = gutenberg.strip_gutenberg(pg_book(body, start, end))
-    assert found and stripped == body
+    stripped, missing = gutenberg.strip_gutenberg(pg_book(body, start, end))
+    assert missing == () and stripped == body
 
 
 def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
-    assert gutenberg.strip_gutenberg("Plain text.\nNo markers.\n") == ("Plain text.\nNo markers.", False)
+    assert gutenberg.strip_gutenberg("Plain text.\nNo markers.\n") == ("Plain text.\nNo markers.", ("START", "END"))
     twice = pg_book("The body.", start="*** START OF THIS PROJECT GUTENBERG EBOOK X ***\nNotes\n"
                                         "*** START OF THIS PROJECT GUTENBERG EBOOK X ***")
     assert gutenberg.strip_gutenberg(twice)[0] == "The body."
@@ -83,9 +86,9 @@ def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
 
 def test_strip_gutenberg_real_books(shared_data: Path) -> None:
     skips = Skips()
-    books = {d.id: d.text for d in gutenberg.file_documents(
-        [shared_data / "gutenberg" / f for f in ("pg1080_a_modest_proposal.txt.gz",
-                                                 "pg148_the_autobiography_of_benjamin_franklin.txt.gz")], skips)}
+    names = ["pg1080_a_modest_proposal.txt.gz", "pg148_the_autobiography_of_benjamin_franklin.txt.gz"]
+    books = {d.id: d.text for d in gutenberg.file_documents([shared_data / "gutenberg" / f for f in names], names,
+                                                            skips)}
     proposal = books["pg1080_a_modest_proposal"]
     assert proposal.startswith("Produced by An Anonymous Volunteer\n\n")
     assert proposal.endswith("the youngest being nine years old, and my wife past\nchild-bearing.")
@@ -100,9 +103,40 @@ def test_line_endings_normalised(tmp_path: Path) -> None:
     raw = pg_book("one\ntwo\n\nthree\rfour").replace("\n", "\r\n").encode()
     (tmp_path / "b.txt").write_bytes(raw)
     (tmp_path / "c.txt.gz").write_bytes(gzip.compress(raw))
-    docs = list(gutenberg.file_documents(sorted(tmp_path.iterdir()), Skips()))
+    files = sorted(tmp_path.iterdir())
+    docs = list(gutenberg.file_documents(files, [p.name for p in files], Skips()))
     assert [d.text for d in docs] == ["one\ntwo\n\nthree\nfour"] * 2
     assert [d.id for d in docs] == ["b", "c"]
+
+
+@pytest.mark.parametrize("kept, missing, gone", [
+    (pg_book("The body.", start=""), "START", "LICENSE"),  # header kept, licence stripped
+    (pg_book("The body.", end=""), "END", "EBook of A Tale, by Someone"),  # header stripped
+])
+def test_one_missing_marker_is_warned(kept: str, missing: str, gone: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture) -> None:
+    """A book with only one of the START/END markers is kept, with a warning naming the missing one."""
+    path = write_texts(tmp_path / "a", {"x.txt": kept}) / "x.txt"
+    skips = Skips()
+    [doc] = gutenberg.file_documents([path], ["a/x.txt"], skips)
+    assert doc.text.endswith("The body.") and gone not in doc.text
+    assert skips.counts == {f"gutenberg_files_without_{missing.lower()}_marker": 1}
+    assert f"warning: a/x.txt: no Project Gutenberg {missing} marker; kept everything" in capsys.readouterr().err
+
+
+def test_book_ids_are_relative_paths(tmp_path: Path) -> None:
+    """Books with the same file name in different folders (the Author/Title.txt layout) are different
+    documents; in a flat folder, and for a single file, the id stays the file name without suffix."""
+    write_texts(tmp_path / "src" / "x", {"Poems.txt": pg_book(words(1, 30))})
+    write_texts(tmp_path / "src" / "y", {"Poems.txt": pg_book(words(2, 30))})
+    index = prepare("gutenberg", str(tmp_path / "src"), tmp_path / "out", vocab_size=400, val_fraction=0.5, **QUIET)
+    assert sorted(documents_of(tmp_path / "out", "train") + documents_of(tmp_path / "out", "val")) == \
+        sorted([words(1, 30), words(2, 30)])
+    assert set(index["forced_split"]) <= {"x/Poems", "y/Poems"}
+    single = open_source("gutenberg", str(tmp_path / "src" / "x" / "Poems.txt"))
+    assert [d.id for d in single.read(Skips())] == ["Poems"]
+    flat = write_texts(tmp_path / "flat", {"pg1_a.txt": pg_book("A."), "pg2_b.txt": "B."})
+    assert [d.id for d in open_source("gutenberg", str(flat)).read(Skips())] == ["pg1_a", "pg2_b"]
 
 
 # ---------------------------------------------------------------- C4 and the hub route
@@ -155,8 +189,19 @@ def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match=r"^streaming allenai/c4/en split 'train' failed \(ConnectionError: "
-                                        r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\);"):
+                                        r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\); "
+                                        r"check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE$"):
         prepare("c4-hub", None, tmp_path / "out", **QUIET)
+
+
+def test_hub_errors_blame_the_network_only_when_it_is_one(tmp_path: Path) -> None:
+    """A missing data file or an unparsable row is not a network problem: no network/offline hint."""
+    with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(FileNotFoundError: .*\); "
+                                        r"check the dataset id \(--src\), --hub-split and --data-files$"):
+        prepare("c4-hub", "json", tmp_path / "out", data_files=str(tmp_path / "missing.jsonl"), **QUIET)
+    (tmp_path / "a.jsonl").write_text('{"text": "lone \\ud83d surrogate"}\n')
+    with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(ArrowInvalid: [^;]*$"):
+        prepare("c4-hub", "json", tmp_path / "out", data_files=str(tmp_path / "a.jsonl"), **QUIET)
 
 
 # ---------------------------------------------------------------- shards, split, resume
@@ -318,6 +363,54 @@ def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and err == "error: --vocab-size must be in 1..65536 (tokens are stored as uint16), got 70000"
 
 
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_threads_must_be_positive(threads: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    code = main(["--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--no-progress",
+                 "--threads", threads])
+    assert code == 2 and capsys.readouterr().err.strip() == f"error: --threads must be a positive integer, got {threads}"
+
+
+def test_empty_tokenizer_sample_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"),
+                        "--sample-chars", "1")
+    assert code == 2 and err == ("error: the tokenizer sample is empty (no training line fits in --sample-chars); "
+                                 "raise --sample-chars or lower --val-fraction")
+
+
+def test_document_forced_into_train_feeds_the_tokenizer(tmp_path: Path) -> None:
+    """With --val-fraction 0.99 both documents hash to validation; the one forced into train is sampled."""
+    texts = {"a.txt": words(1, 20), "b.txt": words(2, 20)}
+    assert all(Splitter(0.99).by_hash(name) == "val" for name in texts)
+    src = write_texts(tmp_path / "src", texts)
+    index = prepare("text", str(src), tmp_path / "out", vocab_size=400, val_fraction=0.99, **QUIET)
+    [(forced, split)] = index["forced_split"].items()
+    assert split == "train" and documents_of(tmp_path / "out", "train") == [texts[forced]]
+    assert documents_of(tmp_path / "out", "val") == [t for name, t in texts.items() if name != forced]
+
+
+def test_tokenizer_bytes_do_not_depend_on_threads(tmp_path: Path) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 30) for i in range(6)})
+    kw = dict(vocab_size=500, val_fraction=0.2, progress=False)
+    one = prepare("text", str(src), tmp_path / "t1", threads=1, **kw)
+    two = prepare("text", str(src), tmp_path / "t2", threads=2, **kw)
+    assert (tmp_path / "t1/tokenizer.model").read_bytes() == (tmp_path / "t2/tokenizer.model").read_bytes()
+    assert one == two
+
+
+def test_input_hashing_has_a_progress_bar_and_its_own_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 30) for i in range(4)})
+    size = sum(p.stat().st_size for p in src.iterdir())
+    prepare("text", str(src), tmp_path / "out", vocab_size=400, val_fraction=0.3, threads=1, progress=True)
+    out, err = capsys.readouterr()
+    total = tqdm.format_sizeof(size, divisor=1024)  # the bar counts the bytes of every input file
+    assert re.search(rf"\rhash: 100%\|[^\r\n]*\| {re.escape(total)}/{re.escape(total)} \[", err)
+    assert re.search(r"s \(hash [\d.]+s, scan [\d.]+s, tokenizer [\d.]+s, tokenise [\d.]+s\)$", out.strip())
+    prepare("text", str(src), tmp_path / "quiet", vocab_size=400, val_fraction=0.3, **QUIET)
+    assert "hash" not in capsys.readouterr().err
+
+
 def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     good = [json.dumps({"text": words(200 + i, 3), "timestamp": None, "url": None}) for i in range(30)]
     lines = good[:10] + ['{"text": "unterminated', "not json at all", "[1, 2]"] + good[10:] + [json.dumps({"url": "x"})]
@@ -330,6 +423,28 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
     assert "warning: a.json.gz: skipped 3 broken JSON line(s), first at line 11" in err
+
+
+def test_unencodable_text_is_a_broken_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Valid JSON whose "text" has an escaped lone surrogate cannot be UTF-8 encoded: skipped and counted."""
+    good = [json.dumps({"text": words(400 + i, 3)}) for i in range(8)]
+    lines = good[:3] + ['{"text": "hello \\ud83d world"}', '{"text": "x \\udc00"}'] + good[3:]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    index = prepare("c4", str(tmp_path / "src"), tmp_path / "out", vocab_size=400, val_fraction=0.2, **QUIET)
+    assert index["skipped"]["broken_json_lines"] == 2
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 8
+    err = capsys.readouterr().err
+    assert err.count("warning: a.jsonl: skipped 2 broken JSON line(s), first at line 4") == 1
+
+
+def test_no_usable_documents_names_the_skipped_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = [json.dumps({"content": f"row {i}"}) for i in range(100)] + ['{"text": "  "}', "{broken"]
+    (tmp_path / "a.jsonl").write_text("\n".join(rows) + "\n")
+    code, err = run_cli(capsys, "--source", "c4", "--src", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 2 and err.splitlines()[-1] == (
+        'error: no usable documents in a.jsonl (1 inputs; skipped files: none; 1 broken JSON lines; '
+        '1 empty documents; 100 rows without a string "text" field)')
 
 
 def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
