@@ -4,6 +4,7 @@ No Lightning import, so --help and bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -33,13 +34,14 @@ def resume_of(args: argparse.Namespace) -> str | None:
 
 def exit_status(run: Callable[[], Any]) -> int:
     """Run a training entry point's work: 0; a config or data error: one `error:` line on stderr, 2; a diverged
-    run (lm/nonfinite.py): one line naming the step and the last finite checkpoint, 3."""
+    run (lm/nonfinite.py): one line naming the step and the last finite checkpoint, 3; a run stopped by SIGTERM
+    before its last step: one line, 143 (128 + SIGTERM, as a shell reports a process the signal killed)."""
     from heads import ConfigError
-    from lm.errors import DataError, NonFiniteError
+    from lm.errors import DataError, Interrupted, NonFiniteError
 
     try:
         run()
-    except (ConfigError, DataError, NonFiniteError) as err:
+    except (ConfigError, DataError, NonFiniteError, Interrupted) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 3 if isinstance(err, NonFiniteError) else 2
+        return {NonFiniteError: 3, Interrupted: 128 + signal.SIGTERM}.get(type(err), 2)
     return 0

@@ -36,7 +36,7 @@ from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
-from lm.train import build_trainer, checked_strategy, ckpt_dir, resume_path
+from lm.train import build_trainer, checked_strategy, ckpt_dir, fit, resume_path
 
 
 class LayoutSampler:
@@ -213,7 +213,7 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints, strategy)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    fit(trainer, module, data, ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(module, datamodule=data, verbose=False)
     if trainer.global_step % t.ckpt_every:

@@ -9,3 +9,8 @@ class DataError(ValueError):
 
 class NonFiniteError(RuntimeError):
     """Training produced a NaN/inf loss, gradient, buffer or validation loss; the message is one line."""
+
+
+class Interrupted(RuntimeError):
+    """A training run stopped by SIGTERM before trainer.max_steps (Lightning stops at the next batch end); the
+    message is one line naming the step reached."""

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.profilers import Profiler, PyTorchProfiler, SimpleProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
 from heads import ConfigError
@@ -25,6 +26,7 @@ from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints,
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
+from lm.errors import Interrupted
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
@@ -181,6 +183,15 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     return str(path)
 
 
+def fit(trainer: L.Trainer, module: L.LightningModule, data: L.LightningDataModule, ckpt: str | None) -> None:
+    """trainer.fit; a SIGTERM (Lightning stops at the next batch end and exits with status 0) becomes Interrupted."""
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    except SIGTERMException:
+        raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
+                          "the newest checkpoint with --resume") from None
+
+
 def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
     checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
@@ -206,7 +217,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     trainer = build_trainer(cfg, checkpoints, strategy)
     if validate_first and ckpt is None:
         trainer.validate(module, datamodule=data, verbose=False)
-    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    fit(trainer, module, data, ckpt)
     step = trainer.global_step
     final_validation = not module.val_history or module.val_history[-1]["step"] != step
     if final_validation:

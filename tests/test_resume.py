@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +77,26 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
 class Unpicklable:
     def __reduce__(self):  # noqa: ANN204
         raise RuntimeError("disk full")
+
+
+def test_sigterm_stops_the_run_with_one_line_and_status_143(tmp_path: Path) -> None:
+    """Lightning stops at the next batch end and exits 0, as if the run had finished: train_lm.py says where it
+    stopped and exits 128 + SIGTERM, so a scheduler or a shell loop can tell."""
+    data = write_prepared(tmp_path / "data")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(command(data, out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = out / "checkpoints" / "step0000010.ckpt"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert first.exists(), "the run wrote no checkpoint in time"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: stopped by SIGTERM at step (\d+) of {STEPS}; continue from the newest checkpoint "
+                        r"with --resume", last), last
+    assert 10 <= int(re.search(r"step (\d+)", last).group(1)) < STEPS
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:
