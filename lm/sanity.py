@@ -1,7 +1,8 @@
 """Config sanity warnings: settings that are valid but almost certainly not what was meant.
 
 Each is one line on stderr (rank 0 only), never an error: a head group's own advice (`HeadOptions.advice`,
-e.g. MoSAIC load far from capacity; the IsoFLOP solver and sweeps print the same text), a non-causal head mix
+e.g. MoSAIC load far from capacity; the IsoFLOP solver and sweeps print the same text), a sparsity that does not
+divide the training length (the solver refuses it), a non-causal head mix
 (its teacher-forced validation loss leaks), a shrunk run (`trainer.max_steps=30` on a
 preset) that keeps the preset's warm-up never leaves it (the loss stays near ln V), one whose
 `val_every` exceeds `max_steps` validates only at the end, and validation windows that overlap (or a
@@ -31,6 +32,10 @@ def config_warnings(cfg: Config) -> list[str]:
     groups = [(g, make_options(g.type, dict(g.options), m.group_context(layer)))
               for layer in range(m.n_layers) for g in m.mix(layer)]
     out = [f"model.heads: {text}" for text in sorted({opts.advice(g.count) for g, opts in groups} - {None})]
+    uneven = sorted({(g.type, opts.sparsity) for g, opts in groups if m.seq_len % getattr(opts, "sparsity", 1)})
+    out += [f"model.heads: {name} sparsity {rho} does not divide model.seq_len {m.seq_len}, so its k = T / rho is "
+            f"rounded (MoSA App. F: max(floor(T / rho), 2)); flops.isoflop and flops.sweep, which FLOP-match divisible "
+            f"sparsities as the paper does, refuse it" for name, rho in uneven]
     leaky = sorted({g.type for g, opts in groups if not opts.causal})
     if leaky:
         out.append(f"model.heads: {', '.join(leaky)} not causal (a paper's faithful rule): the validation loss logged "

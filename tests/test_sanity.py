@@ -37,6 +37,17 @@ def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixtur
     assert warnings_of(capsys.readouterr().err) == []
 
 
+def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    """Training accepts it (k is rounded, App. F), the IsoFLOP solver refuses it: say so instead of silently
+    differing."""
+    shrunk = ["trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10"]
+    load_config("configs/experiments/mosa_hybrid.yaml", *shrunk, "model.heads.1.options.sparsity=3")
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert line.startswith("warning: model.heads: mosa sparsity 3 does not divide model.seq_len 1024") and "refuse" in line
+    load_config("configs/experiments/mosa_hybrid.yaml", *shrunk, "model.heads.1.options.sparsity=4")
+    assert warnings_of(capsys.readouterr().err) == []
+
+
 @pytest.mark.parametrize(("val_tokens", "expected"), [
     (4000, None),  # 16 windows of 33 tokens = 528 <= 4000
     (400, "validation windows overlap: data.val_batches x data.batch_size = 16 windows of 33 tokens need 528"),
