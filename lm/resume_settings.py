@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from lm.config import Config
+from lm.schedule import lr_factor
 
 
 def _plain(value: Any) -> Any:
@@ -58,5 +59,20 @@ def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
             sched["_last_lr"] = [g["lr"] for g in opt_state["param_groups"]]
     how = {"data.batch_size": "tokens_seen continues from the checkpoint's count; later batches differ from "
                               "an uninterrupted run"}
-    return [f"--resume: {key} changed {old} -> {new}: {how.get(key, 'applied from this step on')}"
-            for key, (old, new) in changes.items()]
+    lines = [f"--resume: {key} changed {old} -> {new}: {how.get(key, 'applied from this step on')}"
+             for key, (old, new) in changes.items()]
+    if SCHEDULE & set(changes):
+        step, old_cfg = checkpoint.get("global_step", 0), checkpoint["config"]
+        before, after = learning_rate(step, old_cfg["optim"], old_cfg["trainer"]["max_steps"]), \
+            learning_rate(step, OmegaConf.to_container(OmegaConf.structured(o)), cfg.trainer.max_steps)
+        lines.append(f"--resume: the learning rate at step {step} moves from {before:.3g} to {after:.3g} (the warm-up "
+                     f"and cosine follow the new settings)")
+    return lines
+
+
+SCHEDULE = {"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "trainer.max_steps"}  # what lr(step) depends on
+
+
+def learning_rate(step: int, optim: dict[str, Any], max_steps: int) -> float:
+    """lr at optimizer step `step` of the schedule (lm/schedule.py) with these optim settings and max_steps."""
+    return optim["lr"] * lr_factor(step, optim["warmup_steps"], max_steps, optim["min_lr_ratio"])

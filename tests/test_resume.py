@@ -140,6 +140,7 @@ def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr
     assert "skipping step0000006.ckpt" in text and "CRC mismatch" in text
     assert f"continuing from {ckpts / 'step0000004.ckpt'}" in text
     assert "optim.lr changed 0.003 -> 0.001: applied" in text and "data.batch_size changed 8 -> 4" in text
+    assert "the learning rate at step 4 moves from 0.003 to 0.001" in text  # step 4: warm-up (5 steps) complete
     last = load(ckpts / "last.ckpt")
     assert last["global_step"] == 10 and last["lr_schedulers"][0]["base_lrs"] == [1e-3, 1e-3]
     assert all(g["initial_lr"] == 1e-3 for g in last["optimizer_states"][0]["param_groups"])
