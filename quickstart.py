@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ BOOKS = 14
 VAL_FRACTION = 0.1
 BUILTIN_STEPS = 120  # the builtin corpus has ~113k training tokens: ~4 epochs, before overfitting sets in
 # Errors of lm.train and data_prep name train_lm.py's and data_prep's flags; quickstart's own equivalents.
-OWN_FLAGS = ((r"--resume\b", "resuming"), (r"--overwrite\b", "--fresh"), (r"^--out\b", "data.path"),
+OWN_FLAGS = ((r"with --resume\b", "by running the quickstart again"), (r"--resume\b", "resuming"), (r"--overwrite\b", "--fresh"), (r"^--out\b", "data.path"),
              (r"another --out\b", "another data.path"))
 
 
@@ -71,21 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
     args = parser.parse_intermixed_args(argv)
     from data_prep import DataError as PrepError
-    from lm.errors import DataError, NonFiniteError
+    from lm.errors import DataError, Interrupted, NonFiniteError
 
     try:
         cfg = load_config(CONFIG, *args.overrides)
         prepare_data(cfg, args.shared, overwrite=args.fresh)
+        from lm.run_dir import holds_run
         from lm.train import train
 
-        # --resume (a fresh run when there is none yet), or --overwrite
-        metrics = train(cfg, resume=None if args.fresh else "last", validate_first=True, overwrite=args.fresh)
+        # continue the run in the directory, if any (--resume), or --overwrite it
+        resume = "last" if holds_run(Path(cfg.trainer.out_dir)) and not args.fresh else None
+        metrics = train(cfg, resume=resume, validate_first=True, overwrite=args.fresh)
     except (ConfigError, DataError, PrepError) as err:
         print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
         return 2
-    except NonFiniteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+    except (NonFiniteError, Interrupted) as err:  # exit statuses as train_lm.py's (lm.cli.exit_status)
+        print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
+        return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM
     out = Path(cfg.trainer.out_dir)
     print("\nvalidation perplexity during training:")
     for h in metrics["history"]:

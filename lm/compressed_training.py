@@ -36,7 +36,7 @@ from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
-from lm.train import build_trainer, checked_strategy, ckpt_dir, fit, resume_path
+from lm.train import build_trainer, checked_strategy, ckpt_dir, fit, model_line, resume_path, say
 
 
 class LayoutSampler:
@@ -210,6 +210,7 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = CompressedModule(cfg)
+    say(model_line(cfg, module))
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints, strategy)

@@ -6,7 +6,9 @@ newest `trainer.keep_last_k`), `checkpoints/last.ckpt` (the newest), `metrics.js
 """
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -116,6 +118,28 @@ def build_profiler(t: TrainerConfig) -> Profiler | None:
     return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True)
 
 
+class _NoAdverts(logging.Filter):
+    """Drops Lightning's "💡 Tip: ... try installing litlogger / litmodels" lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())
+# Lightning 2.6's own pytree helper on torch >= 2.13: a deprecation of torch's API that Lightning uses, not ours
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def model_line(cfg: Config, module: L.LightningModule) -> str:
+    """One line on the model, instead of Lightning's model summary (whose FLOPs column reads 0 without an example
+    input; App. C's counts: python -m flops.isoflop, flops.model)."""
+    m = cfg.model
+    mixes = dict.fromkeys(" + ".join(f"{g.count} {g.type}" for g in m.mix(layer)) for layer in range(m.n_layers))
+    params = sum(p.numel() for p in module.parameters())
+    return (f"model: {params:,} parameters; {m.n_layers} layers, d_model {m.d_model}, heads per layer "
+            f"{' | '.join(mixes)} (head_dim {m.head_dim}); T = {m.seq_len}")
+
+
 def checked_strategy(cfg: Config) -> Any:
     """trainer.strategy for build_trainer, once the devices are checked (one-line ConfigErrors). Called before
     the run directory is claimed, so that a start refused here leaves trainer.out_dir free for the corrected rerun."""
@@ -141,7 +165,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
         logger=tensorboard_logger(cfg), profiler=build_profiler(t),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
-        enable_checkpointing=False, default_root_dir=t.out_dir,
+        enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
         use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
@@ -211,6 +235,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     ckpt = resume_path(cfg, resume)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = LMModule(cfg)
+    say(model_line(cfg, module))
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
                                   keep=t.keep_last_k)

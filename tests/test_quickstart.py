@@ -29,6 +29,7 @@ def test_fresh_keeps_unrelated_files_and_errors_name_quickstarts_flags(tmp_path:
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     out, data = tmp_path / "run-builtin", tmp_path / "data-builtin"  # the offline corpus's names
     assert run(tmp_path) == 0
+    assert "--resume" not in capsys.readouterr().err  # a first run resumes nothing, and says nothing about it
     (out / "notes.txt").write_text("mine")
 
     assert run(tmp_path, "model.n_layers=2") == 2  # the finished run has 1 layer
