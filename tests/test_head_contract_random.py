@@ -77,27 +77,37 @@ def test_every_registered_type_is_in_the_grid() -> None:
     assert set(OPTIONS) == set(REGISTRY)
 
 
+def check_contract(group: HeadGroup, T: int, batch: int, what: str, rng: random.Random) -> None:
+    """fast == reference (output and gradients); causal: no leak from rows after a random t; decoding == forward."""
+    for name, ref, fast in fast_and_reference(group, T, batch):  # atol: gradients that are exactly 0 in theory
+        torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}; {what}")
+    group.options.impl = "fast"
+    x = torch.randn(batch, T, group.ctx.d_model, dtype=torch.float64)
+    pos = torch.arange(T).expand(batch, T)
+    with torch.no_grad():
+        y = group(x, pos)
+        if group.causal and T > 1:
+            t = rng.randint(0, T - 2)
+            x2 = x.clone()
+            x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])
+            leak = (group(x2, pos)[:, : t + 1] - y[:, : t + 1]).abs().max().item()
+            assert leak < 1e-12, f"rows <= {t} moved by {leak:.1e} when later rows changed: {what}"
+        decoded = decode(group, x, rng.randint(1, T)) if group.causal else None
+        if decoded is not None:
+            err = (decoded - y).abs().max().item()
+            assert err < 1e-10, f"decoding differs from the full forward by {err:.1e}: {what}"
+
+
 @pytest.mark.parametrize("head_type", sorted(OPTIONS))
 def test_random_configurations_keep_the_contract(head_type: str) -> None:
     rng = random.Random(1)
     for group, T, batch, what in random_groups(head_type, seed=sorted(OPTIONS).index(head_type)):
-        for name, ref, fast in fast_and_reference(group, T, batch):  # atol: gradients that are exactly 0 in theory
-            torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}; {what}")
-        group.options.impl = "fast"
-        x = torch.randn(batch, T, group.ctx.d_model, dtype=torch.float64)
-        pos = torch.arange(T).expand(batch, T)
-        with torch.no_grad():
-            y = group(x, pos)
-            if group.causal and T > 1:
-                t = rng.randint(0, T - 2)
-                x2 = x.clone()
-                x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])
-                leak = (group(x2, pos)[:, : t + 1] - y[:, : t + 1]).abs().max().item()
-                assert leak < 1e-12, f"rows <= {t} moved by {leak:.1e} when later rows changed: {what}"
-            decoded = decode(group, x, rng.randint(1, T)) if group.causal else None
-            if decoded is not None:
-                err = (decoded - y).abs().max().item()
-                assert err < 1e-10, f"decoding differs from the full forward by {err:.1e}: {what}"
+        try:
+            check_contract(group, T, batch, what, rng)
+        except AssertionError:
+            raise
+        except Exception as err:  # a crash inside a case: name the configuration that raised it
+            raise AssertionError(f"{type(err).__name__}: {err}; {what}") from err
 
 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
