@@ -79,24 +79,34 @@ class Unpicklable:
         raise RuntimeError("disk full")
 
 
-def test_sigterm_stops_the_run_with_one_line_and_status_143(tmp_path: Path) -> None:
-    """Lightning stops at the next batch end and exits 0, as if the run had finished: train_lm.py says where it
-    stopped and exits 128 + SIGTERM, so a scheduler or a shell loop can tell."""
+def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Lightning stops at the next batch end and exits 0, as if the run had finished: train_lm.py checkpoints that
+    step (a preemption loses no finished step), says where it stopped, exits 128 + SIGTERM, and --resume from there
+    equals the uninterrupted run bit for bit."""
     data = write_prepared(tmp_path / "data")
-    out = tmp_path / "run"
+    full, out = tmp_path / "full", tmp_path / "run"
+    uninterrupted = subprocess.Popen(command(data, full), env=env(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(command(data, out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = out / "checkpoints" / "step0000010.ckpt"
     deadline = time.monotonic() + 120
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert first.exists(), "the run wrote no checkpoint in time"
+    time.sleep(0.1)  # into the middle of a checkpoint interval
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = err.strip().splitlines()[-1]
-    assert re.fullmatch(rf"error: stopped by SIGTERM at step (\d+) of {STEPS}; continue from the newest checkpoint "
-                        r"with --resume", last), last
-    assert 10 <= int(re.search(r"step (\d+)", last).group(1)) < STEPS
+    match = re.fullmatch(rf"error: stopped by SIGTERM at step (\d+) of {STEPS}; continue from the newest checkpoint "
+                         r"with --resume", last)
+    assert match, last
+    stopped = int(match.group(1))
+    assert 10 <= stopped < STEPS and load(out / "checkpoints" / f"step{stopped:07d}.ckpt")["global_step"] == stopped
+
+    subprocess.run(command(data, out, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
+    assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:
