@@ -74,7 +74,7 @@ class StepCheckpoints(L.Callback):
     that validation's result and a resumed run does not repeat it. `last.ckpt` is an atomic hard
     link to the step file (no second write), except for DeepSpeed, whose checkpoints are directories.
     Under gradient accumulation a checkpoint is written only after the micro-batch that ends its step. A SIGTERM
-    that stops the run after such a micro-batch also checkpoints its step (`on_exception`).
+    that stops a one-process run after such a micro-batch (not in a validation) also checkpoints its step.
     """
 
     def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0) -> None:
@@ -109,8 +109,11 @@ class StepCheckpoints(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """SIGTERM (a scheduler's preemption notice; Lightning stops after the batch) at the end of an optimizer
-        step: checkpoint that step too, so that --resume loses no finished step."""
-        if isinstance(exception, SIGTERMException) and self._step_ended and self.saved_step != trainer.global_step:
+        step: checkpoint that step too, so that --resume loses no finished step. Not during a validation (the
+        step's checkpoint must carry it; resuming from one without it would skip it for good), and in one
+        process only: ranks notice the signal at their own batch ends, and a collective save could hang."""
+        if (isinstance(exception, SIGTERMException) and trainer.training and trainer.world_size == 1
+                and self._step_ended and self.saved_step != trainer.global_step):
             self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

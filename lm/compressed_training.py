@@ -33,10 +33,10 @@ from lm.checkpoint import StepCheckpoints, read_checkpoint
 from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
-from lm.data import DataError, LMDataModule, open_split, step_order
+from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
 from lm.run_dir import claim
-from lm.train import build_trainer, checked_strategy, ckpt_dir, fit, model_line, resume_path, say
+from lm.train import build_trainer, checked_strategy, ckpt_dir, model_line, resume_path, say, sigterm_interrupts
 
 
 class LayoutSampler:
@@ -171,6 +171,7 @@ class CompressedDataModule(LMDataModule):
         assert self.trainer is not None
         layout = self.val_layout()
         meta = encode(layout)
+        enough_for_every_rank(self.cfg.val_batches, "validation batches", self.trainer.world_size)
         windows = fixed_windows(self.val_windows, self.cfg.val_batches, self.cfg.batch_size, layout.window, self.seed)
         mine = windows[self.trainer.global_rank :: self.trainer.world_size]
         return self._loader([(w, meta) for w in mine], batch_size=None)
@@ -214,9 +215,11 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints, strategy)
-    fit(trainer, module, data, ckpt)
+    with sigterm_interrupts(trainer):
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
-        trainer.validate(module, datamodule=data, verbose=False)
+        with sigterm_interrupts(trainer):
+            trainer.validate(module, datamodule=data, verbose=False)
     if trainer.global_step % t.ckpt_every:
         checkpoints.save(trainer)
     rank_zero_info(f"checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | metrics {Path(t.out_dir) / 'metrics.json'}")

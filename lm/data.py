@@ -111,6 +111,13 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
     return stream
 
 
+def enough_for_every_rank(count: int, what: str, world_size: int) -> None:
+    """DataError unless every rank gets one of `count` validation items (a rank without any stops Lightning)."""
+    if count < world_size:
+        raise DataError(f"data.val_batches gives {count} {what} for {world_size} ranks: every rank needs one; "
+                        f"raise data.val_batches")
+
+
 def step_order(start_step: int, accumulate: int = 1) -> Iterator[tuple[int, int]]:
     """(step, micro-batch) pairs from `start_step` on, `accumulate` micro-batches per step. In a DataLoader
     worker, that worker's share: worker w of n takes items w, w + n, ...; the loader reads its workers
@@ -200,6 +207,7 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         trainer = self.trainer
         assert trainer is not None and self.val_stream is not None
+        enough_for_every_rank(self.cfg.val_batches * self.cfg.batch_size, "validation windows", trainer.world_size)
         windows = ValWindows(self.val_stream, self.model_cfg.seq_len, self.cfg.val_batches * self.cfg.batch_size,
                              rank=trainer.global_rank, world_size=trainer.world_size)
         return self._loader(windows, batch_size=self.cfg.batch_size, shuffle=False)

@@ -43,15 +43,23 @@ def changed_settings(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any,
     return out
 
 
+SCHEDULE = {"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "trainer.max_steps"}  # what lr(step) depends on
+
+
+def learning_rate(step: int, optim: dict[str, Any], max_steps: int) -> float:
+    """lr at optimizer step `step` of the schedule (lm/schedule.py) with these optim settings and max_steps."""
+    return optim["lr"] * lr_factor(step, optim["warmup_steps"], max_steps, optim["min_lr_ratio"])
+
+
 def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
     """Rewrite the checkpoint's optimizer/scheduler state for the current optim settings; one message per
     changed setting, saying what happens to it."""
     changes = changed_settings(checkpoint["config"], cfg)
-    o = cfg.optim
+    o, step = cfg.optim, checkpoint.get("global_step", 0)
+    optim = OmegaConf.to_container(OmegaConf.structured(o))
     for opt_state, sched in zip(checkpoint.get("optimizer_states", []), checkpoint.get("lr_schedulers", [])):
-        for i, group in enumerate(opt_state["param_groups"]):
-            factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0  # schedule position
-            group.update(lr=o.lr * factor, initial_lr=o.lr, betas=tuple(o.betas))
+        for i, group in enumerate(opt_state["param_groups"]):  # the next step's rate, on the new schedule
+            group.update(lr=learning_rate(step, optim, cfg.trainer.max_steps), initial_lr=o.lr, betas=tuple(o.betas))
             if i == 0:  # group 0 holds the matrices (LMModule.configure_optimizers), group 1 never decays
                 group["weight_decay"] = o.weight_decay
         sched["base_lrs"] = [o.lr] * len(sched.get("base_lrs", []))
@@ -62,17 +70,10 @@ def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
     lines = [f"--resume: {key} changed {old} -> {new}: {how.get(key, 'applied from this step on')}"
              for key, (old, new) in changes.items()]
     if SCHEDULE & set(changes):
-        step, old_cfg = checkpoint.get("global_step", 0), checkpoint["config"]
-        before, after = learning_rate(step, old_cfg["optim"], old_cfg["trainer"]["max_steps"]), \
-            learning_rate(step, OmegaConf.to_container(OmegaConf.structured(o)), cfg.trainer.max_steps)
+        saved = checkpoint["config"]
+        before, after = learning_rate(step, saved["optim"], saved["trainer"]["max_steps"]), \
+            learning_rate(step, optim, cfg.trainer.max_steps)
         lines.append(f"--resume: the learning rate at step {step} moves from {before:.3g} to {after:.3g} (the warm-up "
                      f"and cosine follow the new settings)")
     return lines
 
-
-SCHEDULE = {"optim.lr", "optim.warmup_steps", "optim.min_lr_ratio", "trainer.max_steps"}  # what lr(step) depends on
-
-
-def learning_rate(step: int, optim: dict[str, Any], max_steps: int) -> float:
-    """lr at optimizer step `step` of the schedule (lm/schedule.py) with these optim settings and max_steps."""
-    return optim["lr"] * lr_factor(step, optim["warmup_steps"], max_steps, optim["min_lr_ratio"])

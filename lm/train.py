@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -207,10 +209,12 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     return str(path)
 
 
-def fit(trainer: L.Trainer, module: L.LightningModule, data: L.LightningDataModule, ckpt: str | None) -> None:
-    """trainer.fit; a SIGTERM (Lightning stops at the next batch end and exits with status 0) becomes Interrupted."""
+@contextmanager
+def sigterm_interrupts(trainer: L.Trainer) -> Iterator[None]:
+    """Around trainer.fit / trainer.validate: a SIGTERM (Lightning stops at the next batch end and exits with
+    status 0, as if the run had finished) becomes Interrupted."""
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+        yield
     except SIGTERMException:
         raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
                           "the newest checkpoint with --resume") from None
@@ -241,12 +245,15 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
                                   keep=t.keep_last_k)
     trainer = build_trainer(cfg, checkpoints, strategy)
     if validate_first and ckpt is None:
-        trainer.validate(module, datamodule=data, verbose=False)
-    fit(trainer, module, data, ckpt)
+        with sigterm_interrupts(trainer):
+            trainer.validate(module, datamodule=data, verbose=False)
+    with sigterm_interrupts(trainer):
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     step = trainer.global_step
     final_validation = not module.val_history or module.val_history[-1]["step"] != step
     if final_validation:
-        trainer.validate(module, datamodule=data, verbose=False)
+        with sigterm_interrupts(trainer):
+            trainer.validate(module, datamodule=data, verbose=False)
     if final_validation or checkpoints.saved_step != step:  # (again) after the validation, so it carries its result
         checkpoints.save(trainer)
     out = Path(t.out_dir)

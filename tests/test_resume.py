@@ -85,9 +85,11 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     equals the uninterrupted run bit for bit."""
     data = write_prepared(tmp_path / "data")
     full, out = tmp_path / "full", tmp_path / "run"
-    uninterrupted = subprocess.Popen(command(data, full), env=env(), stdout=subprocess.DEVNULL,
+    no_val = "trainer.val_every=1000"  # validation only at the end: the signal lands in training, not in a validation
+    uninterrupted = subprocess.Popen(command(data, full, no_val), env=env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen(command(data, out), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command(data, out, no_val), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
     first = out / "checkpoints" / "step0000010.ckpt"
     deadline = time.monotonic() + 120
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -104,9 +106,30 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     stopped = int(match.group(1))
     assert 10 <= stopped < STEPS and load(out / "checkpoints" / f"step{stopped:07d}.ckpt")["global_step"] == stopped
 
-    subprocess.run(command(data, out, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command(data, out, no_val, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
+
+
+def test_sigterm_checkpoints_only_a_finished_training_step_of_one_process(tmp_path: Path) -> None:
+    """Not in a validation (a checkpoint without it would make --resume skip it), not mid-accumulation, not with
+    several ranks (each notices the signal at its own batch end; a collective save could hang)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lm.checkpoint import StepCheckpoints
+
+    saved = []
+    for training, world, ended, expect in ((True, 1, True, True), (False, 1, True, False), (True, 2, True, False),
+                                           (True, 1, False, False)):
+        checkpoints = StepCheckpoints(tmp_path, 10, 10)
+        checkpoints.save = lambda trainer: saved.append(trainer.global_step)  # type: ignore[method-assign]
+        checkpoints._step_ended = ended
+        trainer = SimpleNamespace(training=training, world_size=world, global_step=len(saved) + 13)
+        checkpoints.on_exception(trainer, None, SIGTERMException())  # type: ignore[arg-type]
+        checkpoints.on_exception(trainer, None, RuntimeError())  # type: ignore[arg-type]  # other errors: never
+        assert (trainer.global_step in saved) == expect, (training, world, ended)
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:
@@ -155,6 +178,25 @@ def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr
     assert last["global_step"] == 10 and last["lr_schedulers"][0]["base_lrs"] == [1e-3, 1e-3]
     assert all(g["initial_lr"] == 1e-3 for g in last["optimizer_states"][0]["param_groups"])
     assert metrics["tokens_seen"] == 4 * 8 * 32 + 6 * 4 * 32  # 4 steps of batch 8, then 6 of batch 4
+
+
+def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
+    """warm-up 5 -> 20 at step 4: the next step runs at lr * 5 / 20 on the new schedule (the restored param group
+    held the old schedule's rate for it, which the LambdaLR replaces only after that step), and the message says so."""
+    from omegaconf import OmegaConf
+
+    from lm.config import load_config
+    from lm.resume_settings import apply_changes
+
+    old = load_config(None, "optim.lr=1e-3", "optim.warmup_steps=5", "trainer.max_steps=10")
+    new = load_config(None, "optim.lr=1e-3", "optim.warmup_steps=20", "trainer.max_steps=40")
+    groups = [{"lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0} for _ in range(2)]
+    checkpoint = {"config": OmegaConf.to_container(OmegaConf.structured(old)), "global_step": 4,
+                  "optimizer_states": [{"param_groups": groups}], "lr_schedulers": [{"base_lrs": [1e-3, 1e-3]}]}
+    lines = apply_changes(checkpoint, new)
+    assert [g["lr"] for g in groups] == [1e-3 * 5 / 20] * 2
+    assert lines[-1] == ("--resume: the learning rate at step 4 moves from 0.001 to 0.00025 (the warm-up and cosine "
+                         "follow the new settings)")
 
 
 def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> None:

@@ -215,6 +215,11 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     from lm.train import build_trainer
 
     assert not build_trainer(cfg, StepCheckpoints(Path("unused"), 10, 10), "auto")._accelerator_connector.use_distributed_sampler
+    from lm.data import enough_for_every_rank
+
+    with pytest.raises(DataError, match="gives 3 validation windows for 4 ranks: every rank needs one"):
+        enough_for_every_rank(3, "validation windows", 4)  # a rank without windows would stop Lightning
+    enough_for_every_rank(4, "validation windows", 4)
 
 
 def data_error(path: Path, **model: object) -> str:
