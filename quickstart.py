@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import signal
 import sys
 import time
 from pathlib import Path
 
 from heads import ConfigError
+from lm.cli import status_of
 from lm.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parent
@@ -83,12 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         # continue the run in the directory, if any (--resume), or --overwrite it
         resume = "last" if holds_run(Path(cfg.trainer.out_dir)) and not args.fresh else None
         metrics = train(cfg, resume=resume, validate_first=True, overwrite=args.fresh)
-    except (ConfigError, DataError, PrepError) as err:
+    except (ConfigError, DataError, PrepError, NonFiniteError, Interrupted) as err:
         print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, Interrupted) as err:  # exit statuses as train_lm.py's (lm.cli.exit_status)
-        print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
-        return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM
+        return status_of(err)  # as train_lm.py's
     out = Path(cfg.trainer.out_dir)
     print("\nvalidation perplexity during training:")
     for h in metrics["history"]:

@@ -23,9 +23,11 @@ _NETWORK_ERRORS = {"ConnectionError", "ConnectError", "ConnectTimeout", "ReadTim
 
 def is_network_error(err: BaseException | None) -> bool:
     """Whether `err`, or an exception it was raised from, is a connection failure or offline mode."""
-    while err is not None:
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
         if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__name__ in _NETWORK_ERRORS:
             return True
+        seen.add(id(err))
         err = err.__cause__ or err.__context__
     return False
 

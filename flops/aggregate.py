@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="output prefix (default <first sweep>/results)")
     p.add_argument("--note", default="", help="markdown written above the tables (machine, command, ...)")
     a = p.parse_args(argv)
+    a.sweeps = list(dict.fromkeys(a.sweeps))  # a directory named twice is one sweep, not two replicas of it
     try:
         rows = [row for sweep, label in zip(a.sweeps, sweep_labels(a.sweeps)) for row in collect(sweep, label)]
     except ConfigError as err:

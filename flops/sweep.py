@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from flops.cli import comma_list, positive_int, script_parser
 from flops.isoflop import _parse_option, solve
@@ -70,19 +71,18 @@ def sweep_points(
     return points
 
 
-def preset_conflicts(size: str, model: ModelConfig) -> None:
-    """ConfigError if the --base YAML or an override sets a model shape that the preset `size` would silently
-    replace (a field that differs from both ModelConfig's default and the preset)."""
-    default, preset = ModelConfig(), SIZES[size]
-    dense = sum(g.count for g in model.heads if g.type == "dense")
-    given = dict(n_layers=model.n_layers, d_model=model.d_model, head_dim=model.head_dim, seq_len=model.seq_len)
-    for name, value in given.items():
-        if value not in (getattr(default, name), preset[name]):
-            raise ConfigError(f"model.{name}={value} conflicts with --size {size} ({name}={preset[name]}); "
-                              "pass --size base to sweep the config's own shape")
-    if model.heads != default.heads and dense != preset["n_heads"]:
-        raise ConfigError(f"the config's {dense} dense heads conflict with --size {size} ({preset['n_heads']}); "
-                          "pass --size base to sweep the config's own baseline")
+SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # what a preset --size sets (and its dense head count)
+
+
+def preset_conflicts(size: str, model: ModelConfig, base: str | None, overrides: list[str]) -> None:
+    """ConfigError if the --base YAML or an override sets a model shape field to another value than the preset
+    `size`, which would replace it silently. (The head mix is the sweep's own in any case.)"""
+    given = set((yaml.safe_load(Path(base).read_text()) or {}).get("model") or {}) if base else set()
+    given |= {o.split("=", 1)[0].removeprefix("model.") for o in overrides if o.startswith("model.")}
+    for name in SHAPE:
+        if name in given and getattr(model, name) != SIZES[size][name]:
+            raise ConfigError(f"model.{name}={getattr(model, name)} conflicts with --size {size} "
+                              f"({name}={SIZES[size][name]}); drop it, or pass --size base to sweep the config's own shape")
 
 
 def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(a.base, *a.overrides)
         size = None if a.size == "base" else a.size
         if size in SIZES:
-            preset_conflicts(size, cfg.model)
+            preset_conflicts(size, cfg.model, a.base, a.overrides)
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
         points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
     except ConfigError as err:

@@ -43,5 +43,12 @@ def exit_status(run: Callable[[], Any]) -> int:
         run()
     except (ConfigError, DataError, NonFiniteError, Interrupted) as err:
         print(f"error: {err}", file=sys.stderr)
-        return {NonFiniteError: 3, Interrupted: 128 + signal.SIGTERM}.get(type(err), 2)
+        return status_of(err)
     return 0
+
+
+def status_of(err: Exception) -> int:
+    """The exit status of an entry point's one-line error: 3 diverged, 143 SIGTERM, 2 bad input (anything else)."""
+    from lm.errors import Interrupted, NonFiniteError
+
+    return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM if isinstance(err, Interrupted) else 2

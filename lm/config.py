@@ -130,14 +130,14 @@ class Config:
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-MAX_MINUTES = 525_600  # trainer.max_minutes: a year; larger values overflow the trainer's timedelta
+MAX_MINUTES = 525_600  # trainer.max_minutes: at most a year (the trainer's timedelta overflows near 1.4e12)
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
 
 
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if not (value > 0 and math.isfinite(value)):
+        if not (value > 0 and (isinstance(value, int) or math.isfinite(value))):
             raise ConfigError(f"{type(section).__name__}.{name} must be a finite number > 0, got {value}")
 
 

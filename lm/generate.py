@@ -81,7 +81,8 @@ def format_fill(fill: dict[str, tuple[int, int]]) -> str:
 
 def beyond_training(model: DecoderLM, length: int) -> str:
     """One line: what each head type of the model does at `length` > model.seq_len."""
-    types = dict.fromkeys((g.type_name, g.beyond_training) for block in model.blocks for g in block.attn.groups)
+    types = dict.fromkeys((g.type_name, g.beyond_training) for block in model.blocks for g in block.attn.groups
+                          if g.beyond_training)  # "" for types without a KV cache, which do not decode
     said = "; ".join(f"{name} {what}" for name, what in types)
     return f"generating {length} tokens, past the training length {model.cfg.seq_len}: {said}"
 

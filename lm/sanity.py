@@ -34,7 +34,7 @@ def config_warnings(cfg: Config) -> list[str]:
     out = [f"model.heads: {text}" for text in sorted({opts.advice(g.count) for g, opts in groups} - {None})]
     uneven = sorted({(g.type, opts.sparsity) for g, opts in groups if m.seq_len % getattr(opts, "sparsity", 1)})
     out += [f"model.heads: {name} sparsity {rho} does not divide model.seq_len {m.seq_len}, so its k = T / rho is "
-            f"rounded (MoSA App. F: max(floor(T / rho), 2)); flops.isoflop and flops.sweep, which FLOP-match divisible "
+            f"rounded (flops/formulas.py states how per type); flops.isoflop and flops.sweep, which FLOP-match divisible "
             f"sparsities as the paper does, refuse it" for name, rho in uneven]
     leaky = sorted({g.type for g, opts in groups if not opts.causal})
     if leaky:

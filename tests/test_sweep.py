@@ -61,10 +61,13 @@ def test_preset_size_refuses_a_config_with_another_shape(tmp_path: Path, capsys)
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "a"),
                        "model.n_layers=3"]) == 2
     assert capsys.readouterr().err.strip() == ("error: model.n_layers=3 conflicts with --size micro (n_layers=2); "
-                                               "pass --size base to sweep the config's own shape")
-    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "b"),
-                       "model.heads=[{type: dense, count: 4}]"]) == 2
-    assert "the config's 4 dense heads conflict with --size micro (6)" in capsys.readouterr().err
+                                               "drop it, or pass --size base to sweep the config's own shape")
+    # a Tiny-shaped base (the defaults' shape) with another size: refused too; with its own size: fine
+    assert sweep_main(["--size", "small", "--base", "configs/tiny.yaml", "--heads", "mosa", "--sparsity", "1",
+                       "--out", str(tmp_path / "b")]) == 2
+    assert "model.n_layers=6 conflicts with --size small (n_layers=9)" in capsys.readouterr().err
+    assert sweep_main(["--size", "tiny", "--base", "configs/experiments/mosa_hybrid.yaml", "--heads", "mosa",
+                       "--sparsity", "1", "--out", str(tmp_path / "e")]) == 0  # its head mix is replaced anyway
     shape = ["model.n_layers=3", "model.d_model=64", "model.head_dim=16", "model.seq_len=128",
              "model.heads=[{type: dense, count: 6}]"]
     assert sweep_main(["--size", "base", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "c"), *shape]) == 0
