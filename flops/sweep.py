@@ -5,7 +5,8 @@
         [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
-`--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape) and the head mix solved by flops.isoflop;
+`--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape)
+and the head mix solved by flops.isoflop;
 sparsity 1 is the dense baseline, written once as `dense_s1`. `--seeds N` writes N replicas of every
 point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
 (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
@@ -71,7 +72,7 @@ def sweep_points(
     return points
 
 
-SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # what a preset --size sets (and its dense head count)
+SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # the model fields a preset --size sets, besides the heads
 
 
 def preset_conflicts(size: str, model: ModelConfig, base: str | None, overrides: list[str]) -> None:

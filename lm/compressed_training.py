@@ -22,21 +22,19 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import IterableDataset
 
 from heads import ConfigError
-from lm.checkpoint import StepCheckpoints, read_checkpoint
+from lm.checkpoint import read_checkpoint
 from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
-from lm.run_dir import claim
-from lm.train import build_trainer, checked_strategy, ckpt_dir, model_line, resume_path, say, sigterm_interrupts
+from lm.train import ckpt_dir, sigterm_interrupts, start_run
 
 
 class LayoutSampler:
@@ -204,17 +202,8 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     if cfg.compression is None:
         raise ConfigError("compression: the config has no compression section; train a plain model with "
                           "python train_lm.py --config CONFIG")
-    data = CompressedDataModule(cfg)
-    data.check()
-    strategy = checked_strategy(cfg)
-    claim(cfg, resume is not None, overwrite)
-    ckpt = resume_path(cfg, resume)
-    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    module = CompressedModule(cfg)
-    say(model_line(cfg, module))
-    t = cfg.trainer
-    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints, strategy)
+    data, t = CompressedDataModule(cfg), cfg.trainer
+    module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
     with sigterm_interrupts(trainer):
         trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:

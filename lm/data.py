@@ -207,7 +207,7 @@ class LMDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         trainer = self.trainer
         assert trainer is not None and self.val_stream is not None
-        enough_for_every_rank(self.cfg.val_batches * self.cfg.batch_size, "validation windows", trainer.world_size)
-        windows = ValWindows(self.val_stream, self.model_cfg.seq_len, self.cfg.val_batches * self.cfg.batch_size,
-                             rank=trainer.global_rank, world_size=trainer.world_size)
+        count = self.cfg.val_batches * self.cfg.batch_size
+        enough_for_every_rank(count, "validation windows", trainer.world_size)
+        windows = ValWindows(self.val_stream, self.model_cfg.seq_len, count, trainer.global_rank, trainer.world_size)
         return self._loader(windows, batch_size=self.cfg.batch_size, shuffle=False)

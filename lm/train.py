@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -142,15 +142,8 @@ def model_line(cfg: Config, module: L.LightningModule) -> str:
             f"{' | '.join(mixes)} (head_dim {m.head_dim}); T = {m.seq_len}")
 
 
-def checked_strategy(cfg: Config) -> Any:
-    """trainer.strategy for build_trainer, once the devices are checked (one-line ConfigErrors). Called before
-    the run directory is claimed, so that a start refused here leaves trainer.out_dir free for the corrected rerun."""
-    check_devices(cfg.trainer)
-    return build_strategy(cfg)
-
-
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L.Trainer:
-    """The Lightning Trainer of a run; `strategy` from checked_strategy(cfg)."""
+    """The Lightning Trainer of a run; `strategy` from build_strategy(cfg), after check_devices."""
     t = cfg.trainer
     deepspeed = t.strategy == "deepspeed_stage_2"
     timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
@@ -220,6 +213,29 @@ def sigterm_interrupts(trainer: L.Trainer) -> Iterator[None]:
                           "the newest checkpoint with --resume") from None
 
 
+def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L.LightningModule], resume: str | None,
+              overwrite: bool) -> tuple[L.LightningModule, L.Trainer, StepCheckpoints, str | None]:
+    """What every training entry point does before fitting: check the data and the devices (one-line errors before
+    any Lightning set-up, and before the run directory is claimed), claim trainer.out_dir (lm/run_dir.py), remove
+    temp files an interrupted write left, find the checkpoint to resume from, seed, build the module (one model
+    line) and the Trainer. Returns (module, trainer, its StepCheckpoints, the checkpoint path or None)."""
+    data.check()
+    check_devices(cfg.trainer)
+    strategy = build_strategy(cfg)  # a start refused by these checks leaves trainer.out_dir unclaimed
+    claim(cfg, resume is not None, overwrite)
+    if rank_zero_only.rank == 0:
+        for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
+            say(f"warning: removed {path}, left by an interrupted write")
+    ckpt = resume_path(cfg, resume)
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    module = make_module(cfg)
+    say(model_line(cfg, module))
+    t = cfg.trainer
+    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
+                                  keep=t.keep_last_k)
+    return module, build_trainer(cfg, checkpoints, strategy), checkpoints, ckpt
+
+
 def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
     checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
@@ -230,20 +246,8 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
         raise ConfigError("compression: this config adds compression layers, which train_lm.py does not train; "
                           "use python -m lm.compressed_training --config CONFIG")
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
-    data.check()  # one-line DataError before any Lightning set-up
-    strategy = checked_strategy(cfg)
-    claim(cfg, resume is not None, overwrite)
-    if rank_zero_only.rank == 0:
-        for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
-            say(f"warning: removed {path}, left by an interrupted write")
-    ckpt = resume_path(cfg, resume)
-    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    module = LMModule(cfg)
-    say(model_line(cfg, module))
+    module, trainer, checkpoints, ckpt = start_run(cfg, data, LMModule, resume, overwrite)
     t = cfg.trainer
-    checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
-                                  keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints, strategy)
     if validate_first and ckpt is None:
         with sigterm_interrupts(trainer):
             trainer.validate(module, datamodule=data, verbose=False)
