@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     start = time.perf_counter()
     torch.manual_seed(0)
-    model, sp = load_for_generation(args.ckpt)
+    model, sp, _ = load_for_generation(args.ckpt)
     cfg = model.cfg
     T = cfg.seq_len
     saved = read_checkpoint(args.ckpt)  # memory-mapped: the run's data path and step, not the weights again

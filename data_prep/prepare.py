@@ -6,11 +6,13 @@ Output directory:
     tokenizer.model         SentencePiece model (data_prep/tokenizer.py: ids, losslessness)
     train_00000.bin, ...    flat little-endian uint16 tokens; every document is followed by EOS
     val_00000.bin, ...
+    train_documents.u64     hashes of the training documents' texts (data_prep/doc_hashes.py)
     index.json              {"vocab_size", "eos_id", "newline_id", "tokenizer": "tokenizer.model",
                              "tokenizer_sha256", "source", "sources": [file names or hub ids], "settings",
                              "inputs": {file name: {"bytes", "sha256"}},
                              "splits": {"train"|"val": {"tokens", "documents",
                                         "shards": [{"file", "tokens", "documents", "sha256"}]}},
+                             "train_documents": "train_documents.u64", "val_copies_of_train": n,
                              "forced_split": {doc id: split}, "skipped": {...counts}}
 Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
 then tokenisation. The train/val split is by document (data_prep/split.py).
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from data_prep import tokenizer
+from data_prep import doc_hashes, tokenizer
 from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import input_changes, input_manifest, intact_prefix
@@ -78,7 +80,7 @@ def _differences(old: dict, new: dict) -> str:
 def _remove_outputs(out: Path) -> None:
     """Delete what an earlier preparation wrote to `out` (only our own file names)."""
     for path in out.iterdir():
-        ours = path.name in (INDEX, PROGRESS, TOKENIZER) or (
+        ours = path.name in (INDEX, PROGRESS, TOKENIZER, doc_hashes.FILE) or (
             path.name.endswith(".bin") and path.name.split("_")[0] in SPLITS) or path.name.endswith(".tmp")
         if ours and path.is_file():
             path.unlink()
@@ -168,13 +170,15 @@ def _train_tokenizer(out: Path, settings: dict, inputs: dict, sampler: LineSampl
 
 
 def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_skips: Skips, n_docs: int,
-              max_docs: int | None, threads: int, progress: bool) -> Skips:
-    """Pass 2: tokenise documents in batches into the split writers, skipping finished shards."""
+              max_docs: int | None, threads: int, progress: bool) -> tuple[Skips, doc_hashes.SplitHashes]:
+    """Pass 2: tokenise documents in batches into the split writers, skipping finished shards; hash every
+    document's text (those in finished shards too)."""
     sp = tokenizer.load((out / TOKENIZER).read_bytes())
     writers = {split: SplitWriter(out, split, state["settings"]["shard_tokens"], state["splits"][split],
                                   on_shard=lambda: write_json(out / PROGRESS, state)) for split in SPLITS}
     skips = scan_skips.new_pass()  # counted afresh; warnings already shown are not repeated
     batch: list[tuple[SplitWriter, str]] = []
+    hashes = doc_hashes.SplitHashes()
 
     def encode_batch() -> None:
         encoded = tokenizer.encode_documents(sp, [text for _, text in batch], threads)
@@ -184,7 +188,9 @@ def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_s
 
     batch_chars = 0
     for doc in _documents(corpus, skips, max_docs, "tokenise", n_docs, progress):
-        writer = writers[splitter(doc.id)]
+        split = splitter(doc.id)
+        hashes.add(split, doc.text)
+        writer = writers[split]
         if writer.wants():
             batch.append((writer, doc.text))
             batch_chars += len(doc.text)
@@ -194,11 +200,17 @@ def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_s
     encode_batch()
     for writer in writers.values():
         writer.flush()
-    return skips
+    return skips, hashes
 
 
-def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: Skips) -> dict:
-    """Write index.json, drop progress.json and any shard file the index does not list."""
+def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: Skips,
+            hashes: doc_hashes.SplitHashes) -> dict:
+    """Write the training documents' hashes and index.json, drop progress.json and any shard file the index
+    does not list."""
+    copies = hashes.write(out)
+    if copies:
+        warn(f"{copies} validation document(s) are exact copies of training documents: the validation loss "
+             "is optimistic by their share")
     vocab_size = tokenizer.load((out / TOKENIZER).read_bytes()).vocab_size()
     index = {
         "format": FORMAT, "vocab_size": vocab_size, "eos_id": tokenizer.EOS_ID,
@@ -208,6 +220,7 @@ def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: S
         "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),
                            "documents": state["splits"][split]["documents"],
                            "shards": state["splits"][split]["shards"]} for split in SPLITS},
+        "train_documents": doc_hashes.FILE, "val_copies_of_train": copies,
         "forced_split": splitter.forced, "skipped": skips.summary(),
     }
     write_json(out / INDEX, index)
@@ -258,8 +271,8 @@ def prepare(
     if not reuse:
         state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
     times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
-    skips = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, max_docs, threads, progress)
-    index = _finish(out, corpus, state, splitter, skips)
+    skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, max_docs, threads, progress)
+    index = _finish(out, corpus, state, splitter, skips, hashes)
     times["tokenise"] = time.perf_counter() - clock
     _report(out, index, times)
     return index

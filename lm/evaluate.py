@@ -13,7 +13,9 @@ Each document is scored on its own, as in training where documents follow an EOS
 [EOS] + tokens(document) + [EOS] and every token after the first is predicted (the closing EOS too),
 with a sliding window of `--context` tokens (default: the model's seq_len) moved by `--stride`
 (lm/scoring.py). Reported per document and in total: mean loss (nats/token), perplexity exp(loss) and
-bits per byte = sum of losses / (ln 2 * UTF-8 bytes of the text). Heads that are not causal as published
+bits per byte = sum of losses / (ln 2 * UTF-8 bytes of the text). Each document is looked up in the checkpoint's
+training data (exact text, lm/training_overlap.py): one found is marked "in_training_data" and warned about, its
+perplexity is not held-out. Heads that are not causal as published
 are evaluated leak-free (each prediction from its own prefix) under `--leak-free auto`; short inputs run
 at their own length, so heads that select k tokens use k = max(floor(T/ρ), 2) (MoSA App. F).
 Results are JSON (stdout or --out); `--curve` plots the mean loss at each window position as PNG.
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from data_prep import tokenizer as sp_codec
+from data_prep.doc_hashes import text_hash
 from data_prep.documents import Skips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
@@ -41,6 +44,7 @@ from lm.data import TokenStream
 from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
 from lm.scoring import Scores, progress_bar, score
+from lm.training_overlap import Overlap, training_overlap
 
 FORMATS = ("auto", "text", "gutenberg", "c4", "prepared")
 C4_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -53,6 +57,7 @@ class TokenDoc:
     id: str
     tokens: list[int]
     nbytes: int
+    text_hash: int  # data_prep/doc_hashes.py: to look the text up in a checkpoint's training data
 
 
 class _StrictSkips(Skips):
@@ -88,7 +93,8 @@ def read_documents(src: str | Path, fmt: str, sp: Any, split: str = "val",
     if not texts:
         raise DataError(f"--input {src}: no documents with text")
     encoded = sp_codec.encode_documents(sp, [d.text for d in texts], threads=1)
-    return [TokenDoc(d.id, [sp_codec.EOS_ID, *t.tolist()], len(d.text.encode("utf-8"))) for d, t in zip(texts, encoded)]
+    return [TokenDoc(d.id, [sp_codec.EOS_ID, *t.tolist()], len(d.text.encode("utf-8")), text_hash(d.text))
+            for d, t in zip(texts, encoded)]
 
 
 def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) -> list[TokenDoc]:
@@ -110,8 +116,8 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
         if max_docs is not None and i >= max_docs:
             break
         body = tokens[a:b].tolist()
-        text = sp_codec.decode(sp, body)[0]
-        docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], len(text.encode("utf-8"))))
+        text = sp_codec.decode(sp, body)[0]  # the prepared text itself: the tokenizer is lossless
+        docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], len(text.encode("utf-8")), text_hash(text)))
     return docs
 
 
@@ -177,11 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-docs", type=int, default=None, help="score only the first N documents (default: all)")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    ap.add_argument("--train-data", default=None,
+                    help="the checkpoint's prepared training data, to look the input up in (default: the "
+                         "directory the checkpoint recorded)")
     ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
     ap.add_argument("--curve", default=None, help="PNG of the mean loss by window position")
     args = ap.parse_args(argv)
     try:
-        model, sp = load_for_generation(args.ckpt, args.tokenizer)
+        model, sp, run = load_for_generation(args.ckpt, args.tokenizer)
         T = model.cfg.seq_len
         context = T if args.context is None else args.context
         stride = max(1, context // 2) if args.stride is None else args.stride
@@ -200,9 +209,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     leak_free = {"on": True, "off": False, "auto": not model.causal}[args.leak_free]
+    overlap = training_overlap(run, [d.text_hash for d in docs], args.train_data)
     result = evaluate_documents(model, docs, context, stride, leak_free, args.batch_size)
+    for entry, found in zip(result["documents"], overlap.found or [None] * len(docs)):
+        entry["in_training_data"] = found
     report = {"ckpt": str(args.ckpt), "input": str(args.input), "format": fmt, "context": context,
-              "stride": stride, "leak_free": leak_free, "causal": model.causal, **result}
+              "stride": stride, "leak_free": leak_free, "causal": model.causal, "training_data": overlap.report(),
+              **result}
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
@@ -213,7 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     t = result["total"]
     print(f"{len(docs)} documents, {t['tokens']} tokens: loss {t['loss']:.4f}, ppl {t['ppl']:.2f}, "
           f"bits/byte {t['bpb']:.4f} (context {context}, stride {stride}, leak-free {leak_free})", file=sys.stderr)
+    print(overlap_line(overlap, docs), file=sys.stderr)
     return 0
+
+
+def overlap_line(overlap: Overlap, docs: Sequence[TokenDoc]) -> str:
+    """One line on the training-data check: a warning when documents were found, else what was checked."""
+    if overlap.found is None:
+        return f"note: not checked against the training data: {overlap.why_not}"
+    found = [d.id for d, f in zip(docs, overlap.found) if f]
+    if not found:
+        return f"0 of {len(docs)} documents are in the checkpoint's training data ({overlap.data}; exact text)"
+    names = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"warning: {len(found)} of {len(docs)} documents are in the checkpoint's training data ({overlap.data}): "
+            f"{names}; their perplexity is not held-out")
 
 
 if __name__ == "__main__":

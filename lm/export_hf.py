@@ -43,7 +43,7 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} exists and is not an empty directory")
-    model, sp = load_for_generation(ckpt, tokenizer)
+    model, sp, _ = load_for_generation(ckpt, tokenizer)
     config = SparseHeadsConfig(lm_model=OmegaConf.to_container(OmegaConf.structured(model.cfg)),
                                eos_token_id=EOS_ID, bos_token_id=EOS_ID)
     config.architectures = [SparseHeadsForCausalLM.__name__]

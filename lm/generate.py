@@ -23,7 +23,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -162,9 +162,17 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     return torch.cat(tokens, dim=1)
 
 
-def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -> tuple[DecoderLM, Any]:
-    """(model in eval mode, SentencePiece processor) from a train_lm.py checkpoint, with the tokenizer
-    `load_tokenizer` gives. One-line ValueError on failure."""
+class Loaded(NamedTuple):
+    """A checkpoint ready for decoding and evaluation."""
+
+    model: DecoderLM  # in eval mode
+    sp: Any  # its SentencePiece processor (`load_tokenizer`)
+    run: dict[str, Any]  # its provenance record (lm/run_dir.py): training data directory, hashes, tokenizer
+
+
+def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -> Loaded:
+    """Model, tokenizer (the one `load_tokenizer` gives) and provenance of a train_lm.py checkpoint.
+    One-line ValueError on failure."""
     from heads import ConfigError
     from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
 
@@ -182,7 +190,8 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except RuntimeError as err:  # weights that do not fit the config (read_checkpoint handled damaged files)
         raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
-    return model.eval(), load_tokenizer(path, saved.get("run", {}), cfg, tokenizer)
+    run = saved.get("run", {})
+    return Loaded(model.eval(), load_tokenizer(path, run, cfg, tokenizer), run)
 
 
 def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str | Path | None) -> Any:
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0 or not 0 < args.top_p <= 1:
             raise ValueError("need --max-new-tokens >= 1, finite --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
-        model, sp = load_for_generation(args.ckpt, args.tokenizer)
+        model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)
         ids = sp.encode(args.prompt)
         if not ids:

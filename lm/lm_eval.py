@@ -44,7 +44,7 @@ class SparseHeadsLM(TemplateLM):
     def __init__(self, ckpt: str, tokenizer: str | None = None, batch_size: int | str = 8,
                  leak_free: str = "auto", device: str = "cpu", **kwargs: Any) -> None:
         super().__init__()
-        model, self.sp = load_for_generation(ckpt, tokenizer)
+        model, self.sp, _ = load_for_generation(ckpt, tokenizer)
         self.model = model.to(device)
         self.seq_len = model.cfg.seq_len
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8

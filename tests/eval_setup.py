@@ -1,7 +1,6 @@
 """A tiny prepared corpus and a train_lm.py-style checkpoint on it, for the evaluation / export tests."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ from omegaconf import OmegaConf
 
 from conftest import tiny_config
 from lm.model import DecoderLM, build_model
+from lm.run_dir import read_provenance
 
 MIXES = {
     "dense": [{"type": "dense", "count": 2}],
@@ -45,7 +45,7 @@ def save_checkpoint(root: Path, data: Path, mix: str = "dense", seq_len: int = 4
                     name: str = "last.ckpt", vocab_size: int | None = None) -> tuple[Path, DecoderLM]:
     """A checkpoint as train_lm.py writes it (config, 'model.'-prefixed state dict, the tokenizer's bytes and
     hash) for data/tokenizer.model; `vocab_size`: the model's, padded beyond the tokenizer's pieces (default
-    equal). The model has random weights, a few training-mode passes setting MoSA's running thresholds."""
+    equal), with train_lm.py's provenance record (lm/run_dir.py). The model has random weights, a few training-mode passes setting MoSA's running thresholds."""
     import sentencepiece as spm
 
     tokenizer = (data / "tokenizer.model").read_bytes()
@@ -59,5 +59,5 @@ def save_checkpoint(root: Path, data: Path, mix: str = "dense", seq_len: int = 4
     ckpt = root / name
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                 "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "run": {"tokenizer_model": tokenizer, "tokenizer_sha256": hashlib.sha256(tokenizer).hexdigest()}}, ckpt)
+                "run": read_provenance(data.resolve())}, ckpt)
     return ckpt, model.eval()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tqdm import tqdm
 
-from data_prep import DataError, c4, gutenberg, shards, tokenizer
+from data_prep import DataError, c4, doc_hashes, gutenberg, shards, tokenizer
 from data_prep.documents import Skips
 from data_prep.hub import stream_rows
 from data_prep.prepare import main, prepare
@@ -221,6 +221,8 @@ def test_round_trip_and_eos(tmp_path: Path) -> None:
         assert index["splits"][split]["documents"] == len(docs) > 0
         assert index["splits"][split]["tokens"] == sum(s["tokens"] for s in index["splits"][split]["shards"])
     assert len(index["splits"]["train"]["shards"]) > 1
+    recorded = np.fromfile(tmp_path / "out" / index["train_documents"], dtype="<u8")
+    assert recorded.tolist() == sorted({doc_hashes.text_hash(t) for t in train}) and index["val_copies_of_train"] == 0
     assert index["tokenizer_sha256"] == hashlib.sha256((tmp_path / "out/tokenizer.model").read_bytes()).hexdigest()
 
 
@@ -239,6 +241,19 @@ def test_split_is_by_document_hash_independent_of_order_and_max_docs(tmp_path: P
     expected = {r["text"] for r in rows if Splitter(0.25).by_hash(c4.text_id(r["text"])) == "val"}
     assert val_all == val_rev == expected and 0 < len(expected) < 60
     assert val_30 == expected & {r["text"] for r in rows[:30]} and val_30
+
+
+def test_validation_copies_of_training_documents_are_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The same text under two names that hash to different splits makes validation optimistic: warned, counted."""
+    names = [f"d{i:02d}.txt" for i in range(40)]
+    train_name = next(n for n in names if Splitter(0.2).by_hash(n) == "train")
+    val_names = [n for n in names if Splitter(0.2).by_hash(n) == "val"][:2]
+    texts = {n: words(i, 20) for i, n in enumerate(names[:12])}
+    texts.update({val_names[0]: texts[train_name], val_names[1]: texts[train_name]})
+    index = prepare("text", str(write_texts(tmp_path / "src", texts)), tmp_path / "out", vocab_size=500,
+                    val_fraction=0.2, **QUIET)
+    assert index["val_copies_of_train"] == 2
+    assert "warning: 2 validation document(s) are exact copies of training documents" in capsys.readouterr().err
 
 
 def test_tiny_corpus_forces_one_validation_document() -> None:
@@ -282,8 +297,9 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len(written) == n_shards - 3 and not set(written) & set(first)  # only the missing shards were written
     assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in first} == first
     assert resumed == reference
-    for shard in (s["file"] for split in ("train", "val") for s in reference["splits"][split]["shards"]):
-        assert (tmp_path / "out" / shard).read_bytes() == (tmp_path / "ref" / shard).read_bytes()
+    for name in [s["file"] for split in ("train", "val") for s in reference["splits"][split]["shards"]] + \
+            [reference["train_documents"]]:  # the documents of shards finished before the kill are recorded too
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
 
     written = []
     assert prepare("text", str(src), tmp_path / "out", **kw) == reference and written == []  # finished: no work

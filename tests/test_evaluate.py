@@ -183,10 +183,13 @@ def test_cli_refuses_another_tokenizer_than_the_checkpoints(corpus: Path, tmp_pa
 
 
 def test_cli_writes_no_progress_frames_to_a_log(corpus: Path, tmp_path: Path, capsys) -> None:
-    """stderr that is not a terminal (a log file; here capsys) gets the summary line only, no bar frames."""
+    """stderr that is not a terminal (a log file; here capsys) gets the summary and training-data lines only, no
+    bar frames."""
     ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
     rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--stride", "4")
-    assert rc == 0 and err.splitlines() == [err.strip()] and " documents, " in err, err
+    lines = err.splitlines()
+    assert rc == 0 and "\r" not in err and len(lines) == 2 and " documents, " in lines[0], err
+    assert lines[1].startswith("0 of 2 documents are in the checkpoint's training data"), err
 
 
 def test_cli_scores_a_model_with_a_padded_vocabulary(corpus: Path, tmp_path: Path, capsys) -> None:
@@ -216,3 +219,55 @@ def test_greedy_is_the_argmax_over_the_tokenizers_ids() -> None:
     (padded,), (pieces,) = (score(Toy(), [sequence], [1], 4, 4, vocab=v) for v in (None, 5))
     assert not padded.greedy.any() and pieces.greedy.all()
     assert torch.equal(padded.nll, pieces.nll)  # the likelihood is the model's, over its whole vocabulary
+
+
+def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, capsys) -> None:
+    """A document whose text is in the checkpoint's training split is marked and warned about, whichever way it
+    comes in (its source file, the prepared split); a held-out one is not; data that is missing, changed or
+    prepared without document records is said to be unchecked, never reported clean."""
+    import shutil
+
+    from data_prep.split import Splitter
+
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    src = corpus.parent / "src"
+    split = {p.name: Splitter(0.25)(p.name) for p in sorted(src.iterdir())}
+    train_doc = src / next(n for n, s in split.items() if s == "train")
+    val_doc = src / next(n for n, s in split.items() if s == "val")
+    (tmp_path / "edited.txt").write_text(train_doc.read_text() + ".", encoding="utf-8")
+
+    def check(*args: str) -> tuple[dict, str]:
+        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--stride", "16", *args)
+        assert rc == 0, err
+        return res, err.splitlines()[-1]
+
+    res, line = check("--input", str(train_doc))
+    assert res["documents"][0]["in_training_data"] is True
+    assert res["training_data"] == {"checked_against": str(corpus.resolve()), "not_checked_because": None,
+                                    "documents_in_training_data": 1}
+    assert line.startswith(f"warning: 1 of 1 documents are in the checkpoint's training data ({corpus.resolve()}): "
+                           f"{train_doc.name}; their perplexity is not held-out"), line
+    for held_out in (val_doc, tmp_path / "edited.txt"):  # exact text only: one character more is another text
+        res, line = check("--input", str(held_out))
+        assert res["documents"][0]["in_training_data"] is False and line.startswith("0 of 1 documents are in"), line
+    res, line = check("--input", str(src))
+    assert [d["in_training_data"] for d in res["documents"]] == [split[d["id"]] == "train" for d in res["documents"]]
+    assert f"warning: {list(split.values()).count('train')} of 12 documents" in line
+    for name, found in (("train", True), ("val", False)):
+        res, _ = check("--input", str(corpus), "--split", name)
+        assert {d["in_training_data"] for d in res["documents"]} == {found}
+
+    moved = tmp_path / "moved"
+    shutil.copytree(corpus, moved)
+    res, _ = check("--input", str(train_doc), "--train-data", str(moved))
+    assert res["documents"][0]["in_training_data"] is True
+    (moved / "train_documents.u64").unlink()
+    changed = tmp_path / "changed"
+    shutil.copytree(corpus, changed)
+    (changed / "index.json").write_text((changed / "index.json").read_text() + " ")
+    for where, why in ((tmp_path / "nowhere", "is not a prepared directory here (pass --train-data DIR)"),
+                       (moved, "was prepared before data_prep recorded its training documents"),
+                       (changed, "is not the data the checkpoint trained on (its fingerprint differs)")):
+        res, line = check("--input", str(train_doc), "--train-data", str(where))
+        assert res["documents"][0]["in_training_data"] is None and res["training_data"]["checked_against"] is None
+        assert line == f"note: not checked against the training data: {where} {why}", line

@@ -149,7 +149,7 @@ def test_checkpoint_carries_its_tokenizer(run: tuple[Path, Path], tmp_path: Path
     hidden = data.with_name(data.name + "_hidden")
     data.rename(hidden)
     try:
-        model, sp = load_for_generation(ckpt)
+        model, sp, _ = load_for_generation(ckpt)
     finally:
         hidden.rename(data)
     assert sp.get_piece_size() == 64 and sp.encode("the cat")
