@@ -34,7 +34,7 @@ from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
-from lm.train import ckpt_dir, sigterm_interrupts, start_run
+from lm.train import ckpt_dir, fit_and_finish, start_run
 
 
 class LayoutSampler:
@@ -204,13 +204,7 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
                           "python train_lm.py --config CONFIG")
     data, t = CompressedDataModule(cfg), cfg.trainer
     module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
-    with sigterm_interrupts(trainer):
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
-    if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
-        with sigterm_interrupts(trainer):
-            trainer.validate(module, datamodule=data, verbose=False)
-    if trainer.global_step % t.ckpt_every:
-        checkpoints.save(trainer)
+    fit_and_finish(trainer, module, data, checkpoints, ckpt)
     rank_zero_info(f"checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | metrics {Path(t.out_dir) / 'metrics.json'}")
     return module.metrics()
 

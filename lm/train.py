@@ -236,6 +236,21 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     return module, build_trainer(cfg, checkpoints, strategy), checkpoints, ckpt
 
 
+def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataModule, checkpoints: StepCheckpoints,
+                   ckpt: str | None) -> None:
+    """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done,
+    and checkpoint it (again after that validation, so that the checkpoint carries its result)."""
+    with sigterm_interrupts(trainer):
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    step = trainer.global_step
+    final_validation = not module.val_history or module.val_history[-1]["step"] != step
+    if final_validation:
+        with sigterm_interrupts(trainer):
+            trainer.validate(module, datamodule=data, verbose=False)
+    if final_validation or checkpoints.saved_step != step:
+        checkpoints.save(trainer)
+
+
 def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
     checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
@@ -251,15 +266,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     if validate_first and ckpt is None:
         with sigterm_interrupts(trainer):
             trainer.validate(module, datamodule=data, verbose=False)
-    with sigterm_interrupts(trainer):
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt)
-    step = trainer.global_step
-    final_validation = not module.val_history or module.val_history[-1]["step"] != step
-    if final_validation:
-        with sigterm_interrupts(trainer):
-            trainer.validate(module, datamodule=data, verbose=False)
-    if final_validation or checkpoints.saved_step != step:  # (again) after the validation, so it carries its result
-        checkpoints.save(trainer)
+    fit_and_finish(trainer, module, data, checkpoints, ckpt)
     out = Path(t.out_dir)
     curve = None  # drawn from two validations on
     if trainer.is_global_zero:

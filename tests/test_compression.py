@@ -335,3 +335,19 @@ def test_flop_formula_matches_counted_matmuls():
     cost = group_cost("compression", 32, 8, 37, 2, {"t": 5, "ffn_mult": 4})
     assert cost.flops == counter.get_total_flops() + 2 * 4 * 8 * 5 * 37
     assert cost.params == sum(p.numel() for n, p in model.compressor.named_parameters() if "norm" not in n)
+
+
+def test_compression_training_final_checkpoint_carries_the_final_validation(tmp_path):
+    """As lm.train.train (tests/test_resume.py): step 4's checkpoint (ckpt_every 2) is due before the end-of-run
+    validation (val_every 3); it is written again after it, so that it carries that validation."""
+    rng = np.random.default_rng(0)
+    path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
+    full = tiny_config([{"type": "dense", "count": 2}], n_layers=2, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    full.compression = make(regime="random", ramp_steps=2, max_depth=2).comp
+    for key, value in dict(max_steps=4, val_every=3, ckpt_every=2, out_dir=str(tmp_path / "run")).items():
+        setattr(full.trainer, key, value)
+    full.data.path, full.data.batch_size, full.data.val_batches = path, 4, 1
+    metrics = train_compressed(full)
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert [h["step"] for h in saved["val_history"]] == [h["step"] for h in metrics["history"]] == [3, 4]
+    assert saved["val_history"] == metrics["history"]
