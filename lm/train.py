@@ -205,12 +205,15 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
 @contextmanager
 def sigterm_interrupts(trainer: L.Trainer) -> Iterator[None]:
     """Around trainer.fit / trainer.validate: a SIGTERM (Lightning stops at the next batch end and exits with
-    status 0, as if the run had finished) becomes Interrupted."""
+    status 0, as if the run had finished) becomes Interrupted; so does one in the last batch, which Lightning
+    finishes without a word."""
     try:
         yield
     except SIGTERMException:
+        pass
+    if trainer.received_sigterm:
         raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
-                          "the newest checkpoint with --resume") from None
+                          "the newest checkpoint with --resume")
 
 
 def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L.LightningModule], resume: str | None,

@@ -111,6 +111,47 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
 
 
+@pytest.mark.parametrize("where", ["last batch of the first validation", "last training step"])
+def test_sigterm_in_a_last_batch_is_not_lost(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning raises on a SIGTERM only before a next batch: one in the last batch of a validation was dropped
+    (and the next fit reset it). One in the last training step is raised at the epoch's end: the finished step is
+    checkpointed (StepCheckpoints.on_exception) without the final validation, which --resume then runs."""
+    from lm.config import load_config
+    from lm.errors import Interrupted
+    from lm.module import LMModule
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=3, val_every=3))
+    last_val, real_val, real_train = cfg.data.val_batches - 1, LMModule.validation_step, LMModule.training_step
+
+    def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
+        if where.startswith("last batch") and batch_idx == last_val:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: installed only inside validate / fit
+        return real_val(self, batch, batch_idx)
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
+        if where == "last training step" and self.trainer.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_train(self, batch, batch_idx)
+
+    monkeypatch.setattr(LMModule, "validation_step", validation_step)
+    monkeypatch.setattr(LMModule, "training_step", training_step)
+    stopped = 0 if where.startswith("last batch") else 4
+    with pytest.raises(Interrupted, match=f"stopped by SIGTERM at step {stopped} of 4;"):
+        train(cfg, validate_first=True)
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    if stopped == 0:
+        assert steps == []
+        return
+    assert steps == ["step0000003.ckpt", "step0000004.ckpt"]
+    saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == 4 and [h["step"] for h in saved["val_history"]] == [0, 3]
+    monkeypatch.setattr(LMModule, "training_step", real_train)
+    metrics = train(cfg, resume="last")
+    assert [h["step"] for h in metrics["history"]] == [0, 3, 4]
+
+
 def test_sigterm_checkpoints_only_a_finished_training_step_of_one_process(tmp_path: Path) -> None:
     """Not in a validation (a checkpoint without it would make --resume skip it), not mid-accumulation, not with
     several ranks (each notices the signal at its own batch end; a collective save could hang)."""
