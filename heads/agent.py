@@ -41,6 +41,8 @@ from routing.landmarks import block_ends, block_pool, prefix_mask
 @dataclass
 class AgentOptions(HeadOptions):
     block: int = 64  # b, tokens pooled into one agent
+    """KV: every token (the default kv_per_head): a future agent aggregates over its whole prefix."""
+
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
 
     def validate(self, ctx: GroupContext) -> None:

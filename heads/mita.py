@@ -67,6 +67,8 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 @dataclass
 class MiTAOptions(HeadOptions):
     block: int = 64  # b, rows pooled into one landmark query (m = T // b landmarks)
+    """KV: every token (the default kv_per_head): a future landmark gathers its k keys from the whole prefix."""
+
     k: int = 64  # keys gathered by each landmark (expert width)
     s: int = 1  # routed experts per query (besides the shared one)
     shared: bool = True  # include the shared (compressed) expert, eqs. 8-9

@@ -45,6 +45,8 @@ ASSIGNMENTS = ("nearest", "topk")
 @dataclass
 class RoutingOptions(HeadOptions):
     sparsity: int = 8  # ρ clusters of k = T/ρ tokens per head
+    """KV: every token (the default kv_per_head), since a future query may fall into any cluster."""
+
     assignment: str = "nearest"  # "nearest" (causal) | "topk" (balanced, as published, non-causal)
     capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
     decay: float = 0.999  # EMA decay of the centroids

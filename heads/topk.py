@@ -27,6 +27,8 @@ from heads.kv_cache import SlotKV
 @dataclass
 class TopKOptions(HeadOptions):
     k: int = 64  # keys kept per query
+    """KV: every token (the default kv_per_head): any of them can be in a later query's top k."""
+
     chunk: int = 256  # C, queries processed at once by the fast path
 
     def validate(self, ctx: GroupContext) -> None:
