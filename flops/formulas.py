@@ -12,13 +12,15 @@ Convention (MoSA App. C), the only one used anywhere in flops/ and bench/:
 Symbols: h = d_model, h' = head_dim, T = seq_len, n = heads in the group, rho = sparsity,
 k = max(floor(T / rho), 2) tokens per sparse head (MoSA App. F; during training rho divides T).
 
-KV entries follow MoSA Table 2: tokens whose key and value a head must keep for decoding
-(dense T, MoSA/fixed k). Parameters are the learned weights of the group as the paper describes it.
+Parameters are the learned weights of the group as the paper describes it. KV entries (MoSA Table 2: tokens
+whose key and value a head must keep for decoding; dense T, MoSA/fixed k) are not restated here: group_cost
+takes them from the head type's own `Options.kv_per_head` (heads/), as the built model and its cache do.
 
 Adding a head type: write ONE function below the marker at the end of this file,
     @formula("name")
-    def name(h: int, hd: int, T: int, n: int, o: Options) -> Cost: ...
-reading its options with `o.get("field", default)` / `o.require("field")`, and citing the paper.
+    def name(h: int, hd: int, T: int, n: int, o: Options) -> Work: ...
+stating FLOPs and parameters, reading its options with `o.get("field", default)` / `o.require("field")`, and
+citing the paper.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from heads.base import REGISTRY, ConfigError
+from heads.base import REGISTRY, ConfigError, GroupContext, make_options
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,14 @@ class Cost:
 
     flops: int  # forward FLOPs
     kv: int  # KV-cache entries, summed over the group's heads
+    params: int  # learned parameters
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a formula states for a whole group of n heads and one length-T sequence (group_cost adds KV)."""
+
+    flops: int  # forward FLOPs
     params: int  # learned parameters
 
 
@@ -63,7 +73,7 @@ class Options:
         return self.values[name]
 
 
-Formula = Callable[[int, int, int, int, Options], Cost]
+Formula = Callable[[int, int, int, int, Options], Work]
 FORMULAS: dict[str, Formula] = {}
 
 
@@ -80,10 +90,23 @@ def formula(name: str) -> Callable[[Formula], Formula]:
 
 
 def group_cost(head_type: str, d_model: int, head_dim: int, seq_len: int, count: int, options: Any = None) -> Cost:
-    """Cost of `count` heads of `head_type`; unknown type -> one-line ConfigError."""
+    """Cost of `count` heads of `head_type`: FLOPs and parameters from its formula, KV entries from kv_per_head;
+    unknown type -> one-line ConfigError."""
     if head_type not in FORMULAS:
         raise ConfigError(f"no FLOP formula for head type {head_type!r}; known: {', '.join(sorted(FORMULAS))}")
-    return FORMULAS[head_type](d_model, head_dim, seq_len, count, Options(head_type, options))
+    o = Options(head_type, options)
+    work = FORMULAS[head_type](d_model, head_dim, seq_len, count, o)
+    kv = count * kv_per_head(o, GroupContext(d_model, head_dim, seq_len))
+    return Cost(flops=work.flops, kv=kv, params=work.params)
+
+
+def kv_per_head(o: Options, ctx: GroupContext) -> int:
+    """KV-cache entries of one head, stated once by its head type: `Options.kv_per_head` of the options
+    heads.make_options builds, as the model does. 0 for the compression layer, which is no head type (the blocks
+    above it count its t states' keys and values)."""
+    if o.head_type not in REGISTRY:
+        return 0
+    return make_options(o.head_type, o.values, ctx).kv_per_head(ctx.seq_len)
 
 
 def sparse_k(seq_len: int, sparsity: float) -> int:
@@ -94,13 +117,13 @@ def sparse_k(seq_len: int, sparsity: float) -> int:
 
 
 @formula("dense")
-def dense(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def dense(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: 8hh'T (Q, K, V, O) + 4h'T^2 (QK^T and AV) per head."""
-    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * T), kv=n * T, params=n * 4 * h * hd)
+    return Work(flops=n * (8 * h * hd * T + 4 * hd * T * T), params=n * 4 * h * hd)
 
 
 @formula("mosa")
-def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: 8hh'k + 4h'k^2 + 2hT (router scores r = sigma(X W^r), W^r in R^h) + h'k (output
     scaled by the scores) per head; params 4hh' + h (projections + router). The causal selections of
     heads/mosa.py ("threshold", "quota", "predictor") compute on their capacity, ceil(capacity_factor * k)
@@ -111,86 +134,85 @@ def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     if selection != "expert_choice":
         k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
     predictor = n * (2 * h * T) if selection == "predictor" else 0
-    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + predictor, kv=n * k,
+    return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + predictor,
                 params=n * (4 * h * hd + h) + (n * (h + 1) if selection == "predictor" else 0))
 
 
 @formula("fixed")
-def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head, with k = ceil(T / rho), the
     tokens heads/fixed.py selects (every multiple of rho below T; T / rho when rho divides T, as in App. C)."""
     k = -(-T // o.require("sparsity"))
-    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k), kv=n * k, params=n * 4 * h * hd)
+    return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k), params=n * 4 * h * hd)
 
 
 @formula("routing")
-def routing(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def routing(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: Routing Transformer head, 6hh'T (Q = K, V, O on all T tokens) + rho * 4h'k^2 (rho
     clusters of k tokens) + 2h'T ("cluster selection", as the paper writes it; a nearest-centroid
     search over rho centroids would be 2h'T*rho). Centroids are EMA k-means buffers, not parameters.
     With the causal "nearest" assignment of heads/routing_attn.py each cluster has
-    ceil(capacity_factor * k) slots (= k at the default 1.0). KV: all T keys are kept, since a
-    future query may fall into any cluster."""
+    ceil(capacity_factor * k) slots (= k at the default 1.0)."""
     clusters = int(o.require("sparsity"))  # heads/routing_attn.py keeps rho centroids, whatever T
     k = sparse_k(T, clusters)
     if o.get("assignment", "nearest") == "nearest":
         k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
-    return Cost(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), kv=n * T, params=n * 3 * h * hd)
+    return Work(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), params=n * 3 * h * hd)
 
 
 @formula("local")
-def local(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def local(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Sliding-window attention (each query sees the last w tokens, itself included):
     8hh'T (Q, K, V, O on all tokens) + 4h'T*min(w, T) (each query scores w keys, no causal halving,
-    App. C's convention with T^2 replaced by T*w). KV: the last min(w, T) tokens. An algorithmic count, like
+    App. C's convention with T^2 replaced by T*w). An algorithmic count, like
     "no causal halving": the SDPA fast path (heads/local.py window_blocks) scores blocks of w queries against
     2w keys, 4h'T*2w, so it executes 1.2x this at h = 512, h' = 64, w = 256; flash-attn's window executes ~w."""
     w = min(int(o.require("window")), T)
-    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * w), kv=n * w, params=n * 4 * h * hd)
+    return Work(flops=n * (8 * h * hd * T + 4 * hd * T * w), params=n * 4 * h * hd)
 
 
 # ---- Later head types: add ONE @formula("name") function per type below this line (keep it short,
-# ---- cite the paper's equations, state KV and parameters). Model totals pick it up automatically.
+# ---- cite the paper's equations, state FLOPs and parameters). Model totals pick it up automatically.
 
 
 @formula("topk")
-def topk(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def topk(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Per-query top-k (Gupta et al. 2021, eq. 4) as implemented there and in heads/topk.py: all scores QK^T
     (2h'T^2, needed to select) and the k kept weights, scattered into a dense row, times all values (2h'T^2;
     the paper's §2.2 says its implementation "does not leverage this sparsity"). So 8hh'T + 4h'T^2, dense's
     App. C cost: the head saves activation memory (O(Tk) kept, not O(T^2)), not FLOPs; selection not counted.
-    KV: all T keys (any of them can be in a later query's top-k). Params: dense's 4hh'."""
-    return Cost(flops=n * (8 * h * hd * T + 4 * hd * T * T), kv=n * T, params=n * 4 * h * hd)
+    Params: dense's 4hh'."""
+    return Work(flops=n * (8 * h * hd * T + 4 * hd * T * T), params=n * 4 * h * hd)
 
 
 @formula("mosaic")
-def mosaic(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def mosaic(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """MoSAIC (App. E): MoSA's per-head cost on its k = max(floor(capacity_factor * T / rho), 2)
     slots, 8hh'k + 4h'k^2 + h'k (output scaled by the router probability), plus the token-choice
     router X W^r with W^r in R^{h x n}: 2hT per head, as MoSA's. Softmax and top-s not counted.
-    KV: k per head. Params: 4hh' + h per head (projections + router column)."""
+    Params: 4hh' + h per head (projections + router column)."""
     k = min(max(int(float(o.get("capacity_factor", 1.0)) * T // float(o.require("sparsity"))), 2), T)
-    return Cost(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), kv=n * k, params=n * (4 * h * hd + h))
+    return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), params=n * (4 * h * hd + h))
 
 
 @formula("agent")
-def agent(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
     8hh'T + 4h'mT (aggregation: m = T // b agents over T keys) + 4h'Tm (broadcast: T queries over m
-    agents) + 4h'T*min(w, T) (local window). Pooling not counted. KV: all T (a future agent
-    aggregates over its whole prefix). Params: dense's 4hh' (no agent bias, no DWC). An algorithmic count: the
+    agents) + 4h'T*min(w, T) (local window). Pooling not counted. Params: dense's 4hh' (no agent bias, no
+    DWC). An algorithmic count: the
     fast path scores each block of b queries against 2b window keys (1.06x this at h = 512, b = w = 64)."""
     m, w = T // int(o.require("block")), min(int(o.require("window")), T)
-    return Cost(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w), kv=n * T, params=n * 4 * h * hd)
+    return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w), params=n * 4 * h * hd)
 
 
 @formula("mita")
-def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Causal MiTA (eqs. 5-12, Alg. 1) with m = T // b landmarks: 8hh'T + 2h'mT (landmark scores
     S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, the same product as the shared expert's scores) + if
     shared: 2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
     experts) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
-    gathers not counted. KV: all T. Params: dense's 4hh'. An algorithmic count: heads/mita.py takes the routing
+    gathers not counted. Params: dense's 4hh'. An algorithmic count: heads/mita.py takes the routing
     decisions from S and Q Q~^T computed once more without autograd (+4h'mT), and on CPU pads routed groups to
     multiples of b (1.04x this at h = 512, b = k = 64, s = 1)."""
     b, k = int(o.require("block")), int(o.require("k"))
@@ -199,15 +221,14 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
     shared = 4 * hd * m * T if o.get("shared", True) else 0
     local = min(int(o.get("local_blocks", 1)) * b, T)
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local
-    return Cost(flops=n * (8 * h * hd * T + attend), kv=n * T, params=n * 4 * h * hd)
+    return Work(flops=n * (8 * h * hd * T + attend), params=n * 4 * h * hd)
 
 
 @formula("compression")
-def compression(h: int, hd: int, T: int, n: int, o: Options) -> Cost:
+def compression(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Adaptive-attention compression layer (lm/compression.py), T = span length N compressed into
     t states: per head 2hh't (Q) + 4hh'N (K, V on the span) + 2h'th (O) + 4h'tN (scores and AV over
-    all N, the post's O(Nt)), plus a SwiGLU MLP on the t states, 3 * 2th*m with m = 2/3 * ffn_mult * h.
-    KV: none of its own (the t states' keys and values are counted by the blocks above it)."""
+    all N, the post's O(Nt)), plus a SwiGLU MLP on the t states, 3 * 2th*m with m = 2/3 * ffn_mult * h."""
     t, m = int(o.require("t")), 2 * int(o.get("ffn_mult", 4)) * h // 3
     attn = n * (4 * h * hd * t + 4 * h * hd * T + 4 * hd * t * T)
-    return Cost(flops=attn + 6 * t * h * m, kv=0, params=n * 4 * h * hd + 3 * h * m)
+    return Work(flops=attn + 6 * t * h * m, params=n * 4 * h * hd + 3 * h * m)

@@ -27,6 +27,7 @@ Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,8 +41,18 @@ from routing.landmarks import block_ends, block_pool, prefix_mask
 
 @dataclass
 class AgentOptions(HeadOptions):
+    """KV: every token (the default kv_per_head): a future agent aggregates over its whole prefix."""
+
     block: int = 64  # b, tokens pooled into one agent
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"block": 8, "window": 8}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)

@@ -6,7 +6,8 @@ their output projections applied, so the groups of a layer simply add (MoSA eq. 
 
 Each head type is one file under heads/ defining
 - an `Options` dataclass (subclass of HeadOptions) with its per-type settings, validated once at
-  config load by `validate(ctx)`, and `kv_per_head(seq_len)`: KV-cache entries one head keeps;
+  config load by `validate(ctx)`, `kv_per_head(seq_len)`: KV-cache entries one head keeps (the only
+  statement of them; flops/ reads it too), and `example()` / `grid()`: the options the shared tests use;
 - a HeadGroup subclass registered under the type's config name with `@register("name")`,
   implementing `forward_reference` (plain, readable, explicit masks) and, where speed needs it,
   `forward_fast`; `forward` dispatches on `options.impl`.
@@ -53,6 +54,18 @@ class HeadOptions:
     """Options common to every head type. Subclasses add their own fields with defaults."""
 
     impl: str = "fast"  # "fast" (batched / fused kernels) or "reference" (plain readable code)
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        """Small valid options that fit the shared tests' tiny models (seq_len >= 32), as a config's dict. A type
+        with options of its own defines it (tests/test_head_contract_random.py fails until it does)."""
+        return {}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        """Option -> values the random contract test draws from, edge values included (window 1, k > T, ...).
+        A type with options of its own defines it, next to example()."""
+        return {}
 
     @property
     def causal(self) -> bool:

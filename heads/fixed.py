@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,14 @@ from routing.selection import Selection
 @dataclass
 class FixedOptions(HeadOptions):
     sparsity: int = 8  # ρ: stride of the selected positions
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"sparsity": 4}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"sparsity": [1, 2, 3, 5, 8, 64]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)

@@ -9,6 +9,7 @@ with a [window, 2*window] band mask, so cost and memory are O(T * window) instea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,14 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
 @dataclass
 class LocalOptions(HeadOptions):
     window: int = 256  # tokens each query sees, itself included
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"window": 8}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"window": [1, 2, 3, 7, 16, 200]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)

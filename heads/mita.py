@@ -34,6 +34,7 @@ Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,11 +67,22 @@ def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class MiTAOptions(HeadOptions):
+    """KV: every token (the default kv_per_head): a future landmark gathers its k keys from the whole prefix."""
+
     block: int = 64  # b, rows pooled into one landmark query (m = T // b landmarks)
     k: int = 64  # keys gathered by each landmark (expert width)
     s: int = 1  # routed experts per query (besides the shared one)
     shared: bool = True  # include the shared (compressed) expert, eqs. 8-9
     local_blocks: int = 1  # L: a query attends causally to its own block and the L - 1 before it
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"block": 8, "k": 8}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False],
+                "local_blocks": [1, 2, 3]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,15 @@ class MoSAOptions(HeadOptions):
     capacity_factor: float = 1.0  # causal selections: slots per head = ceil(capacity_factor * k(seq_len))
     threshold_momentum: float = 0.02  # causal selections: EMA rate of the running quantile
     predictor_weight: float = 1.0  # predictor: weight of its BCE loss (it trains only the predictor)
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"sparsity": 4}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"sparsity": [1, 2, 3, 4, 8, 100], "selection": ["threshold", "quota", "predictor", "expert_choice"],
+                "keep_first": [False, True], "capacity_factor": [0.5, 1.0, 1.5, 3.0]}
 
     @property
     def causal(self) -> bool:

@@ -21,6 +21,7 @@ reported as aux loss "mosaic_balance" (already weighted).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,6 +46,16 @@ class MosaicOptions(HeadOptions):
     alpha: float = 0.1  # load-balancing loss weight (eq. 4)
     priority: str = "recency"  # recency (causal) | random (not causal)
     padded: str = "include"  # include | identity | ignore (App. E.2)
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"sparsity": 4}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"sparsity": [1.0, 2.0, 3.5, 8.0], "top_s": [0, 1, 2, 3], "gate": ["softmax", "renorm", "sigmoid"],
+                "capacity_factor": [0.5, 1.0, 2.0], "priority": ["recency", "random"],
+                "padded": ["include", "identity", "ignore"]}
 
     @property
     def causal(self) -> bool:

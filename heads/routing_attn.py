@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +45,23 @@ ASSIGNMENTS = ("nearest", "topk")
 
 @dataclass
 class RoutingOptions(HeadOptions):
+    """KV: every token (the default kv_per_head), since a future query may fall into any cluster."""
+
     sparsity: int = 8  # ρ clusters of k = T/ρ tokens per head
     assignment: str = "nearest"  # "nearest" (causal) | "topk" (balanced, as published, non-causal)
     capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
     decay: float = 0.999  # EMA decay of the centroids
     commitment: float = 1e-4  # weight of the commitment loss
     layer_norm: bool = True  # RT Alg. 1: LayerNorm (no scale, bias) on the shared Q = K; false = raw projections
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"sparsity": 4}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"sparsity": [1, 2, 3, 4, 8], "assignment": ["nearest", "topk"], "capacity_factor": [0.5, 1.0, 2.0],
+                "layer_norm": [True, False]}
 
     @property
     def causal(self) -> bool:

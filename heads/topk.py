@@ -15,6 +15,7 @@ attention memory is O(C T + T k) instead of O(T^2). A chunk's queries only need 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -26,8 +27,18 @@ from heads.kv_cache import SlotKV
 
 @dataclass
 class TopKOptions(HeadOptions):
+    """KV: every token (the default kv_per_head): any of them can be in a later query's top k."""
+
     k: int = 64  # keys kept per query
     chunk: int = 256  # C, queries processed at once by the fast path
+
+    @classmethod
+    def example(cls) -> dict[str, Any]:
+        return {"k": 8}
+
+    @classmethod
+    def grid(cls) -> dict[str, list[Any]]:
+        return {"k": [1, 2, 3, 8, 64], "chunk": [1, 3, 7, 256]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)

@@ -9,15 +9,10 @@ import torch
 
 from heads import GroupContext, HeadGroup, head_class, make_options
 
-# Options that fit each registered head type into the tests' tiny models (seq_len >= 32); every type needs an entry.
-TINY_OPTIONS = {"dense": {}, "mosa": {"sparsity": 4}, "mosaic": {"sparsity": 4}, "fixed": {"sparsity": 4},
-                "local": {"window": 8}, "mita": {"block": 8, "k": 8}, "agent": {"block": 8, "window": 8},
-                "routing": {"sparsity": 4}, "topk": {"k": 8}}
-
 
 def tiny_options(head_type: str) -> dict:
-    """A copy of TINY_OPTIONS[head_type] (a KeyError names a registered type missing from it)."""
-    return dict(TINY_OPTIONS[head_type])
+    """Options that fit `head_type` into the tests' tiny models (seq_len >= 32): its Options.example(), a new dict."""
+    return head_class(head_type).Options.example()
 
 
 def decodable_types() -> set[str]:

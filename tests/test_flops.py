@@ -176,8 +176,9 @@ def test_every_registered_formula_has_a_name_in_the_registry() -> None:
 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_params_and_kv_formulas_match_the_built_model(head_type: str) -> None:
-    """Every type's formula states the parameters and KV entries of the module it describes, exactly (FLOPs of
-    masked or banded kernels are checked against the counter above where the executed work is the counted one)."""
+    """Every type's formula states the parameters of the module it describes, exactly, and group_cost the module's
+    KV entries (FLOPs of masked or banded kernels are checked against the counter above where the executed work
+    is the counted one)."""
     from tests.head_checks import tiny_options
 
     heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]

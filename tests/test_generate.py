@@ -15,10 +15,10 @@ from conftest import tiny_config
 from lm.generate import (cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic,
                          new_cache, sample)
 from lm.model import build_model
-from tests.head_checks import decodable_types
+from tests.head_checks import decodable_types, tiny_options
 
 T = 45  # = seq_len, so MoSAIC's padded tail and capacities are reached inside the sequence
-CAUSAL_TYPES = {
+DECODED = {  # hand-picked decoding cases: options and head counts chosen for T = 45
     "dense": [{"type": "dense", "count": 2}],
     "local": [{"type": "local", "count": 2, "options": {"window": 6}}],
     "fixed": [{"type": "dense", "count": 1}, {"type": "fixed", "count": 2, "options": {"sparsity": 4}}],
@@ -38,7 +38,18 @@ CAUSAL_TYPES = {
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
     "mita_route_only": [{"type": "dense", "count": 1},
                         {"type": "mita", "count": 2, "options": {"block": 5, "k": 3, "s": 1, "shared": False}}],
+    "topk": [{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}],
 }
+
+
+def types_in(*mixes: list[dict]) -> set[str]:
+    """The head types of some head mixes."""
+    return {g["type"] for heads in mixes for g in heads}
+
+
+# every decodable type is decoded: in its hand-picked cases, or else beside a dense head with its example options
+CAUSAL_TYPES = {**DECODED, **{t: [{"type": "dense", "count": 1}, {"type": t, "count": 3, "options": tiny_options(t)}]
+                              for t in sorted(decodable_types() - types_in(*DECODED.values()))}}
 PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 3 = shorter than a block
             "agent": (3, 17), "mita": (3, 17), "mita_route_only": (3, 17)}
 
@@ -66,16 +77,13 @@ def test_incremental_decoding_matches_full_forward(name: str) -> None:
                 assert 0 < int(fill.sum()) and int(fill.max()) < T
 
 
-TOPK = [{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}]
-
-
-@pytest.mark.parametrize("name", sorted(CAUSAL_TYPES) + ["topk"])
+@pytest.mark.parametrize("name", sorted(CAUSAL_TYPES))
 def test_compiled_decoding_is_one_graph_for_every_step(name: str) -> None:
     """fullgraph=True and static shapes: one capture serves all 28 steps (a graph break raises, a recompile
     counts a second frame); the captured graph, run eagerly, gives the eager steps' logits."""
     from torch._dynamo.testing import CompileCounter
 
-    model = model_for(TOPK if name == "topk" else CAUSAL_TYPES[name])
+    model = model_for(CAUSAL_TYPES[name])
     tokens = torch.randint(0, 97, (2, T))
     eager, _ = cached_logits(model, tokens, 17)
     torch.compiler.reset()
@@ -86,16 +94,16 @@ def test_compiled_decoding_is_one_graph_for_every_step(name: str) -> None:
 
 
 def test_inductor_decoding_of_every_head_type_matches_eager() -> None:
-    """One model holding every decodable head type, compiled by inductor (generated code, torch.cond for the
-    block landmarks), float64 so that no selection flips on rounding: the same logits as eager decoding (on
-    torch < 2.13 without kernel fusion, INDUCTOR_OPTIONS: with fusion, 2.11 is off by 0.1-0.6 relative on
-    such models)."""
+    """One model holding every decodable head type (with hand-picked options, or else its example options),
+    compiled by inductor (generated code, torch.cond for the block landmarks), float64 so that no selection flips
+    on rounding: the same logits as eager decoding (on torch < 2.13 without kernel fusion, INDUCTOR_OPTIONS: with
+    fusion, 2.11 is off by 0.1-0.6 relative on such models)."""
     heads = [{"type": "dense", "count": 1}, {"type": "local", "count": 1, "options": {"window": 6}},
              {"type": "fixed", "count": 1, "options": {"sparsity": 4}}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
              {"type": "mosaic", "count": 2, "options": {"sparsity": 2}},
              {"type": "agent", "count": 1, "options": {"block": 5, "window": 3}},
-             {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, TOPK[1]]
-    assert {g["type"] for g in heads} == decodable_types()
+             {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, DECODED["topk"][1]]
+    heads += [{"type": t, "count": 1, "options": tiny_options(t)} for t in sorted(decodable_types() - types_in(heads))]
     model = model_for(heads, layers=1).double()  # one layer: inductor's compile time grows with the graph
     tokens = torch.randint(0, 97, (2, T))
     eager, _ = cached_logits(model, tokens, 17)
@@ -286,12 +294,12 @@ def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFi
 
 
 def test_every_type_with_a_kv_cache_is_decoded_here_and_says_what_it_does_past_the_training_length() -> None:
-    """A new decodable type needs a CAUSAL_TYPES entry (decoding == forward, compiled decoding) and its own
+    """Every decodable type is in CAUSAL_TYPES (decoding == forward, compiled decoding) and states its own
     beyond_training: a subclass inherits its parent's cache code, not its behaviour (top-k is not dense there)."""
     from heads import REGISTRY
 
     decodable = decodable_types()
-    assert decodable <= {g["type"] for heads in [*CAUSAL_TYPES.values(), TOPK] for g in heads}
+    assert decodable <= types_in(*CAUSAL_TYPES.values())
     for name, cls in REGISTRY.items():
         if name in decodable:
             assert "beyond_training" in vars(cls) and cls.beyond_training, f"{name} does not state beyond_training"

@@ -7,44 +7,30 @@ difference is a bug, not rounding:
   theory, e.g. MoSAIC's router under `renorm` with one chosen head, and both paths give 1e-16 noise);
 - causal groups: resampling the inputs after row t leaves the outputs at rows <= t unchanged;
 - decodable groups: a prefill of p rows then one row per call == the full forward.
+The values drawn are each type's `Options.grid()` (heads/), which every type with options of its own declares.
 Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones, and fails
-(instead of drawing forever) when too few of its draws are accepted, e.g. after a misspelt option in OPTIONS."""
+(instead of drawing forever) when too few of its draws are accepted."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from heads import REGISTRY, ConfigError, HeadGroup
+from heads import REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, make_options
 from tests.head_checks import fast_and_reference, make_group
 
 CASES = 40  # accepted configurations per head type
 DRAWS = 50 * CASES  # ... out of at most this many draws
-OPTIONS = {  # option -> values to draw from
-    "dense": {},
-    "mosa": {"sparsity": [1, 2, 3, 4, 8, 100], "selection": ["threshold", "quota", "predictor", "expert_choice"],
-             "keep_first": [False, True], "capacity_factor": [0.5, 1.0, 1.5, 3.0]},
-    "mosaic": {"sparsity": [1.0, 2.0, 3.5, 8.0], "top_s": [0, 1, 2, 3], "gate": ["softmax", "renorm", "sigmoid"],
-               "capacity_factor": [0.5, 1.0, 2.0], "priority": ["recency", "random"],
-               "padded": ["include", "identity", "ignore"]},
-    "fixed": {"sparsity": [1, 2, 3, 5, 8, 64]},
-    "local": {"window": [1, 2, 3, 7, 16, 200]},
-    "routing": {"sparsity": [1, 2, 3, 4, 8], "assignment": ["nearest", "topk"], "capacity_factor": [0.5, 1.0, 2.0],
-                "layer_norm": [True, False]},
-    "mita": {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False],
-             "local_blocks": [1, 2, 3]},
-    "agent": {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16]},
-    "topk": {"k": [1, 2, 3, 8, 64], "chunk": [1, 3, 7, 256]},
-}
 
 
 def random_groups(head_type: str, seed: int):
     """Yield (group, T, batch, description) for CASES accepted random configurations of `head_type`."""
     rng = random.Random(seed)
-    accepted, refusal = 0, None
+    accepted, refusal, grid = 0, None, REGISTRY[head_type].Options.grid()
     for _ in range(DRAWS):
-        options = {name: rng.choice(values) for name, values in OPTIONS[head_type].items()}
+        options = {name: rng.choice(values) for name, values in grid.items()}
         seq_len, count, rope = rng.choice([8, 17, 32, 64]), rng.randint(1, 4), rng.choice([0.0, 0.25, 0.5, 1.0])
         T, batch = rng.randint(1, 2 * seq_len), rng.randint(1, 3)
         try:
@@ -73,8 +59,20 @@ def decode(group: HeadGroup, x: torch.Tensor, prefill: int) -> torch.Tensor | No
     return torch.cat(out, 1)
 
 
-def test_every_registered_type_is_in_the_grid() -> None:
-    assert set(OPTIONS) == set(REGISTRY)
+def test_every_registered_type_declares_its_test_options() -> None:
+    """A type with options of its own defines, next to them, `example()` (tiny options the shared tests build it
+    with, valid at seq_len 32) and `grid()` (the values this file draws, for options the type has)."""
+    common = {f.name for f in dataclasses.fields(HeadOptions)}
+    for name, cls in sorted(REGISTRY.items()):
+        own = {f.name for f in dataclasses.fields(cls.Options)} - common
+        missing = [f"{method}()" for method in ("example", "grid") if own and method not in vars(cls.Options)]
+        assert not missing, (f"head type {name!r}: {cls.Options.__name__} has options {', '.join(sorted(own))} but "
+                             f"defines no {' and no '.join(missing)}: add them next to its fields (as heads/local.py "
+                             "does): example() returns small valid options for the tests' tiny models (seq_len 32), "
+                             "grid() the values of each option the random contract test draws from")
+        assert set(cls.Options.grid()) <= own, f"{name}: grid() names options {cls.Options.__name__} does not have"
+        example = make_options(name, cls.Options.example(), GroupContext(d_model=16, head_dim=8, seq_len=32))
+        example.validate_length(name, 32)
 
 
 def check_contract(group: HeadGroup, T: int, batch: int, what: str, rng: random.Random) -> None:
@@ -98,10 +96,10 @@ def check_contract(group: HeadGroup, T: int, batch: int, what: str, rng: random.
             assert err < 1e-10, f"decoding differs from the full forward by {err:.1e}: {what}"
 
 
-@pytest.mark.parametrize("head_type", sorted(OPTIONS))
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_random_configurations_keep_the_contract(head_type: str) -> None:
     rng = random.Random(1)
-    for group, T, batch, what in random_groups(head_type, seed=sorted(OPTIONS).index(head_type)):
+    for group, T, batch, what in random_groups(head_type, seed=sorted(REGISTRY).index(head_type)):
         try:
             check_contract(group, T, batch, what, rng)
         except AssertionError:
