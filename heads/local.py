@@ -26,18 +26,29 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     block), padded rows at the end), keys/values kb, vb[B*H, nb, 2*block, d] of the previous and own
     block (zeros before row 0), and the band mask [nb, block, 2*block]: key row p is visible to query
     row t iff p >= 0 and t - window < p <= t. Needs window <= block + 1 (no key beyond the previous
-    block). The mask has no batch or head dimension, so SDPA broadcasts it (a [B*H*nb, block, 2*block]
-    copy would be materialised, and kept as a float bias for backward)."""
+    block). kb and vb are overlapping views of one copy of k and v each (`_windows`), so that what keeps
+    them for backward keeps T rows per sequence, not 2T. The mask has no batch or head dimension, so SDPA
+    broadcasts it (a [B*H*nb, block, 2*block] copy would be materialised, and kept as a float bias for backward)."""
     B, H, T, d = q.shape
     nb = -(-T // block)
     pad = nb * block - T  # padded query/key rows sit after every real row: invisible to real queries
-    qb = F.pad(q, (0, 0, 0, pad)).reshape(B * H, nb, block, d)  # pad 0 returns q itself, maybe a strided view
-    kp = F.pad(k, (0, 0, block, pad)).view(B * H, nb + 1, block, d)  # block -1 (zeros) first
-    vp = F.pad(v, (0, 0, block, pad)).view(B * H, nb + 1, block, d)
-    kb, vb = torch.cat((kp[:, :-1], kp[:, 1:]), 2), torch.cat((vp[:, :-1], vp[:, 1:]), 2)
+    qb = (F.pad(q, (0, 0, 0, pad)) if pad else q).reshape(B * H, nb, block, d)  # F.pad copies, even for pad 0
     t = torch.arange(nb * block, device=q.device).view(nb, block, 1)  # query rows
     p = torch.arange(-block, nb * block, device=q.device).unfold(0, 2 * block, block)[:nb, None, :]  # key rows
-    return qb, kb, vb, (p >= 0) & (p <= t) & (p > t - window)
+    return qb, _windows(k, block, nb), _windows(v, block, nb), (p >= 0) & (p <= t) & (p > t - window)
+
+
+def _windows(x: torch.Tensor, block: int, nb: int) -> torch.Tensor:
+    """x[B, H, T, d] -> [B*H, nb, 2*block, d], window i of each sequence = its blocks i - 1 and i, as overlapping
+    views of one [block + B*H*nb*block, d] copy: a zero block, then every sequence padded to nb blocks. One stride
+    spans the batch, head and block dimensions, so SDPA reads the windows in place (a zero block per sequence
+    would break that and cost a copy in every forward and backward pass: 5% slower). Block -1 of a sequence is
+    thus the previous sequence's last block, hidden by the band mask (p >= 0): its finite keys and values get
+    weight exactly 0."""
+    B, H, T, d = x.shape
+    rows = x.new_zeros(block + B * H * nb * block, d)
+    rows[block:].view(B, H, nb * block, d)[:, :, :T] = x
+    return rows.unfold(0, 2 * block, block).transpose(-1, -2).view(B * H, nb, 2 * block, d)
 
 
 @dataclass
