@@ -46,23 +46,10 @@ from heads import varlen
 from heads.gathered_lean import accumulator
 from heads.kv_cache import BlockKV, one_token
 from heads.lse_attention import attention_lse, merge
+from heads.rows import flat_rows, gather_rows
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
 
 NEG_INF = float("-inf")
-
-
-def _flat(index: torch.Tensor, N: int) -> torch.Tensor:
-    """index[B, H, ...] (rows < N of sequence b, head h) -> the same rows of the [B*H*N, ...] table."""
-    B, H = index.shape[:2]
-    offsets = torch.arange(B * H, device=index.device).view(B, H, *[1] * (index.dim() - 2)) * N
-    return index + offsets
-
-
-def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[B, H, N, X], index[B, H, ...] (values < N) -> t's rows at index, [B, H, ..., X] (one index_select:
-    whole rows copied, and index_add in backward, unlike gather's per-element index)."""
-    B, H, N, X = t.shape
-    return t.reshape(B * H * N, X).index_select(0, _flat(index, N).flatten()).view(*index.shape, X)
 
 
 @dataclass
@@ -189,14 +176,14 @@ class MiTAHeads(DenseHeads):
         eligible = torch.arange(n_max, device=x.device)[None] < t // b - (L - 1)  # [1, n_max]: before the local blocks
         R = q @ cache.landmarks.transpose(-1, -2) * scale  # [B, H, 1, n_max] routing logits
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, 1, s']
-        routed = _rows(cache.experts, sel[:, :, 0])  # [B, H, s', k'] key rows of the chosen experts
+        routed = gather_rows(cache.experts, sel[:, :, 0])  # [B, H, s', k'] key rows of the chosen experts
         routed = routed.masked_fill(~sel_ok[:, :, 0, :, None] | (routed < 0), S).flatten(2).sort(-1).values
         first = torch.cat((torch.ones_like(routed[..., :1], dtype=torch.bool), routed[..., 1:] != routed[..., :-1]), -1)
         own = (t // b - L + 1) * b + torch.arange(L * b, device=x.device)  # t's local blocks: rows 0..t visible
         rows = torch.cat((routed, own.expand(*routed.shape[:2], L * b)), -1).clamp(min=0, max=S - 1)  # [B, H, s'k' + Lb]
         ok = torch.cat((first & (routed < S), ((own >= 0) & (own <= t)).expand(*routed.shape[:2], L * b)), -1)
-        scores = (q @ _rows(cache.kv.k, rows).transpose(-1, -2) * scale).masked_fill(~ok[:, :, None], NEG_INF)
-        values = _rows(cache.kv.v, rows)  # [B, H, r, d]: only these rows, not the whole cache
+        scores = (q @ gather_rows(cache.kv.k, rows).transpose(-1, -2) * scale).masked_fill(~ok[:, :, None], NEG_INF)
+        values = gather_rows(cache.kv.v, rows)  # [B, H, r, d]: only these rows, not the whole cache
         if not self.options.shared:
             return self._merge(scores.softmax(-1) @ values)
         p = torch.cat((R.masked_fill(~eligible, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
@@ -262,18 +249,18 @@ class MiTAHeads(DenseHeads):
         # source[B, H, NB * G]: the pair in each padded row (padding rows: pair 0, their results are never read)
         starts = (torch.arange(NB, device=q.device) * G).expand(B, H, NB).contiguous()
         group_expert = torch.searchsorted(ends, starts, right=True).clamp(max=n - 1)  # [B, H, NB] (unused groups: any)
-        key_rows = _flat(_rows(idx, group_expert), T)  # [B, H, NB, k'] rows of [B*H*T, d] of each group's keys
-        group_ok = _rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
-        query_rows = _flat((source // s).unflatten(2, (NB, G)), T)  # [B, H, NB, G] each padded row's query
+        key_rows = flat_rows(gather_rows(idx, group_expert), T)  # [B, H, NB, k'] rows of [B*H*T, d] of each group's keys
+        group_ok = gather_rows(idx_ok, group_expert)  # [B, H, NB, k'] valid key slots of each group's expert
+        query_rows = flat_rows((source // s).unflatten(2, (NB, G)), T)  # [B, H, NB, G] each padded row's query
         bias = None
         if s > 1:
             repeats = self._repeats(idx, idx_ok, sel, sel_ok).view(B, H, P, kk)
-            bias = -_rows(repeats.to(accumulator(q.dtype)).log(), source).unflatten(2, (NB, G))
+            bias = -gather_rows(repeats.to(accumulator(q.dtype)).log(), source).unflatten(2, (NB, G))
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
         out, lse = attention_lse(q2, k2, v2, group_ok[:, :, :, None], scale, bias, query_rows, key_rows)
         # out [B, H, NB, G, d], lse [B, H, NB, G]
         read = slot.clamp(max=NB * G - 1)  # unused pairs read any row; their lse is masked below
-        out = _rows(out.flatten(2, 3), read).view(B, H, T, s, d)
+        out = gather_rows(out.flatten(2, 3), read).view(B, H, T, s, d)
         lse = lse.flatten(2).gather(-1, read).view(B, H, T, s)
         return out, lse.masked_fill(~sel_ok, NEG_INF)
 
@@ -285,11 +272,11 @@ class MiTAHeads(DenseHeads):
         varlen attention over all segments, merged into the shared + own-block softmax (out, lse)."""
         B, H, T, d = q.shape
         n = idx.shape[2]
-        segment = _flat(sel, n).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
+        segment = flat_rows(sel, n).flatten()  # [B H T] each query's expert, numbered over (b, h, j)
         rows = sel_ok.flatten().nonzero()[:, 0]  # queries with a routed expert (rows of block 0 have none)
         expert = segment[rows]
         rows = rows[expert.argsort(stable=True)]  # grouped by expert
-        key_rows = _flat(idx, T)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
+        key_rows = flat_rows(idx, T)[idx_ok]  # [Nk] valid key rows of each expert, in segment order
         seg = varlen.Segments.from_counts(expert.bincount(minlength=B * H * n), idx_ok.sum(-1).flatten())
         q2, k2, v2 = (z.reshape(B * H * T, d) for z in (q, k, v))
         merged = varlen.merge_varlen(out.reshape(B * H * T, d), lse.flatten(), q2[rows], k2[key_rows], v2[key_rows],
@@ -305,5 +292,5 @@ class MiTAHeads(DenseHeads):
         holds = member.gather(-1, idx.flatten(2)[:, :, None].expand(-1, -1, n, -1))  # [B, H, n(j'), n*k'] j' holds key (j, c)
         holds = holds.view(B, H, n, n, kk).flatten(2, 3)  # row j' * n + j
         pair = sel[..., :, None] * n + sel[..., None, :]  # [B, H, T, s'(r'), s'(r)]
-        counted = _rows(holds, pair) * sel_ok[..., :, None, None]  # [B, H, T, r', r, k']
+        counted = gather_rows(holds, pair) * sel_ok[..., :, None, None]  # [B, H, T, r', r, k']
         return counted.sum(3).clamp_min(1)

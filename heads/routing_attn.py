@@ -36,6 +36,7 @@ from torch import nn
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.rows import gather_rows
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.kmeans import OnlineKMeans
 from routing.selection import Selection, earliest_first
@@ -95,6 +96,7 @@ class RoutingHeads(HeadGroup):
         u = normalize(q), each token's nearest centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
+        q = q.contiguous()  # what keeps q for backward (layer norm, normalize) keeps only q, not v's half too
         if self.options.layer_norm:
             q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
         u = F.normalize(q, dim=-1)
@@ -140,8 +142,7 @@ class RoutingHeads(HeadGroup):
         B, H, C, c = sel.idx.shape
         T, d = x.shape[1], self.ctx.head_dim
         flat = sel.idx.reshape(B, H, C * c)  # every slot of every cluster
-        qs = q.gather(2, flat[..., None].expand(-1, -1, -1, d))  # [B, H, C*c, d]
-        vs = v.gather(2, flat[..., None].expand(-1, -1, -1, d))
+        qs, vs = gather_rows(q, flat), gather_rows(v, flat)  # [B, H, C*c, d]; nothing kept for backward
         qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
         a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True, scale=self.scale)  # slots ascending, padding last
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
