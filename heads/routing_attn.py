@@ -96,7 +96,7 @@ class RoutingHeads(HeadGroup):
         u = normalize(q), each token's nearest centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
-        q = q.contiguous()  # what keeps q for backward (layer norm, normalize) keeps only q, not v's half too
+        q, v = q.contiguous(), v.contiguous()  # whatever keeps q (layer norm, normalize) keeps q only, not v too
         if self.options.layer_norm:
             q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
         u = F.normalize(q, dim=-1)
