@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -70,23 +71,35 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
 
 
-def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> int:
-    """Bytes of the tensors one forward pass saves for backward (torch.autograd.graph.saved_tensors_hooks),
-    distinct storages, not counting the parameters and the input: what the implementation keeps alive between
-    forward and backward, exactly and independently of the allocator."""
-    seen: dict[int, int] = {}
-    alive = {t.untyped_storage().data_ptr() for t in (x, *group.parameters())}
+def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
+                   exclude: tuple[torch.Tensor, ...] = ()) -> list[int]:
+    """Sizes in bytes of the distinct storages that one forward pass of `group` leaves saved for backward
+    (torch.autograd.graph.saved_tensors_hooks), except those of `exclude`. Counted once the pass is over, among the
+    saved tensors still alive: a tensor saved by a branch the pass dropped is freed, and its memory may be reused by
+    a later one, so counting at save time would be neither exact nor repeatable."""
+    saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in alive:
-            seen[storage.data_ptr()] = storage.nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = group(x, positions)
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    sizes = {}
+    for ref in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in skip:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     del y  # frees the graph and what it saved
-    return sum(seen.values())
+    return list(sizes.values())
+
+
+def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> int:
+    """Bytes of the tensors one forward pass saves for backward, distinct storages, not counting the parameters
+    and the input: what the implementation keeps alive between forward and backward, exactly and independently of
+    the allocator."""
+    return sum(saved_storages(group, x, positions, (x, *group.parameters())))
 
 
 def worker(spec: dict) -> dict:

@@ -93,14 +93,8 @@ def assert_match(errors: dict[str, tuple[float, float]], rel_rms_tol: float = RE
 
 def saved_for_backward(group: HeadGroup, T: int, batch: int = 1) -> list[int]:
     """Sizes in bytes of the distinct storages autograd keeps for backward after one forward pass of
-    `group` (the implementation's activation memory, parameters included)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    `group` (the implementation's activation memory, parameters included; bench.heads.saved_storages)."""
+    from bench.heads import saved_storages
 
     x = torch.randn(batch, T, group.ctx.d_model, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        group(x, torch.arange(T).expand(batch, T))
-    return list(storages.values())
+    return saved_storages(group, x, torch.arange(T).expand(batch, T))
