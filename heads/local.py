@@ -26,7 +26,7 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     block), padded rows at the end), keys/values kb, vb[B*H, nb, 2*block, d] of the previous and own
     block (zeros before row 0), and the band mask [nb, block, 2*block]: key row p is visible to query
     row t iff p >= 0 and t - window < p <= t. Needs window <= block + 1 (no key beyond the previous
-    block). kb and vb are overlapping views of one copy of k and v each (`_windows`), so that what keeps
+    block). kb and vb are overlapping views of one copy of k and v each (`block_windows`), so that what keeps
     them for backward keeps T rows per sequence, not 2T. The mask has no batch or head dimension, so SDPA
     broadcasts it (a [B*H*nb, block, 2*block] copy would be materialised, and kept as a float bias for backward)."""
     B, H, T, d = q.shape
@@ -35,20 +35,21 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     qb = (F.pad(q, (0, 0, 0, pad)) if pad else q).reshape(B * H, nb, block, d)  # F.pad copies, even for pad 0
     t = torch.arange(nb * block, device=q.device).view(nb, block, 1)  # query rows
     p = torch.arange(-block, nb * block, device=q.device).unfold(0, 2 * block, block)[:nb, None, :]  # key rows
-    return qb, _windows(k, block, nb), _windows(v, block, nb), (p >= 0) & (p <= t) & (p > t - window)
+    return qb, block_windows(k, block, nb), block_windows(v, block, nb), (p >= 0) & (p <= t) & (p > t - window)
 
 
-def _windows(x: torch.Tensor, block: int, nb: int) -> torch.Tensor:
-    """x[B, H, T, d] -> [B*H, nb, 2*block, d], window i of each sequence = its blocks i - 1 and i, as overlapping
-    views of one [block + B*H*nb*block, d] copy: a zero block, then every sequence padded to nb blocks. One stride
-    spans the batch, head and block dimensions, so SDPA reads the windows in place (a zero block per sequence
-    would break that and cost a copy in every forward and backward pass: 5% slower). Block -1 of a sequence is
-    thus the previous sequence's last block, hidden by the band mask (p >= 0): its finite keys and values get
-    weight exactly 0."""
+def block_windows(x: torch.Tensor, block: int, nb: int, blocks: int = 2) -> torch.Tensor:
+    """x[B, H, T, d] -> [B*H, nb, blocks*block, d], window i of each sequence = its blocks i - blocks + 1 .. i, as
+    overlapping views of one [(blocks - 1)*block + B*H*nb*block, d] copy: zero blocks, then every sequence padded to
+    nb blocks. One stride spans the batch, head and block dimensions, so SDPA and matmul read the windows in place
+    (zero blocks per sequence would break that and cost a copy in every forward and backward pass: 5% slower). A
+    sequence's blocks before its block 0 are thus the previous sequence's last blocks, to be hidden by the caller's
+    mask (key row p >= 0): their finite keys and values get weight exactly 0."""
     B, H, T, d = x.shape
-    rows = x.new_zeros(block + B * H * nb * block, d)
-    rows[block:].view(B, H, nb * block, d)[:, :, :T] = x
-    return rows.unfold(0, 2 * block, block).transpose(-1, -2).view(B * H, nb, 2 * block, d)
+    lead = (blocks - 1) * block
+    rows = x.new_zeros(lead + B * H * nb * block, d)
+    rows[lead:].view(B, H, nb * block, d)[:, :, :T] = x
+    return rows.unfold(0, blocks * block, block).transpose(-1, -2).view(B * H, nb, blocks * block, d)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from heads.dense import DenseHeads
 from heads import varlen
 from heads.gathered_lean import accumulator
 from heads.kv_cache import BlockKV, one_token
+from heads.local import block_windows
 from heads.lse_attention import attention_lse, merge
 from heads.rows import flat_rows, gather_rows
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
@@ -201,9 +202,8 @@ class MiTAHeads(DenseHeads):
         qb = (F.pad(q, (0, 0, 0, pad)) if pad else q).unflatten(2, (nb, b))  # [B, H, nb, b, d]
         if L == 1:  # the own block alone: a view, no copy
             kb, vb = ((F.pad(z, (0, 0, 0, pad)) if pad else z).unflatten(2, (nb, b)) for z in (k, v))
-        else:  # block i's keys: blocks i - L + 1 .. i (zero rows before row 0, masked), [B, H, nb, L b, d]
-            kb, vb = (F.pad(z, (0, 0, (L - 1) * b, pad)).unflatten(2, (nb + L - 1, b)).unfold(2, L, 1)
-                      .permute(0, 1, 2, 5, 3, 4).flatten(3, 4) for z in (k, v))
+        else:  # block i's keys: blocks i - L + 1 .. i (rows p < 0 masked), [B, H, nb, L b, d], views of one copy
+            kb, vb = (block_windows(z, b, nb, L).view(B, H, nb, L * b, d) for z in (k, v))
         i = torch.arange(nb, device=q.device)[:, None, None]  # key slot c of block i is row p = (i - L + 1) b + c
         r, c = torch.arange(b, device=q.device)[:, None], torch.arange(L * b, device=q.device)[None, :]
         local = (c <= (L - 1) * b + r) & (c >= (L - 1 - i) * b)  # [nb, b, L b]: 0 <= p <= t
