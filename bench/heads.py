@@ -76,7 +76,9 @@ def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Ten
     """Sizes in bytes of the distinct storages that one forward pass of `group` leaves saved for backward
     (torch.autograd.graph.saved_tensors_hooks), except those of `exclude`. Counted once the pass is over, among the
     saved tensors still alive: a tensor saved by a branch the pass dropped is freed, and its memory may be reused by
-    a later one, so counting at save time would be neither exact nor repeatable."""
+    a later one, so counting at save time would be neither exact nor repeatable. (Under the hooks, a dropped node
+    that saved its own output, e.g. exp's, keeps it through a reference cycle the collector cannot see: still
+    counted.)"""
     saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:

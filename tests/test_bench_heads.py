@@ -64,3 +64,23 @@ def test_saved_bytes_counts_what_backward_keeps() -> None:
     assert saved_bytes(group, x, positions) >= 4 * per_tensor
     with torch.no_grad():
         assert saved_bytes(group, x, positions) == 0
+
+
+def test_saved_bytes_count_only_what_the_pass_leaves_saved() -> None:
+    """An intermediate saved by a branch the forward pass drops is freed with it: not counted (counting at save time
+    did, unless a later tensor reused its memory, so MoSAIC's figure moved between runs)."""
+    import torch
+
+    from bench.heads import saved_bytes
+
+    class Dropping(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            ((x + 1) * self.w).sum()  # the product saves the [1000, 4] x + 1, then the branch is dropped
+            return x * self.w  # saves x (excluded) and w (excluded): nothing counted
+
+    x = torch.randn(1000, 4, requires_grad=True)
+    assert saved_bytes(Dropping(), x, torch.zeros(1)) == 0
