@@ -7,7 +7,6 @@ document's: read a Gutenberg book with `--format gutenberg` (as prepared), not `
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -15,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from data_prep import doc_hashes
-from lm.run_dir import data_fingerprint
+from lm.run_dir import read_provenance
 
 
 @dataclass
@@ -41,9 +40,8 @@ def training_overlap(run: dict[str, Any], hashes: Sequence[int], train_data: str
         return Overlap(None, "the checkpoint records no training data directory (pass --train-data DIR)")
     if not (data / "index.json").is_file():
         return Overlap(None, f"{data} is not a prepared directory here (pass --train-data DIR)")
-    index = json.loads((data / "index.json").read_text())
     expected = run.get("data_sha256")
-    if expected is not None and data_fingerprint(data, index) != expected:
+    if expected is not None and read_provenance(data)["data_sha256"] != expected:
         return Overlap(None, f"{data} is not the data the checkpoint trained on (its fingerprint differs)")
     known = doc_hashes.read(data)
     if known is None:
