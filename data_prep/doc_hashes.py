@@ -1,23 +1,36 @@
-"""Which texts a preparation put into training: 64-bit hashes of every training document's text.
+"""Which texts a preparation put into training: hashes of every training document and of its 13-word sequences.
 
 `train_documents.u64` (little-endian uint64, sorted, distinct) holds blake2b-64 of the UTF-8 text of every
 document the training split holds, exactly as it was tokenised (after the source's cleaning, e.g. Gutenberg's
-header and licence stripped). lm/evaluate.py looks documents up in it to say when a "held-out" perplexity is
-measured on training text; `prepare` also counts the validation documents whose text is an exact copy of a
-training document (index.json: val_copies_of_train), which make the validation loss optimistic.
-An exact-text check: a document that differs by one character, or an excerpt, is not found.
+header and licence stripped): a document found there is a training document, character for character.
+`train_ngrams.u64` (same layout) holds a content-defined sample of the hashes of the training text's 13-word
+sequences (lower-cased `\\w+` words, the n-gram unit of GPT-3's contamination study, Brown et al. 2020 App. C):
+a sequence is kept when its hash is 0 modulo 16 (8 bytes per 16 words of training text), so a sequence kept
+in training is kept in any text that contains it, and an excerpt of L words has about (L - 12)/16 sampled
+sequences to be found by.
+lm/evaluate.py looks documents up in both to say when a "held-out" perplexity is measured on training text;
+`prepare` also counts the validation documents that are exact copies of a training document and the share
+of the validation split's sampled sequences found in training (index.json: val_copies_of_train,
+val_ngram_share), which make the validation loss optimistic.
 """
 from __future__ import annotations
 
 import hashlib
+import re
 from array import array
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from data_prep.shards import write_atomic
 
 FILE = "train_documents.u64"
+NGRAM_FILE = "train_ngrams.u64"
+NGRAM_WORDS = 13
+KEEP_ONE_IN = 16  # a power of two: sequences whose hash is 0 modulo it are kept
+_WORD = re.compile(r"\w+")
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: the polynomial rolling hash over word hashes
 
 
 def text_hash(text: str) -> int:
@@ -25,25 +38,63 @@ def text_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8, person=b"document").digest(), "little")
 
 
+def _word_hash(word: str) -> int:
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8, person=b"word").digest(), "little")
+
+
+def ngram_hashes(text: str, words: int = NGRAM_WORDS, keep_one_in: int = KEEP_ONE_IN) -> np.ndarray:
+    """The sorted distinct sampled hashes (uint64) of the `words`-word sequences of `text`'s lower-cased
+    `\\w+` words: a polynomial rolling hash of the words' blake2b-64 hashes, mixed by splitmix64's
+    finaliser, kept when 0 modulo `keep_one_in`. Empty for a text of fewer than `words` words."""
+    found = _WORD.findall(text.lower())
+    if len(found) < words:
+        return np.zeros(0, dtype=np.uint64)
+    table = {w: _word_hash(w) for w in set(found)}
+    w = np.fromiter((table[x] for x in found), dtype=np.uint64, count=len(found))
+    n = len(w) - words + 1
+    h = np.zeros(n, dtype=np.uint64)
+    for j in range(words):  # uint64 arithmetic wraps: the hash is modulo 2^64
+        h = h * _MULTIPLIER + w[j:j + n]
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(31)
+    return np.unique(h[h % np.uint64(keep_one_in) == 0])
+
+
 class SplitHashes:
-    """Collects the text hashes of one pass's documents by split; `write` stores the training ones."""
+    """Collects the text and sampled 13-word-sequence hashes of one pass's documents by split; `write`
+    stores the training ones. Memory: 8 bytes per document and per 16 words of the pass."""
 
     def __init__(self) -> None:
         self.by_split: dict[str, array] = {"train": array("Q"), "val": array("Q")}
+        self.ngrams: dict[str, list[np.ndarray]] = {"train": [], "val": []}
 
     def add(self, split: str, text: str) -> None:
         self.by_split[split].append(text_hash(text))
+        self.ngrams[split].append(ngram_hashes(text))
 
-    def write(self, out: Path) -> int:
-        """Write FILE into `out`; return how many validation documents are exact copies of a training one."""
+    def write(self, out: Path) -> dict[str, Any]:
+        """Write FILE and NGRAM_FILE into `out`; return their index.json entries: the files, how many
+        validation documents are exact copies of a training one, and the share of the validation split's
+        sampled sequences that occur in the training split (None without any)."""
         train = np.unique(np.frombuffer(self.by_split["train"], dtype=np.uint64))
         write_atomic(out / FILE, train.astype("<u8").tobytes())
-        return int(contains(train, np.frombuffer(self.by_split["val"], dtype=np.uint64)).sum())
+        train_ngrams = np.unique(np.concatenate([np.zeros(0, np.uint64), *self.ngrams["train"]]))
+        write_atomic(out / NGRAM_FILE, train_ngrams.astype("<u8").tobytes())
+        val_ngrams = np.concatenate([np.zeros(0, np.uint64), *self.ngrams["val"]])
+        return {
+            "train_documents": FILE,
+            "train_ngrams": {"file": NGRAM_FILE, "words": NGRAM_WORDS, "keep_one_in": KEEP_ONE_IN},
+            "val_copies_of_train": int(contains(train, np.frombuffer(self.by_split["val"], dtype=np.uint64)).sum()),
+            "val_ngram_share": float(contains(train_ngrams, val_ngrams).mean()) if len(val_ngrams) else None,
+        }
 
 
-def read(data: Path) -> np.ndarray | None:
-    """The sorted training-text hashes of prepared directory `data`, None if it has no FILE."""
-    path = data / FILE
+def read(data: Path, name: str = FILE) -> np.ndarray | None:
+    """The sorted hashes of prepared directory `data`'s file `name` (FILE or NGRAM_FILE), None without it."""
+    path = data / name
     return np.fromfile(path, dtype="<u8") if path.is_file() else None
 
 

@@ -14,8 +14,8 @@ Each document is scored on its own, as in training where documents follow an EOS
 with a sliding window of `--context` tokens (default: the model's seq_len) moved by `--stride`
 (lm/scoring.py). Reported per document and in total: mean loss (nats/token), perplexity exp(loss) and
 bits per byte = sum of losses / (ln 2 * UTF-8 bytes of the text). Each document is looked up in the checkpoint's
-training data (exact text, lm/training_overlap.py): one found is marked "in_training_data" and warned about, its
-perplexity is not held-out. Heads that are not causal as published
+training data (exact text and sampled 13-word sequences, lm/training_overlap.py): one found is marked
+"in_training_data" and warned about, its perplexity is not held-out. Heads that are not causal as published
 are evaluated leak-free (each prediction from its own prefix) under `--leak-free auto`; short inputs run
 at their own length, so heads that select k tokens use k = max(floor(T/ρ), 2) (MoSA App. F).
 Results are JSON (stdout or --out); `--curve` plots the mean loss at each window position as PNG.
@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from data_prep import tokenizer as sp_codec
-from data_prep.doc_hashes import text_hash
 from data_prep.documents import Skips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
@@ -52,12 +51,16 @@ C4_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 
 @dataclass
 class TokenDoc:
-    """A document ready for scoring: [EOS] + its tokens (ending in EOS) and its text's UTF-8 bytes."""
+    """A document ready for scoring: [EOS] + its tokens (ending in EOS), its text (to look it up in a
+    checkpoint's training data) and the text's UTF-8 bytes."""
 
     id: str
     tokens: list[int]
-    nbytes: int
-    text_hash: int  # data_prep/doc_hashes.py: to look the text up in a checkpoint's training data
+    text: str
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.text.encode("utf-8"))
 
 
 class _StrictSkips(Skips):
@@ -93,7 +96,7 @@ def read_documents(src: str | Path, fmt: str, sp: Any, split: str = "val",
     if not texts:
         raise DataError(f"--input {src}: no documents with text")
     encoded = sp_codec.encode_documents(sp, [d.text for d in texts], threads=1)
-    return [TokenDoc(d.id, [sp_codec.EOS_ID, *t.tolist()], len(d.text.encode("utf-8")), text_hash(d.text))
+    return [TokenDoc(d.id, [sp_codec.EOS_ID, *t.tolist()], d.text)
             for d, t in zip(texts, encoded)]
 
 
@@ -117,7 +120,7 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
             break
         body = tokens[a:b].tolist()
         text = sp_codec.decode(sp, body)[0]  # the prepared text itself: the tokenizer is lossless
-        docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], len(text.encode("utf-8")), text_hash(text)))
+        docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], text))
     return docs
 
 
@@ -209,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     leak_free = {"on": True, "off": False, "auto": not model.causal}[args.leak_free]
-    overlap = training_overlap(run, [d.text_hash for d in docs], args.train_data)
+    overlap = training_overlap(run, [d.text for d in docs], args.train_data)
     result = evaluate_documents(model, docs, context, stride, leak_free, args.batch_size)
-    for entry, found in zip(result["documents"], overlap.found or [None] * len(docs)):
-        entry["in_training_data"] = found
+    for i, entry in enumerate(result["documents"]):
+        entry.update(overlap.document(i))
     report = {"ckpt": str(args.ckpt), "input": str(args.input), "format": fmt, "context": context,
-              "stride": stride, "leak_free": leak_free, "causal": model.causal, "training_data": overlap.report(),
+              "stride": stride, "leak_free": leak_free, "causal": model.causal,
+              "training_data": overlap.report(len(docs)),
               **result}
     text = json.dumps(report, indent=1)
     if args.out:
@@ -231,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def overlap_line(overlap: Overlap, docs: Sequence[TokenDoc]) -> str:
-    """One line on the training-data check: a warning when documents were found, else what was checked."""
-    if overlap.found is None:
+    """One line on the training-data check: a warning naming the documents found (each as an exact copy or
+    with its share of sampled word sequences in training), else what was checked."""
+    if overlap.exact is None:
         return f"note: not checked against the training data: {overlap.why_not}"
-    found = [d.id for d, f in zip(docs, overlap.found) if f]
+    found = []
+    for i, d in enumerate(docs):
+        if overlap.found(i):
+            sampled, shared = overlap.ngrams[i] if overlap.ngrams is not None else (0, 0)
+            found.append(f"{d.id} (exact copy)" if overlap.exact[i] else
+                         f"{d.id} ({shared} of its {sampled} sampled {overlap.words}-word sequences)")
+    what = "exact text and sampled word sequences" if overlap.ngrams is not None else overlap.ngrams_why_not
     if not found:
-        return f"0 of {len(docs)} documents are in the checkpoint's training data ({overlap.data}; exact text)"
+        return f"0 of {len(docs)} documents are in the checkpoint's training data ({overlap.data}; {what})"
     names = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     return (f"warning: {len(found)} of {len(docs)} documents are in the checkpoint's training data ({overlap.data}): "
             f"{names}; their perplexity is not held-out")

@@ -223,6 +223,10 @@ def test_round_trip_and_eos(tmp_path: Path) -> None:
     assert len(index["splits"]["train"]["shards"]) > 1
     recorded = np.fromfile(tmp_path / "out" / index["train_documents"], dtype="<u8")
     assert recorded.tolist() == sorted({doc_hashes.text_hash(t) for t in train}) and index["val_copies_of_train"] == 0
+    sequences = np.fromfile(tmp_path / "out" / index["train_ngrams"]["file"], dtype="<u8")
+    assert sequences.tolist() == sorted({int(h) for t in train for h in doc_hashes.ngram_hashes(t)}) and len(sequences)
+    assert index["train_ngrams"] == {"file": "train_ngrams.u64", "words": 13, "keep_one_in": 16}
+    assert index["val_ngram_share"] == 0.0
     assert index["tokenizer_sha256"] == hashlib.sha256((tmp_path / "out/tokenizer.model").read_bytes()).hexdigest()
 
 
@@ -254,6 +258,43 @@ def test_validation_copies_of_training_documents_are_counted(tmp_path: Path, cap
                     val_fraction=0.2, **QUIET)
     assert index["val_copies_of_train"] == 2
     assert "warning: 2 validation document(s) are exact copies of training documents" in capsys.readouterr().err
+    sampled = [len(doc_hashes.ngram_hashes(t)) for n, t in texts.items() if Splitter(0.2).by_hash(n) == "val"]
+    assert index["val_ngram_share"] == 2 * len(doc_hashes.ngram_hashes(texts[train_name])) / sum(sampled) < 1
+
+
+def test_validation_excerpts_of_training_documents_are_measured(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A validation document holding a paragraph of a training document is no exact copy, but the share of the
+    validation split's sampled 13-word sequences found in training says so, and a share of 1% or more is warned."""
+    names = [f"d{i:02d}.txt" for i in range(40)]
+    train_name = next(n for n in names if Splitter(0.2).by_hash(n) == "train")
+    val_name = next(n for n in names if Splitter(0.2).by_hash(n) == "val")
+    texts = {n: words(i, 20) for i, n in enumerate(names[:12])}
+    texts[val_name] = words(99, 20) + "\n" + "\n".join(texts[train_name].splitlines()[5:15])
+    index = prepare("text", str(write_texts(tmp_path / "src", texts)), tmp_path / "out", vocab_size=500,
+                    val_fraction=0.2, **QUIET)
+    assert index["val_copies_of_train"] == 0 and 0.01 <= index["val_ngram_share"] < 1
+    assert (f"warning: {index['val_ngram_share']:.1%} of the validation split's sampled 13-word sequences occur in the "
+            "training split") in capsys.readouterr().err
+
+
+def test_ngram_hashes_are_a_content_defined_sample_of_word_sequences() -> None:
+    """Sequences are of lower-cased \\w+ words (case and punctuation do not matter); one in KEEP_ONE_IN is kept,
+    and a sequence is kept or not by its own words, so an excerpt's sample is part of the whole text's."""
+    lines = np.random.default_rng(3).permutation(4800).reshape(400, 12)
+    text = "\n".join(" ".join(f"w{i}" for i in line) for line in lines)
+    every = doc_hashes.ngram_hashes(text, keep_one_in=1)
+    assert len(every) == 4800 - 12  # distinct words, distinct sequences
+    sample = doc_hashes.ngram_hashes(text)
+    assert set(sample.tolist()) == {h for h in every.tolist() if h % doc_hashes.KEEP_ONE_IN == 0}
+    assert 0.5 < len(sample) * doc_hashes.KEEP_ONE_IN / len(every) < 1.5
+    excerpt = " ".join(text.split()[1000:1600])
+    assert set(doc_hashes.ngram_hashes(excerpt).tolist()) <= set(sample.tolist())
+    assert len(doc_hashes.ngram_hashes(excerpt)) > 0
+    shouted = text.upper().replace(" ", ", ")
+    assert np.array_equal(doc_hashes.ngram_hashes(shouted), sample)
+    assert len(doc_hashes.ngram_hashes("twelve words " * 6, keep_one_in=1)) == 0  # fewer than 13 words
+    other = doc_hashes.ngram_hashes(text.replace("w1", "v1"))  # every sequence holding a word w1... changed
+    assert 0 < np.isin(other, sample).sum() < len(sample)
 
 
 def test_tiny_corpus_forces_one_validation_document() -> None:

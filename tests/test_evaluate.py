@@ -223,8 +223,9 @@ def test_greedy_is_the_argmax_over_the_tokenizers_ids() -> None:
 
 def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, capsys) -> None:
     """A document whose text is in the checkpoint's training split is marked and warned about, whichever way it
-    comes in (its source file, the prepared split); a held-out one is not; data that is missing, changed or
-    prepared without document records is said to be unchecked, never reported clean."""
+    comes in (its source file, the prepared split), and so is an edited copy or an excerpt of one (by its sampled
+    13-word sequences); a held-out one is not; data that is missing, changed or prepared without document records
+    is said to be unchecked, never reported clean, and data without sequence records is checked on exact text."""
     import shutil
 
     from data_prep.split import Splitter
@@ -234,7 +235,10 @@ def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, 
     split = {p.name: Splitter(0.25)(p.name) for p in sorted(src.iterdir())}
     train_doc = src / next(n for n, s in split.items() if s == "train")
     val_doc = src / next(n for n, s in split.items() if s == "val")
+    words = train_doc.read_text().split()
     (tmp_path / "edited.txt").write_text(train_doc.read_text() + ".", encoding="utf-8")
+    (tmp_path / "excerpt.txt").write_text(" ".join(words[100:250]), encoding="utf-8")
+    (tmp_path / "mixed.txt").write_text(val_doc.read_text() + "\n" + " ".join(words[:120]), encoding="utf-8")
 
     def check(*args: str) -> tuple[dict, str]:
         rc, res, err = run(capsys, "--ckpt", str(ckpt), "--stride", "16", *args)
@@ -242,14 +246,29 @@ def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, 
         return res, err.splitlines()[-1]
 
     res, line = check("--input", str(train_doc))
-    assert res["documents"][0]["in_training_data"] is True
+    doc = res["documents"][0]
+    assert doc["in_training_data"] is True and doc["exact_training_document"] is True
+    assert doc["sampled_ngrams"] == doc["sampled_ngrams_in_training_data"] > 0
     assert res["training_data"] == {"checked_against": str(corpus.resolve()), "not_checked_because": None,
-                                    "documents_in_training_data": 1}
+                                    "ngrams_not_checked_because": None, "ngram_words": 13,
+                                    "documents_in_training_data": 1, "sampled_ngrams": doc["sampled_ngrams"],
+                                    "share_of_ngrams_in_training_data": 1.0}
     assert line.startswith(f"warning: 1 of 1 documents are in the checkpoint's training data ({corpus.resolve()}): "
-                           f"{train_doc.name}; their perplexity is not held-out"), line
-    for held_out in (val_doc, tmp_path / "edited.txt"):  # exact text only: one character more is another text
-        res, line = check("--input", str(held_out))
-        assert res["documents"][0]["in_training_data"] is False and line.startswith("0 of 1 documents are in"), line
+                           f"{train_doc.name} (exact copy); their perplexity is not held-out"), line
+    for near in ("edited.txt", "excerpt.txt"):  # not the exact text, but all its sampled sequences are training text
+        res, line = check("--input", str(tmp_path / near))
+        doc = res["documents"][0]
+        assert doc["in_training_data"] is True and doc["exact_training_document"] is False
+        n = doc["sampled_ngrams"]
+        assert doc["sampled_ngrams_in_training_data"] == n > 0
+        assert f"{near} ({n} of its {n} sampled 13-word sequences); their perplexity is not held-out" in line, line
+    res, line = check("--input", str(tmp_path / "mixed.txt"))  # a held-out text with 120 training words appended
+    doc = res["documents"][0]
+    assert doc["in_training_data"] is True and 0 < doc["sampled_ngrams_in_training_data"] < doc["sampled_ngrams"]
+    res, line = check("--input", str(val_doc))
+    doc = res["documents"][0]
+    assert doc["in_training_data"] is False and doc["sampled_ngrams_in_training_data"] == 0 < doc["sampled_ngrams"]
+    assert line.startswith("0 of 1 documents are in") and line.endswith("exact text and sampled word sequences)"), line
     res, line = check("--input", str(src))
     assert [d["in_training_data"] for d in res["documents"]] == [split[d["id"]] == "train" for d in res["documents"]]
     assert f"warning: {list(split.values()).count('train')} of 12 documents" in line
@@ -261,6 +280,11 @@ def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, 
     shutil.copytree(corpus, moved)
     res, _ = check("--input", str(train_doc), "--train-data", str(moved))
     assert res["documents"][0]["in_training_data"] is True
+    (moved / "train_ngrams.u64").unlink()  # prepared before sequences were recorded: exact text only
+    res, line = check("--input", str(tmp_path / "excerpt.txt"), "--train-data", str(moved))
+    assert res["documents"][0]["in_training_data"] is False and res["documents"][0]["sampled_ngrams"] is None
+    assert line.endswith(f"{moved} was prepared before data_prep recorded word sequences: exact text only)"), line
+    assert res["training_data"]["ngrams_not_checked_because"] is not None
     (moved / "train_documents.u64").unlink()
     changed = tmp_path / "changed"
     shutil.copytree(corpus, changed)
