@@ -43,7 +43,7 @@ from lm.data import TokenStream
 from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
 from lm.scoring import Scores, progress_bar, score
-from lm.training_overlap import Overlap, training_overlap
+from lm.training_overlap import TRAIN_DATA_HELP, Overlap, training_overlap
 
 FORMATS = ("auto", "text", "gutenberg", "c4", "prepared")
 C4_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -186,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-docs", type=int, default=None, help="score only the first N documents (default: all)")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
-    ap.add_argument("--train-data", default=None,
-                    help="the checkpoint's prepared training data, to look the input up in (default: the "
-                         "directory the checkpoint recorded)")
+    ap.add_argument("--train-data", default=None, help=TRAIN_DATA_HELP)
     ap.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
     ap.add_argument("--curve", default=None, help="PNG of the mean loss by window position")
     args = ap.parse_args(argv)

@@ -16,6 +16,8 @@ Registers model "sparse-heads" with lm-eval's model registry (args: ckpt=PATH). 
   seq_len; the text is cut at the first stop string. Requests with equal context length run as a batch.
 Windows are batched (--batch-size) as lm/scoring.py allows (padded only where that is exact). Tokenisation is data_prep's (via lm/hf_tokenizer.py's
 rules): EOS is the end-of-document token and the prefix for an empty context.
+Each task's documents are looked up in the checkpoint's training data (lm/training_overlap.py; the text of a
+document's requests, prompts and continuations, as one text): the results say per task how many are in it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from lm_eval.api.registry import register_model
 from data_prep import tokenizer as sp_codec
 from lm.generate import TOKENIZER_HELP, generate, load_for_generation, sample
 from lm.scoring import progress_bar, score
+from lm.training_overlap import TRAIN_DATA_HELP, training_overlap
 
 MODEL_NAME = "sparse-heads"
 
@@ -44,7 +47,8 @@ class SparseHeadsLM(TemplateLM):
     def __init__(self, ckpt: str, tokenizer: str | None = None, batch_size: int | str = 8,
                  leak_free: str = "auto", device: str = "cpu", **kwargs: Any) -> None:
         super().__init__()
-        model, self.sp, _ = load_for_generation(ckpt, tokenizer)
+        model, self.sp, self.run = load_for_generation(ckpt, tokenizer)
+        self.scored_texts: dict[tuple[str, int], set[str]] = defaultdict(set)  # (task, doc id) -> its requests' texts
         self.model = model.to(device)
         self.seq_len = model.cfg.seq_len
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
@@ -68,6 +72,29 @@ class SparseHeadsLM(TemplateLM):
         finally:
             bar.close()
 
+    def _record(self, requests: list[Any]) -> None:
+        """Remember every request's text by (task, document), for `training_data`."""
+        for req in requests:
+            self.scored_texts[(str(req.task_name), int(req.doc_id or 0))].add(
+                "".join(a for a in req.args if isinstance(a, str)))
+
+    def training_data(self, train_data: str | None = None) -> dict[str, Any]:
+        """lm/training_overlap.py's report over the documents scored so far, and per task how many of its
+        documents are in the checkpoint's training data (None: not checked)."""
+        keys = sorted(self.scored_texts)
+        overlap = training_overlap(self.run, ["\n".join(sorted(self.scored_texts[k])) for k in keys], train_data)
+        tasks: dict[str, dict[str, Any]] = {}
+        for i, (task, _) in enumerate(keys):
+            entry = tasks.setdefault(task, {"documents": 0, "documents_in_training_data": 0})
+            entry["documents"] += 1
+            found = overlap.found(i)
+            entry["documents_in_training_data"] = None if found is None else entry["documents_in_training_data"] + found
+        return {**overlap.report(len(keys)), "tasks": tasks}
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        self._record(requests)
+        return super().loglikelihood(requests, disable_tqdm)
+
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether every continuation token is the argmax)."""
@@ -78,11 +105,13 @@ class SparseHeadsLM(TemplateLM):
         return [(-float(s.nll.sum()), bool(s.greedy.all())) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        self._record(requests)
         seqs = [[self.eot_token_id, *self.tok_encode(req.args[0])] for req in requests]
         scores = self._score(seqs, [1] * len(seqs), [self.seq_len] * len(seqs), disable_tqdm)
         return [-float(s.nll.sum()) for s in scores]
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        self._record(requests)
         results: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for i, req in enumerate(requests):
@@ -144,11 +173,30 @@ def _check_task_files(include_path: Path) -> None:
 
 def run(ckpt: str, tasks: list[str], include_path: str | None = None, limit: float | None = None,
         batch_size: int = 8, num_fewshot: int | None = None, leak_free: str = "auto",
-        tokenizer: str | None = None) -> dict[str, Any]:
-    """lm-eval's simple_evaluate on our checkpoint; ValueError (one line) for bad input."""
+        tokenizer: str | None = None, train_data: str | None = None) -> dict[str, Any]:
+    """lm-eval's simple_evaluate on our checkpoint, with `training_data`: which task documents are in the
+    checkpoint's training data (`train_data`: default the directory it recorded); ValueError (one line) for
+    bad input."""
     manager = task_manager(tasks, include_path)
     model = SparseHeadsLM(ckpt, tokenizer=tokenizer, batch_size=batch_size, leak_free=leak_free)
-    return evaluate_tasks(model, tasks, manager, limit, num_fewshot)
+    results = evaluate_tasks(model, tasks, manager, limit, num_fewshot)
+    results["training_data"] = model.training_data(train_data)
+    return results
+
+
+def training_data_lines(report: dict[str, Any]) -> list[str]:
+    """A line per task on its documents in the training data (a warning when some are), or one note line
+    saying why they were not checked."""
+    if report["checked_against"] is None:
+        return [f"note: task documents not checked against the training data: {report['not_checked_because']}"]
+    how = report["ngrams_not_checked_because"] or "exact text and sampled word sequences"
+    lines = []
+    for task, entry in sorted(report["tasks"].items()):
+        n, found = entry["documents"], entry["documents_in_training_data"]
+        lines.append(f"warning: {task}: {found} of {n} documents are in the checkpoint's training data "
+                     f"({report['checked_against']}); its score is not held-out" if found else
+                     f"{task}: 0 of {n} documents are in the checkpoint's training data ({report['checked_against']}; {how})")
+    return lines
 
 
 def evaluate_tasks(model: Any, tasks: list[str], manager: Any, limit: float | None = None,
@@ -195,21 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--leak-free", default="auto", choices=("auto", "on", "off"),
                     help="auto: on iff some head is not causal")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    ap.add_argument("--train-data", default=None, help=TRAIN_DATA_HELP)
     ap.add_argument("--output", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     try:
         if args.batch_size < 1:
             raise ValueError("--batch-size must be >= 1")
         results = run(args.ckpt, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
-                      args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer)
+                      args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer, args.train_data)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
 
     print(make_table(results))
+    print("\n".join(training_data_lines(results["training_data"])), file=sys.stderr)
     if args.output:
-        Path(args.output).write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot", "config")
+        Path(args.output).write_text(json.dumps({k: results[k] for k in ("results", "versions", "n-shot", "config",
+                                                                          "training_data")
                                                  if k in results}, indent=1, default=str) + "\n")
     return 0
 

@@ -22,6 +22,8 @@ from lm.run_dir import read_provenance
 # Unrelated books share under 0.2% of their sampled 13-word sequences (80 Gutenberg books against 14 others:
 # at most 0.15%), an excerpt of a training book all of them.
 SHARE_IN_TRAINING = 0.01
+TRAIN_DATA_HELP = ("the checkpoint's prepared training data, to look the input up in (default: the directory the "
+                   "checkpoint recorded)")
 
 
 @dataclass

@@ -185,6 +185,38 @@ def test_local_tasks_accuracy_equals_forward_pass(setup) -> None:
     assert res["local_cloze"]["perplexity,none"] > 1
 
 
+def test_task_documents_from_the_training_data_are_counted(setup, tmp_path: Path, capsys) -> None:
+    """A task whose documents quote the checkpoint's training text is reported per task (lm/training_overlap.py),
+    with a warning line; one of fresh text is reported clean; moved data is said to be unchecked."""
+    from data_prep.split import Splitter
+
+    root, ckpt, _, _ = setup
+    src = root / "src"
+    train_doc = next(p for p in sorted(src.iterdir()) if Splitter(0.25)(p.name) == "train")
+    quoted, fresh = train_doc.read_text().split(), english(77, 60).split()
+    rows = [{"context": " ".join(words[40 * i : 40 * i + 150]), "word": words[40 * i + 150]}
+            for words in (quoted, fresh) for i in range(3)]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    for name, part in (("quoted", rows[:3]), ("fresh", rows[3:])):
+        (tasks / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        (tasks / f"{name}.yaml").write_text(CLOZE_YAML.replace("local_cloze", name).format(data=tasks / f"{name}.jsonl"))
+    out = tmp_path / "res.json"
+    assert main(["--ckpt", str(ckpt), "--tasks", "quoted,fresh", "--include-path", str(tasks), "--output", str(out)]) == 0
+    report = json.loads(out.read_text())["training_data"]
+    assert report["tasks"] == {"quoted": {"documents": 3, "documents_in_training_data": 3},
+                               "fresh": {"documents": 3, "documents_in_training_data": 0}}
+    assert report["checked_against"] == str((root / "data").resolve()) and report["sampled_ngrams"] > 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2].startswith(f"fresh: 0 of 3 documents are in the checkpoint's training data ({root / 'data'}; "), err
+    assert err[-1].startswith("warning: quoted: 3 of 3 documents are in the checkpoint's training data"), err
+    assert main(["--ckpt", str(ckpt), "--tasks", "quoted", "--include-path", str(tasks), "--limit", "1",
+                 "--train-data", str(tmp_path / "nowhere")]) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == ("note: task documents not checked against the training data: "
+                                                        f"{tmp_path / 'nowhere'} is not a prepared directory here "
+                                                        "(pass --train-data DIR)")
+
+
 def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> None:
     root, ckpt, _, _ = setup
     tasks = _write_tasks(tmp_path)
