@@ -92,8 +92,8 @@ class SparseHeadsLM(TemplateLM):
         return {**overlap.report(len(keys)), "tasks": tasks}
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._record(requests)
-        return super().loglikelihood(requests, disable_tqdm)
+        self._record(requests)  # lm-eval's own tokenising bar, like ours, only on a terminal
+        return super().loglikelihood(requests, disable_tqdm or not sys.stderr.isatty())
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:

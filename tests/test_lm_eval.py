@@ -142,6 +142,7 @@ def test_progress_bars_stay_out_of_logs(setup, capsys) -> None:
     lm = setup[3]
     capsys.readouterr()
     lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (english(2, 12),), 0)])
+    lm.loglikelihood([Instance("loglikelihood", {}, (english(4, 2), " word"), 0)])  # lm-eval's tokenising bar too
     lm.generate_until([Instance("generate_until", {}, (english(3, 1), {"until": [], "max_gen_toks": 2}), 0)])
     assert capsys.readouterr().err == ""
 
