@@ -27,10 +27,14 @@ class OnlineKMeans(Float32Buffers):
         return torch.einsum("bhtd,hcd->bhct", u, self.means.to(u.dtype))
 
     def commitment(self, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
-        """Mean squared distance of u[B, H, T, d] to its nearest centroid (nearest[B, H, T])."""
-        H = u.shape[1]
-        mu = self.means[torch.arange(H, device=u.device)[None, :, None], nearest]  # [B, H, T, d]
-        return (u - mu).pow(2).sum(-1).mean()
+        """Mean squared distance of u[B, H, T, d] to its nearest centroid (nearest[B, H, T]), both unit-norm:
+        ||u - mu||^2 = 2 - 2 u·mu, and the sum of u·mu over tokens is that of each cluster's sum of u dotted with
+        its centroid. Backward so keeps the indices and the [B, H, C, d] sums, not a [B, H, T, d] tensor like
+        (u - mu)^2; its gradient in u differs from 2 (u - mu) by 2u, which the normalisation that made u removes."""
+        B, H, T, d = u.shape
+        sums = u.new_zeros(B, H, self.means.shape[1], d).scatter_add(2, nearest[..., None].expand_as(u), u)
+        means = self.means.to(u.dtype, copy=True)  # a copy: update() moves the buffer before backward reads it
+        return 2 - 2 * (sums * means).sum() / (B * H * T)
 
     @torch.no_grad()
     def update(self, u: torch.Tensor, nearest: torch.Tensor) -> None:
