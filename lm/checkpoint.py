@@ -22,7 +22,6 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from heads import ConfigError
 from lm.accumulation import ends_step
@@ -74,14 +73,13 @@ class StepCheckpoints(L.Callback):
     that validation's result and a resumed run does not repeat it. `last.ckpt` is an atomic hard
     link to the step file (no second write), except for DeepSpeed, whose checkpoints are directories.
     Under gradient accumulation a checkpoint is written only after the micro-batch that ends its step. A SIGTERM
-    that stops a one-process run after such a micro-batch (not in a validation) also checkpoints its step.
+    also checkpoints the step it stops at (lm/preemption.py).
     """
 
     def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0) -> None:
         self.dirpath, self.every, self.val_every, self.link_last = Path(dirpath), every, val_every, link_last
         self.keep = keep
         self.saved_step: int | None = None  # step of the newest checkpoint written by this process
-        self._step_ended = False  # whether the last training batch ended an optimizer step
 
     def save(self, trainer: L.Trainer) -> None:
         check_weights(trainer)
@@ -103,17 +101,8 @@ class StepCheckpoints(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step, self._step_ended = trainer.global_step, ends_step(trainer, batch_idx)
-        if self._step_ended and step % self.every == 0 and step % self.val_every != 0:
-            self.save(trainer)
-
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """SIGTERM (a scheduler's preemption notice; Lightning stops after the batch) at the end of an optimizer
-        step: checkpoint that step too, so that --resume loses no finished step. Not during a validation (the
-        step's checkpoint must carry it; resuming from one without it would skip it for good), and in one
-        process only: ranks notice the signal at their own batch ends, and a collective save could hang."""
-        if (isinstance(exception, SIGTERMException) and trainer.training and trainer.world_size == 1
-                and self._step_ended and self.saved_step != trainer.global_step):
+        step = trainer.global_step
+        if ends_step(trainer, batch_idx) and step % self.every == 0 and step % self.val_every != 0:
             self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

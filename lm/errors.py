@@ -12,5 +12,5 @@ class NonFiniteError(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """A training run stopped by SIGTERM before trainer.max_steps (Lightning stops at the next batch end); the
+    """A training run stopped by SIGTERM before trainer.max_steps (after an optimizer step, lm/preemption.py); the
     message is one line naming the step reached."""

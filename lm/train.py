@@ -34,6 +34,7 @@ from lm.errors import Interrupted
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
+from lm.preemption import Preemption, received_sigterm
 from lm.run_dir import claim
 
 
@@ -158,8 +159,10 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
         logger=tensorboard_logger(cfg), profiler=build_profiler(t),
-        # the guard runs first: a bad update is dropped or stops the run before anything is saved
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints, *timer],
+        # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
+        # after the checkpoints: it saves a step only if they did not
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints,
+                   Preemption(checkpoints, t.val_every), *timer],
         enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
         use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.
@@ -204,14 +207,13 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
 
 @contextmanager
 def sigterm_interrupts(trainer: L.Trainer) -> Iterator[None]:
-    """Around trainer.fit / trainer.validate: a SIGTERM (Lightning stops at the next batch end and exits with
-    status 0, as if the run had finished) becomes Interrupted; so does one in the last batch, which Lightning
-    finishes without a word."""
+    """Around trainer.fit / trainer.validate: a SIGTERM (lm/preemption.py: training stops after a step, checkpointed;
+    a validation runs to its end) becomes Interrupted, rather than a run that looks finished."""
     try:
         yield
     except SIGTERMException:
         pass
-    if trainer.received_sigterm:
+    if received_sigterm(trainer):
         raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
                           "the newest checkpoint with --resume")
 

@@ -152,25 +152,39 @@ def test_sigterm_in_a_last_batch_is_not_lost(where: str, tmp_path: Path, monkeyp
     assert [h["step"] for h in metrics["history"]] == [0, 3, 4]
 
 
-def test_sigterm_checkpoints_only_a_finished_training_step_of_one_process(tmp_path: Path) -> None:
-    """Not in a validation (a checkpoint without it would make --resume skip it), not mid-accumulation, not with
-    several ranks (each notices the signal at its own batch end; a collective save could hang)."""
+def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
+    """lm/preemption.py: the agreed stop comes after the micro-batch that ends a step (never mid-accumulation),
+    after the step's validation when it has one (so its checkpoint carries it), never inside a validation of its
+    own; the step is saved unless the step checkpoints already did, and the stop is Lightning's SIGTERMException."""
     from types import SimpleNamespace
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lm.checkpoint import StepCheckpoints
+    from lm.preemption import Preemption
 
-    saved = []
-    for training, world, ended, expect in ((True, 1, True, True), (False, 1, True, False), (True, 2, True, False),
-                                           (True, 1, False, False)):
-        checkpoints = StepCheckpoints(tmp_path, 10, 10)
-        checkpoints.save = lambda trainer: saved.append(trainer.global_step)  # type: ignore[method-assign]
-        checkpoints._step_ended = ended
-        trainer = SimpleNamespace(training=training, world_size=world, global_step=len(saved) + 13)
-        checkpoints.on_exception(trainer, None, SIGTERMException())  # type: ignore[arg-type]
-        checkpoints.on_exception(trainer, None, RuntimeError())  # type: ignore[arg-type]  # other errors: never
-        assert (trainer.global_step in saved) == expect, (training, world, ended)
+    saved: list[int] = []
+    checkpoints = SimpleNamespace(saved_step=None, save=lambda trainer: saved.append(trainer.global_step))
+    preemption = Preemption(checkpoints, val_every=10)  # type: ignore[arg-type]
+    votes: list[bool] = []
+
+    def trainer(step: int, fn: str = "fit", accumulate: int = 2) -> SimpleNamespace:
+        return SimpleNamespace(global_step=step, accumulate_grad_batches=accumulate, state=SimpleNamespace(fn=fn),
+                               strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: votes.append(d) or d))
+
+    preemption.on_train_batch_end(trainer(7), None, None, None, batch_idx=5)  # type: ignore[arg-type]
+    assert votes == [False] and saved == []  # every finished step asks the ranks, nobody got the signal
+    preemption.received = True
+    preemption.on_train_batch_end(trainer(7), None, None, None, batch_idx=4)  # type: ignore[arg-type]  # mid-step
+    preemption.on_train_batch_end(trainer(10), None, None, None, batch_idx=19)  # type: ignore[arg-type]  # validates next
+    preemption.on_validation_end(trainer(10, fn="validate"), None)  # type: ignore[arg-type]  # trainer.validate
+    assert votes == [False] and saved == [] and not preemption.stopped
+    checkpoints.saved_step = 10  # a checkpoint step: saved after its validation by StepCheckpoints
+    with pytest.raises(SIGTERMException):
+        preemption.on_validation_end(trainer(10), None)  # type: ignore[arg-type]
+    assert saved == [] and preemption.stopped
+    with pytest.raises(SIGTERMException):
+        preemption.on_train_batch_end(trainer(13), None, None, None, batch_idx=25)  # type: ignore[arg-type]
+    assert saved == [13]
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:
