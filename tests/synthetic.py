@@ -7,6 +7,8 @@ well below the uniform loss ln V, so "loss falls" is a meaningful check.
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -71,3 +73,12 @@ def tb_scalars(run: Path, tag: str) -> dict[int, float]:
         if tag in acc.Tags()["scalars"]:
             values |= {e.step: e.value for e in acc.Scalars(tag)}
     return values
+
+
+def wait_for_file(proc: subprocess.Popen, path: Path, timeout: float = 120) -> bool:
+    """Poll until `path` exists (e.g. a training run's first checkpoint), `proc` ends or `timeout` seconds pass;
+    whether it exists."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return path.exists()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lm.config import load_config
-from tests.synthetic import run_overrides, write_prepared
+from tests.synthetic import run_overrides, wait_for_file, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,11 +110,7 @@ def test_sigterm_stops_every_rank_at_one_checkpointed_step_and_resumes(tmp_path:
     subprocess.run(command(full), env=run_env, check=True, capture_output=True, timeout=300, cwd=ROOT)
     proc = subprocess.Popen(command(out), env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, start_new_session=True)  # its own process group, as a scheduler's job
-    first = out / "checkpoints" / "step0000010.ckpt"
-    deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert first.exists(), "the run wrote no checkpoint in time"
+    assert wait_for_file(proc, out / "checkpoints" / "step0000010.ckpt"), "the run wrote no checkpoint in time"
     time.sleep(0.3)  # into the middle of a checkpoint interval
     os.killpg(proc.pid, signal.SIGTERM) if to == "every process" else proc.send_signal(signal.SIGTERM)
     try:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lm.checkpoint import AtomicCheckpointIO
-from tests.synthetic import run_overrides, write_prepared
+from tests.synthetic import run_overrides, wait_for_file, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 150  # long enough that the kill lands well before the end
@@ -55,10 +55,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     uninterrupted = subprocess.Popen(command(data, full), env=env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)  # runs alongside, on the other core
     proc = subprocess.Popen(command(data, killed), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = killed / "checkpoints" / "step0000010.ckpt"
-    deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for_file(proc, killed / "checkpoints" / "step0000010.ckpt")
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
     saved = sorted((killed / "checkpoints").glob("*.ckpt"))
@@ -90,11 +87,7 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
                                      stderr=subprocess.PIPE, text=True)
     proc = subprocess.Popen(command(data, out, no_val), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    first = out / "checkpoints" / "step0000010.ckpt"
-    deadline = time.monotonic() + 120
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert first.exists(), "the run wrote no checkpoint in time"
+    assert wait_for_file(proc, out / "checkpoints" / "step0000010.ckpt"), "the run wrote no checkpoint in time"
     time.sleep(0.1)  # into the middle of a checkpoint interval
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
