@@ -42,10 +42,9 @@ def _word_hash(word: str) -> int:
     return int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8, person=b"word").digest(), "little")
 
 
-def ngram_hashes(text: str, words: int = NGRAM_WORDS, keep_one_in: int = KEEP_ONE_IN) -> np.ndarray:
-    """The sorted distinct sampled hashes (uint64) of the `words`-word sequences of `text`'s lower-cased
-    `\\w+` words: a polynomial rolling hash of the words' blake2b-64 hashes, mixed by splitmix64's
-    finaliser, kept when 0 modulo `keep_one_in`. Empty for a text of fewer than `words` words."""
+def sequence_hashes(text: str, words: int = NGRAM_WORDS) -> np.ndarray:
+    """The hash (uint64) of every `words`-word sequence of `text`'s lower-cased `\\w+` words, in order: a polynomial
+    rolling hash of the words' blake2b-64 hashes, mixed by splitmix64's finaliser. Empty under `words` words."""
     found = _WORD.findall(text.lower())
     if len(found) < words:
         return np.zeros(0, dtype=np.uint64)
@@ -60,6 +59,13 @@ def ngram_hashes(text: str, words: int = NGRAM_WORDS, keep_one_in: int = KEEP_ON
     h ^= h >> np.uint64(27)
     h *= np.uint64(0x94D049BB133111EB)
     h ^= h >> np.uint64(31)
+    return h
+
+
+def ngram_hashes(text: str, words: int = NGRAM_WORDS, keep_one_in: int = KEEP_ONE_IN) -> np.ndarray:
+    """The sorted distinct sampled sequence hashes of `text`: those of `sequence_hashes` that are 0 modulo
+    `keep_one_in`."""
+    h = sequence_hashes(text, words)
     return np.unique(h[h % np.uint64(keep_one_in) == 0])
 
 

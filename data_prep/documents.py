@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from data_prep.errors import warn
+from data_prep.errors import DataError, warn
 
 
-COUNT_NAMES = {"rows_without_text": 'rows without a string "text" field', "broken_json_lines": "broken JSON lines"}
+COUNT_NAMES = {"rows_without_text": 'rows without a string "text" field', "broken_json_lines": "broken JSON lines",
+               "documents_overlapping_excluded_texts": "documents sharing a 13-word sequence with --exclude-overlap"}
 
 
 class Document(NamedTuple):
@@ -55,6 +56,17 @@ class Skips:
         reasons = Counter(self.files.values())
         return {"skipped_files": len(self.files), "skipped_files_by_reason": dict(sorted(reasons.items())),
                 **dict(sorted(self.counts.items()))}
+
+
+@dataclass
+class StrictSkips(Skips):
+    """A skip ledger for inputs that must be read whole (an evaluation's text, texts to exclude): a file it would
+    skip (undecodable, empty, unreadable) is a DataError, its message ending in `consequence`."""
+
+    consequence: str = "nothing was done"
+
+    def skip_file(self, name: str, reason: str, detail: str = "") -> None:
+        raise DataError(f"{name}: {reason}{f' ({detail})' if detail else ''}; {self.consequence}")
 
 
 @dataclass

@@ -17,7 +17,8 @@ Output directory:
                              "train_ngrams": {"file", "words", "keep_one_in"}, "val_ngram_share": x,
                              "forced_split": {doc id: split}, "skipped": {...counts}}
 Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
-then tokenisation. The train/val split is by document (data_prep/split.py).
+then tokenisation. The train/val split is by document (data_prep/split.py). `--exclude-overlap` leaves out, in
+both passes, every document that shares a 13-word sequence with the given texts (data_prep/decontaminate.py).
 
 Resuming: `progress.json` records the settings, the inputs (name, size, SHA-256 of every local file),
 the tokenizer hash and every finished shard (with its SHA-256); a rerun with the same settings and
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from data_prep import doc_hashes, tokenizer
+from data_prep import decontaminate, doc_hashes, tokenizer
 from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import input_changes, input_manifest, intact_prefix
@@ -244,9 +245,11 @@ def prepare(
     source: str, src: str | None, out: str | Path, *, vocab_size: int = 8000, max_docs: int | None = None,
     val_fraction: float = 0.01, shard_tokens: int = 50_000_000, sample_chars: int = 20_000_000,
     hub_split: str | None = None, data_files: str | list[str] | None = None, overwrite: bool = False,
-    threads: int | None = None, progress: bool = True,
+    threads: int | None = None, progress: bool = True, exclude_overlap: list[str] | None = None,
 ) -> dict:
-    """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input."""
+    """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input.
+    `exclude_overlap`: files or directories of texts whose 13-word sequences no document may share
+    (data_prep/decontaminate.py)."""
     for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--sample-chars", sample_chars),
                         ("--threads", threads)):
         if value is not None and value < 1:
@@ -259,6 +262,10 @@ def prepare(
     corpus = open_source(source, src, hub_split, data_files)
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
+    if exclude_overlap:  # recorded only when given, so that earlier preparations keep their settings
+        sequences = decontaminate.excluded_sequences(exclude_overlap)
+        settings["exclude_overlap"] = decontaminate.settings(exclude_overlap, sequences)
+        corpus = decontaminate.without_overlap(corpus, sequences)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
@@ -275,6 +282,9 @@ def prepare(
         hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
     sampler = None if reuse else LineSampler(sample_chars)
     n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
+    if scan_skips.counts[decontaminate.COUNTED]:
+        warn(f"left out {scan_skips.counts[decontaminate.COUNTED]:,} documents that share a 13-word sequence with the "
+             "--exclude-overlap texts")
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
     if not reuse:
         state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
@@ -314,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         "(e.g. --src json --data-files URL_OR_GLOB ...)")
     parser.add_argument("--threads", type=int, help="tokenizer threads, >= 1 (default: min(4, CPUs)); "
                                                      "the output does not depend on it")
+    parser.add_argument("--exclude-overlap", nargs="+", metavar="PATH",
+                        help="leave out every document sharing a 13-word sequence with these texts (.txt[.gz] or "
+                             "JSON lines with a 'text' field; files or directories): decontamination for evaluation")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier preparation with other settings")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare(args.source, args.src, args.out, vocab_size=args.vocab_size, max_docs=args.max_docs,
                 val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, sample_chars=args.sample_chars,
                 hub_split=args.hub_split, data_files=args.data_files, overwrite=args.overwrite,
-                threads=args.threads, progress=not args.no_progress)
+                threads=args.threads, progress=not args.no_progress, exclude_overlap=args.exclude_overlap)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

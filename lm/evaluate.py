@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from data_prep import tokenizer as sp_codec
-from data_prep.documents import Skips
+from data_prep.documents import StrictSkips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
 from lm.data import TokenStream
@@ -63,14 +63,6 @@ class TokenDoc:
         return len(self.text.encode("utf-8"))
 
 
-class _StrictSkips(Skips):
-    """data_prep's skip ledger, but a file it would skip (undecodable, empty, unreadable) is an error:
-    an evaluation must not silently leave text out."""
-
-    def skip_file(self, name: str, reason: str, detail: str = "") -> None:
-        raise DataError(f"{name}: {reason}{f' ({detail})' if detail else ''}; nothing was evaluated")
-
-
 def guess_format(src: Path) -> str:
     if (src / "index.json").is_file():
         return "prepared"
@@ -89,7 +81,7 @@ def read_documents(src: str | Path, fmt: str, sp: Any, split: str = "val",
     if fmt == "prepared":
         return _prepared_documents(src, split, sp, max_docs)
     texts = []
-    for doc in open_source(fmt, str(src)).read(_StrictSkips()):
+    for doc in open_source(fmt, str(src)).read(StrictSkips(consequence="nothing was evaluated")):
         texts.append(doc)
         if max_docs is not None and len(texts) >= max_docs:
             break

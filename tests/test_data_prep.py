@@ -277,6 +277,46 @@ def test_validation_excerpts_of_training_documents_are_measured(tmp_path: Path, 
             "training split") in capsys.readouterr().err
 
 
+def test_exclude_overlap_leaves_out_documents_sharing_a_13_word_sequence(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """--exclude-overlap (data_prep/decontaminate.py): documents of either split holding 13 consecutive words of an
+    excluded text (any case and punctuation) are left out and counted; 12 shared words are not enough; the
+    exclusion is part of the settings; excluded texts come as .txt or JSON lines; bad ones are one line."""
+    names = [f"d{i:02d}.txt" for i in range(40)]
+    val_name = next(n for n in names if Splitter(0.2).by_hash(n) == "val")
+    texts = {n: words(i, 10) for i, n in enumerate(names[:12])}
+    held_out = " ".join(f"held{i}" for i in range(100))  # plain words: a quote of n of them is n words
+    first = held_out.split()
+    texts["quotes13.txt"] = texts["d00.txt"] + "\n" + " ".join(first[20:33]).upper() + ", and more"
+    texts[val_name] = words(501, 10) + "\n" + " ".join(first[40:53])  # a validation document quoting it too
+    texts["quotes12.txt"] = texts["d01.txt"] + "\n" + " ".join(first[60:72])
+    src = write_texts(tmp_path / "src", texts)
+    excluded = write_texts(tmp_path / "eval", {"held_out.txt": held_out})
+    index = prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.2,
+                    exclude_overlap=[str(excluded)], **QUIET)
+    kept = documents_of(tmp_path / "out", "train") + documents_of(tmp_path / "out", "val")
+    assert sorted(kept) == sorted(t for n, t in texts.items() if n not in ("quotes13.txt", val_name))
+    assert index["skipped"]["documents_overlapping_excluded_texts"] == 2
+    assert index["settings"]["exclude_overlap"]["paths"] == [str(excluded.resolve())]
+    assert "warning: left out 2 documents that share a 13-word sequence" in capsys.readouterr().err
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": held_out}) + "\n")
+    again = prepare("text", str(src), tmp_path / "out_jsonl", vocab_size=500, val_fraction=0.2,
+                    exclude_overlap=[str(rows)], **QUIET)
+    assert again["skipped"]["documents_overlapping_excluded_texts"] == 2
+    assert again["settings"]["exclude_overlap"]["sha256"] == index["settings"]["exclude_overlap"]["sha256"]
+    with pytest.raises(DataError, match="holds a preparation with other settings .*exclude_overlap"):
+        prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.2, **QUIET)
+    (tmp_path / "short.txt").write_text("twelve words are not enough to make one sequence of thirteen here")
+    (tmp_path / "empty.txt").write_text("")
+    for path, message in ((tmp_path / "nowhere", "--exclude-overlap: .*nowhere: no such file or directory"),
+                          (tmp_path / "short.txt", "--exclude-overlap .*short.txt: no text of 13 words or more"),
+                          (tmp_path / "empty.txt", "--exclude-overlap: empty.txt: empty; nothing was prepared")):
+        with pytest.raises(DataError, match=message):
+            prepare("text", str(src), tmp_path / "bad", vocab_size=500, exclude_overlap=[str(path)], **QUIET)
+
+
 def test_ngram_hashes_are_a_content_defined_sample_of_word_sequences() -> None:
     """Sequences are of lower-cased \\w+ words (case and punctuation do not matter); one in KEEP_ONE_IN is kept,
     and a sequence is kept or not by its own words, so an excerpt's sample is part of the whole text's."""
