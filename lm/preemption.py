@@ -10,7 +10,9 @@ every validation within training, the ranks reduce it (any rank: one integer, `r
 any rank got the signal, all of them checkpoint that step (lm/checkpoint.StepCheckpoints.save, unless written
 already) and stop there together, with Lightning's SIGTERMException, which lm.train turns into
 `Interrupted` (one line, exit status 143). A validation in progress is completed first (`data.val_batches`
-batches), so a step's checkpoint carries its validation. One process takes the same path without the reduction.
+batches), so a step's checkpoint carries its validation. A signal after the last step's check, or in a validation
+of its own (the first, or the final one), is agreed on when that call ends (lm.train.sigterm_interrupts), which
+checkpoints what the call completed before stopping. One process takes the same path without the reduction.
 """
 from __future__ import annotations
 

@@ -206,16 +206,21 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
 
 
 @contextmanager
-def sigterm_interrupts(trainer: L.Trainer) -> Iterator[None]:
-    """Around trainer.fit / trainer.validate: a SIGTERM (lm/preemption.py: training stops after a step, checkpointed;
-    a validation runs to its end) becomes Interrupted, rather than a run that looks finished."""
+def sigterm_interrupts(trainer: L.Trainer, finish: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Around trainer.fit / trainer.validate: a SIGTERM becomes Interrupted, rather than a run that looks finished.
+    Training stops after a step, checkpointed (lm/preemption.py); a signal that came after the last step's check,
+    or during a validation (which runs to its end), is agreed on by the ranks once the call has ended, and
+    `finish()` (checkpointing what that call completed) runs before the stop."""
     try:
         yield
     except SIGTERMException:
-        pass
-    if received_sigterm(trainer):
-        raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
-                          "the newest checkpoint with --resume")
+        pass  # the agreed stop after a step, already checkpointed (or Lightning's own, before Preemption took over)
+    else:
+        if not trainer.strategy.reduce_boolean_decision(received_sigterm(trainer), all=False):
+            return
+        finish()
+    raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
+                      "the newest checkpoint with --resume")
 
 
 def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L.LightningModule], resume: str | None,
@@ -245,15 +250,19 @@ def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataMo
                    ckpt: str | None) -> None:
     """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done,
     and checkpoint it (again after that validation, so that the checkpoint carries its result)."""
-    with sigterm_interrupts(trainer):
+    def save_unsaved() -> None:
+        if checkpoints.saved_step != trainer.global_step:
+            checkpoints.save(trainer)
+
+    with sigterm_interrupts(trainer, save_unsaved):
         trainer.fit(module, datamodule=data, ckpt_path=ckpt)
-    step = trainer.global_step
-    final_validation = not module.val_history or module.val_history[-1]["step"] != step
+    final_validation = not module.val_history or module.val_history[-1]["step"] != trainer.global_step
     if final_validation:
-        with sigterm_interrupts(trainer):
+        with sigterm_interrupts(trainer, lambda: checkpoints.save(trainer)):  # the checkpoint then carries it
             trainer.validate(module, datamodule=data, verbose=False)
-    if final_validation or checkpoints.saved_step != step:
         checkpoints.save(trainer)
+    else:
+        save_unsaved()
 
 
 def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:

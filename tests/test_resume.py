@@ -104,11 +104,12 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
 
 
-@pytest.mark.parametrize("where", ["last batch of the first validation", "last training step"])
-def test_sigterm_in_a_last_batch_is_not_lost(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning raises on a SIGTERM only before a next batch: one in the last batch of a validation was dropped
-    (and the next fit reset it). One in the last training step is raised at the epoch's end: the finished step is
-    checkpointed (StepCheckpoints.on_exception) without the final validation, which --resume then runs."""
+@pytest.mark.parametrize("where", ["first validation", "last training step", "final validation"])
+def test_sigterm_outside_the_step_checks_is_not_lost(where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM that no step's check sees (lm/preemption.py) still stops the run, with what was completed saved:
+    in a validation of its own (the first or the final one; it runs to its end) or in the last training step. The
+    final validation's checkpoint carries it, so --resume has nothing left to do; after the last training step
+    the step is checkpointed without the final validation, which --resume then runs."""
     from lm.config import load_config
     from lm.errors import Interrupted
     from lm.module import LMModule
@@ -116,11 +117,15 @@ def test_sigterm_in_a_last_batch_is_not_lost(where: str, tmp_path: Path, monkeyp
 
     data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
     cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=3, val_every=3))
-    last_val, real_val, real_train = cfg.data.val_batches - 1, LMModule.validation_step, LMModule.training_step
+    real_val, real_train = LMModule.validation_step, LMModule.training_step
+    validations: list[int] = []
 
     def validation_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
-        if where.startswith("last batch") and batch_idx == last_val:
-            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: installed only inside validate / fit
+        step, fn = self.trainer.global_step, self.trainer.state.fn
+        if batch_idx == 0:
+            validations.append(step)
+            if fn == "validate" and (step, where) in ((0, "first validation"), (4, "final validation")):
+                os.kill(os.getpid(), signal.SIGTERM)
         return real_val(self, batch, batch_idx)
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN202
@@ -130,19 +135,20 @@ def test_sigterm_in_a_last_batch_is_not_lost(where: str, tmp_path: Path, monkeyp
 
     monkeypatch.setattr(LMModule, "validation_step", validation_step)
     monkeypatch.setattr(LMModule, "training_step", training_step)
-    stopped = 0 if where.startswith("last batch") else 4
+    stopped = {"first validation": 0, "last training step": 4, "final validation": 4}[where]
     with pytest.raises(Interrupted, match=f"stopped by SIGTERM at step {stopped} of 4;"):
         train(cfg, validate_first=True)
     steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
     if stopped == 0:
-        assert steps == []
+        assert steps == [] and validations == [0]
         return
     assert steps == ["step0000003.ckpt", "step0000004.ckpt"]
     saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    assert saved["global_step"] == 4 and [h["step"] for h in saved["val_history"]] == [0, 3]
+    validated = [0, 3, 4] if where == "final validation" else [0, 3]
+    assert saved["global_step"] == 4 and [h["step"] for h in saved["val_history"]] == validated == validations
     monkeypatch.setattr(LMModule, "training_step", real_train)
     metrics = train(cfg, resume="last")
-    assert [h["step"] for h in metrics["history"]] == [0, 3, 4]
+    assert [h["step"] for h in metrics["history"]] == [0, 3, 4] and validations == [0, 3, 4]  # each step once
 
 
 def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
