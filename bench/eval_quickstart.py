@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         res = evaluate_documents(model, docs, T, T // 2, leak_free=not model.causal, batch_size=16)
         (work / f"perplexity_{fmt}.json").write_text(json.dumps(res, indent=1))
         overlap = training_overlap(run, [d.text for d in docs])
-        found = "not checked" if overlap.exact is None else sum(map(overlap.found, range(len(docs))))
+        found = overlap.report(len(docs))["documents_in_training_data"]
+        found = "not checked" if found is None else found
         rows.append((label, res["total"], unigram_summary(uni, docs), [d["id"] for d in res["documents"]], found))
     from data_prep.documents import Skips
     from data_prep.sources import open_source

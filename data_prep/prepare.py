@@ -52,9 +52,6 @@ FORMAT = "data_prep/1"
 SPLITS = ("train", "val")
 INDEX, PROGRESS, TOKENIZER = "index.json", "progress.json", "tokenizer.model"
 ENCODE_BATCH_CHARS = 4_000_000  # documents are tokenised in batches of about this many characters
-# Warn when at least this share of the validation split's sampled 13-word sequences occurs in training
-# (unrelated books share under 0.2%: 80 Gutenberg books against 14 others, at most 0.15%).
-VAL_NGRAM_WARN = 0.01
 
 
 def _settings(corpus: Corpus, src: str | None, hub_split: str | None, data_files: Any, vocab_size: int,
@@ -217,7 +214,7 @@ def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: S
     if records["val_copies_of_train"]:
         warn(f"{records['val_copies_of_train']} validation document(s) are exact copies of training documents: "
              "the validation loss is optimistic by their share")
-    if (records["val_ngram_share"] or 0) >= VAL_NGRAM_WARN:
+    if (records["val_ngram_share"] or 0) >= doc_hashes.SHARE_IN_TRAINING:
         warn(f"{records['val_ngram_share']:.1%} of the validation split's sampled 13-word sequences occur in the "
              "training split (near-copies, excerpts, boilerplate): the validation loss is optimistic")
     vocab_size = tokenizer.load((out / TOKENIZER).read_bytes()).vocab_size()

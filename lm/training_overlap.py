@@ -4,7 +4,7 @@ A perplexity measured on training text is not a held-out number. The checkpoint 
 trained on and that data's fingerprint (lm/run_dir.py); a preparation records the hashes of its training
 documents' texts and a sample of the hashes of their 13-word sequences. A document is in the training data
 when its text, cleaned as data_prep cleans it, equals a training document's (read a Gutenberg book with
-`--format gutenberg`, as prepared, not `text`), or when at least SHARE_IN_TRAINING of its sampled 13-word
+`--format gutenberg`, as prepared, not `text`), or when at least doc_hashes.SHARE_IN_TRAINING of its sampled 13-word
 sequences occur in the training text (an excerpt, an edited copy, a document quoting training text).
 """
 from __future__ import annotations
@@ -19,9 +19,6 @@ import numpy as np
 from data_prep import doc_hashes
 from lm.run_dir import read_provenance
 
-# Unrelated books share under 0.2% of their sampled 13-word sequences (80 Gutenberg books against 14 others:
-# at most 0.15%), an excerpt of a training book all of them.
-SHARE_IN_TRAINING = 0.01
 TRAIN_DATA_HELP = ("the checkpoint's prepared training data, to look the input up in (default: the directory the "
                    "checkpoint recorded)")
 
@@ -43,7 +40,7 @@ class Overlap:
         if self.exact is None:
             return None
         sampled, found = self.ngrams[i] if self.ngrams is not None else (0, 0)
-        return self.exact[i] or (sampled > 0 and found / sampled >= SHARE_IN_TRAINING)
+        return self.exact[i] or (sampled > 0 and found / sampled >= doc_hashes.SHARE_IN_TRAINING)
 
     def document(self, i: int) -> dict[str, Any]:
         """Document i's entries for the evaluation's JSON."""
