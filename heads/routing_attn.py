@@ -113,10 +113,11 @@ class RoutingHeads(HeadGroup):
         """a_sum[B, H, T, h'] summed cluster outputs, counts[B, H, T] memberships -> y[B, T, h]; aux loss, EMA."""
         B, H, T, d = a_sum.shape
         a = a_sum / counts.clamp(min=1)[..., None]  # mean over the clusters a token belongs to
-        self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(u, nearest)}
+        sums = self.kmeans.cluster_sums(u, nearest)
+        self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(sums, B * H * T)}
         self.stats = {"routed_frac": (counts > 0).float().mean().detach()}
         if self.updates_state:
-            self.kmeans.update(u, nearest)
+            self.kmeans.update(sums, nearest)
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ def test_kmeans_centroids_move_in_a_bf16_model() -> None:
     u = target.expand(1, 1, 4, 8).bfloat16()
     before = kmeans.means[0, 0] @ target
     for _ in range(1000):
-        kmeans.update(u, torch.zeros(1, 1, 4, dtype=torch.long))
+        nearest = torch.zeros(1, 1, 4, dtype=torch.long)
+        kmeans.update(kmeans.cluster_sums(u, nearest), nearest)
     after = kmeans.means[0, 0] @ target
     assert kmeans.similarity(u).dtype == torch.bfloat16
     assert after > before + 0.3, (before, after)

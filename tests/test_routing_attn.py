@@ -91,12 +91,33 @@ def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors() -> 
         u = F.normalize(q, dim=-1)
         nearest = kmeans.similarity(u.detach()).argmax(2)
         kept.clear()  # what the commitment adds
-        loss = kmeans.commitment(u, nearest)
+        loss = kmeans.commitment(kmeans.cluster_sums(u, nearest), B * T * H)
     assert not [t for t in kept if t.is_floating_point() and t.numel() >= B * H * T * d], [t.shape for t in kept]
     mu = kmeans.means[torch.arange(H)[None, :, None], nearest]
     direct = (F.normalize(q, dim=-1) - mu).pow(2).sum(-1).mean()
     (grad,), (expected,) = torch.autograd.grad(loss, q), torch.autograd.grad(direct, q)
     assert torch.allclose(loss, direct, atol=1e-12) and torch.allclose(grad, expected, atol=1e-12)
+
+
+def test_centroid_update_is_the_ema_of_each_clusters_mean() -> None:
+    """mu <- normalize(decay * mu + (1 - decay) * mean of the vectors nearest to mu) for every cluster with members
+    (RT §4.1), per head and over the whole batch; a cluster nothing joined keeps its centroid (float64, 1e-12)."""
+    import torch.nn.functional as F
+
+    from routing.kmeans import OnlineKMeans
+
+    torch.manual_seed(0)
+    B, H, T, C, d = 2, 3, 20, 5, 8
+    kmeans = OnlineKMeans(H, C, d, 0.9).double()
+    u = F.normalize(torch.randn(B, H, T, d, dtype=torch.float64), dim=-1)
+    nearest = torch.randint(0, C - 1, (B, H, T))  # cluster C - 1 stays empty
+    before = kmeans.means.clone()
+    kmeans.update(kmeans.cluster_sums(u, nearest), nearest)
+    for h in range(H):
+        for c in range(C):
+            members = u[:, h][nearest[:, h] == c]  # [n, d] over both batch rows
+            expected = F.normalize(0.9 * before[h, c] + 0.1 * members.mean(0), dim=0) if len(members) else before[h, c]
+            assert torch.allclose(kmeans.means[h, c], expected, atol=1e-12), (h, c)
 
 
 def _leak(assignment: str) -> float:
