@@ -64,6 +64,7 @@ class LMModule(L.LightningModule):
         self._peak_mem = 0  # peak_memory() after the last training batch
         self._last_train_loss: torch.Tensor | float = math.nan  # the last step's mean training CE
         self._step_sums: dict[str, torch.Tensor] = {}  # this step's logged losses, summed over its micro-batches
+        self._head_stats: dict[str, torch.Tensor] = {}  # this step's head_stats(), when it logs them
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
         self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
@@ -100,7 +101,7 @@ class LMModule(L.LightningModule):
         loss, ce, aux = self.train_losses(*batch)
         micro = micro_index(self.trainer, batch_idx)
         if micro == 0 and self.global_step % self.cfg.trainer.log_every == 0:
-            self.log_head_stats()
+            self._head_stats = self.head_stats()  # logged once the step is taken (lm/step_logger.py)
         values = {"train/loss": ce, **{f"train/aux/{name}": value for name, value in aux.items()}}
         if aux:
             values["train/loss_total"] = loss
@@ -117,22 +118,20 @@ class LMModule(L.LightningModule):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def log_head_stats(self) -> None:
-        """Write every head group's `stats` of the last forward pass to the loggers at this step."""
-        scalars: dict[str, float] = {}
-        for name, group in self.model.named_modules():
-            if not isinstance(group, HeadGroup):
-                continue
-            for stat, value in group.stats.items():
-                tag = f"heads/{name}.{group.type_name}/{stat}"
-                if value.dim() == 0:
-                    scalars[tag] = float(value)
-                else:
-                    for logger in self.loggers:
-                        if isinstance(logger, TensorBoardLogger):
-                            logger.experiment.add_histogram(tag, value.detach().float().cpu(), self.global_step)
+    def head_stats(self) -> dict[str, torch.Tensor]:
+        """Every head group's `stats` of the last forward pass, as `heads/<module>.<type>/<name>`."""
+        return {f"heads/{name}.{group.type_name}/{stat}": value.detach()
+                for name, group in self.model.named_modules() if isinstance(group, HeadGroup)
+                for stat, value in group.stats.items()}
+
+    def log_head_stats(self, stats: dict[str, torch.Tensor]) -> None:
+        """Write `stats` to the loggers at this step: scalars, and TensorBoard histograms of the others."""
         for logger in self.loggers:
-            logger.log_metrics(scalars, step=self.global_step)
+            logger.log_metrics({tag: float(v) for tag, v in stats.items() if v.dim() == 0}, step=self.global_step)
+            if isinstance(logger, TensorBoardLogger):
+                for tag, value in stats.items():
+                    if value.dim() > 0:
+                        logger.experiment.add_histogram(tag, value.float().cpu(), self.global_step)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
@@ -145,6 +144,9 @@ class LMModule(L.LightningModule):
             self._timed[0] += 1
             self._timed[1] += now - self._last_time
         self._last_time = now
+        if self._head_stats and ends_step(self.trainer, batch_idx):
+            self.log_head_stats(self._head_stats)
+            self._head_stats = {}
         self.log("train/tokens_seen", float(self.tokens_seen))
         self._peak_mem = peak_memory(self.device)
         self.log("train/peak_mem_mib", self._peak_mem / 2**20)

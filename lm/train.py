@@ -17,7 +17,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.profilers import Profiler, PyTorchProfiler, SimpleProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -36,6 +35,7 @@ from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
 from lm.preemption import Preemption, received_sigterm
 from lm.run_dir import claim
+from lm.step_logger import StepLogger
 
 
 def resolve_precision(t: TrainerConfig) -> str:
@@ -86,9 +86,9 @@ def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
 
-def tensorboard_logger(cfg: Config) -> TensorBoardLogger:
-    """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config."""
-    logger = TensorBoardLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False)
+def tensorboard_logger(cfg: Config) -> StepLogger:
+    """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config; x = optimizer steps (lm/step_logger.py)."""
+    logger = StepLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False)
     logger.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))  # type: ignore[arg-type]
     return logger
 
@@ -148,7 +148,8 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
     t = cfg.trainer
     deepspeed = t.strategy == "deepspeed_stage_2"
     timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
-    return L.Trainer(
+    logger = tensorboard_logger(cfg)
+    trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=resolve_precision(t),  # type: ignore[arg-type]
         max_steps=t.max_steps, accumulate_grad_batches=t.accumulate_grad_batches,
@@ -158,7 +159,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
         deterministic=t.deterministic,  # torch.use_deterministic_algorithms; the fused kernels follow it
         enable_progress_bar=sys.stderr.isatty(),  # no bar frames in log files (the validation lines remain)
         gradient_clip_val=cfg.optim.grad_clip, gradient_clip_algorithm="norm",
-        logger=tensorboard_logger(cfg), profiler=build_profiler(t),
+        logger=logger, profiler=build_profiler(t),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
         # after the checkpoints: it saves a step only if they did not
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints,
@@ -168,6 +169,8 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
         # DeepSpeed writes its own sharded checkpoint directories.
         plugins=None if deepspeed else [AtomicCheckpointIO()],
     )
+    logger.trainer = trainer
+    return trainer
 
 
 def resume_path(cfg: Config, resume: str | None) -> str | None:

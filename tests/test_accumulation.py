@@ -132,6 +132,6 @@ def test_logged_training_loss_is_the_step_mean(data: Path, tmp_path: Path, monke
     monkeypatch.setattr(LMModule, "losses", spy)
     run(data, tmp_path / "run", batch=2, accumulate=3, steps=4, log_every=1)
     logged = tb_scalars(tmp_path / "run", "train/loss")
-    assert sorted(logged) == [0, 1, 2, 3]  # once per optimizer step (Lightning's step index: 0-based)
+    assert sorted(logged) == [1, 2, 3, 4]  # once per optimizer step, at its count (lm/step_logger.py)
     for step, value in logged.items():
-        assert value == pytest.approx(sum(seen[3 * step : 3 * step + 3]) / 3, rel=1e-6)
+        assert value == pytest.approx(sum(seen[3 * step - 3 : 3 * step]) / 3, rel=1e-6)

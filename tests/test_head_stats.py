@@ -38,11 +38,11 @@ def test_head_stats_logged_every_log_every_steps(tmp_path: Path, accumulate: int
         assert expected <= set(scalars), expected - set(scalars)
         assert f"{mosaic}/mosaic_load" in histograms
     for tag, events in scalars.items():
-        assert [e.step for e in events] == [0, 3, 6], tag
+        assert [e.step for e in events] == [1, 4, 7], tag  # the forward passes of steps 1, 4 and 7
         assert all(0.0 <= e.value <= 1.0 for e in events) or tag.endswith(("tau_mean", "router_entropy")), tag
     fill = [e.value for e in scalars["heads/blocks.0.attn.groups.1.mosa/fill"]]
     overflow = [e.value for e in scalars["heads/blocks.0.attn.groups.1.mosa/overflow"]]
-    # step 0 uses tau = 0: about half of the 32 tokens pass, capacity is 8, so heads fill and overflow
+    # the first step uses tau = 0: about half of the 32 tokens pass, capacity is 8, so heads fill and overflow
     assert fill[0] > 0.9 and overflow[0] > 0.2 and 0 < fill[-1] <= 1
     load = histograms["heads/blocks.0.attn.groups.2.mosaic/mosaic_load"]
-    assert [h.step for h in load] == [0, 3, 6] and load[0].histogram_value.num == 3  # one value per head
+    assert [h.step for h in load] == [1, 4, 7] and load[0].histogram_value.num == 3  # one value per head

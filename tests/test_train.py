@@ -90,8 +90,24 @@ def test_tensorboard_scalars(trained: tuple[Path, dict]) -> None:
     assert expected <= tags, expected - tags
 
 
+def test_tensorboard_x_axis_counts_optimizer_steps(data: Path, tmp_path: Path) -> None:
+    """Every scalar sits at the number of optimizer steps taken: a validation at its metrics.json step, whether
+    Lightning ran it within fit (it passed x = N - 1) or on its own (validate_first, the final one: x = N), and
+    train/tokens_seen at x reads x steps' tokens."""
+    from lm.train import train
+
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=7, log_every=3, val_every=5))
+    metrics = train(cfg, validate_first=True)
+    val = tb_scalars(tmp_path / "run", "val/loss")
+    assert sorted(val) == [h["step"] for h in metrics["history"]] == [0, 5, 7]
+    assert all(val[h["step"]] == pytest.approx(h["val_loss"], rel=1e-6) for h in metrics["history"])
+    tokens = tb_scalars(tmp_path / "run", "train/tokens_seen")
+    assert sorted(tokens) == sorted(tb_scalars(tmp_path / "run", "train/loss")) == [3, 6]
+    assert all(seen == x * cfg.data.batch_size * cfg.model.seq_len for x, seen in tokens.items())
+
+
 def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> None:
-    """train/grad_norm at step 0 = the L2 norm of the gradient of the freshly seeded model on batch 0 (before
+    """train/grad_norm at step 1 = the L2 norm of the gradient of the freshly seeded model on batch 0 (before
     clipping: larger than optim.grad_clip here)."""
     import lightning as L
 
@@ -105,8 +121,8 @@ def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> 
     stream = open_split(data, "train", cfg.model)
     module.losses(*TrainBatches(stream, cfg.model.seq_len, cfg.data.batch_size, cfg.trainer.seed).batch(0))[0].backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters()], 2.0).item()
-    assert sorted(logged) == [0, 1] and norm > cfg.optim.grad_clip
-    assert logged[0] == pytest.approx(norm, rel=1e-5) and logged[1] != logged[0]
+    assert sorted(logged) == [1, 2] and norm > cfg.optim.grad_clip
+    assert logged[1] == pytest.approx(norm, rel=1e-5) and logged[2] != logged[1]
 
 
 def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
