@@ -66,6 +66,17 @@ def sequence_hashes(text: str, words: int = NGRAM_WORDS) -> np.ndarray:
     return h
 
 
+def word_spans(text: str) -> np.ndarray:
+    """[words, 2] start and end offsets in `text` of the words `sequence_hashes` reads (found in the lower-cased
+    text; a character whose lower case is longer, like U+0130, maps its span back to itself)."""
+    lowered = text.lower()
+    spans = np.array([m.span() for m in _WORD.finditer(lowered)], dtype=np.int64).reshape(-1, 2)
+    if len(lowered) != len(text):
+        origin = np.repeat(np.arange(len(text)), [len(c.lower()) for c in text])  # lowered offset -> text offset
+        spans = np.stack([origin[spans[:, 0]], origin[spans[:, 1] - 1] + 1], axis=1)
+    return spans
+
+
 def ngram_hashes(text: str, words: int = NGRAM_WORDS, keep_one_in: int = KEEP_ONE_IN) -> np.ndarray:
     """The sorted distinct sampled sequence hashes of `text`: those of `sequence_hashes` that are 0 modulo
     `keep_one_in`."""

@@ -1,8 +1,9 @@
 """What every reader yields (Document), what every source is (Corpus), and the skip ledger."""
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -10,7 +11,8 @@ from data_prep.errors import DataError, warn
 
 
 COUNT_NAMES = {"rows_without_text": 'rows without a string "text" field', "broken_json_lines": "broken JSON lines",
-               "documents_overlapping_excluded_texts": "documents sharing a 13-word sequence with --exclude-overlap"}
+               "documents_overlapping_excluded_texts": "documents left out by --exclude-overlap",
+               "documents_cut_around_excluded_texts": "documents cut by --exclude-overlap"}
 
 
 class Document(NamedTuple):
@@ -78,3 +80,10 @@ class Corpus:
     read: Callable[[Skips], Iterator[Document]]
     size_hint: int | None = None  # number of documents or files, for progress bars (None = unknown)
     files: list[Path] = field(default_factory=list)  # local sources: the input files, in `sources` order
+
+    def first(self, n: int | None) -> Corpus:
+        """The first `n` documents of every pass (all of them for None): --max-docs."""
+        if n is None:
+            return self
+        return replace(self, read=lambda skips: itertools.islice(self.read(skips), n),
+                       size_hint=min(self.size_hint, n) if self.size_hint else n)

@@ -17,8 +17,8 @@ Output directory:
                              "train_ngrams": {"file", "words", "keep_one_in"}, "val_ngram_share": x,
                              "forced_split": {doc id: split}, "skipped": {...counts}}
 Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
-then tokenisation. The train/val split is by document (data_prep/split.py). `--exclude-overlap` leaves out, in
-both passes, every document that shares a 13-word sequence with the given texts (data_prep/decontaminate.py).
+then tokenisation. The train/val split is by document (data_prep/split.py). `--exclude-overlap` cuts out of
+every document, in both passes, the text it shares with the given texts (data_prep/decontaminate.py).
 
 Resuming: `progress.json` records the settings, the inputs (name, size, SHA-256 of every local file),
 the tokenizer hash and every finished shard (with its SHA-256); a rerun with the same settings and
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
 import os
 import sys
@@ -128,20 +127,16 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
     return None, progress
 
 
-def _documents(corpus: Corpus, skips: Skips, max_docs: int | None, desc: str, total: int | None,
-               progress: bool) -> Iterator[Document]:
-    docs = itertools.islice(corpus.read(skips), max_docs)
-    return progress_bar(docs, desc=desc, total=total, unit="doc", progress=progress)
+def _documents(corpus: Corpus, skips: Skips, desc: str, total: int | None, progress: bool) -> Iterator[Document]:
+    return progress_bar(corpus.read(skips), desc=desc, total=total, unit="doc", progress=progress)
 
 
-def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, max_docs: int | None,
-          progress: bool) -> tuple[int, Skips]:
+def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, progress: bool) -> tuple[int, Skips]:
     """Pass 1: see every document id (for the split) and sample training lines for the tokenizer
     (including the document forced into train when every document hashes to validation)."""
     skips = Skips()
-    total = min(corpus.size_hint, max_docs or corpus.size_hint) if corpus.size_hint else max_docs
     n, forced_train = 0, None
-    for doc in _documents(corpus, skips, max_docs, "scan", total, progress):
+    for doc in _documents(corpus, skips, "scan", corpus.size_hint, progress):
         n += 1
         splitter.observe(doc.id)
         if sampler is None:
@@ -173,7 +168,7 @@ def _train_tokenizer(out: Path, settings: dict, inputs: dict, sampler: LineSampl
 
 
 def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_skips: Skips, n_docs: int,
-              max_docs: int | None, threads: int, progress: bool) -> tuple[Skips, doc_hashes.SplitHashes]:
+              threads: int, progress: bool) -> tuple[Skips, doc_hashes.SplitHashes]:
     """Pass 2: tokenise documents in batches into the split writers, skipping finished shards; hash every
     document's text (those in finished shards too)."""
     sp = tokenizer.load((out / TOKENIZER).read_bytes())
@@ -190,7 +185,7 @@ def _tokenise(corpus: Corpus, out: Path, state: dict, splitter: Splitter, scan_s
         batch.clear()
 
     batch_chars = 0
-    for doc in _documents(corpus, skips, max_docs, "tokenise", n_docs, progress):
+    for doc in _documents(corpus, skips, "tokenise", n_docs, progress):
         split = splitter(doc.id)
         hashes.add(split, doc.text)
         writer = writers[split]
@@ -245,7 +240,7 @@ def prepare(
     threads: int | None = None, progress: bool = True, exclude_overlap: list[str] | None = None,
 ) -> dict:
     """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input.
-    `exclude_overlap`: files or directories of texts whose 13-word sequences no document may share
+    `exclude_overlap`: files or directories of texts whose 13-word sequences are cut out of every document
     (data_prep/decontaminate.py)."""
     for name, value in (("--max-docs", max_docs), ("--shard-tokens", shard_tokens), ("--sample-chars", sample_chars),
                         ("--threads", threads)):
@@ -259,6 +254,7 @@ def prepare(
     corpus = open_source(source, src, hub_split, data_files)
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
+    corpus = corpus.first(max_docs)  # source documents: before the decontamination cuts them into pieces
     if exclude_overlap:  # recorded only when given, so that earlier preparations keep their settings
         sequences = decontaminate.excluded_sequences(exclude_overlap)
         settings["exclude_overlap"] = decontaminate.settings(exclude_overlap, sequences)
@@ -278,15 +274,19 @@ def prepare(
     reuse = state is not None and model_file.is_file() and \
         hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
     sampler = None if reuse else LineSampler(sample_chars)
-    n_docs, scan_skips = _scan(corpus, splitter, sampler, max_docs, progress)
-    if scan_skips.counts[decontaminate.COUNTED]:
-        warn(f"left out {scan_skips.counts[decontaminate.COUNTED]:,} documents that share a 13-word sequence with the "
-             "--exclude-overlap texts")
+    n_docs, scan_skips = _scan(corpus, splitter, sampler, progress)
+    cut, dropped = scan_skips.counts[decontaminate.CUT], scan_skips.counts[decontaminate.DROPPED]
+    if cut or dropped:
+        warn("--exclude-overlap: " + "; ".join(
+            ([f"cut the text shared with the excluded texts (13-word sequences, 200 characters either side) out "
+              f"of {cut:,} documents"] if cut else []) +
+            ([f"left out {dropped:,} documents sharing them (cut into more than 10 pieces, or nothing left)"]
+             if dropped else [])))
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
     if not reuse:
         state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
     times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
-    skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, max_docs, threads, progress)
+    skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, threads, progress)
     index = _finish(out, corpus, state, splitter, skips, hashes)
     times["tokenise"] = time.perf_counter() - clock
     _report(out, index, times)
@@ -322,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="tokenizer threads, >= 1 (default: min(4, CPUs)); "
                                                      "the output does not depend on it")
     parser.add_argument("--exclude-overlap", nargs="+", metavar="PATH",
-                        help="leave out every document sharing a 13-word sequence with these texts (.txt[.gz] or "
-                             "JSON lines with a 'text' field; files or directories): decontamination for evaluation")
+                        help="cut out of every document the 13-word sequences it shares with these texts, 200 "
+                             "characters either side, as GPT-3 did (.txt[.gz] or JSON lines with a 'text' field; "
+                             "files or directories): decontamination for evaluation")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier preparation with other settings")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)

@@ -277,34 +277,46 @@ def test_validation_excerpts_of_training_documents_are_measured(tmp_path: Path, 
             "training split") in capsys.readouterr().err
 
 
-def test_exclude_overlap_leaves_out_documents_sharing_a_13_word_sequence(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture) -> None:
-    """--exclude-overlap (data_prep/decontaminate.py): documents of either split holding 13 consecutive words of an
-    excluded text (any case and punctuation) are left out and counted; 12 shared words are not enough; the
-    exclusion is part of the settings; excluded texts come as .txt or JSON lines; bad ones are one line."""
+def test_exclude_overlap_cuts_out_shared_text_as_gpt3_did(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--exclude-overlap (data_prep/decontaminate.py): in documents of either split, each 13 consecutive words of
+    an excluded text (any case and punctuation) are cut out with 200 characters either side, pieces under 200
+    characters go, a document cut into more than 10 pieces goes whole; 12 shared words are not enough; both are
+    counted; the exclusion is part of the settings; excluded texts come as .txt or JSON lines; bad ones are one
+    line."""
     names = [f"d{i:02d}.txt" for i in range(40)]
     val_name = next(n for n in names if Splitter(0.2).by_hash(n) == "val")
     texts = {n: words(i, 10) for i, n in enumerate(names[:12])}
-    held_out = " ".join(f"held{i}" for i in range(100))  # plain words: a quote of n of them is n words
+    held_out = " ".join(f"held{i}" for i in range(400))  # plain words: a quote of n of them is n words
     first = held_out.split()
-    texts["quotes13.txt"] = texts["d00.txt"] + "\n" + " ".join(first[20:33]).upper() + ", and more"
-    texts[val_name] = words(501, 10) + "\n" + " ".join(first[40:53])  # a validation document quoting it too
-    texts["quotes12.txt"] = texts["d01.txt"] + "\n" + " ".join(first[60:72])
+    before, after = words(100, 8), words(101, 8)  # over 400 characters each
+    quote = " ".join(first[20:80]).upper() + ", and"  # 60 words: 48 overlapping sequences, one window
+    texts["quotes.txt"] = f"{before}\n{quote}\n{after}"
+    texts[val_name] = words(501, 1) + "\n" + " ".join(first[100:113])  # a validation document: nothing left
+    texts["scattered.txt"] = "\n".join(words(200 + k, 8) + "\n" + " ".join(first[120 + 13 * k:133 + 13 * k])
+                                       for k in range(11)) + "\n" + words(300, 8)  # 12 pieces
+    texts["quotes12.txt"] = texts["d01.txt"] + "\n" + " ".join(first[300:312])
     src = write_texts(tmp_path / "src", texts)
     excluded = write_texts(tmp_path / "eval", {"held_out.txt": held_out})
     index = prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.2,
                     exclude_overlap=[str(excluded)], **QUIET)
     kept = documents_of(tmp_path / "out", "train") + documents_of(tmp_path / "out", "val")
-    assert sorted(kept) == sorted(t for n, t in texts.items() if n not in ("quotes13.txt", val_name))
+    start, end = texts["quotes.txt"].index(quote), texts["quotes.txt"].index(quote) + len(quote) - len(", and")
+    pieces = [texts["quotes.txt"][:start - 200], texts["quotes.txt"][end + 200:]]
+    assert sorted(kept) == sorted([t for n, t in texts.items() if n not in ("quotes.txt", val_name, "scattered.txt")]
+                                  + pieces)
+    assert all(len(p) >= 200 for p in pieces)
+    assert index["skipped"]["documents_cut_around_excluded_texts"] == 1
     assert index["skipped"]["documents_overlapping_excluded_texts"] == 2
     assert index["settings"]["exclude_overlap"]["paths"] == [str(excluded.resolve())]
-    assert "warning: left out 2 documents that share a 13-word sequence" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "out of 1 documents; left out 2 documents sharing them (cut into more than 10 pieces" in err
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"text": held_out}) + "\n")
     again = prepare("text", str(src), tmp_path / "out_jsonl", vocab_size=500, val_fraction=0.2,
                     exclude_overlap=[str(rows)], **QUIET)
     assert again["skipped"]["documents_overlapping_excluded_texts"] == 2
+    assert again["skipped"]["documents_cut_around_excluded_texts"] == 1
     assert again["settings"]["exclude_overlap"]["sha256"] == index["settings"]["exclude_overlap"]["sha256"]
     with pytest.raises(DataError, match="holds a preparation with other settings .*exclude_overlap"):
         prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.2, **QUIET)
@@ -315,6 +327,37 @@ def test_exclude_overlap_leaves_out_documents_sharing_a_13_word_sequence(tmp_pat
                           (tmp_path / "empty.txt", "--exclude-overlap: empty.txt: empty; nothing was prepared")):
         with pytest.raises(DataError, match=message):
             prepare("text", str(src), tmp_path / "bad", vocab_size=500, exclude_overlap=[str(path)], **QUIET)
+
+
+@pytest.mark.parametrize("quotes", [9, 10])
+def test_a_document_cut_into_more_than_10_pieces_goes_whole(quotes: int) -> None:
+    """decontaminate.pieces: n quotes 500 characters apart make n + 1 pieces; 10 are kept (each of 500 - 2 * 200
+    = 100 characters, so discarded as short, but the two ends), 11 drop the document."""
+    from data_prep import decontaminate
+    from data_prep.doc_hashes import contains, sequence_hashes
+
+    quote = " ".join(f"q{i}" for i in range(13))
+    filler = "x" * 499  # one word, 500 characters with the newline
+    text = "\n".join([filler] + [f"{quote}\n{filler}" for _ in range(quotes)])
+    shared = contains(np.unique(sequence_hashes(quote)), sequence_hashes(text))
+    assert shared.sum() == quotes
+    kept = decontaminate.pieces(text, shared)
+    assert kept == ([] if quotes + 1 > decontaminate.MAX_PIECES else [filler[:300], filler[-300:]])
+
+
+def test_max_docs_counts_source_documents_before_the_cut() -> None:
+    """--max-docs 2 of [a book cut into two pieces, b, c] keeps both pieces and b (prepare applies Corpus.first
+    before decontaminate.without_overlap)."""
+    from data_prep import decontaminate
+    from data_prep.documents import Corpus, Document, Skips
+
+    quote = " ".join(f"q{i}" for i in range(13))
+    book = Document("a", f"{'x' * 499}\n{quote}\n{'y' * 499}")
+    corpus = Corpus("text", ["a", "b", "c"], lambda skips: iter([book, Document("b", "bee"), Document("c", "sea")]))
+    cut = decontaminate.without_overlap(corpus.first(2), np.unique(doc_hashes.sequence_hashes(quote)))
+    skips = Skips()
+    assert list(cut.read(skips)) == [Document("a", "x" * 300), Document("a", "y" * 300), Document("b", "bee")]
+    assert skips.counts == {decontaminate.CUT: 1}
 
 
 def test_ngram_hashes_are_a_content_defined_sample_of_word_sequences() -> None:
