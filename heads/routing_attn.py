@@ -36,6 +36,7 @@ from torch import nn
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.layer_norm import layer_norm
 from heads.rows import gather_rows
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.kmeans import OnlineKMeans
@@ -98,7 +99,7 @@ class RoutingHeads(HeadGroup):
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
         q, v = q.contiguous(), v.contiguous()  # whatever keeps q (layer norm, normalize) keeps q only, not v too
         if self.options.layer_norm:
-            q = F.layer_norm(q, q.shape[-1:])  # RT Alg. 1, scale and bias disabled
+            q = layer_norm(q)  # RT Alg. 1, scale and bias disabled; backward keeps the output, which normalize keeps
         u = F.normalize(q, dim=-1)
         sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
         nearest = sim.argmax(2)  # [B, H, T]
