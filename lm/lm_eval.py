@@ -22,11 +22,13 @@ document's requests, prompts and continuations, as one text): the results say pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -204,11 +206,36 @@ def evaluate_tasks(model: Any, tasks: list[str], manager: Any, limit: float | No
     """simple_evaluate of any lm-eval model object (ours, or a baseline) on `tasks`."""
     from lm_eval import simple_evaluate
 
-    results = simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
-                              num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    with bars_on_terminal_only():
+        results = simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
+                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
     if results is None:
         raise ValueError("lm-eval returned no results")
     return results
+
+
+@contextmanager
+def bars_on_terminal_only() -> Iterator[None]:
+    """Within: datasets' "Generating split" bars and lm-eval's request-building bar are drawn only when stderr is
+    a terminal, like ours (lm.scoring.progress_bar), so log files get no bar frames. datasets has a switch;
+    lm-eval's Task.build_all_requests calls its module's `tqdm` with none, so that name is rebound meanwhile."""
+    if sys.stderr.isatty():
+        yield
+        return
+    import datasets
+    from lm_eval.api import task
+
+    shown, bar = datasets.is_progress_bar_enabled(), getattr(task, "tqdm", None)
+    datasets.disable_progress_bars()
+    if bar is not None:
+        task.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            task.tqdm = bar
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
