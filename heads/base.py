@@ -15,7 +15,10 @@ Groups report `aux_losses` (name -> scalar tensor, already weighted, added to th
 `stats` (name -> detached tensor, 0-d or per head [H]) after each forward pass, and declare `causal`
 honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) is
 updated only where `updates_state` says so: in training, and not while a forward pass is replayed
-(activation checkpointing's recomputation, `frozen_state`). Stats stay tensors (no host sync in the forward
+(activation checkpointing's recomputation, `frozen_state`). State that backward reads (the centroids, in the
+commitment loss's gradient) must not move inside the forward pass, where a compiled graph's backward would read
+it moved (routing/kmeans.py): such a group stages its update and applies it in `commit_state`, which the
+trainer calls once after every optimizer step (lm/module.py). Stats stay tensors (no host sync in the forward
 pass, so training compiles with fullgraph=True); lm/module.py reads them only every `trainer.log_every` steps.
 """
 from __future__ import annotations
@@ -149,6 +152,10 @@ class HeadGroup(nn.Module):
     def updates_state(self) -> bool:
         """Whether this forward pass moves the group's batch-statistics state: in training, outside `frozen_state`."""
         return self.training and not _FROZEN[0]
+
+    def commit_state(self) -> None:
+        """Apply the state update the training forward passes since the last call staged (module docstring);
+        called once after every optimizer step, on every rank. Nothing to do for most types."""
 
     def kv_entries(self, seq_len: int) -> int:
         """KV-cache entries of the whole group for a length-T sequence."""

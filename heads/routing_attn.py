@@ -118,8 +118,12 @@ class RoutingHeads(HeadGroup):
         self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(sums, B * H * T)}
         self.stats = {"routed_frac": (counts > 0).float().mean().detach()}
         if self.updates_state:
-            self.kmeans.update(sums, nearest)
+            self.kmeans.stage(sums, nearest)  # applied after the optimizer step: commit_state
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
+
+    def commit_state(self) -> None:
+        """The centroids' EMA step over what this step's forward passes staged (routing/kmeans.py)."""
+        self.kmeans.commit()
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, v, u, nearest, sel = self._route(x)

@@ -133,6 +133,14 @@ class LMModule(L.LightningModule):
                     if value.dim() > 0:
                         logger.experiment.add_histogram(tag, value.float().cpu(), self.global_step)
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The optimizer step, then the head groups' staged state updates (HeadGroup.commit_state): outside the
+        compiled forward, and before any callback checkpoints the step."""
+        super().optimizer_step(*args, **kwargs)
+        for group in self.model.modules():  # a CompressedLM's too (lm/compressed_training.py)
+            if isinstance(group, HeadGroup):
+                group.commit_state()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
             set_rng_state(self._resume_rng)

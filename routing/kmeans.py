@@ -1,9 +1,19 @@
 """Online k-means with EMA centroids (Routing Transformer, Roy et al. 2021, §4.1; MoSA App. A).
 
 Per head, `clusters` unit-norm centroids mu [H, C, d]. Vectors are unit-normalised and compared by dot
-product. After each training forward pass every centroid moves toward the mean of the vectors whose
-nearest centroid it is: mu <- normalize(decay * mu + (1 - decay) * mean), a state update that uses no
-gradient. The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
+product. After each optimizer step every centroid moves toward the mean of the vectors whose nearest centroid
+it was in that step's forward passes: mu <- normalize(decay * mu + (1 - decay) * mean), a state update that uses
+no gradient. The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
+
+The update is staged, not applied, in the forward pass (`stage` adds the step's cluster sums and counts to the
+`pending` buffer) and applied by `commit` after the optimizer step (lm/module.py), outside any compiled graph,
+for two reasons. (1) The commitment loss's backward reads the centroids. Moved in place inside a compiled
+forward, they were read moved: AOTAutograd's partitioner recomputes the centroids' copy in backward from the
+buffer the forward already overwrote (pytorch/pytorch#197039, open), a silently wrong gradient (max |error|
+2.6e-3 on a 2-head toy, torch 2.11 and 2.13, eager vs aot_eager). (2) With gradient accumulation the
+micro-batches of a step all use the same centroids and their statistics add up to one EMA step, as one batch of
+their size would (before, every micro-batch moved the centroids). Under DDP / DeepSpeed the staged sums and
+counts are all-reduced at the commit, once per step.
 """
 from __future__ import annotations
 
@@ -21,6 +31,8 @@ class OnlineKMeans(Float32Buffers):
         super().__init__()
         self.decay = decay
         self.register_buffer("means", F.normalize(torch.randn(heads, clusters, dim), dim=-1))
+        # this step's cluster sums [..., :dim] and counts [..., dim] so far; empty between steps, not saved
+        self.register_buffer("pending", torch.zeros(heads, clusters, dim + 1), persistent=False)
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
         """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T]."""
@@ -43,13 +55,21 @@ class OnlineKMeans(Float32Buffers):
         return 2 - 2 * (sums * means).sum() / tokens
 
     @torch.no_grad()
-    def update(self, sums: torch.Tensor, nearest: torch.Tensor) -> None:
-        """EMA step of every centroid toward the mean of the vectors nearest to it, from their cluster sums
-        [B, H, C, d] and nearest[B, H, T] (over the global batch under DDP/DeepSpeed: sums and counts are
-        all-reduced before the step)."""
-        H, C = self.means.shape[:2]
+    def stage(self, sums: torch.Tensor, nearest: torch.Tensor) -> None:
+        """Add a forward pass's cluster sums [B, H, C, d] and its nearest[B, H, T] counts to `pending`."""
+        H, C, d = self.means.shape
         clusters = (torch.arange(H, device=nearest.device)[:, None] * C + nearest).flatten()
-        counts = all_reduce_sum(torch.bincount(clusters, minlength=H * C).view(H, C, 1).float())
-        sums = all_reduce_sum(sums.detach().float().sum(0))  # [H, C, d]
+        self.pending[..., :d] += sums.detach().sum(0).to(self.pending.dtype)
+        self.pending[..., d] += torch.bincount(clusters, minlength=H * C).view(H, C).to(self.pending.dtype)
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """EMA step of every centroid toward the mean of the vectors staged for it since the last commit (over
+        the global batch under DDP / DeepSpeed: every rank calls this once per optimizer step); empties
+        `pending`. A centroid nothing joined stays."""
+        d = self.means.shape[-1]
+        staged = all_reduce_sum(self.pending)
+        sums, counts = staged[..., :d], staged[..., d:]
         moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
         self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))
+        self.pending.zero_()

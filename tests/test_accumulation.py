@@ -92,6 +92,23 @@ def test_accumulated_micro_batches_train_like_the_whole_batch(data: Path, tmp_pa
     assert distance(other, whole) > 100 * WEIGHT_RTOL  # other windows: the check above can fail
 
 
+def test_routing_centroids_move_once_per_step_as_with_the_whole_batch(data: Path, tmp_path: Path) -> None:
+    """Routing's k-means (decay 0.5, so the centroids move fast): 4 micro-batches of 2 end where one batch of 8 ends,
+    centroids included; they move once per optimizer step, from all its micro-batches (routing/kmeans.py).
+    Moved by every micro-batch, as before, the centroids (and so the weights) differ by far more."""
+    heads = "model.heads=[{type: dense, count: 1}, {type: routing, count: 2, options: {sparsity: 4, decay: 0.5}}]"
+    ends = []
+    for batch, accumulate in ((8, 1), (2, 4)):
+        out = tmp_path / f"b{batch}x{accumulate}"
+        train(load_config(None, *run_overrides(data, out, max_steps=4, ckpt_every=2, val_every=4,
+                                               accumulate_grad_batches=accumulate), f"data.batch_size={batch}", heads))
+        ends.append(torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"])
+    means = [k for k in ends[0] if k.endswith("kmeans.means")]
+    assert means and all(not torch.allclose(ends[0][k], ends[1][k].new_zeros(())) for k in means)
+    for name, whole in ends[0].items():
+        assert ((ends[1][name] - whole).abs().max() / whole.abs().max()).item() < WEIGHT_RTOL, name
+
+
 def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundary(data: Path, tmp_path: Path) -> None:
     full = run(data, tmp_path / "full", batch=2, accumulate=3, steps=8)
     part = run(data, tmp_path / "part", batch=2, accumulate=3, steps=4)

@@ -88,3 +88,28 @@ def test_mita_compiles_without_its_varlen_path(monkeypatch: pytest.MonkeyPatch) 
     assert not offered
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dx, torch.autograd.grad(eager.sum(), x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_routing_gradient_reads_the_centroids_its_forward_read() -> None:
+    """A Routing group's training step, compiled (aot_eager, fullgraph): the commitment loss's gradient uses the
+    centroids of the forward pass. When the forward moved them in place, the compiled backward recomputed their
+    copy from the moved buffer (pytorch/pytorch#197039): dx differed from eager by up to 2.6e-3 here. The update
+    is staged and committed after the step (routing/kmeans.py); both paths then move the centroids alike."""
+    from tests.head_checks import make_group
+
+    group = make_group("routing", {"sparsity": 4, "decay": 0.5, "commitment": 1.0}, T, count=2, d_model=16,
+                       head_dim=8).train()
+    x, positions = torch.randn(2, T, 16, requires_grad=True), torch.arange(T).expand(2, T)
+    means = group.kmeans.means.clone()
+    results = []
+    torch._dynamo.reset()
+    for fn in (group, torch.compile(group, backend="aot_eager", fullgraph=True)):
+        group.kmeans.means.copy_(means)
+        out = fn(x, positions)
+        (dx,) = torch.autograd.grad(out.sum() + group.aux_losses["routing_commitment"], x)
+        group.commit_state()
+        results.append((out.detach(), dx, group.kmeans.means.clone()))
+    torch._dynamo.reset()
+    assert not torch.equal(results[0][2], means)  # the step moved the centroids
+    for eager, compiled_ in zip(*results):
+        torch.testing.assert_close(compiled_, eager, rtol=1e-5, atol=1e-6)

@@ -46,3 +46,21 @@ def test_bf16_input_gets_fp32_statistics_and_bf16_output() -> None:
     y.sum().backward()
     assert y.dtype == x.grad.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), F.layer_norm(x.float(), (64,)), rtol=0, atol=2e-2)
+
+
+def test_compiled_gradient_is_eagers() -> None:
+    """normalize(layer_norm(x)) compiled (aot_eager, fullgraph), as the Routing heads use it: the same gradient as
+    eager. torch 2.11's dynamo (the GPU image's) traced the custom Function there into a zero gradient, so compiled
+    code takes F.layer_norm."""
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 3, 5, 8, requires_grad=True), torch.randn(2, 3, 5, 8)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return F.normalize(layer_norm(t * 1.5), dim=-1)
+
+    torch._dynamo.reset()
+    (eager,), (compiled,) = (torch.autograd.grad(fn(x), x, g)
+                             for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)))
+    torch._dynamo.reset()
+    assert eager.abs().sum() > 0
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -66,12 +66,14 @@ def test_commitment_loss_and_centroid_updates() -> None:
     assert loss > 0
     (y.sum() + loss).backward()
     assert group.qv.weight.grad.abs().sum() > 0
-    assert not torch.equal(before, group.kmeans.means)  # EMA step in training mode
+    assert torch.equal(before, group.kmeans.means)  # staged in the forward pass, not applied
+    assert group.kmeans.pending[..., -1].sum() == 2 * T * 3  # every token of every head counted once
+    group.commit_state()  # after the optimizer step
+    assert not torch.equal(before, group.kmeans.means) and not group.kmeans.pending.any()
     assert torch.allclose(group.kmeans.means.norm(dim=-1), torch.ones(3, 4))
     group.eval()(x, torch.arange(T).expand(2, T))
-    after_eval = group.kmeans.means.clone()
-    group(x, torch.arange(T).expand(2, T))
-    assert torch.equal(after_eval, group.kmeans.means)  # no update in eval mode
+    group.commit_state()
+    assert not group.kmeans.pending.any()  # nothing staged in eval mode
 
 
 def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors() -> None:
@@ -101,7 +103,8 @@ def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors() -> 
 
 def test_centroid_update_is_the_ema_of_each_clusters_mean() -> None:
     """mu <- normalize(decay * mu + (1 - decay) * mean of the vectors nearest to mu) for every cluster with members
-    (RT §4.1), per head and over the whole batch; a cluster nothing joined keeps its centroid (float64, 1e-12)."""
+    (RT §4.1), per head and over everything staged since the last commit (here two forward passes of one sequence
+    each: one step of a batch of 2); a cluster nothing joined keeps its centroid (float64, 1e-12)."""
     import torch.nn.functional as F
 
     from routing.kmeans import OnlineKMeans
@@ -112,7 +115,9 @@ def test_centroid_update_is_the_ema_of_each_clusters_mean() -> None:
     u = F.normalize(torch.randn(B, H, T, d, dtype=torch.float64), dim=-1)
     nearest = torch.randint(0, C - 1, (B, H, T))  # cluster C - 1 stays empty
     before = kmeans.means.clone()
-    kmeans.update(kmeans.cluster_sums(u, nearest), nearest)
+    kmeans.stage(kmeans.cluster_sums(u[:1], nearest[:1]), nearest[:1])  # two forward passes, one step
+    kmeans.stage(kmeans.cluster_sums(u[1:], nearest[1:]), nearest[1:])
+    kmeans.commit()
     for h in range(H):
         for c in range(C):
             members = u[:, h][nearest[:, h] == c]  # [n, d] over both batch rows
