@@ -41,10 +41,12 @@ MIXES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mix,accumulate,checkpointing",
-                         [*((mix, 1, False) for mix in MIXES), ("dense", 2, False), ("mosa_threshold", 1, True)])
+                         [*((mix, 1, False) for mix in MIXES), ("dense", 2, False), ("routing_kmeans", 2, False),
+                          ("mosa_threshold", 1, True)])
 def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accumulate: int, checkpointing: bool) -> None:
     """accumulate = 2: each rank runs 2 micro-batches of 2 per step (micro-batch i on rank r = slice 2i + r of
-    the step's 8 windows; Lightning syncs gradients on the last one). checkpointing: the DDP run's blocks are
+    the step's 8 windows; Lightning syncs gradients on the last one; Routing's centroids move once per step, from
+    the 4 micro-batches of both ranks: routing/kmeans.py). checkpointing: the DDP run's blocks are
     activation-checkpointed; their replays must not gather the thresholds' statistics again."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no gloo backend, so CPU DDP cannot run")
