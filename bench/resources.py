@@ -69,6 +69,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
     import torch
     import torch.nn.functional as F
 
+    from heads import commit_states
     from lm.model import build_model, checkpoint_blocks
 
     torch.set_num_threads(threads)
@@ -90,6 +91,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) + model.aux_loss
         loss.backward()
         opt.step()
+        commit_states(model)  # as training does after every step (Routing's centroids)
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()

@@ -28,7 +28,7 @@ import lightning  # noqa: E402
 import torch  # noqa: E402
 
 from flops.cli import nonnegative_int, positive_int, script_parser  # noqa: E402
-from heads import ConfigError  # noqa: E402
+from heads import ConfigError, commit_states  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
 from lm.train import resolve_precision  # noqa: E402
@@ -72,6 +72,7 @@ def measure(cfg: Config, device: torch.device, steps: int, warmup: int) -> dict[
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
         optimizer.step()
+        commit_states(module.model)  # as training does after every step (Routing's centroids)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":

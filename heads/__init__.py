@@ -8,6 +8,7 @@ from heads import routing_attn  # noqa: F401
 from heads import topk  # noqa: F401
 from heads import agent  # noqa: F401
 from heads import mita  # noqa: F401
-from heads.base import REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, head_class, make_options, register
+from heads.base import (REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, commit_states, head_class,
+                        make_options, register)
 
 __all__ = ["REGISTRY", "ConfigError", "GroupContext", "HeadGroup", "HeadOptions", "head_class", "make_options", "register"]

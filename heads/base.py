@@ -124,6 +124,14 @@ def frozen_state() -> Iterator[None]:
         _FROZEN[0] = False
 
 
+def commit_states(module: nn.Module) -> None:
+    """Every head group's staged state update under `module` (HeadGroup.commit_state): call it after each
+    optimizer step of a training loop (lm/module.py; the benchmarks' own loops)."""
+    for group in module.modules():
+        if isinstance(group, HeadGroup):
+            group.commit_state()
+
+
 class HeadGroup(nn.Module):
     """Base class of all head groups. Subclasses set `Options` and implement forward_reference."""
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from heads import HeadGroup
+from heads import HeadGroup, commit_states
 from lm.accumulation import ends_step, micro_index
 from lm.checkpoint import atomic_write, rng_state, set_rng_state
 from lm.config import Config
@@ -137,9 +137,7 @@ class LMModule(L.LightningModule):
         """The optimizer step, then the head groups' staged state updates (HeadGroup.commit_state): outside the
         compiled forward, and before any callback checkpoints the step."""
         super().optimizer_step(*args, **kwargs)
-        for group in self.model.modules():  # a CompressedLM's too (lm/compressed_training.py)
-            if isinstance(group, HeadGroup):
-                group.commit_state()
+        commit_states(self.model)  # a CompressedLM's groups too (lm/compressed_training.py)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import tiny_config
 
 import lm
-from heads import REGISTRY, ConfigError
+from heads import REGISTRY, ConfigError, commit_states
 from lm.config import load_config
 from lm.model import checkpoint_blocks
 from routing.kmeans import OnlineKMeans
@@ -39,8 +39,7 @@ def step(model: torch.nn.Module, tokens: torch.Tensor, seed: int) -> torch.Tenso
     logits = model(tokens)
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss
     loss.backward()
-    for group in model.head_groups():  # after the optimizer step, as lm/module.py does
-        group.commit_state()
+    commit_states(model)  # after the optimizer step, as lm/module.py does
     return loss.detach()
 
 
