@@ -51,7 +51,7 @@ class OnlineKMeans(Float32Buffers):
         sums [B, H, C, d]: ||u - mu||^2 = 2 - 2 u·mu, and the sum of u·mu over tokens is that of each cluster's sum
         of u dotted with its centroid. Backward so keeps the indices and the sums, not a [B, H, T, d] tensor like
         (u - mu)^2; its gradient in u differs from 2 (u - mu) by 2u, which the normalisation that made u removes."""
-        means = self.means.to(sums.dtype, copy=True)  # a copy: update() moves the buffer before backward reads it
+        means = self.means.to(sums.dtype)  # backward reads it: `commit` moves it only after the step (module doc)
         return 2 - 2 * (sums * means).sum() / tokens
 
     @torch.no_grad()
