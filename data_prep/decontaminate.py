@@ -80,6 +80,18 @@ def pieces(text: str, shared: np.ndarray) -> list[str]:
     return [] if len(found) > MAX_PIECES else [p for p in found if len(p) >= MIN_PIECE]
 
 
+def report(skips: Skips) -> str | None:
+    """The warning for what a pass cut and left out (None if nothing)."""
+    parts = []
+    if skips.counts[CUT]:
+        parts.append(f"cut the text shared with the excluded texts ({NGRAM_WORDS}-word sequences, {WINDOW} characters "
+                     f"either side) out of {skips.counts[CUT]:,} documents")
+    if skips.counts[DROPPED]:
+        parts.append(f"left out {skips.counts[DROPPED]:,} documents sharing them (cut into more than {MAX_PIECES} "
+                     "pieces, or nothing left)")
+    return "--exclude-overlap: " + "; ".join(parts) if parts else None
+
+
 def without_overlap(corpus: Corpus, sequences: np.ndarray) -> Corpus:
     """`corpus` with every document's text shared with `sequences` cut out (`pieces`), each document cut or
     dropped counted in the pass's Skips."""

@@ -275,13 +275,8 @@ def prepare(
         hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
     sampler = None if reuse else LineSampler(sample_chars)
     n_docs, scan_skips = _scan(corpus, splitter, sampler, progress)
-    cut, dropped = scan_skips.counts[decontaminate.CUT], scan_skips.counts[decontaminate.DROPPED]
-    if cut or dropped:
-        warn("--exclude-overlap: " + "; ".join(
-            ([f"cut the text shared with the excluded texts (13-word sequences, 200 characters either side) out "
-              f"of {cut:,} documents"] if cut else []) +
-            ([f"left out {dropped:,} documents sharing them (cut into more than 10 pieces, or nothing left)"]
-             if dropped else [])))
+    if report := decontaminate.report(scan_skips):
+        warn(report)
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
     if not reuse:
         state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
