@@ -91,7 +91,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()) + model.aux_loss
         loss.backward()
         opt.step()
-        commit_states(model)  # as training does after every step (Routing's centroids)
+        commit_states(model)  # as training does after every step (MoSA's thresholds, Routing's centroids)
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()

@@ -72,7 +72,7 @@ def measure(cfg: Config, device: torch.device, steps: int, warmup: int) -> dict[
         loss.backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
         optimizer.step()
-        commit_states(module.model)  # as training does after every step (Routing's centroids)
+        commit_states(module.model)  # as training does after every step (MoSA's thresholds, Routing's centroids)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":

@@ -13,12 +13,13 @@ Each head type is one file under heads/ defining
   `forward_fast`; `forward` dispatches on `options.impl`.
 Groups report `aux_losses` (name -> scalar tensor, already weighted, added to the LM loss) and
 `stats` (name -> detached tensor, 0-d or per head [H]) after each forward pass, and declare `causal`
-honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) is
-updated only where `updates_state` says so: in training, and not while a forward pass is replayed
-(activation checkpointing's recomputation, `frozen_state`). State that backward reads (the centroids, in the
-commitment loss's gradient) must not move inside the forward pass, where a compiled graph's backward would read
-it moved (routing/kmeans.py): such a group stages its update and applies it in `commit_state`, which the
-trainer calls once after every optimizer step (lm/module.py). Stats stay tensors (no host sync in the forward
+honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) never moves
+inside the forward pass: a training forward pass stages its batch statistics (where `updates_state` says so: in
+training, and not while a forward pass is replayed, as activation checkpointing's recomputation does,
+`frozen_state`), and `commit_state`, which the trainer calls once after every optimizer step (lm/module.py), applies
+them. So every micro-batch of a step sees the same state, a replayed pass takes the original's decisions, a
+compiled graph's backward never reads state its forward moved (routing/kmeans.py), and DDP reduces the statistics
+once per step, outside the forward pass (routing/distributed.py). Stats stay tensors (no host sync in the forward
 pass, so training compiles with fullgraph=True); lm/module.py reads them only every `trainer.log_every` steps.
 """
 from __future__ import annotations

@@ -217,8 +217,8 @@ class MoSAHeads(HeadGroup):
         return gathered_step(cache, x, positions, member, gate, self.qkv.weight, self.out.weight, self.rope)
 
     def _after_forward(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
-        """Stats (tensors, no host sync) and the predictor's loss; in training, move the running
-        thresholds using this batch (used from the next pass). Causal selections: `fill` = selected /
+        """Stats (tensors, no host sync) and the predictor's loss; in training, stage this batch's statistics for
+        the running thresholds (moved after the optimizer step: commit_state). Causal selections: `fill` = selected /
         capacity, `overflow` = fraction of above-threshold candidates dropped (capacity or quota)."""
         T = logits.shape[-1]
         counts = counts.float()
@@ -235,4 +235,10 @@ class MoSAHeads(HeadGroup):
             self.stats["fill"] = counts.mean().detach() / self.capacity
             self.stats["overflow"] = 1.0 - counts.sum().detach() / candidates.sum().clamp_min(1)
             if self.updates_state:
-                self.threshold.update(scores)
+                self.threshold.stage(scores)  # applied after the optimizer step: commit_state
+
+    def commit_state(self) -> None:
+        """Causal selections: the running thresholds' EMA step over what this step's forward passes staged
+        (routing/threshold.py)."""
+        if self.causal:
+            self.threshold.commit()

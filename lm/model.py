@@ -52,7 +52,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: list[Any] | None = None) -> torch.Tensor:
         if self.checkpoint and cache is None and torch.is_grad_enabled():
-            return checkpointed(self, self.body, x, positions)
+            return checkpointed(self.body, x, positions)
         return self.body(x, positions, cache)
 
     def body(self, x: torch.Tensor, positions: torch.Tensor, cache: list[Any] | None = None) -> torch.Tensor:

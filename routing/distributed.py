@@ -3,7 +3,9 @@
 A state update that uses batch statistics (MoSA's running threshold, the Routing Transformer's
 k-means centroids) must see the global batch, not one rank's slice: otherwise each rank's state
 drifts apart and DDP's broadcast of rank 0's buffers makes the run differ from one process with the
-same global batch. Both helpers are identities outside an initialised process group of size > 1.
+same micro-batches. The statistics are staged in the forward passes and summed over the ranks once per
+optimizer step, at the commit (heads/base.py). The helpers are identities outside an initialised process
+group of size > 1.
 """
 from __future__ import annotations
 
@@ -24,12 +26,3 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
-
-def all_gather_cat(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Every rank's x concatenated along `dim` in rank order (all ranks must pass the same shape)."""
-    n = world_size()
-    if n == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=dim)

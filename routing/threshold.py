@@ -4,11 +4,18 @@ In the spirit of Mixture-of-Depths' causal sampling: token t is selected for hea
     (a) its router logit s_th = x_t . W^r_h exceeds the head's threshold tau_h, and
     (b) fewer than `capacity` earlier tokens of the sequence were selected (earliest-first overflow).
 tau_h is state, not a function of the current sequence: a running estimate of the (1 - 1/ρ)
-quantile of head h's router logits, updated (EMA over training batches, after the forward pass that
-used the old value) so that on average a 1/ρ fraction of tokens passes. The decision for token t is
-therefore computable from x_t, tau and a counter, exactly what autoregressive decoding has; the
+quantile of head h's router logits, so that on average a 1/ρ fraction of tokens passes. The decision for
+token t is therefore computable from x_t, tau and a counter, exactly what autoregressive decoding has; the
 training-time selection is the decoding-time selection. A threshold on the logit is a threshold on
 the sigmoid score r = σ(s), since σ is monotone.
+
+The update is staged like the k-means centroids' (routing/kmeans.py): each training forward pass adds its
+micro-batch's per-head quantile to `pending` (`stage`), and after the optimizer step `commit` moves tau by one
+EMA step toward the mean of the quantiles staged since the last commit, over all ranks. So every micro-batch
+of a step selects with the same tau; DDP / DeepSpeed over R ranks equals one process accumulating the same R
+micro-batches (the mean of micro-batch quantiles, not the quantile of their union: one would need every logit
+of the step; the two differ by the sampling error of a quantile of B*T logits); and the forward pass runs no
+collective (one all-reduce of H + 1 numbers per step, at the commit).
 """
 from __future__ import annotations
 
@@ -16,31 +23,43 @@ import math
 
 import torch
 
-from routing.distributed import all_gather_cat
+from routing.distributed import all_reduce_sum
 from routing.float32_state import Float32Buffers
 
 
 class RunningQuantileThreshold(Float32Buffers):
-    """tau[H]: EMA of the batch (1 - fraction)-quantile of each head's router logits (fp32 even in a bf16 model)."""
+    """tau[H]: EMA over optimizer steps of each head's (1 - fraction)-quantile of its router logits (fp32 even in
+    a bf16 model)."""
 
     def __init__(self, heads: int, fraction: float, momentum: float) -> None:
         super().__init__()
         self.fraction, self.momentum = fraction, momentum
         self.register_buffer("tau", torch.zeros(heads))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        # this step's sum of micro-batch quantiles [:heads] and their count [heads]; empty between steps, not saved
+        self.register_buffer("pending", torch.zeros(heads + 1), persistent=False)
 
     def above(self, logits: torch.Tensor) -> torch.Tensor:
         """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h."""
         return logits > self.tau[:, None]
 
     @torch.no_grad()
-    def update(self, logits: torch.Tensor) -> None:
-        """Move tau toward this batch's (1 - fraction)-quantile per head (first call: set it). Under
-        DDP/DeepSpeed the quantile is of the global batch (every rank's logits gathered)."""
+    def stage(self, logits: torch.Tensor) -> None:
+        """Add this micro-batch's (1 - fraction)-quantile of each head's logits[B, H, T] to `pending`."""
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
-        per_head = all_gather_cat(per_head, dim=1)  # [H, ranks*B*T]
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
-        q = per_head.kthvalue(rank, dim=1).values.to(self.tau.dtype)
-        self.tau.copy_(torch.where(self.initialized, self.tau.lerp(q, self.momentum), q))  # no host sync
-        self.initialized.fill_(True)
+        self.pending[:-1] += per_head.kthvalue(rank, dim=1).values.to(self.pending.dtype)
+        self.pending[-1] += 1
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """One EMA step of tau toward the mean of the quantiles staged since the last commit on every rank (each rank
+        calls this once per optimizer step; the first step sets tau); empties `pending`. Nothing staged: tau stays."""
+        staged = all_reduce_sum(self.pending)
+        count = staged[-1]
+        mean = staged[:-1] / count.clamp(min=1)
+        moved = torch.where(self.initialized, self.tau.lerp(mean, self.momentum), mean)
+        self.tau.copy_(torch.where(count > 0, moved, self.tau))  # no host sync
+        self.initialized.logical_or_(count > 0)
+        self.pending.zero_()

@@ -1,13 +1,13 @@
-"""DDP with 2 CPU processes (gloo) through train_lm.py equals one process with the same global batch.
+"""DDP with 2 CPU processes (gloo) through train_lm.py equals one process running the same micro-batches.
 
-Each rank takes its slice of the global batch of step s (lm/data.py), so 2 ranks x batch 4 see the
-same 8 windows as 1 process x batch 8, and the all-reduced gradient is the same mean. Heads with
-state moved by batch statistics (MoSA's running threshold, the Routing Transformer's k-means
-centroids; routing/distributed.py) must reduce the statistic over the ranks, so that state (a
-buffer in the state dict, compared like the weights) matches too. Tolerance: every weight and
-buffer within relative RMS 1e-5 per tensor (measured ~3e-7: float summation order of the
-all-reduce; without the reduction the first diverging tensor is at 2.6e-2 for MoSA and 4.8e-2 for
-Routing), validation losses within 1e-5 relative.
+Each rank takes its slice of the global batch of step s (lm/data.py), so 2 ranks x batch 4 see the same 8
+windows as 1 process accumulating 2 micro-batches of 4, and the all-reduced gradient is the same mean (for the
+weights that is one batch of 8 as well: tests/test_accumulation.py). Heads with state moved by batch statistics
+(MoSA's running threshold, the Routing Transformer's k-means centroids) stage them in the forward passes and
+reduce them over the ranks once per step (routing/distributed.py), so that state (a buffer in the state dict,
+compared like the weights) matches too. Tolerance: every weight and buffer within relative RMS 1e-5 per tensor
+(measured ~3e-7: float summation order of the all-reduce; without the reduction the first diverging tensor is
+at 2.5e-2 for MoSA and 4.8e-2 for Routing), validation losses within 1e-5 relative.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accum
     """accumulate = 2: each rank runs 2 micro-batches of 2 per step (micro-batch i on rank r = slice 2i + r of
     the step's 8 windows; Lightning syncs gradients on the last one; Routing's centroids move once per step, from
     the 4 micro-batches of both ranks: routing/kmeans.py). checkpointing: the DDP run's blocks are
-    activation-checkpointed; their replays must not gather the thresholds' statistics again."""
+    activation-checkpointed; their replays must not stage the thresholds' statistics again."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no gloo backend, so CPU DDP cannot run")
     from lm.train import train
@@ -67,8 +67,10 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accum
         timeout=300, cwd=ROOT,
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
-    train(load_config(None, *run_overrides(data, single_out, max_steps=steps, val_every=5, ckpt_every=5),
-                      f"model.heads={heads}", "data.batch_size=8", "data.val_batches=1"))
+    micro = 4 // accumulate  # the same micro-batches, one after the other
+    train(load_config(None, *run_overrides(data, single_out, max_steps=steps, val_every=5, ckpt_every=5,
+                                           accumulate_grad_batches=2 * accumulate),
+                      f"model.heads={heads}", f"data.batch_size={micro}", f"data.val_batches={8 // micro}"))
 
     ddp = torch.load(ddp_out / "checkpoints" / "last.ckpt", weights_only=True)
     single = torch.load(single_out / "checkpoints" / "last.ckpt", weights_only=True)

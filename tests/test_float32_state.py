@@ -27,12 +27,14 @@ def test_threshold_keeps_moving_in_a_bf16_model() -> None:
     logits = torch.randn(4, 3, 512) + 1.1
     fp32, half = RunningQuantileThreshold(3, 1 / 8, 0.02), RunningQuantileThreshold(3, 1 / 8, 0.02).to(torch.bfloat16)
     for t in (fp32, half):
-        t.update(logits)
+        t.stage(logits)
+        t.commit()
     start = half.tau.clone()
     for step in range(20):
         drifted = logits + 0.01 * (step + 1)
-        fp32.update(drifted)
-        half.update(drifted.bfloat16())
+        for t, batch in ((fp32, drifted), (half, drifted.bfloat16())):
+            t.stage(batch)
+            t.commit()
     assert half.tau.dtype == torch.float32
     assert (half.tau - start).min() > 0.03  # a bf16 tau (step 0.0156 at 2.25) would not move at all
     torch.testing.assert_close(half.tau, fp32.tau, rtol=0, atol=0.005)  # only the logits were rounded

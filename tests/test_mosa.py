@@ -1,6 +1,7 @@
 """MoSA heads (heads/mosa.py): fast path vs reference, paper properties, causality, hybrids, KV totals."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -131,15 +132,41 @@ def test_threshold_selection_is_decodable_token_by_token() -> None:
 
 
 def test_running_threshold_selects_about_one_in_rho() -> None:
-    """Training-mode passes move tau to the (1 - 1/ρ) quantile: about T/ρ candidates per head."""
+    """Training steps move tau to the (1 - 1/ρ) quantile: about T/ρ candidates per head."""
     T, rho = 256, 8
     group = make_group("mosa", dict(sparsity=rho, threshold_momentum=0.2), T).train()
     gen = torch.Generator().manual_seed(3)
     for _ in range(30):
         group(torch.randn(4, T, 32, generator=gen), torch.arange(T).expand(4, T))
+        group.commit_state()  # after the optimizer step, as lm/module.py does
     frac = group.candidates(group.router_logits(torch.randn(8, T, 32, generator=gen))).float().mean().item()
     assert abs(frac - 1 / rho) < 0.02, frac
     assert bool(group.threshold.initialized)
+
+
+def test_threshold_moves_once_per_step_toward_the_mean_micro_batch_quantile() -> None:
+    """Micro-batches of one step all select with the same tau; the commit after the optimizer step moves it one EMA
+    step toward the mean of their (1 - 1/ρ)-quantiles (routing/threshold.py); evaluation stages nothing, and a
+    commit with nothing staged leaves tau where it is."""
+    T, rho, momentum = 64, 8, 0.5
+    group = make_group("mosa", dict(sparsity=rho, threshold_momentum=momentum), T).train()
+    set_thresholds(group)
+    group.threshold.initialized.fill_(True)
+    start = group.threshold.tau.clone()
+    positions = torch.arange(T).expand(2, T)
+    micro = [torch.randn(2, T, 32) for _ in range(3)]
+    quantiles = []
+    for x in micro:
+        group(x, positions)
+        assert torch.equal(group.threshold.tau, start)  # not moved between micro-batches
+        per_head = group.router_logits(x).detach().transpose(0, 1).reshape(3, -1).sort(dim=1).values
+        quantiles.append(per_head[:, math.ceil((1 - 1 / rho) * 2 * T) - 1])
+    group.eval()(micro[0], positions)  # stages nothing
+    group.commit_state()
+    torch.testing.assert_close(group.threshold.tau, start.lerp(torch.stack(quantiles).mean(0), momentum))
+    moved = group.threshold.tau.clone()
+    group.commit_state()
+    assert torch.equal(group.threshold.tau, moved)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 15])

@@ -2,7 +2,8 @@
 
 Raw `deepspeed.initialize` with lm.train.deepspeed_config (plus the gradient_accumulation_steps that
 Lightning adds), the LMModule's own AdamW groups and schedule, and its loss; `steps` steps on this
-rank's share of each global batch (`global_batch`); rank 0 saves the weights to `out`."""
+rank's share of each global batch (`global_batch`), the staged head state committed after each step; rank 0
+saves the weights and buffers to `out`."""
 from __future__ import annotations
 
 import os
@@ -39,6 +40,7 @@ def global_batch(step: int, cfg) -> torch.Tensor:
 def main(out: str) -> None:
     import deepspeed
 
+    from heads import commit_states
     from lm.module import LMModule
     from lm.train import deepspeed_config
 
@@ -58,6 +60,7 @@ def main(out: str) -> None:
         loss, _, _ = module.losses(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()
+        commit_states(module.model)  # the staged head state, as LMModule.optimizer_step does
     if rank == 0:
         torch.save(module.model.state_dict(), out)
     torch.distributed.barrier()
