@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from flops.cli import positive_int, script_parser
+from heads import commit_states
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
 from lm.model import DecoderLM, build_model
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in configs(args.d_model, args.head_dim, args.layers, args.vocab, L + args.new_tokens,
                                  args.sparsity).items():
             model = build_model(cfg).to(args.device)
-            model.train()(torch.randint(0, args.vocab, (1, 1024), device=args.device))  # MoSA thresholds
+            model.train()(torch.randint(0, args.vocab, (1, 1024), device=args.device))
+            commit_states(model)  # MoSA thresholds
             models[name] = model.eval()
         prompt = torch.randint(0, args.vocab, (1, L), device=args.device)
         steps = {(name, "eager"): None for name in models}

@@ -5,7 +5,7 @@ Everything that acts "per step" acts once per step: the step checkpoints and the
 (`StepTimer`) after the micro-batch that ends it (`ends_step`), the head statistics on its first
 micro-batch (`micro_index` 0). So no checkpoint ever holds a half-accumulated step, and a resumed run
 continues in step with the data order (lm/data.py). Stateful heads (MoSA's running threshold, Routing's
-k-means centroids) update once per micro-batch, from its statistics.
+k-means centroids) stage every micro-batch's statistics and move once per step, after it (heads/base.py).
 """
 from __future__ import annotations
 

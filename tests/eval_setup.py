@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import tiny_config
+from heads import commit_states
 from lm.model import DecoderLM, build_model
 from lm.run_dir import read_provenance
 
@@ -56,6 +57,7 @@ def save_checkpoint(root: Path, data: Path, mix: str = "dense", seq_len: int = 4
     cfg.data.path = str(data)
     model = build_model(cfg.model)
     model.train()(torch.randint(0, pieces, (4, seq_len)))
+    commit_states(model)
     ckpt = root / name
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                 "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from heads import commit_states
 from lm.generate import (cache_nbytes, cached_logits, decode_step, generate, kv_bytes_analytic,
                          new_cache, sample)
 from lm.model import build_model
@@ -57,7 +58,8 @@ PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 
 def model_for(heads: list[dict], seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     model = build_model(tiny_config(heads, seq_len=T, init_std=0.3, n_layers=layers).model)
-    model.train()(torch.randint(0, 97, (4, T)))  # sets MoSA's running thresholds from data
+    model.train()(torch.randint(0, 97, (4, T)))
+    commit_states(model)  # sets MoSA's running thresholds from data
     return model.eval()
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lm
+from heads import commit_states
 from lm.leakfree import evaluate, leak_free_logits
 from tests.conftest import tiny_config
 
@@ -19,7 +20,8 @@ FAITHFUL = [{"type": "dense", "count": 1}, {"type": "mosa", "count": 3, "options
 def _model(heads: list[dict]) -> lm.DecoderLM:
     torch.manual_seed(0)
     model = lm.build_model(tiny_config(heads, init_std=0.3, seq_len=24).model)
-    model.train()(torch.randint(0, 97, (2, 24)))  # initialise running thresholds / centroids
+    model.train()(torch.randint(0, 97, (2, 24)))
+    commit_states(model)  # initialise running thresholds, move centroids
     return model
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lm
-from heads import ConfigError, GroupContext, make_options
+from heads import ConfigError, GroupContext, commit_states, make_options
 from heads.dense import DenseHeads
 from heads.mosa import MoSAHeads
 from lm.causality import future_leak
@@ -186,7 +186,8 @@ def _leak(selection: str, **opts) -> float:
     torch.manual_seed(0)
     model = lm.build_model(cfg.model)
     tokens = torch.randint(0, 97, (2, 64))
-    model.train()(tokens)  # one training pass initialises the running thresholds
+    model.train()(tokens)
+    commit_states(model)  # one training step initialises the running thresholds
     return future_leak(model, tokens, t=40, vocab_size=97)
 
 
