@@ -58,8 +58,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/gutenberg"  # a directory written by data_prep.prepare (index.json + shards)
-    batch_size: int = 16  # sequences per device and micro-batch (global batch = batch_size x devices x accumulation)
+    """Defaults: MoSA App. H's recipe (C4, batch 64), like the model's and the optimizer's, so that an experiment
+    config that sets only its heads trains like configs/tiny.yaml's dense baseline."""
+
+    path: str = "data/c4"  # a directory written by data_prep.prepare (index.json + shards)
+    batch_size: int = 64  # sequences per device and micro-batch (global batch = batch_size x devices x accumulation)
     val_batches: int = 16  # validation windows = val_batches * batch_size, fixed and evenly spaced
     num_workers: int = 0
 

@@ -172,3 +172,15 @@ def test_no_two_training_configs_share_a_run_directory() -> None:
     out_dirs = {path.name: load_config(path).trainer.out_dir for path in TRAINING_CONFIGS}
     shared = {d for d in out_dirs.values() if list(out_dirs.values()).count(d) > 1}
     assert not shared, {name: d for name, d in out_dirs.items() if d in shared}
+
+
+TINY_SHAPED = [p for p, c in ((p, load_config(p)) for p in TRAINING_CONFIGS if "experiments" in p.parts)
+               if c.compression is None and (c.model.d_model, c.model.seq_len) == (512, 1024)]
+
+
+@pytest.mark.parametrize("path", TINY_SHAPED, ids=[p.name for p in TINY_SHAPED])
+def test_tiny_shaped_experiments_train_with_the_dense_baselines_recipe(path: Path) -> None:
+    """A sparse Tiny-shaped experiment (e.g. mosa_hybrid.yaml, MoSA Table 2's Tiny row) is compared with
+    configs/tiny.yaml: same data, batch and optimizer (App. H), or the comparison is not at equal tokens."""
+    cfg, tiny = load_config(path), load_config(CONFIGS / "tiny.yaml")
+    assert (cfg.data, cfg.optim, cfg.trainer.max_steps) == (tiny.data, tiny.optim, tiny.trainer.max_steps)
