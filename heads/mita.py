@@ -6,12 +6,13 @@ Per head, with blocks of b rows (routing/landmarks.py) and n = T // b completed 
   (e_j = the block's last row), K^(j) = K[I_j], V^(j) = V[I_j];
 - shared expert (eqs. 8-9): landmark values v~_j = softmax(S_j) V over rows <= e_j, keys q~_j;
 - routing: logits q . q~_j (Alg. 1 line 13), each query picks its top-s eligible landmarks;
-- output (eqs. 10-12), one softmax over: the shared entries (q~_j, v~_j) of eligible landmarks,
-  the keys of its s routed experts, and the keys at rows <= t of its own block (option `local_blocks` = L:
-  of its own block and the L - 1 blocks before it).
-Landmark j is eligible for a query at row t iff block j ended before those local blocks start
+- output (eqs. 10-12), one softmax over: the shared entries (q~_j, v~_j) of every block that ended before
+  the query's block (j < t // b; eq. 11 puts every landmark into K~), the keys of its s routed experts, and
+  the keys at rows <= t of its own block (option `local_blocks` = L: of its own block and the L - 1 blocks
+  before it).
+Landmark j is eligible for routing from a query at row t iff block j ended before those local blocks start
 (j < t // b - (L - 1)): every key it brings is at a row < t, so nothing after the query is ever visible,
-and routed keys never duplicate local keys.
+and routed keys never duplicate local keys. (With L = 1 the two rules are one.)
 
 Deviations from the paper, and why:
 - causality: pooling only over completed blocks, experts and landmark values over each landmark's
@@ -21,9 +22,10 @@ Deviations from the paper, and why:
   L = 1 (default) a query at row t sees only t mod b + 1 recent keys (the first row of a block none before
   it); `local_blocks: 2` adds the previous block, so every query sees at least its b most recent tokens
   (Gutenberg, bench/results/gutenberg_compare.md: better perplexity at equal FLOPs);
-- for s > 1 the routed keys are the *union* of the chosen experts (a key chosen by two experts
-  counts once, as in MoBA's union of blocks); for s = 1, the paper's implemented case, this is
-  exactly eq. 11's concatenation;
+- for s > 1 the routed keys are the *union* of the chosen experts: a key chosen by two experts counts
+  once. The paper implements s = 1 only (§3.2, where the union is exactly eq. 11's concatenation) and
+  leaves s > 1 to a MoBA-style implementation; eq. 11 read literally would count a shared key once per
+  expert holding it, weighting it by how many experts happen to overlap;
 - the landmark count grows with T (one per b rows) instead of a fixed m = AdaptiveAvgPool size, so
   that pooling windows do not depend on the sequence length; m = T // b at the training length;
 - `shared: false` drops the shared expert (the paper's "route-only" ablation, App. A). With
@@ -99,7 +101,8 @@ class MiTAHeads(DenseHeads):
         ends = rows[b - 1 :: b][:n]  # [n] e_j
         landmark_sees = rows[None, :] <= ends[:, None]  # [n, T]
         L = self.options.local_blocks
-        eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n]
+        eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n] routing
+        done = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None]  # [T, n] shared: ended before t's block
         local = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T]: local blocks
         heads = []
         for i in range(self.count):
@@ -111,15 +114,16 @@ class MiTAHeads(DenseHeads):
             if n:
                 expert.scatter_(-1, S.topk(min(kk, T), dim=-1).indices, True)
             expert &= landmark_sees
-            R = (qi @ lq.transpose(-1, -2) * scale).masked_fill(~eligible, NEG_INF)  # [B, T, n] logits
+            logits = qi @ lq.transpose(-1, -2) * scale  # [B, T, n]: routing logits = shared scores (eqs. 9-10)
+            R = logits.masked_fill(~eligible, NEG_INF)
             chosen = torch.zeros_like(R, dtype=torch.bool)  # e_1(q) .. e_s(q)
             if n:
                 chosen.scatter_(-1, R.topk(min(s, n), dim=-1).indices, True)
             chosen &= eligible
             routed = (chosen.double() @ expert.double()) > 0  # [B, T, T] union of chosen experts' keys
             keys_ok = routed | local
-            shared_ok = eligible.expand_as(R) if self.options.shared else torch.zeros_like(chosen)
-            scores = torch.cat((R, qi @ ki.transpose(-1, -2) * scale), -1)  # [B, T, n + T] eq. 10
+            shared_ok = done.expand_as(R) if self.options.shared else torch.zeros_like(chosen)
+            scores = torch.cat((logits, qi @ ki.transpose(-1, -2) * scale), -1)  # [B, T, n + T] eq. 10
             scores = scores.masked_fill(~torch.cat((shared_ok, keys_ok), -1), NEG_INF)
             heads.append(scores.softmax(-1) @ torch.cat((lv, vi), 1))
         return self.out(torch.cat(heads, dim=-1))
@@ -139,7 +143,7 @@ class MiTAHeads(DenseHeads):
             idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
             sel, sel_ok = route(q @ lq.transpose(-1, -2) * scale, eligible, self.options.s)  # [B, H, T, s'] (line 13)
         lv = attention_lse(lq, k, v, visible, scale)[0] if self.options.shared and n else None  # line 9, eq. 8
-        out, lse = self._shared_and_local(q, k, v, lq, lv, eligible, scale)
+        out, lse = self._shared_and_local(q, k, v, lq, lv, earlier_blocks(T, n, b, q.device), scale)
         if T > b * self.options.local_blocks:  # else no query has an eligible landmark: shared + local only
             # The varlen kernels take no logit offset (s' = 1 only), and their segment sizes are data-dependent
             # (host syncs): under torch.compile the static grouped layout runs instead.
@@ -161,9 +165,9 @@ class MiTAHeads(DenseHeads):
                              device, dtype)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
-        """Prefill: the full forward over the prompt. A later token at row t, with the landmarks of the
-        blocks before its local blocks eligible: one softmax over their shared entries (q~_j, v~_j), the keys
-        of its top-s routed experts (union) and its local blocks' keys at rows <= t (eqs. 10-12)."""
+        """Prefill: the full forward over the prompt. A later token at row t: one softmax over the shared entries
+        (q~_j, v~_j) of the blocks before its block, the keys of its top-s routed experts (union; the landmarks
+        of the blocks before its local blocks are eligible) and its local blocks' keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         prefill = cache.kv.fresh
         if not prefill:
@@ -175,6 +179,7 @@ class MiTAHeads(DenseHeads):
         L = self.options.local_blocks
         S, n_max = cache.kv.k.shape[2], cache.landmarks.shape[2]
         eligible = torch.arange(n_max, device=x.device)[None] < t // b - (L - 1)  # [1, n_max]: before the local blocks
+        done = torch.arange(n_max, device=x.device)[None] < t // b  # [1, n_max]: shared entries, before t's block
         R = q @ cache.landmarks.transpose(-1, -2) * scale  # [B, H, 1, n_max] routing logits
         sel, sel_ok = route(R, eligible, self.options.s)  # [B, H, 1, s']
         routed = gather_rows(cache.experts, sel[:, :, 0])  # [B, H, s', k'] key rows of the chosen experts
@@ -187,13 +192,14 @@ class MiTAHeads(DenseHeads):
         values = gather_rows(cache.kv.v, rows)  # [B, H, r, d]: only these rows, not the whole cache
         if not self.options.shared:
             return self._merge(scores.softmax(-1) @ values)
-        p = torch.cat((R.masked_fill(~eligible, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
+        p = torch.cat((R.masked_fill(~done, NEG_INF), scores), -1).softmax(-1)  # one softmax over both
         return self._merge(p[..., :n_max] @ cache.values + p[..., n_max:] @ values)
 
     def _shared_and_local(
-        self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, eligible: Tensor, scale: float
+        self, q: Tensor, k: Tensor, v: Tensor, lq: Tensor, lv: Tensor | None, done: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """One softmax over the eligible shared entries (q~_j, v~_j) and the query's local blocks (its own and
+        """One softmax over the shared entries (q~_j, v~_j) of the blocks `done` [T, n] before each query's block
+        and the query's local blocks (its own and
         the L - 1 before it), causally: the two parts by attention_lse, merged by log-sum-exp. Returns
         out [B, H, T, d] and its log-sum-exp [B, H, T]."""
         B, H, T, d = q.shape
@@ -211,7 +217,7 @@ class MiTAHeads(DenseHeads):
         out, lse = out.flatten(2, 3)[:, :, :T], lse.flatten(2)[:, :, :T]
         if lv is None:
             return out, lse
-        out_s, lse_s = attention_lse(q, lq, lv, eligible, scale)  # eq. 9: keys q~_j, values v~_j
+        out_s, lse_s = attention_lse(q, lq, lv, done, scale)  # eq. 9: keys q~_j, values v~_j
         return merge((out, out_s), (lse, lse_s))
 
     def _routed(

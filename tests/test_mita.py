@@ -41,6 +41,50 @@ def test_landmarks_are_causal_block_means() -> None:
     assert earlier_blocks(11, 2, 4, x.device).sum(-1).tolist() == [0] * 4 + [1] * 4 + [2] * 3
 
 
+def per_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, top: int, s: int, shared: bool,
+              L: int) -> torch.Tensor:
+    """One head's output [T, h'] written query by query from eqs. 5-12 and the causal rules of heads/mita.py:
+    landmark j (block j ended at e_j) holds the top-k keys of rows <= e_j and the landmark value over them;
+    a query at row t sees the shared entries of the blocks before its own, routes among the landmarks of the
+    blocks before its L local blocks, and attends to the union of its experts' keys and its local keys <= t."""
+    T, d = q.shape
+    scale, n = d**-0.5, T // b
+    landmarks = [q[j * b : (j + 1) * b].mean(0) for j in range(n)]
+    experts, values = [], []
+    for j, lq in enumerate(landmarks):
+        scores = k[: (j + 1) * b] @ lq * scale  # keys at rows <= e_j
+        experts.append(set(scores.topk(min(top, len(scores))).indices.tolist()))
+        values.append(scores.softmax(0) @ v[: (j + 1) * b])
+    out = []
+    for t in range(T):
+        routable = [j for j in range(n) if j < t // b - (L - 1)]
+        logits = {j: q[t] @ landmarks[j] * scale for j in range(n)}
+        best = sorted(routable, key=lambda j: -logits[j])[:s]
+        keys = set().union(*(experts[j] for j in best)) | set(range(max(0, (t // b - L + 1) * b), t + 1))
+        entries = [(logits[j], values[j]) for j in range(t // b) if shared] + [(q[t] @ k[p] * scale, v[p]) for p in keys]
+        weights = torch.stack([e[0] for e in entries]).softmax(0)
+        out.append(weights @ torch.stack([e[1] for e in entries]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("T,options", [(37, {"block": 4, "k": 5, "s": 1}),
+                                       (37, {"block": 4, "k": 5, "s": 2, "local_blocks": 2}),
+                                       (30, {"block": 3, "k": 4, "s": 3, "shared": False}),
+                                       (41, {"block": 4, "k": 6, "s": 1, "local_blocks": 3})])
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_matches_a_per_query_reading_of_the_paper(T: int, options: dict, impl: str) -> None:
+    """Both paths against `per_query`: with local_blocks L >= 2 the shared entries of the L - 1 blocks before the
+    query's own still count (eq. 11 puts every completed landmark into K~; only routing skips them)."""
+    group = make_group("mita", {**options, "impl": impl}, T, count=2, std=None, dtype=torch.float64)
+    x, positions = torch.randn(1, T, group.ctx.d_model, dtype=torch.float64), torch.arange(T)[None]
+    q, k, v = group._qkv(x, positions)
+    full = {"shared": True, "local_blocks": 1, **options}
+    heads = [per_query(q[0, i], k[0, i], v[0, i], full["block"], full["k"], full["s"], full["shared"],
+                       full["local_blocks"]) for i in range(group.count)]
+    want = group.out(torch.cat(heads, -1))[None]
+    assert (group(x, positions) - want).abs().max().item() <= TOL * want.abs().max().item()
+
+
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_full_experts_all_routed_no_shared_is_dense(impl: str) -> None:
     """k >= T (each expert holds its landmark's whole prefix), s >= T // b (every eligible landmark
