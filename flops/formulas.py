@@ -212,9 +212,11 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, the same product as the shared expert's scores) + if
     shared: 2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
     experts) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
-    gathers not counted. Params: dense's 4hh'. An algorithmic count: heads/mita.py takes the routing
-    decisions from S and Q Q~^T computed once more without autograd (+4h'mT), and on CPU pads routed groups to
-    multiples of b (1.04x this at h = 512, b = k = 64, s = 1)."""
+    gathers not counted. Params: dense's 4hh'. An algorithmic count: with the shared expert heads/mita.py takes
+    the routing decisions from S and Q Q~^T computed once more without autograd (+4h'mT); its grouped layout pads
+    each expert's queries to multiples of b (on CPU the groups this routing needs, 1.04x this at h = 512,
+    b = k = 64, s = 1; on CUDA where the varlen path is not taken, s > 1 or torch.compile, a static
+    ceil(T s / b) + m groups, up to about twice the routed pairs)."""
     b, k = int(o.require("block")), int(o.require("k"))
     m = T // b
     s = min(int(o.require("s")), m)  # a query can route to at most the m landmarks
