@@ -2,9 +2,10 @@
 the Adaptive Loss Function"): Delta = Loss(compressed) - Loss(full), suffix NLL in nats/token.
 
 Each prompt is one window of P + S + 1 tokens from one document. Loss(compressed at r): the model as
-trained, the P prefix states at depth L compressed into t = round(r P). Loss(full): the same model
-with the P prefix states passed to blocks [L, n) uncompressed (the r = 1 limit of the architecture,
-no compression layer). Also stored: the prompt compressed at the fixed probe ratio, the predictor's
+trained, the P prefix states at depth L compressed into t = round(r P). Loss(full): the same model with
+full attention, the P prefix states passed to blocks [L, n) as they are (no compression layer; not the
+model at r = 1, which still runs the layer). The model never trains on uncompressed memory, so this
+reference can score worse than its compressions (docs/compression.md). Also stored: the prompt compressed at the fixed probe ratio, the predictor's
 input (lm/ratio_predictor.py).
 
     python -m lm.ratio_data --ckpt runs/compression/checkpoints/last.ckpt --data data/gutenberg_v2k \
