@@ -125,12 +125,13 @@ def frozen_state() -> Iterator[None]:
         _FROZEN[0] = False
 
 
-def commit_states(module: nn.Module) -> None:
+def commit_states(module: nn.Module, keep: bool = True) -> None:
     """Every head group's staged state update under `module` (HeadGroup.commit_state): call it after each
-    optimizer step of a training loop (lm/module.py; the benchmarks' own loops)."""
+    optimizer step of a training loop (lm/module.py; the benchmarks' own loops). keep=False drops the staged
+    updates instead, for a step that is skipped (lm/nonfinite.py)."""
     for group in module.modules():
         if isinstance(group, HeadGroup):
-            group.commit_state()
+            group.commit_state(keep)
 
 
 class HeadGroup(nn.Module):
@@ -162,9 +163,10 @@ class HeadGroup(nn.Module):
         """Whether this forward pass moves the group's batch-statistics state: in training, outside `frozen_state`."""
         return self.training and not _FROZEN[0]
 
-    def commit_state(self) -> None:
+    def commit_state(self, keep: bool = True) -> None:
         """Apply the state update the training forward passes since the last call staged (module docstring);
-        called once after every optimizer step, on every rank. Nothing to do for most types."""
+        called once after every optimizer step, on every rank; keep=False drops it (a skipped step). Nothing to do
+        for most types."""
 
     def kv_entries(self, seq_len: int) -> int:
         """KV-cache entries of the whole group for a length-T sequence."""

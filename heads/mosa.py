@@ -237,8 +237,8 @@ class MoSAHeads(HeadGroup):
             if self.updates_state:
                 self.threshold.stage(scores)  # applied after the optimizer step: commit_state
 
-    def commit_state(self) -> None:
+    def commit_state(self, keep: bool = True) -> None:
         """Causal selections: the running thresholds' EMA step over what this step's forward passes staged
-        (routing/threshold.py)."""
+        (routing/threshold.py); keep=False drops it."""
         if self.causal:
-            self.threshold.commit()
+            self.threshold.commit(keep)

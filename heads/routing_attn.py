@@ -121,9 +121,10 @@ class RoutingHeads(HeadGroup):
             self.kmeans.stage(sums, nearest)  # applied after the optimizer step: commit_state
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
 
-    def commit_state(self) -> None:
-        """The centroids' EMA step over what this step's forward passes staged (routing/kmeans.py)."""
-        self.kmeans.commit()
+    def commit_state(self, keep: bool = True) -> None:
+        """The centroids' EMA step over what this step's forward passes staged (routing/kmeans.py); keep=False
+        drops it."""
+        self.kmeans.commit(keep)
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, v, u, nearest, sel = self._route(x)

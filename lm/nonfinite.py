@@ -2,14 +2,17 @@
 
 Before every optimizer step (after the step's backward passes, one per accumulated micro-batch, and
 before gradient clipping) the guard checks the optimised loss of the step's micro-batches, every
-gradient and every buffer (routing EMAs, thresholds). On a bad step it either
+gradient and every buffer (the head state: routing EMAs, thresholds, and the statistics this step staged for
+them). On a bad step it either
 - stops the run (`trainer.max_bad_steps: 0`, the default): NonFiniteError naming the step, the
   first offending parameter (and its head group) and the newest checkpoint on disk, which was
   written before the bad step and so holds finite weights; or
 - skips the update (up to `trainer.max_bad_steps` bad steps over the whole run, as large-scale
   stacks do after a loss spike): the gradients are dropped so AdamW leaves weights and moments
-  untouched; the step still counts (data order and LR schedule stay a function of the step).
-  A non-finite buffer cannot be undone by skipping and always stops the run.
+  untouched, and the head state the step staged is dropped (heads.commit_states(keep=False)), so the state
+  stays as it was too; the step still counts (data order and LR schedule stay a function of the step).
+  A non-finite committed state buffer (one a checkpoint keeps) cannot be undone by skipping and always stops
+  the run.
 A non-finite validation loss also stops the run, before that step's checkpoint is written; a huge
 finite one is reported as perplexity inf (lm/perplexity.py). StepCheckpoints refuses NaN/inf weights.
 Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked.
@@ -24,7 +27,7 @@ from typing import Any, Callable
 import lightning as L
 import torch
 
-from heads import HeadGroup
+from heads import HeadGroup, commit_states
 from lm.errors import NonFiniteError
 
 
@@ -70,7 +73,8 @@ class NonFiniteGuard(L.Callback):
             return
         loss = float(step_loss)
         grad = first_nonfinite(grads)
-        buffer = first_nonfinite(buffers)
+        kept = pl_module.state_dict(keep_vars=True).keys()  # committed state; staged statistics can be dropped
+        buffer = first_nonfinite([(n, b) for n, b in buffers if n in kept])
         step = trainer.global_step + 1  # the step this update would have made
         what = f"loss {loss}" + (f", first non-finite gradient in {owner(pl_module, grad)}" if grad else "") + \
                (f", non-finite buffer {owner(pl_module, buffer)}" if buffer else "")
@@ -78,6 +82,7 @@ class NonFiniteGuard(L.Callback):
             self.skipped += 1
             for p in pl_module.parameters():
                 p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay as they were
+            commit_states(pl_module, keep=False)  # nor does the head state move
             pl_module.print(f"warning: skipped step {step} ({what}); {self.skipped} of trainer.max_bad_steps="
                             f"{self.max_bad_steps} used")
             return

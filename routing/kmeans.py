@@ -63,10 +63,14 @@ class OnlineKMeans(Float32Buffers):
         self.pending[..., d] += torch.bincount(clusters, minlength=H * C).view(H, C).to(self.pending.dtype)
 
     @torch.no_grad()
-    def commit(self) -> None:
+    def commit(self, keep: bool = True) -> None:
         """EMA step of every centroid toward the mean of the vectors staged for it since the last commit (over
         the global batch under DDP / DeepSpeed: every rank calls this once per optimizer step); empties
-        `pending`. A centroid nothing joined stays."""
+        `pending`. A centroid nothing joined stays. keep=False drops what was staged instead (a skipped step,
+        lm/nonfinite.py; every rank skips it)."""
+        if not keep:
+            self.pending.zero_()
+            return
         d = self.means.shape[-1]
         staged = all_reduce_sum(self.pending)
         sums, counts = staged[..., :d], staged[..., d:]

@@ -53,9 +53,13 @@ class RunningQuantileThreshold(Float32Buffers):
         self.pending[-1] += 1
 
     @torch.no_grad()
-    def commit(self) -> None:
+    def commit(self, keep: bool = True) -> None:
         """One EMA step of tau toward the mean of the quantiles staged since the last commit on every rank (each rank
-        calls this once per optimizer step; the first step sets tau); empties `pending`. Nothing staged: tau stays."""
+        calls this once per optimizer step; the first step sets tau); empties `pending`. Nothing staged: tau stays.
+        keep=False drops what was staged instead (a skipped step, lm/nonfinite.py; every rank skips it)."""
+        if not keep:
+            self.pending.zero_()
+            return
         staged = all_reduce_sum(self.pending)
         count = staged[-1]
         mean = staged[:-1] / count.clamp(min=1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from heads import commit_states
 from lm.checkpoint import read_checkpoint
 from lm.config import load_config
 from lm.nonfinite import NonFiniteError, NonFiniteGuard
@@ -44,7 +45,7 @@ class Toy(L.LightningModule):
                           batch_size=None)
 
 
-def fit(module: Toy, max_bad_steps: int) -> NonFiniteGuard:
+def fit(module: L.LightningModule, max_bad_steps: int) -> NonFiniteGuard:
     guard = NonFiniteGuard(max_bad_steps, lambda: None)
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[guard])
@@ -78,6 +79,52 @@ def test_a_non_finite_buffer_stops_even_within_the_skip_budget() -> None:
     with pytest.raises(NonFiniteError, match=r"^non-finite training at step 3: loss [0-9.]+, non-finite buffer ema;"):
         fit(toy, max_bad_steps=5)
     assert len(toy.after) == 2
+
+
+class StatefulToy(L.LightningModule):
+    """A MoSA and a Routing group (head state staged in the forward pass, committed after the optimizer step, as
+    LMModule does) whose input is NaN at the steps in `bad`; records the state after every step."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__()
+        from tests.head_checks import make_group
+
+        self.bad, self.T = bad, 16
+        self.mosa = make_group("mosa", {"sparsity": 4, "threshold_momentum": 0.5}, self.T).train()
+        self.routing = make_group("routing", {"sparsity": 4, "decay": 0.5}, self.T).train()
+        self.after: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch * math.nan if self.global_step in self.bad else batch
+        positions = torch.arange(self.T).expand(len(x), self.T)
+        return (self.mosa(x, positions) + self.routing(x, positions)).pow(2).mean()
+
+    def optimizer_step(self, *args: object, **kwargs: object) -> None:
+        super().optimizer_step(*args, **kwargs)
+        commit_states(self)
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.after.append({k: v.clone() for k, v in self.state_dict().items() if k.endswith(("tau", "means"))})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader([torch.randn(2, self.T, 32, generator=g) for _ in range(6)], batch_size=None)
+
+
+def test_a_skipped_step_leaves_the_head_state_as_it_was() -> None:
+    """A NaN step in a model with MoSA and Routing heads is skipped like any other: the statistics it staged (NaN)
+    are dropped, so the thresholds and centroids neither move nor turn NaN, and later steps move them again.
+    (Were the staged statistics a state buffer, the run would stop: a NaN state cannot be undone.)"""
+    toy = StatefulToy(bad={2})
+    guard = fit(toy, max_bad_steps=1)
+    assert guard.skipped == 1 and len(toy.after) == 6
+    assert all(torch.isfinite(v).all() for state in toy.after for v in state.values())
+    for name, value in toy.after[2].items():
+        assert torch.equal(value, toy.after[1][name]), name  # the skipped step moved nothing ...
+        assert not torch.equal(toy.after[3][name], value), name  # ... and the next one did
 
 
 def test_the_skip_budget_survives_a_checkpoint() -> None:
