@@ -115,7 +115,7 @@ class CompressionConfig:
     detach_prefix: bool = True  # prefix states are frozen (no gradient) as keys/values of that attention
     mode: str = "compress"  # compress | recent (baseline: keep the last t raw states, no compression)
     regime: str = "fixed"  # fixed | random (prefix_len and ratio uniform, spread growing over ramp_steps)
-    prefix_len: int = 256  # P (centre of its range under regime=random)
+    prefix_len: int = 1024  # P (centre of its range under regime=random); the post's P = S = model.seq_len
     ratio: float = 0.125  # t / P, the fraction kept (centre of its range under regime=random)
     prefix_spread: float = 0.5  # regime=random: P ~ U[P(1-s), P(1+s)] once the ramp is over
     ratio_spread: float = 0.5  # regime=random: ratio ~ U[r(1-s), r(1+s)] once the ramp is over

@@ -6,7 +6,8 @@ divide the training length (the solver refuses it), a non-causal head mix
 (its teacher-forced validation loss leaks), a shrunk run (`trainer.max_steps=30` on a
 preset) that keeps the preset's warm-up never leaves it (the loss stays near ln V), one whose
 `val_every` exceeds `max_steps` validates only at the end, and validation windows that overlap (or a
-validation split shorter than one batch of windows) measure fewer distinct tokens than they count.
+validation split shorter than one batch of windows) measure fewer distinct tokens than they count, and a
+compression prefix length other than the suffix length (generation decodes windows of one length).
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def config_warnings(cfg: Config) -> list[str]:
                    f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")
     if t.val_every > t.max_steps:
         out.append(f"trainer.val_every={t.val_every} > trainer.max_steps={t.max_steps}: validation runs only at the end")
+    c = cfg.compression
+    if c is not None and c.prefix_len != m.seq_len:
+        out.append(f"compression.prefix_len={c.prefix_len} != model.seq_len={m.seq_len}: generation "
+                   f"(lm.compressed_generate) decodes windows of prefix_len tokens, each the suffix while decoded and a "
+                   f"compressed span after, so one role runs at a length training never used (the post trains both "
+                   f"at seq_len)")
     return out
 
 

@@ -37,6 +37,18 @@ def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixtur
     assert warnings_of(capsys.readouterr().err) == []
 
 
+def test_a_compression_prefix_other_than_the_suffix_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    """Generation decodes windows of prefix_len tokens that are first a suffix, then a compressed span: the post
+    trains both at seq_len. The shipped compression configs (P = S = 128) and the defaults (1024) are silent."""
+    sensible = ("trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10")
+    load_config("configs/experiments/compression.yaml", *sensible)
+    load_config("configs/tiny.yaml", *sensible, "compression.ratio=0.25")
+    assert warnings_of(capsys.readouterr().err) == []
+    load_config("configs/experiments/compression.yaml", *sensible, "compression.prefix_len=256")
+    (line,) = warnings_of(capsys.readouterr().err)
+    assert "compression.prefix_len=256 != model.seq_len=128" in line
+
+
 def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
     """Training accepts it (k is rounded, App. F), the IsoFLOP solver refuses it: say so instead of silently
     differing."""
