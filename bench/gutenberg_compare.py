@@ -213,7 +213,8 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         "machine's load at the time, so it does not compare speeds. `causal = False` rows are leaky as published; "
         "their honest number is the leak-free perplexity. `code`: the commit the variant was trained at (a row "
         "is re-trained with `--only NAME --force` when its head's code changes; `-`: trained before the column "
-        "existed). `dense_kept` trains only the 4 dense heads every sparse variant keeps "
+        "existed). `KV total` is analytic (model.kv_total), recomputed for the agent and MiTA rows when their count "
+        "gained one pair per completed block (2026-11-25). `dense_kept` trains only the 4 dense heads every sparse variant keeps "
         "(fewer FLOPs than the baseline): a sparse variant worse than it is made worse by its sparse heads at this "
         "budget, not merely no better than dense.",
         "",

@@ -16,12 +16,17 @@ Deviations from the paper, and why:
 - causal masks in both steps and agents only from completed blocks (the paper pools the whole image,
   which would let every token see the future);
 - the agent count grows with T (one per b tokens) instead of a fixed n: a fixed count would make the
-  pooling windows depend on the sequence length;
-- no agent biases B1, B2: positions come from RoPE (heads/rope.py), rotating Q and K at their
-  positions before pooling, so an agent's scores are the mean of its block's query scores;
-- no DWC(V) branch: its role (local detail that the rank-n agent path loses) is taken by the causal
-  local window, merged into the broadcast softmax rather than added, and needed anyway so that rows
-  before the first completed block have context.
+  pooling windows depend on the sequence length. The price: aggregation and broadcast cost 8h'T^2/b FLOPs,
+  quadratic in T where the paper's fixed n makes them linear (§4.1), b / 2 times fewer than dense's 4h'T^2;
+The next two are choices, not forced by causality:
+- no agent biases B1, B2: positions come from RoPE (heads/rope.py), rotating Q and K at their positions
+  before pooling, so an agent's scores are the mean of its block's query scores. A causal relative bias
+  would be possible; note that averaging b rotated queries scales rotary frequency theta by
+  |sin(b theta / 2) / (b sin(theta / 2))|, so agents keep mostly the low frequencies' position information;
+- no DWC(V) branch: a causal local window takes its role (local detail that the rank-n agent path loses),
+  merged into the broadcast softmax (agents and window share one probability mass) rather than added, and
+  giving the rows before the first completed block context. A causal depthwise convolution over V would
+  be the literal causal form of eq. 6 (not built).
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged.
 """
 from __future__ import annotations
@@ -41,10 +46,13 @@ from routing.landmarks import block_ends, block_pool, prefix_mask
 
 @dataclass
 class AgentOptions(HeadOptions):
-    """KV: every token (the default kv_per_head): a future agent aggregates over its whole prefix."""
-
     block: int = 64  # b, tokens pooled into one agent
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
+
+    def kv_per_head(self, seq_len: int) -> int:
+        """Every token (a future agent aggregates over its whole prefix) plus one (A_j, V_A_j) key-value pair per
+        completed block, which every later query attends to."""
+        return seq_len + seq_len // self.block
 
     @classmethod
     def example(cls) -> dict[str, Any]:

@@ -57,13 +57,17 @@ NEG_INF = float("-inf")
 
 @dataclass
 class MiTAOptions(HeadOptions):
-    """KV: every token (the default kv_per_head): a future landmark gathers its k keys from the whole prefix."""
-
     block: int = 64  # b, rows pooled into one landmark query (m = T // b landmarks)
     k: int = 64  # keys gathered by each landmark (expert width)
     s: int = 1  # routed experts per query (besides the shared one)
     shared: bool = True  # include the shared (compressed) expert, eqs. 8-9
     local_blocks: int = 1  # L: a query attends causally to its own block and the L - 1 before it
+
+    def kv_per_head(self, seq_len: int) -> int:
+        """Every token (a future landmark gathers its k keys from the whole prefix) plus one landmark per completed
+        block: the shared entry (q~_j, v~_j) later queries attend to (with `shared: false` q~_j is still kept, for
+        routing)."""
+        return seq_len + seq_len // self.block
 
     @classmethod
     def example(cls) -> dict[str, Any]:

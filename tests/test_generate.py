@@ -131,6 +131,18 @@ def test_cache_bytes_match_the_analytic_kv_count(name: str) -> None:
     assert kv_only < cache_nbytes(cache) <= kv_only * 1.5
 
 
+@pytest.mark.parametrize("name", ["dense", "local", "fixed", "topk", "agent", "mita", "mita_route_only"])
+def test_a_full_cache_holds_the_analytic_kv_count(name: str) -> None:
+    """After T decoded tokens, the entries a head group's cache stores (keys/values, plus agent / landmark pairs)
+    equal the analytic count flops/ and Table 2-style KV numbers use (kv_total): for the types whose cache is full
+    at T (MoSA's and MoSAIC's hold at most their slots, checked above)."""
+    from lm.generate import cache_fill
+
+    model = model_for(CAUSAL_TYPES[name])
+    _, cache = cached_logits(model, torch.randint(0, 97, (2, T)), 17)
+    assert sum(stored for stored, _ in cache_fill(model, cache).values()) == 2 * model.kv_total(T)
+
+
 def test_non_causal_heads_refuse_to_decode() -> None:
     for heads in ([{"type": "mosaic", "count": 4, "options": {"priority": "random"}}],
                   [{"type": "mosa", "count": 4, "options": {"selection": "expert_choice"}}]):
