@@ -115,7 +115,7 @@ class CompressionConfig:
     detach_prefix: bool = True  # prefix states are frozen (no gradient) as keys/values of that attention
     mode: str = "compress"  # compress | recent (baseline: keep the last t raw states, no compression)
     regime: str = "fixed"  # fixed | random (prefix_len and ratio uniform, spread growing over ramp_steps)
-    prefix_len: int = 1024  # P (centre of its range under regime=random); the post's P = S = model.seq_len
+    prefix_len: Optional[int] = None  # P (centre of its range under regime=random); None: model.seq_len (the post's P = S)
     ratio: float = 0.125  # t / P, the fraction kept (centre of its range under regime=random)
     prefix_spread: float = 0.5  # regime=random: P ~ U[P(1-s), P(1+s)] once the ramp is over
     ratio_spread: float = 0.5  # regime=random: ratio ~ U[r(1-s), r(1+s)] once the ramp is over
@@ -208,7 +208,9 @@ def validate(cfg: Config) -> Config:
 
 
 def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
-    """One-line ConfigErrors for the compression section."""
+    """One-line ConfigErrors for the compression section; an unset prefix_len becomes model.seq_len."""
+    if c.prefix_len is None:
+        c.prefix_len = m.seq_len
     _positive(c, "n_heads", "ffn_mult", "prefix_len", "ratio", "max_depth")
     if not 1 <= c.layer < m.n_layers:
         raise ConfigError(f"compression.layer must be in [1, {m.n_layers}) (model.n_layers), got {c.layer}")

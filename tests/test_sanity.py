@@ -39,7 +39,8 @@ def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixtur
 
 def test_a_compression_prefix_other_than_the_suffix_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
     """Generation decodes windows of prefix_len tokens that are first a suffix, then a compressed span: the post
-    trains both at seq_len. The shipped compression configs (P = S = 128) and the defaults (1024) are silent."""
+    trains both at seq_len. The shipped compression configs (P = S = 128) and the default (P = model.seq_len) are
+    silent."""
     sensible = ("trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10")
     load_config("configs/experiments/compression.yaml", *sensible)
     load_config("configs/tiny.yaml", *sensible, "compression.ratio=0.25")
