@@ -23,10 +23,11 @@ The next two are choices, not forced by causality:
   before pooling, so an agent's scores are the mean of its block's query scores. A causal relative bias
   would be possible; note that averaging b rotated queries scales rotary frequency theta by
   |sin(b theta / 2) / (b sin(theta / 2))|, so agents keep mostly the low frequencies' position information;
-- no DWC(V) branch: a causal local window takes its role (local detail that the rank-n agent path loses),
-  merged into the broadcast softmax (agents and window share one probability mass) rather than added, and
-  giving the rows before the first completed block context. A causal depthwise convolution over V would
-  be the literal causal form of eq. 6 (not built).
+- the local detail that the rank-n agent path loses (the role of eq. 6's DWC(V)) comes from a causal local
+  window merged into the broadcast softmax (agents and window share one probability mass), which also gives
+  the rows before the first completed block context. Eq. 6's DWC(V) itself, made causal, is option `dwc`
+  = K > 0: a depthwise convolution over V of the K most recent tokens (rows t-K+1 .. t; the paper's 3 x 3
+  image kernel, k = 3, becomes K taps along the sequence), added to each head's output before W^O.
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
@@ -48,6 +51,7 @@ from routing.landmarks import block_ends, block_pool, prefix_mask
 class AgentOptions(HeadOptions):
     block: int = 64  # b, tokens pooled into one agent
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
+    dwc: int = 0  # K: taps of the causal depthwise convolution over V added to the output (eq. 6's DWC); 0 = none
 
     def kv_per_head(self, seq_len: int) -> int:
         """Every token (a future agent aggregates over its whole prefix) plus one (A_j, V_A_j) key-value pair per
@@ -56,11 +60,11 @@ class AgentOptions(HeadOptions):
 
     @classmethod
     def example(cls) -> dict[str, Any]:
-        return {"block": 8, "window": 8}
+        return {"block": 8, "window": 8, "dwc": 3}
 
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
-        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16]}
+        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16], "dwc": [0, 1, 3]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -68,6 +72,8 @@ class AgentOptions(HeadOptions):
             raise ConfigError(f"agent: options.block must be >= 1, got {self.block}")
         if not 1 <= self.window <= self.block:
             raise ConfigError(f"agent: options.window must be in [1, block={self.block}], got {self.window}")
+        if self.dwc < 0:
+            raise ConfigError(f"agent: options.dwc must be >= 0 (0 = no convolution), got {self.dwc}")
 
     def validate_length(self, head: str, seq_len: int) -> None:
         super().validate_length(head, seq_len)
@@ -80,6 +86,30 @@ class AgentHeads(DenseHeads):
 
     Options = AgentOptions
     beyond_training = "keeps every token and adds an agent per block (its cache grows with the length)"
+    options: AgentOptions
+
+    def __init__(self, ctx: GroupContext, count: int, options: AgentOptions) -> None:
+        super().__init__(ctx, count, options)
+        channels = count * ctx.head_dim
+        if options.dwc:  # one K-tap filter and a bias per (head, channel), as a depthwise Conv1d
+            self.dwc = nn.Conv1d(channels, channels, options.dwc, groups=channels)
+
+    def _dwc(self, v: torch.Tensor) -> torch.Tensor:
+        """DWC(V) made causal: v[B, H, T, h'] -> [B, H, T, h'], row t = bias + sum_i w_i * v[t - K + 1 + i] over
+        the rows >= 0 (zero-padded on the left: F.conv1d's cross-correlation over rows t-K+1 .. t)."""
+        B, H, T, d = v.shape
+        y = self.dwc(F.pad(v.permute(0, 1, 3, 2).reshape(B, H * d, T), (self.options.dwc - 1, 0)))
+        return y.view(B, H, d, T).permute(0, 1, 3, 2)
+
+    def _dwc_reference(self, vi: torch.Tensor, i: int) -> torch.Tensor:
+        """Head i's causal DWC, tap by tap: vi[B, T, h'] -> bias + sum_j w_j * v[t - (K - 1 - j)] (rows >= 0)."""
+        K, d = self.options.dwc, self.ctx.head_dim
+        w, bias = self.dwc.weight[i * d : (i + 1) * d, 0], self.dwc.bias[i * d : (i + 1) * d]  # [h', K], [h']
+        out = bias.expand_as(vi).clone()
+        for j in range(K):
+            shift = K - 1 - j  # tap j reads the row `shift` tokens back
+            out[:, shift:] += w[:, j] * vi[:, : vi.shape[1] - shift]
+        return out
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
@@ -102,7 +132,8 @@ class AgentHeads(DenseHeads):
             VA = torch.stack(agent_values, 1) if n else vi[:, :0]
             scores = torch.cat((qi @ A.transpose(-1, -2), qi @ ki.transpose(-1, -2)), -1) * scale  # [B, T, n+T]
             scores = scores.masked_fill(~torch.cat((agent_visible, local), -1), float("-inf"))
-            heads.append(scores.softmax(-1) @ torch.cat((VA, vi), 1))  # broadcast + local, one softmax
+            head = scores.softmax(-1) @ torch.cat((VA, vi), 1)  # broadcast + local, one softmax
+            heads.append(head + self._dwc_reference(vi, i) if self.options.dwc else head)
         return self.out(torch.cat(heads, dim=-1))
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -120,7 +151,7 @@ class AgentHeads(DenseHeads):
         rows = torch.arange(nb * b, device=q.device).view(nb, b, 1)
         mask = torch.cat((block_ends(n, b, q.device) <= rows, band), -1)  # [nb, b, n + 2b]: agents done by t
         out = attend(qb, keys, values, mask=mask).view(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
-        return self.out(out.transpose(1, 2).reshape(B, T, H * d))
+        return self._merge(out + self._dwc(v) if self.options.dwc else out)
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BlockKV:
@@ -130,7 +161,7 @@ class AgentHeads(DenseHeads):
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
         """Prefill: the full forward over the prompt. A later token at row t (which may complete a
         block, whose agent it then already sees) attends in one softmax to the agents of all completed
-        blocks and to the keys t-w < p <= t."""
+        blocks and to the keys t-w < p <= t; with `dwc`, plus the convolution over its K most recent rows of v."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         prefill = cache.kv.fresh
         if not prefill:
@@ -144,4 +175,10 @@ class AgentHeads(DenseHeads):
         keys = torch.cat((cache.landmarks, cache.kv.k.index_select(2, near)), 2)  # every agent slot + window
         values = torch.cat((cache.values, cache.kv.v.index_select(2, near)), 2)
         done = torch.arange(cache.landmarks.shape[2], device=x.device) < (t + 1) // self.options.block  # completed
-        return self._merge(attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None]))  # one softmax
+        out = attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None])  # one softmax
+        if self.options.dwc:  # the last K rows of v (rows < 0 are zeros), the convolution's last output
+            K = self.options.dwc
+            taps = t - K + 1 + torch.arange(K, device=x.device)
+            recent = cache.kv.v.index_select(2, taps.clamp(min=0)) * (taps >= 0)[:, None]  # [B, H, K, h']
+            out = out + self._dwc(recent)[:, :, -1:]
+        return self._merge(out)

@@ -14,10 +14,31 @@ from lm.causality import future_leak
 TOL = 1e-12  # float64: relative RMS error and max-abs error (relative to the reference max), outputs and all gradients
 
 
-@pytest.mark.parametrize("T,block,window", [(100, 8, 5), (257, 16, 16), (20, 32, 7)])
-def test_fast_matches_reference(T: int, block: int, window: int) -> None:
-    errors = fast_vs_reference(make_group("agent", {"block": block, "window": window}, T, std=None, dtype=torch.float64), T)
-    assert_match(errors, TOL, TOL)
+@pytest.mark.parametrize("T,block,window,dwc", [(100, 8, 5, 0), (257, 16, 16, 0), (20, 32, 7, 0), (100, 8, 5, 3),
+                                                (37, 4, 2, 1), (20, 32, 7, 5)])
+def test_fast_matches_reference(T: int, block: int, window: int, dwc: int) -> None:
+    group = make_group("agent", {"block": block, "window": window, "dwc": dwc}, T, std=None, dtype=torch.float64)
+    assert_match(fast_vs_reference(group, T), TOL, TOL)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_dwc_adds_a_causal_depthwise_convolution_of_v(impl: str) -> None:
+    """Option dwc = K (eq. 6's DWC(V), made causal): the output gains W^O applied to, per head and channel,
+    bias + sum_j w_j v[t - K + 1 + j] over rows >= 0; written here token by token."""
+    T, K, H, d = 19, 3, 2, 8
+    group = make_group("agent", {"block": 4, "window": 2, "dwc": K, "impl": impl}, T, count=H, head_dim=d,
+                       dtype=torch.float64)
+    x, positions = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
+    v = group._qkv(x, positions)[2]  # [B, H, T, h']
+    w, bias = group.dwc.weight[:, 0].view(H, d, K), group.dwc.bias.view(H, d)
+    conv = torch.stack([bias + sum(w[..., j] * v[:, :, t - K + 1 + j] for j in range(K) if t - K + 1 + j >= 0)
+                        for t in range(T)], 2)  # [B, H, T, h']
+    with_dwc = group(x, positions)
+    with torch.no_grad():
+        group.dwc.weight.zero_()
+        group.dwc.bias.zero_()
+    want = group(x, positions) + conv.transpose(1, 2).reshape(2, T, H * d) @ group.out.weight.T
+    assert (with_dwc - want).abs().max().item() <= TOL * want.abs().max().item()
 
 
 def test_fast_path_keeps_no_score_tensor() -> None:
@@ -62,7 +83,8 @@ def test_agents_change_rows_after_the_first_block() -> None:
 
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
-    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 8, "window": 4, "impl": impl}}])
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1},
+                             {"type": "agent", "count": 2, "options": {"block": 8, "window": 4, "dwc": 3, "impl": impl}}])
     model = lm.build_model(cfg.model)
     tokens = torch.randint(0, 97, (2, 64))
     assert model.causal
@@ -74,7 +96,8 @@ def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in group.parameters())
 
 
-@pytest.mark.parametrize("options,field", [({"block": 0}, "options.block"), ({"block": 8, "window": 9}, "options.window")])
+@pytest.mark.parametrize("options,field", [({"block": 0}, "options.block"), ({"block": 8, "window": 9}, "options.window"),
+                                           ({"dwc": -1}, "options.dwc")])
 def test_bad_options_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])

@@ -35,7 +35,7 @@ DECODED = {  # hand-picked decoding cases: options and head counts chosen for T 
                             {"type": "mosaic", "count": 4, "options": {"sparsity": 2, "top_s": 2, "gate": g}}]
        for g in ("renorm", "sigmoid")},
     # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
-    "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3}}],
+    "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3, "dwc": 4}}],
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
     "mita_route_only": [{"type": "dense", "count": 1},
                         {"type": "mita", "count": 2, "options": {"block": 5, "k": 3, "s": 1, "shared": False}}],
