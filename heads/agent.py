@@ -28,7 +28,8 @@ The next two are choices, not forced by causality:
   the rows before the first completed block context. Eq. 6's DWC(V) itself, made causal, is option `dwc`
   = K > 0: a depthwise convolution over V of the K most recent tokens (rows t-K+1 .. t; the paper's 3 x 3
   image kernel, k = 3, becomes K taps along the sequence), added to each head's output before W^O.
-Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged.
+Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged (with `dwc`, the
+convolution's taps and bias come on top).
 """
 from __future__ import annotations
 
