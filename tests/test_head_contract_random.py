@@ -126,3 +126,22 @@ def test_causal_in_training_mode(head_type: str) -> None:
         leaky = lm.build_model(tiny_config(heads, init_std=0.3).model)
         assert not leaky.causal
         assert future_leak(leaky, torch.randint(0, 97, (2, 64)), t=27, vocab_size=97, training=True) > 1e-2
+
+
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
+def test_training_passes_move_no_state_until_the_commit(head_type: str) -> None:
+    """heads/base.py: state moved by training batches never moves inside a forward pass (a compiled backward or an
+    activation-checkpointing replay would read it moved); two training-mode passes leave every buffer a checkpoint
+    keeps as it was, and only `commit_state` (after the optimizer step) moves it, once, for both passes."""
+    from heads import commit_states
+    from tests.head_checks import tiny_options
+
+    T = 32
+    group = make_group(head_type, tiny_options(head_type), T).train()
+    before = {k: v.clone() for k, v in group.state_dict().items() if k in dict(group.named_buffers())}
+    for _ in range(2):
+        group(torch.randn(2, T, 32), torch.arange(T).expand(2, T))
+    assert all(torch.equal(group.state_dict()[k], v) for k, v in before.items()), head_type
+    commit_states(group)
+    moved = [k for k, v in before.items() if not torch.equal(group.state_dict()[k], v)]
+    assert moved == [k for k in before if head_type in ("mosa", "routing")], moved
