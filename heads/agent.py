@@ -107,9 +107,11 @@ class AgentHeads(DenseHeads):
         K, d = self.options.dwc, self.ctx.head_dim
         w, bias = self.dwc.weight[i * d : (i + 1) * d, 0], self.dwc.bias[i * d : (i + 1) * d]  # [h', K], [h']
         out = bias.expand_as(vi).clone()
+        T = vi.shape[1]
         for j in range(K):
-            shift = K - 1 - j  # tap j reads the row `shift` tokens back
-            out[:, shift:] += w[:, j] * vi[:, : vi.shape[1] - shift]
+            shift = K - 1 - j  # tap j reads the row `shift` tokens back (none for rows t < shift)
+            if shift < T:
+                out[:, shift:] += w[:, j] * vi[:, : T - shift]
         return out
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

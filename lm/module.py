@@ -133,11 +133,13 @@ class LMModule(L.LightningModule):
                     if value.dim() > 0:
                         logger.experiment.add_histogram(tag, value.float().cpu(), self.global_step)
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """The optimizer step, then the head groups' staged state updates (HeadGroup.commit_state): outside the
-        compiled forward, and before any callback checkpoints the step."""
-        super().optimizer_step(*args, **kwargs)
-        commit_states(self.model)  # a CompressedLM's groups too (lm/compressed_training.py)
+        compiled forward, and before any callback checkpoints the step. Under DeepSpeed, which accumulates
+        gradients itself, Lightning calls this after every micro-batch: the state moves after the step's last."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if ends_step(self.trainer, batch_idx):
+            commit_states(self.model)  # a CompressedLM's groups too (lm/compressed_training.py)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams

@@ -75,9 +75,11 @@ class NonFiniteGuard(L.Callback):
         grad = first_nonfinite(grads)
         kept = pl_module.state_dict(keep_vars=True).keys()  # committed state; staged statistics can be dropped
         buffer = first_nonfinite([(n, b) for n, b in buffers if n in kept])
+        staged = first_nonfinite([(n, b) for n, b in buffers if n not in kept])
         step = trainer.global_step + 1  # the step this update would have made
         what = f"loss {loss}" + (f", first non-finite gradient in {owner(pl_module, grad)}" if grad else "") + \
-               (f", non-finite buffer {owner(pl_module, buffer)}" if buffer else "")
+               (f", non-finite buffer {owner(pl_module, buffer)}" if buffer else "") + \
+               (f", non-finite staged statistics {owner(pl_module, staged)}" if staged else "")
         if buffer is None and self.skipped < self.max_bad_steps:
             self.skipped += 1
             for p in pl_module.parameters():

@@ -152,3 +152,24 @@ def test_logged_training_loss_is_the_step_mean(data: Path, tmp_path: Path, monke
     assert sorted(logged) == [1, 2, 3, 4]  # once per optimizer step, at its count (lm/step_logger.py)
     for step, value in logged.items():
         assert value == pytest.approx(sum(seen[3 * step - 3 : 3 * step]) / 3, rel=1e-6)
+
+
+def test_head_state_commits_once_per_step_when_the_optimizer_is_stepped_per_micro_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DeepSpeed (which accumulates gradients itself) Lightning calls LMModule.optimizer_step after every
+    micro-batch; the staged head state must still move once, after the step's last micro-batch."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lm.module import LMModule
+    from tests.conftest import tiny_config
+
+    module = LMModule(tiny_config([{"type": "mosa", "count": 2, "options": {"sparsity": 4}}], seq_len=16)).train()
+    module._trainer = SimpleNamespace(accumulate_grad_batches=4)
+    monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda *args, **kwargs: None)  # the engine's step
+    tau = module.model.blocks[0].attn.groups[0].threshold.tau
+    for batch_idx in range(4):
+        module.model(torch.randint(0, 97, (2, 16)))  # a micro-batch's forward stages its statistics
+        module.optimizer_step(0, batch_idx, None)
+        assert torch.equal(tau, torch.zeros_like(tau)) == (batch_idx < 3), batch_idx

@@ -15,7 +15,7 @@ TOL = 1e-12  # float64: relative RMS error and max-abs error (relative to the re
 
 
 @pytest.mark.parametrize("T,block,window,dwc", [(100, 8, 5, 0), (257, 16, 16, 0), (20, 32, 7, 0), (100, 8, 5, 3),
-                                                (37, 4, 2, 1), (20, 32, 7, 5)])
+                                                (37, 4, 2, 1), (20, 32, 7, 5), (4, 4, 2, 9)])  # K > T
 def test_fast_matches_reference(T: int, block: int, window: int, dwc: int) -> None:
     group = make_group("agent", {"block": block, "window": window, "dwc": dwc}, T, std=None, dtype=torch.float64)
     assert_match(fast_vs_reference(group, T), TOL, TOL)

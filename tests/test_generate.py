@@ -37,6 +37,8 @@ DECODED = {  # hand-picked decoding cases: options and head counts chosen for T 
     # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
     "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3, "dwc": 4}}],
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
+    "mita_2blocks": [{"type": "dense", "count": 1},
+                     {"type": "mita", "count": 2, "options": {"block": 4, "k": 5, "s": 2, "local_blocks": 2}}],
     "mita_route_only": [{"type": "dense", "count": 1},
                         {"type": "mita", "count": 2, "options": {"block": 5, "k": 3, "s": 1, "shared": False}}],
     "topk": [{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}],
@@ -52,7 +54,7 @@ def types_in(*mixes: list[dict]) -> set[str]:
 CAUSAL_TYPES = {**DECODED, **{t: [{"type": "dense", "count": 1}, {"type": t, "count": 3, "options": tiny_options(t)}]
                               for t in sorted(decodable_types() - types_in(*DECODED.values()))}}
 PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 3 = shorter than a block
-            "agent": (3, 17), "mita": (3, 17), "mita_route_only": (3, 17)}
+            "agent": (3, 17), "mita": (3, 17), "mita_2blocks": (3, 9, 17), "mita_route_only": (3, 17)}
 
 
 def model_for(heads: list[dict], seed: int = 0, layers: int = 2):
