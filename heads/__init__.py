@@ -11,4 +11,5 @@ from heads import mita  # noqa: F401
 from heads.base import (REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, commit_states, head_class,
                         make_options, register)
 
-__all__ = ["REGISTRY", "ConfigError", "GroupContext", "HeadGroup", "HeadOptions", "head_class", "make_options", "register"]
+__all__ = ["REGISTRY", "ConfigError", "GroupContext", "HeadGroup", "HeadOptions", "commit_states", "head_class", "make_options",
+           "register"]

@@ -16,8 +16,8 @@ Groups report `aux_losses` (name -> scalar tensor, already weighted, added to th
 honestly. State moved by training batches (MoSA's running threshold, Routing's k-means centroids) never moves
 inside the forward pass: a training forward pass stages its batch statistics (where `updates_state` says so: in
 training, and not while a forward pass is replayed, as activation checkpointing's recomputation does,
-`frozen_state`), and `commit_state`, which the trainer calls once after every optimizer step (lm/module.py), applies
-them. So every micro-batch of a step sees the same state, a replayed pass takes the original's decisions, a
+`frozen_state`), into a `routing.staged.StagedStatistics`, and `commit_states`, which the trainer calls once after
+every optimizer step (lm/module.py), applies them. So every micro-batch of a step sees the same state, a replayed pass takes the original's decisions, a
 compiled graph's backward never reads state its forward moved (routing/kmeans.py), and DDP reduces the statistics
 once per step, outside the forward pass (routing/distributed.py). Stats stay tensors (no host sync in the forward
 pass, so training compiles with fullgraph=True); lm/module.py reads them only every `trainer.log_every` steps.
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from heads.rope import RotaryEmbedding
+from routing.staged import StagedStatistics
 
 
 class ConfigError(ValueError):
@@ -126,12 +127,12 @@ def frozen_state() -> Iterator[None]:
 
 
 def commit_states(module: nn.Module, keep: bool = True) -> None:
-    """Every head group's staged state update under `module` (HeadGroup.commit_state): call it after each
-    optimizer step of a training loop (lm/module.py; the benchmarks' own loops). keep=False drops the staged
-    updates instead, for a step that is skipped (lm/nonfinite.py)."""
-    for group in module.modules():
-        if isinstance(group, HeadGroup):
-            group.commit_state(keep)
+    """Apply the state updates staged under `module` (every routing.staged.StagedStatistics in it): call it after
+    each optimizer step of a training loop (lm/module.py; the benchmarks' own loops). keep=False drops them
+    instead, for a step that is skipped (lm/nonfinite.py)."""
+    for state in module.modules():
+        if isinstance(state, StagedStatistics):
+            state.commit(keep)
 
 
 class HeadGroup(nn.Module):
@@ -162,11 +163,6 @@ class HeadGroup(nn.Module):
     def updates_state(self) -> bool:
         """Whether this forward pass moves the group's batch-statistics state: in training, outside `frozen_state`."""
         return self.training and not _FROZEN[0]
-
-    def commit_state(self, keep: bool = True) -> None:
-        """Apply the state update the training forward passes since the last call staged (module docstring);
-        called once after every optimizer step, on every rank; keep=False drops it (a skipped step). Nothing to do
-        for most types."""
 
     def kv_entries(self, seq_len: int) -> int:
         """KV-cache entries of the whole group for a length-T sequence."""

@@ -218,7 +218,7 @@ class MoSAHeads(HeadGroup):
 
     def _after_forward(self, logits: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor) -> None:
         """Stats (tensors, no host sync) and the predictor's loss; in training, stage this batch's statistics for
-        the running thresholds (moved after the optimizer step: commit_state). Causal selections: `fill` = selected /
+        the running thresholds (moved after the optimizer step: commit_states). Causal selections: `fill` = selected /
         capacity, `overflow` = fraction of above-threshold candidates dropped (capacity or quota)."""
         T = logits.shape[-1]
         counts = counts.float()
@@ -235,10 +235,5 @@ class MoSAHeads(HeadGroup):
             self.stats["fill"] = counts.mean().detach() / self.capacity
             self.stats["overflow"] = 1.0 - counts.sum().detach() / candidates.sum().clamp_min(1)
             if self.updates_state:
-                self.threshold.stage(scores)  # applied after the optimizer step: commit_state
+                self.threshold.stage(scores)  # applied after the optimizer step: commit_states
 
-    def commit_state(self, keep: bool = True) -> None:
-        """Causal selections: the running thresholds' EMA step over what this step's forward passes staged
-        (routing/threshold.py); keep=False drops it."""
-        if self.causal:
-            self.threshold.commit(keep)

@@ -118,13 +118,8 @@ class RoutingHeads(HeadGroup):
         self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(sums, B * H * T)}
         self.stats = {"routed_frac": (counts > 0).float().mean().detach()}
         if self.updates_state:
-            self.kmeans.stage(sums, nearest)  # applied after the optimizer step: commit_state
+            self.kmeans.stage(sums, nearest)  # applied after the optimizer step: commit_states
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
-
-    def commit_state(self, keep: bool = True) -> None:
-        """The centroids' EMA step over what this step's forward passes staged (routing/kmeans.py); keep=False
-        drops it."""
-        self.kmeans.commit(keep)
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, v, u, nearest, sel = self._route(x)

@@ -134,7 +134,7 @@ class LMModule(L.LightningModule):
                         logger.experiment.add_histogram(tag, value.float().cpu(), self.global_step)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        """The optimizer step, then the head groups' staged state updates (HeadGroup.commit_state): outside the
+        """The optimizer step, then the head groups' staged state updates (heads.commit_states): outside the
         compiled forward, and before any callback checkpoints the step. Under DeepSpeed, which accumulates
         gradients itself, Lightning calls this after every micro-batch: the state moves after the step's last."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)

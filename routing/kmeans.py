@@ -6,7 +6,7 @@ it was in that step's forward passes: mu <- normalize(decay * mu + (1 - decay) *
 no gradient. The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
 
 The update is staged, not applied, in the forward pass (`stage` adds the step's cluster sums and counts to the
-`pending` buffer) and applied by `commit` after the optimizer step (lm/module.py), outside any compiled graph,
+`pending` buffer) and applied by `commit` after the optimizer step (routing/staged.py), outside any compiled graph,
 for two reasons. (1) The commitment loss's backward reads the centroids. Moved in place inside a compiled
 forward, they were read moved: AOTAutograd's partitioner recomputes the centroids' copy in backward from the
 buffer the forward already overwrote (pytorch/pytorch#197039, open), a silently wrong gradient (max |error|
@@ -20,19 +20,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from routing.distributed import all_reduce_sum
-from routing.float32_state import Float32Buffers
+from routing.staged import StagedStatistics
 
 
-class OnlineKMeans(Float32Buffers):
+class OnlineKMeans(StagedStatistics):
     """means[H, C, d]: the centroids, an fp32 buffer even in a bf16 model."""
 
     def __init__(self, heads: int, clusters: int, dim: int, decay: float) -> None:
         super().__init__()
         self.decay = decay
         self.register_buffer("means", F.normalize(torch.randn(heads, clusters, dim), dim=-1))
-        # this step's cluster sums [..., :dim] and counts [..., dim] so far; empty between steps, not saved
-        self.register_buffer("pending", torch.zeros(heads, clusters, dim + 1), persistent=False)
+        self.stage_into(heads, clusters, dim + 1)  # this step's cluster sums [..., :dim] and counts [..., dim]
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
         """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T]."""
@@ -62,18 +60,10 @@ class OnlineKMeans(Float32Buffers):
         self.pending[..., :d] += sums.detach().sum(0).to(self.pending.dtype)
         self.pending[..., d] += torch.bincount(clusters, minlength=H * C).view(H, C).to(self.pending.dtype)
 
-    @torch.no_grad()
-    def commit(self, keep: bool = True) -> None:
-        """EMA step of every centroid toward the mean of the vectors staged for it since the last commit (over
-        the global batch under DDP / DeepSpeed: every rank calls this once per optimizer step); empties
-        `pending`. A centroid nothing joined stays. keep=False drops what was staged instead (a skipped step,
-        lm/nonfinite.py; every rank skips it)."""
-        if not keep:
-            self.pending.zero_()
-            return
+    def update(self, staged: torch.Tensor) -> None:
+        """EMA step of every centroid toward the mean of the vectors the step staged for it on every rank. A
+        centroid nothing joined stays."""
         d = self.means.shape[-1]
-        staged = all_reduce_sum(self.pending)
         sums, counts = staged[..., :d], staged[..., d:]
         moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
         self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))
-        self.pending.zero_()

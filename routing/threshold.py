@@ -11,7 +11,7 @@ the sigmoid score r = σ(s), since σ is monotone.
 
 The update is staged like the k-means centroids' (routing/kmeans.py): each training forward pass adds its
 micro-batch's per-head quantile to `pending` (`stage`), and after the optimizer step `commit` moves tau by one
-EMA step toward the mean of the quantiles staged since the last commit, over all ranks. So every micro-batch
+EMA step toward the mean of the quantiles staged since the last commit, over all ranks (routing/staged.py). So every micro-batch
 of a step selects with the same tau; DDP / DeepSpeed over R ranks equals one process accumulating the same R
 micro-batches (the mean of micro-batch quantiles, not the quantile of their union: one would need every logit
 of the step; the two differ by the sampling error of a quantile of B*T logits); and the forward pass runs no
@@ -23,11 +23,10 @@ import math
 
 import torch
 
-from routing.distributed import all_reduce_sum
-from routing.float32_state import Float32Buffers
+from routing.staged import StagedStatistics
 
 
-class RunningQuantileThreshold(Float32Buffers):
+class RunningQuantileThreshold(StagedStatistics):
     """tau[H]: EMA over optimizer steps of each head's (1 - fraction)-quantile of its router logits (fp32 even in
     a bf16 model)."""
 
@@ -36,8 +35,7 @@ class RunningQuantileThreshold(Float32Buffers):
         self.fraction, self.momentum = fraction, momentum
         self.register_buffer("tau", torch.zeros(heads))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
-        # this step's sum of micro-batch quantiles [:heads] and their count [heads]; empty between steps, not saved
-        self.register_buffer("pending", torch.zeros(heads + 1), persistent=False)
+        self.stage_into(heads + 1)  # this step's sum of micro-batch quantiles [:heads] and their count [heads]
 
     def above(self, logits: torch.Tensor) -> torch.Tensor:
         """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h."""
@@ -52,18 +50,11 @@ class RunningQuantileThreshold(Float32Buffers):
         self.pending[:-1] += per_head.kthvalue(rank, dim=1).values.to(self.pending.dtype)
         self.pending[-1] += 1
 
-    @torch.no_grad()
-    def commit(self, keep: bool = True) -> None:
-        """One EMA step of tau toward the mean of the quantiles staged since the last commit on every rank (each rank
-        calls this once per optimizer step; the first step sets tau); empties `pending`. Nothing staged: tau stays.
-        keep=False drops what was staged instead (a skipped step, lm/nonfinite.py; every rank skips it)."""
-        if not keep:
-            self.pending.zero_()
-            return
-        staged = all_reduce_sum(self.pending)
+    def update(self, staged: torch.Tensor) -> None:
+        """One EMA step of tau toward the mean of the step's micro-batch quantiles on every rank (the first step
+        sets tau). Nothing staged: tau stays."""
         count = staged[-1]
         mean = staged[:-1] / count.clamp(min=1)
         moved = torch.where(self.initialized, self.tau.lerp(mean, self.momentum), mean)
         self.tau.copy_(torch.where(count > 0, moved, self.tau))  # no host sync
         self.initialized.logical_or_(count > 0)
-        self.pending.zero_()

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from heads import REGISTRY
+from heads import REGISTRY, commit_states
 from lm.module import LMModule, compiled
 from tests.conftest import tiny_config
 from tests.head_checks import tiny_options
@@ -103,7 +103,7 @@ def test_compiled_routing_gradient_reads_the_centroids_its_forward_read() -> Non
         group.kmeans.means.copy_(means)
         out = fn(x, positions)
         (dx,) = torch.autograd.grad(out.sum() + group.aux_losses["routing_commitment"], x)
-        group.commit_state()
+        commit_states(group)
         results.append((out.detach(), dx, group.kmeans.means.clone()))
     torch._dynamo.reset()
     assert not torch.equal(results[0][2], means)  # the step moved the centroids

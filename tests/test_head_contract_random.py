@@ -132,7 +132,7 @@ def test_causal_in_training_mode(head_type: str) -> None:
 def test_training_passes_move_no_state_until_the_commit(head_type: str) -> None:
     """heads/base.py: state moved by training batches never moves inside a forward pass (a compiled backward or an
     activation-checkpointing replay would read it moved); two training-mode passes leave every buffer a checkpoint
-    keeps as it was, and only `commit_state` (after the optimizer step) moves it, once, for both passes."""
+    keeps as it was, and only `commit_states` (after the optimizer step) moves it, once, for both passes."""
     from heads import commit_states
     from tests.head_checks import tiny_options
 

@@ -138,7 +138,7 @@ def test_running_threshold_selects_about_one_in_rho() -> None:
     gen = torch.Generator().manual_seed(3)
     for _ in range(30):
         group(torch.randn(4, T, 32, generator=gen), torch.arange(T).expand(4, T))
-        group.commit_state()  # after the optimizer step, as lm/module.py does
+        commit_states(group)  # after the optimizer step, as lm/module.py does
     frac = group.candidates(group.router_logits(torch.randn(8, T, 32, generator=gen))).float().mean().item()
     assert abs(frac - 1 / rho) < 0.02, frac
     assert bool(group.threshold.initialized)
@@ -162,10 +162,10 @@ def test_threshold_moves_once_per_step_toward_the_mean_micro_batch_quantile() ->
         per_head = group.router_logits(x).detach().transpose(0, 1).reshape(3, -1).sort(dim=1).values
         quantiles.append(per_head[:, math.ceil((1 - 1 / rho) * 2 * T) - 1])
     group.eval()(micro[0], positions)  # stages nothing
-    group.commit_state()
+    commit_states(group)
     torch.testing.assert_close(group.threshold.tau, start.lerp(torch.stack(quantiles).mean(0), momentum))
     moved = group.threshold.tau.clone()
-    group.commit_state()
+    commit_states(group)
     assert torch.equal(group.threshold.tau, moved)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flops.formulas import group_cost
+from heads import commit_states
 from routing.coverage import coverage_by_position, members
 from routing.expert_choice import expert_choice
 from routing.predictor import topk_targets
@@ -100,7 +101,7 @@ def test_predictor_learns_topk_membership_without_touching_the_model() -> None:
         opt.zero_grad()
         group.aux_losses["mosa_predictor"].backward()
         opt.step()
-        group.commit_state()  # the running threshold on the predictor's logits
+        commit_states(group)  # the running threshold on the predictor's logits
         recall.append(group.stats["predictor_recall"])
     print(f"predictor recall: first {recall[0]:.2f}, last {recall[-1]:.2f}; acc {group.stats['predictor_acc']:.3f}")
     assert recall[-1] > 0.7 and group.stats["predictor_acc"] > 0.9

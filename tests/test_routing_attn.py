@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lm
+from heads import commit_states
 from heads.routing_attn import RoutingHeads
 from lm.causality import future_leak
 from tests.conftest import tiny_config
@@ -68,11 +69,11 @@ def test_commitment_loss_and_centroid_updates() -> None:
     assert group.qv.weight.grad.abs().sum() > 0
     assert torch.equal(before, group.kmeans.means)  # staged in the forward pass, not applied
     assert group.kmeans.pending[..., -1].sum() == 2 * T * 3  # every token of every head counted once
-    group.commit_state()  # after the optimizer step
+    commit_states(group)  # after the optimizer step
     assert not torch.equal(before, group.kmeans.means) and not group.kmeans.pending.any()
     assert torch.allclose(group.kmeans.means.norm(dim=-1), torch.ones(3, 4))
     group.eval()(x, torch.arange(T).expand(2, T))
-    group.commit_state()
+    commit_states(group)
     assert not group.kmeans.pending.any()  # nothing staged in eval mode
 
 
