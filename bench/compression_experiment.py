@@ -7,9 +7,13 @@ Both models are trained first (each run <= 4 min on CPU, under the shared lock):
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml
     flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml  # optional
+    flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_mixed.yaml  # optional
 then
     python bench/compression_experiment.py --compressed runs/compression --baseline runs/compression_baseline \\
-        [--fixed runs/compression_fixed] --data data/gutenberg_v2k --out bench/results/compression.md
+        [--fixed runs/compression_fixed] [--mixed runs/compression_mixed] --data data/gutenberg_v2k \\
+        --out bench/results/compression.md
+With --mixed (trained with compression.full_prob > 0, so the reference of Delta = Loss(compressed) - Loss(full)
+is in distribution) the ratio predictor and the adaptive decoding use that model, otherwise the compressed one.
 
 Every model/depth is scored on the same suffix tokens: fixed validation windows of 3P + S + 1 tokens
 from one book, depth k using the last kP + S + 1 of them. FLOPs: forward, one sample, MoSA App. C
@@ -37,6 +41,9 @@ from lm.ratio_data import generate, measure  # noqa: E402
 from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit  # noqa: E402
 
 
+MIXED = "compressed, full_prob"  # the compression_mixed.yaml model's rows
+
+
 def forward_flops(model: CompressedLM, layout: Layout) -> int:
     """Forward FLOPs of one sample (flops.model.compressed_flops)."""
     return compressed_flops(model.cfg, model.comp, layout)
@@ -46,13 +53,19 @@ def heads_per_layer(model: CompressedLM) -> int:
     return sum(g.count for g in model.lm.blocks[0].attn.groups)
 
 
-def perplexity_table(models: dict[str, CompressedLM], windows: list[torch.Tensor], P: int, t: int, S: int) -> list[str]:
+def perplexity_table(models: dict[str, CompressedLM], windows: list[torch.Tensor], P: int, t: int, S: int,
+                     full: tuple[str, ...] = ()) -> list[str]:
+    """k = 0..3 prefix chunks of P compressed to t states per model; for the models named in `full` also
+    the same chunks kept uncompressed (Layout full=True, rows "<name>, uncompressed memory", k >= 1)."""
     rows = ["| model | compressions k | context seen (tokens) | suffix loss (nats) | suffix ppl | ppl vs baseline | forward GFLOPs / sample | KV entries (compressed / full cache) |",
             "|---|---|---|---|---|---|---|---|"]
     base_ppl = {}
-    for name, model in models.items():
-        for k in range(4):
-            layout = Layout((P,) * k, t, S)
+    runs = [(name, model, False) for name, model in models.items()] + [(name, models[name], True) for name in full]
+    for name, model, uncompressed in runs:
+        if uncompressed:
+            name = f"{name}, uncompressed memory"
+        for k in range(1 if uncompressed else 0, 4):
+            layout = Layout((P,) * k, 0, S, full=True) if uncompressed else Layout((P,) * k, t, S)
             loss = evaluate(model, windows, layout)
             ppl = math.exp(loss)
             if name == "baseline":
@@ -149,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compressed", required=True, help="run dir of configs/experiments/compression.yaml")
     parser.add_argument("--baseline", required=True, help="run dir of configs/experiments/compression_baseline.yaml")
     parser.add_argument("--fixed", default=None, help="optional run dir of configs/experiments/compression_fixed.yaml")
+    parser.add_argument("--mixed", default=None,
+                        help="optional run dir of configs/experiments/compression_mixed.yaml (trained with some "
+                             "uncompressed batches); if given, the ratio predictor and adaptive decoding use it")
     parser.add_argument("--data", required=True,
                         help="prepared data directory (data_prep.prepare) of the models' tokenizer")
     parser.add_argument("--out", default="bench/results/compression.md", help="write the markdown report here")
@@ -162,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     models, cfgs = {}, {}
     runs = [("baseline", args.baseline), ("compressed", args.compressed)] + ([("compressed, fixed r", args.fixed)] if args.fixed else [])
+    runs += [(MIXED, args.mixed)] if args.mixed else []
     for name, run in runs:
         models[name], cfgs[name] = load_compressed(Path(run) / "checkpoints" / "last.ckpt")
     cfg = cfgs["compressed"]
@@ -169,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     t = tokens_for(cfg.compression.ratio, P)
     val = fixed_windows(document_windows(args.data, "val", cfg), args.batches, args.batch, 3 * P + S + 1, seed=0)
     started = time.time()
-    table = perplexity_table(models, val, P, t, S)
+    table = perplexity_table(models, val, P, t, S, full=(MIXED,) if args.mixed else ())
     online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
     train = fixed_windows(document_windows(args.data, "train", cfg), args.predictor_batches, 16, P + S + 1, seed=1)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
-    pred, adaptive = predictor_section(models["compressed"], train, held, P, cfg.compression.ratio,
-                                       args.tolerances)
-    adapt = adaptive_generation(models["compressed"], val[0], P, t, adaptive)
+    chooser = MIXED if args.mixed else "compressed"
+    pred, adaptive = predictor_section(models[chooser], train, held, P, cfg.compression.ratio, args.tolerances)
+    adapt = adaptive_generation(models[chooser], val[0], P, t, adaptive)
     c = cfg.compression
     lines = [
         "# Adaptive-attention compression on Gutenberg", "",
@@ -186,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression.yaml data.path=data/gutenberg_v2k",
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml data.path=data/gutenberg_v2k",
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml data.path=data/gutenberg_v2k",
+        "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_mixed.yaml data.path=data/gutenberg_v2k",
         f"python bench/compression_experiment.py --compressed {args.compressed} --baseline {args.baseline}"
-        + (f" --fixed {args.fixed}" if args.fixed else "") + f" --data {args.data} --out {args.out}",
+        + (f" --fixed {args.fixed}" if args.fixed else "") + (f" --mixed {args.mixed}" if args.mixed else "")
+        + f" --data {args.data} --out {args.out}",
         "```", "",
         f"Model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, {heads_per_layer(models['compressed'])} dense heads x {cfg.model.head_dim}, "
         f"vocab {cfg.model.vocab_size}; compression before block L = {c.layer}, {c.n_heads} heads; P = {P}, t = {t} (r = {c.ratio}), S = {S}. "
@@ -196,13 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         f"Baseline: identical, but the t states prepended above L are the previous chunk's last t raw depth-L states "
         f"(`compression.mode=recent`), so blocks above L see the same t + S positions. FLOP-matched at k = 1 up to the "
         f"compression layer itself; at k >= 2 the compressed model also runs the blocks below L on the older chunks, "
-        f"which the baseline does not need (FLOPs column).", "",
+        f"which the baseline does not need (FLOPs column)."
+        + (f" `{MIXED}`: the compressed model's config with compression.full_prob = {cfgs[MIXED].compression.full_prob} "
+           "(that fraction of the training batches keeps its prefix chunks uncompressed, so the ratio predictor's "
+           "reference Loss(full) is in distribution); its `uncompressed memory` rows keep all k P raw prefix states "
+           "above L." if args.mixed else ""), "",
         f"Validation: {args.batches} x {args.batch} windows of {3 * P + S + 1} tokens from the held-out book; "
         "each row scores the same suffix tokens (the last S + 1 of each window).", "",
         *table, "",
         "## Online KV-cache compression while decoding (compressed model)", "", *online, "",
-        "## Ratio predictor", "", *pred, "",
-        "## Adaptive ratio while decoding (compressed model, the predictor above at the middle tolerance)", "", *adapt, "",
+        f"## Ratio predictor ({chooser} model)", "", *pred, "",
+        f"## Adaptive ratio while decoding ({chooser} model, the predictor above at the middle tolerance)", "", *adapt, "",
     ]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -81,9 +81,9 @@ def compressed_flops(cfg: ModelConfig, comp: CompressionConfig, layout: Layout) 
     each compressed to t states, then a suffix: blocks [0, L) on every chunk and on the suffix
     separately, the compressions (chunk j > 1 is compressed together with the t memory states before
     it), blocks [L, n) on t + suffix. comp.mode = "recent" (the baseline) runs blocks [0, L) only on the
-    last chunk(s) holding its t states and compresses nothing. Vocabulary projection excluded, as in
-    model_cost."""
-    L, compress, t = comp.layer, comp.mode == "compress", layout.t
+    last chunk(s) holding its t states and compresses nothing; a full layout compresses nothing and runs
+    blocks [L, n) on every chunk's states + suffix. Vocabulary projection excluded, as in model_cost."""
+    L, compress, t = comp.layer, comp.mode == "compress" and not layout.full, layout.t
     chunks = layout.chunks_used(compress)
     below = sum(layer_flops(cfg, i, n) for n in (*chunks, layout.suffix) for i in range(L))
     above = sum(layer_flops(cfg, i, layout.memory + layout.suffix) for i in range(L, cfg.n_layers))

@@ -6,7 +6,11 @@
 - random: per batch, P ~ U[P0 (1 - w s_P), P0 (1 + w s_P)] and ratio ~ U[r0 (1 - w s_r), r0 (1 + w s_r)],
           w = min(1, step / ramp_steps): a uniform distribution whose variance grows through training;
 - recursion (either regime, compression.max_depth > 1): per batch the depth k ~ U{1..max_depth}, and
-          k chunks are compressed one after another, each together with the previous memory.
+          k chunks are compressed one after another, each together with the previous memory;
+- full memory (compression.full_prob > 0, our addition): with that probability a batch compresses
+          nothing, blocks above L see its k chunks' raw depth-L states. The post's Delta = Loss(compressed) -
+          Loss(full) takes "full" as reference; a model that never saw uncompressed memory scores it out of
+          distribution (docs/compression.md).
 Every sample is one window of k P + S + 1 tokens cut from inside ONE document (a Gutenberg book, a C4
 page), so the prefix is context for the suffix.
 
@@ -55,6 +59,8 @@ class LayoutSampler:
             P = max(1, round(rng.uniform(P * (1 - w * c.prefix_spread), P * (1 + w * c.prefix_spread))))
             ratio = rng.uniform(ratio * (1 - w * c.ratio_spread), ratio * (1 + w * c.ratio_spread))
         depth = int(rng.integers(1, c.max_depth + 1))
+        if c.full_prob > 0 and rng.random() < c.full_prob:
+            return Layout((P,) * depth, 0, self.suffix, full=True)
         return Layout((P,) * depth, tokens_for(ratio, P), self.suffix)
 
     def longest(self) -> int:
@@ -104,13 +110,13 @@ def document_windows(path: str | Path, split: str, cfg: Config) -> DocumentWindo
 
 
 def encode(layout: Layout) -> torch.Tensor:
-    """A Layout as a small int64 tensor [t, suffix, *spans], so it can travel in a Lightning batch."""
-    return torch.tensor([layout.t, layout.suffix, *layout.spans])
+    """A Layout as a small int64 tensor [t, suffix, full, *spans], so it can travel in a Lightning batch."""
+    return torch.tensor([layout.t, layout.suffix, int(layout.full), *layout.spans])
 
 
 def decode(meta: torch.Tensor) -> Layout:
-    t, suffix, *spans = meta.tolist()
-    return Layout(tuple(spans), t, suffix)
+    t, suffix, full, *spans = meta.tolist()
+    return Layout(tuple(spans), t, suffix, bool(full))
 
 
 class LayoutBatches(IterableDataset):

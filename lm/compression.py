@@ -34,16 +34,21 @@ from lm.model import DecoderLM
 @dataclass(frozen=True)
 class Layout:
     """How one batch is cut: `spans` prefix chunks, compressed one after another into `t` states
-    each, then `suffix` tokens whose next-token losses count. No spans = a plain LM on the suffix."""
+    each, then `suffix` tokens whose next-token losses count. No spans = a plain LM on the suffix.
+    full=True: no compression, the memory is every chunk's raw depth-L states (the "full attention"
+    reference of Delta = Loss(compressed) - Loss(full)); t must then be 0."""
 
     spans: tuple[int, ...]
     t: int
     suffix: int
+    full: bool = False
 
     def __post_init__(self) -> None:
         if self.suffix < 1 or any(n < 1 for n in self.spans):
             raise ValueError(f"Layout: spans and suffix must be >= 1, got {self.spans}, {self.suffix}")
-        if self.spans and not 1 <= self.t <= self.spans[0]:
+        if self.full and self.t != 0:
+            raise ValueError(f"Layout: a full layout keeps its prefix uncompressed, t must be 0, got {self.t}")
+        if self.spans and not self.full and not 1 <= self.t <= self.spans[0]:
             raise ValueError(f"Layout: t must be in [1, {self.spans[0]}] (first span), got {self.t}")
 
     @property
@@ -58,12 +63,12 @@ class Layout:
     @property
     def memory(self) -> int:
         """States prepended to the suffix above L."""
-        return self.t if self.spans else 0
+        return 0 if not self.spans else self.prefix if self.full else self.t
 
     def chunks_used(self, compress: bool) -> tuple[int, ...]:
-        """The chunks whose depth-L states the memory depends on: all of them when compressing; for
-        the `recent` baseline only the last ones, enough to hold its t states."""
-        if compress:
+        """The chunks whose depth-L states the memory depends on: all of them when compressing or
+        keeping them full; for the `recent` baseline only the last ones, enough to hold its t states."""
+        if compress or self.full:
             return self.spans
         used: tuple[int, ...] = ()
         while sum(used) < self.t and len(used) < len(self.spans):
@@ -130,7 +135,8 @@ def _positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
 class CompressedLM(nn.Module):
     """A DecoderLM (its embedding, blocks, norm and head, unchanged) with a compression layer
     before block `comp.layer`. mode="recent" is the FLOP-matched baseline: the memory is the last t
-    raw states at depth L instead of compressed ones (same t + S positions above L).
+    raw states at depth L instead of compressed ones (same t + S positions above L). A layout with
+    full=True skips the compression in either mode: blocks above L see every raw prefix state.
     Head groups with auxiliary losses report those of each block's last call in a forward pass
     (for blocks below L: the prefix chunks)."""
 
@@ -187,7 +193,8 @@ class CompressedLM(nn.Module):
             raise ValueError(f"CompressedLM: need {P + S} tokens for {layout}, got {tokens.shape[1]}")
         x = self.lower(tokens[:, P : P + S], hidden)  # the suffix cannot see the prefix below L
         used = layout.chunks_used(self.compressor is not None)
-        mem = self.memory(self._lower_chunks(tokens[:, P - sum(used) : P], used), layout.t)
+        chunks = self._lower_chunks(tokens[:, P - sum(used) : P], used)
+        mem = (torch.cat(chunks, dim=1) if chunks else None) if layout.full else self.memory(chunks, layout.t)
         return self.lm.lm_head(self.upper(x, mem, hidden))
 
     def _lower_chunks(self, prefix: torch.Tensor, spans: tuple[int, ...]) -> list[torch.Tensor]:

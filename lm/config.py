@@ -121,6 +121,7 @@ class CompressionConfig:
     ratio_spread: float = 0.5  # regime=random: ratio ~ U[r(1-s), r(1+s)] once the ramp is over
     ramp_steps: int = 1000  # the spreads grow linearly from 0 over these steps
     max_depth: int = 1  # recursion: each batch compresses 1..max_depth chunks one after another
+    full_prob: float = 0.0  # probability that a training batch keeps its prefix uncompressed (Delta's reference)
 
 
 @dataclass
@@ -224,6 +225,8 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
         raise ConfigError(f"compression.ratio * (1 + ratio_spread) must be <= 1, got {c.ratio * (1 + c.ratio_spread)}")
     if c.ramp_steps < 0:
         raise ConfigError(f"compression.ramp_steps must be >= 0, got {c.ramp_steps}")
+    if not 0.0 <= c.full_prob < 1.0:
+        raise ConfigError(f"compression.full_prob must be in [0, 1), got {c.full_prob}")
 
 
 def _one_line(err: OmegaConfBaseException) -> str:

@@ -3,10 +3,11 @@ the Adaptive Loss Function"): Delta = Loss(compressed) - Loss(full), suffix NLL 
 
 Each prompt is one window of P + S + 1 tokens from one document. Loss(compressed at r): the model as
 trained, the P prefix states at depth L compressed into t = round(r P). Loss(full): the same model with
-full attention, the P prefix states passed to blocks [L, n) as they are (no compression layer; not the
-model at r = 1, which still runs the layer). The model never trains on uncompressed memory, so this
-reference can score worse than its compressions (docs/compression.md). Also stored: the prompt compressed at the fixed probe ratio, the predictor's
-input (lm/ratio_predictor.py).
+full attention, the P prefix states passed to blocks [L, n) as they are (Layout(full=True): no
+compression layer; not the model at r = 1, which still runs the layer). Only a model trained with
+compression.full_prob > 0 has seen that reference; for one that never saw uncompressed memory it is out
+of distribution and can score worse than its compressions (docs/compression.md). Also stored: the
+prompt compressed at the fixed probe ratio, the predictor's input (lm/ratio_predictor.py).
 
     python -m lm.ratio_data --ckpt runs/compression/checkpoints/last.ckpt --data data/gutenberg_v2k \
         --out ratio_data.pt [--prompts 512] [--ratios 0.03125,0.0625,0.125,0.25,0.5] [--probe-ratio 0.125]

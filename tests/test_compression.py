@@ -123,6 +123,29 @@ def test_recursion_depth(depth, mode):
     assert (moved > 1e-4) if reaches else (moved == 0.0)
 
 
+@pytest.mark.parametrize("mode", ["compress", "recent"])
+def test_full_layout_keeps_every_raw_prefix_state(mode):
+    """Layout(full=True), Delta's reference: blocks above L see [lower(chunk_1) | ... | lower(chunk_k) | suffix];
+    nothing is compressed, so the compression layer gets no gradient; ratio_data's Loss(full) is this layout."""
+    from lm.ratio_data import measure
+
+    model, layout = make(mode), Layout((12, 7), 0, 10, full=True)
+    x = tokens(layout.window)
+    assert layout.memory == 19 and layout.chunks_used(compress=False) == (12, 7)
+    with torch.no_grad():
+        chunks = torch.cat([model.lower(x[:, :12]), model.lower(x[:, 12:19])], dim=1)
+        ref = model.lm.lm_head(model.upper(model.lower(x[:, 19:29]), chunks))
+    assert torch.allclose(model(x, layout), ref, atol=1e-6)
+    model.suffix_loss(x, layout).backward()
+    assert mode == "recent" or all(p.grad is None for p in model.compressor.parameters())
+    single = Layout((12,), 0, 10, full=True)
+    y = x[:, : single.window]
+    full_nll = model.suffix_loss(y, single, reduce=False)
+    assert torch.allclose(measure(model, y, 12, [0.25], 0.25)["full"], full_nll, atol=1e-6)
+    with pytest.raises(ValueError, match="full layout keeps its prefix uncompressed, t must be 0"):
+        Layout((12,), 3, 10, full=True)
+
+
 LOCAL = [{"type": "dense", "count": 2}, {"type": "local", "count": 2, "options": {"window": 5}}]
 
 
@@ -225,6 +248,13 @@ def test_layout_sampler_regimes():
     assert std(late, lambda ly: ly.spans[0]) > 2.5 * std(early, lambda ly: ly.spans[0])
     assert std(late, lambda ly: ly.t / ly.spans[0]) > 2.5 * std(early, lambda ly: ly.t / ly.spans[0])
     assert max(ly.window for ly in late) <= rand.longest()
+    assert not any(ly.full for ly in early + late)
+    mixed = LayoutSampler(make(regime="random", prefix_len=40, ratio=0.25, max_depth=3, full_prob=0.25).comp, suffix=16)
+    drawn = [mixed.sample(s, rng) for s in range(800)]
+    full = [ly for ly in drawn if ly.full]
+    assert 0.2 < len(full) / len(drawn) < 0.3
+    assert {len(ly.spans) for ly in full} == {1, 2, 3} and {ly.t for ly in full} == {0}
+    assert all(decode(encode(ly)) == ly for ly in drawn)
 
 
 def test_document_windows_stay_inside_one_document():
@@ -257,11 +287,12 @@ def _prepared(root, docs: list[np.ndarray], eos: int = 0) -> str:
 def test_training_regimes_lower_the_suffix_loss(tmp_path):
     """Random ratios with recursion train end to end through the Lightning stack on a task where
     the memory matters: each document repeats its own random 6-token pattern, so the suffix's first
-    tokens follow from the (compressed) prefix. On training windows the loss falls and is lower
-    with the memory than without it; the validation loss is logged; the checkpoint reloads."""
+    tokens follow from the (compressed) prefix. A quarter of the batches keep the prefix uncompressed
+    (full_prob). On training windows the loss falls and is lower with the memory, compressed or full, than
+    without it; the validation loss is logged; the checkpoint reloads."""
     rng = np.random.default_rng(0)
     path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
-    cfg = make(regime="random", ramp_steps=20, max_depth=2).comp
+    cfg = make(regime="random", ramp_steps=20, max_depth=2, full_prob=0.25).comp
     full = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
     full.compression = cfg
     for key, value in dict(max_steps=100, val_every=100, ckpt_every=100, log_every=50, out_dir=str(tmp_path / "run")).items():
@@ -279,6 +310,7 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     after = evaluate(model, evalset, with_memory)
     assert after < evaluate(before, evalset, with_memory) - 0.8
     assert after < evaluate(model, evalset, without) - 0.04
+    assert evaluate(model, evalset, Layout((12,), 0, 8, full=True)) < evaluate(model, evalset, without) - 0.04
     assert (tmp_path / "run" / "config.yaml").is_file()  # the run directory is claimed (lm/run_dir.py)
     with pytest.raises(ConfigError, match="already holds a run"):
         train_compressed(full)
@@ -319,6 +351,8 @@ def test_config_errors_name_the_field():
         make(mode="zip")
     with pytest.raises(ConfigError, match="compression.ratio"):
         make(ratio=0.9, ratio_spread=0.5)
+    with pytest.raises(ConfigError, match=r"compression.full_prob must be in \[0, 1\), got 1.0"):
+        make(full_prob=1.0)
 
 
 def test_flop_formula_matches_counted_matmuls():

@@ -123,19 +123,21 @@ def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: 
     assert cost.kv_total == model.kv_total()
 
 
-@pytest.mark.parametrize("mode,spans", [("compress", (12,)), ("compress", (12, 9, 12)), ("recent", (12, 9)),
-                                        ("recent", (12, 9, 2)), ("compress", ())])
-def test_compressed_model_matches_flop_counter(mode: str, spans: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("mode,spans,full", [("compress", (12,), False), ("compress", (12, 9, 12), False),
+                                             ("recent", (12, 9), False), ("recent", (12, 9, 2), False),
+                                             ("compress", (), False), ("compress", (12, 9), True), ("recent", (12, 9), True)])
+def test_compressed_model_matches_flop_counter(mode: str, spans: tuple[int, ...], full: bool) -> None:
     """A CompressedLM forward (blocks below L on each chunk and the suffix, the compressions, blocks
-    above L on t + S; the `recent` baseline only on the chunks holding its t states): counted matmul
-    FLOPs = compressed_flops + the vocabulary projection on the suffix."""
+    above L on t + S; the `recent` baseline only on the chunks holding its t states; a full layout on
+    every chunk, no compression, blocks above L on prefix + S): counted matmul FLOPs = compressed_flops +
+    the vocabulary projection on the suffix."""
     from lm.compression import CompressedLM, Layout
     from lm.config import CompressionConfig
 
     torch.manual_seed(0)
     cfg = tiny_config([{"type": "dense", "count": 3}], n_layers=4, d_model=32, head_dim=8, seq_len=16).model
     comp = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, mode=mode)
-    layout, B = Layout(spans, 3, 10), 2
+    layout, B = Layout(spans, 0 if full else 3, 10, full), 2
     counted = _counted_with(CompressedLM(cfg, comp).eval(), torch.randint(0, cfg.vocab_size, (B, layout.window)), layout)
     analytic = compressed_flops(cfg, comp, layout)
     expected = B * (analytic + 2 * cfg.d_model * cfg.vocab_size * layout.suffix)
