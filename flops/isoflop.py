@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flops.cli import positive_int, script_parser
-from flops.formulas import FORMULAS, Options, sparse_k
+from flops.formulas import Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
 from heads.base import REGISTRY, ConfigError, make_options
@@ -27,7 +27,7 @@ from lm.config import HeadGroupConfig, ModelConfig
 class IsoFlopResult:
     head: str
     sparsity: float | None
-    k: int | None  # tokens per sparse head
+    k: int | None  # T / rho, MoSA's tokens per head (a capacity_factor c scales what a head keeps: kv_per_layer)
     dense_heads: int
     sparse_heads: int
     flops_per_pass: int
@@ -62,8 +62,8 @@ def solve(
     base: ModelConfig, head: str, sparsity: float | None = None, dense_heads: int = 4, options: dict[str, Any] | None = None
 ) -> IsoFlopResult:
     """FLOP-match `head` heads to the dense baseline `base` (one dense group in every layer)."""
-    if head not in FORMULAS:
-        raise ConfigError(f"unknown head type {head!r}; known: {', '.join(sorted(FORMULAS))}")
+    if head not in REGISTRY:  # FORMULAS also counts the compression layer, which is no head type
+        raise ConfigError(f"unknown head type {head!r}; known: {', '.join(sorted(REGISTRY))}")
     if base.layer_heads or len(base.heads) != 1 or base.heads[0].type != "dense":
         raise ConfigError("the baseline must be one dense head group in every layer")
     total_heads = base.heads[0].count
@@ -72,12 +72,12 @@ def solve(
     options = dict(options or {})
     if sparsity is not None and "sparsity" in options and options["sparsity"] != sparsity:
         raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
-    if head in REGISTRY:  # unknown options, wrong types and bad values: the same check as training's
-        fields = [f.name for f in dataclasses.fields(REGISTRY[head].Options)]
-        if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
-            raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
-        given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
-        make_options(head, {**options, **given}, base.group_context(0))
+    # unknown options, wrong types and bad values: the same check as training's
+    fields = [f.name for f in dataclasses.fields(REGISTRY[head].Options)]
+    if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
+        raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
+    given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
+    make_options(head, {**options, **given}, base.group_context(0))
     if sparsity is None:  # the head type's own option or default, e.g. mosa's sparsity 8
         sparsity = Options(head, options).get("sparsity")
     k = None
@@ -104,7 +104,7 @@ def solve(
             raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget next to "
                               f"{dense_heads} dense heads")
     got = cost(dense_heads, n)
-    warning = make_options(head, options, base.group_context(0)).advice(n) if n and head in REGISTRY else None
+    warning = make_options(head, options, base.group_context(0)).advice(n) if n else None
     return IsoFlopResult(
         head=head,
         sparsity=sparsity,
@@ -148,7 +148,7 @@ def parse_options(texts: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.isoflop")
     p.add_argument("--size", default="tiny", help=f"dense baseline preset: {', '.join(SIZES)}")
-    p.add_argument("--head", required=True, help="sparse head type (a name in flops/formulas.py)")
+    p.add_argument("--head", required=True, help="sparse head type (a registered head, heads/__init__.py)")
     p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")

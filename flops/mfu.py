@@ -13,7 +13,7 @@ the device's dense bf16 peak (flops/model.py: PEAK_TFLOPS_BF16, from the name in
 """
 from __future__ import annotations
 
-import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from flops.cli import script_parser
+from flops.json_files import read_json
 from flops.model import model_cost, peak_flops, training_flops
 from lm.config import from_dict
 
@@ -39,7 +40,7 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
     cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config)))  # type: ignore[arg-type]
     if cfg.compression is not None:
         raise RunError(f"{run}: a compression run; its FLOPs per token depend on the layout (flops.model.compressed_flops)")
-    m = json.loads(metrics.read_text())
+    m = read_json(metrics)
     tokens_per_s = m.get("tokens_per_s")
     if not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0:
         raise RunError(f"{run}: metrics.json has no measured tokens_per_s (too few training steps timed)")
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s of one device (default: from the device name)")
     a = p.parse_args(argv)
     try:
-        if a.peak_tflops is not None and not a.peak_tflops > 0:
-            raise RunError(f"--peak-tflops must be > 0, got {a.peak_tflops}")
+        if a.peak_tflops is not None and not 0 < a.peak_tflops < math.inf:
+            raise RunError(f"--peak-tflops must be a finite number > 0, got {a.peak_tflops}")
         text = table([run_mfu(run, a.peak_tflops) for run in a.runs])
     except ValueError as err:  # RunError, or a ConfigError from the run's config
         print(f"error: {err}", file=sys.stderr)

@@ -57,8 +57,9 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
 def slots_set_by_training_length(g: HeadGroupConfig) -> bool:
     """Whether the group's heads size their slots from model.seq_len, not from the window they run on: MoSA's
     threshold selection and Routing's nearest-centroid clusters (capacity ceil(capacity_factor * k(seq_len))),
-    MoSAIC (k(seq_len) per expert). On a shorter window their formula, which takes k from the window, would
-    undercount them (4.3x for MoSA at a quarter of the length)."""
+    MoSAIC (k(seq_len) per expert). On a window of another length their formula, which takes k from the window,
+    would miscount them (4.3x too few for MoSA at a quarter of the length; too many on a longer window, e.g. above
+    a compression layer, which sees t + S positions)."""
     o = Options(g.type, g.options)
     return (g.type == "mosaic" or (g.type == "mosa" and o.get("selection") == "threshold")
             or (g.type == "routing" and o.get("assignment") == "nearest"))
@@ -66,8 +67,8 @@ def slots_set_by_training_length(g: HeadGroupConfig) -> bool:
 
 def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
     """Forward FLOPs of block `layer` (its head mix and FFN) on one window of `seq_len` tokens; a ConfigError
-    for a window shorter than model.seq_len when a head group's slots are set by model.seq_len."""
-    if seq_len < cfg.seq_len:
+    for a window of another length than model.seq_len when a head group's slots are set by model.seq_len."""
+    if seq_len != cfg.seq_len:
         for g in cfg.mix(layer):
             if slots_set_by_training_length(g):
                 raise ConfigError(f"no FLOP count of {g.type} heads ({g.options}) on {seq_len}-token windows: their slots "
@@ -106,6 +107,7 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
     "H100": 989.0,  # SXM
+    "H200 NVL": 835.0,
     "H200": 989.0,
     "H800": 989.0,
     "GH200": 989.0,

@@ -35,6 +35,10 @@ def baseline(
     base = base or ModelConfig()
     if size is not None and size not in SIZES:
         raise ConfigError(f"unknown size {size!r}; known sizes: {', '.join(SIZES)}")
+    if size is None and (base.layer_heads or any(g.type != "dense" for g in base.heads)):
+        raise ConfigError("--size base needs a dense baseline config (one dense head group, no model.layer_heads); "
+                          f"this one has {', '.join(sorted({g.type for g in base.heads}))} heads"
+                          + (" and layer_heads" if base.layer_heads else ""))
     shape = dict(SIZES[size]) if size else dict(
         n_layers=base.n_layers, d_model=base.d_model, head_dim=base.head_dim, seq_len=base.seq_len,
         n_heads=sum(g.count for g in base.heads if g.type == "dense"),

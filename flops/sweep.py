@@ -30,6 +30,7 @@ from flops.presets import SIZES, baseline
 from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
 from lm.model import build_model
+from lm.run_dir import config_changes
 
 
 def is_causal(cfg: Config) -> bool:
@@ -86,6 +87,17 @@ def preset_conflicts(size: str, model: ModelConfig, base: str | None, overrides:
                               f"({name}={SIZES[size][name]}); drop it, or pass --size base to sweep the config's own shape")
 
 
+def stale_run(point: Config, out: Path) -> None:
+    """ConfigError if `out` holds a run of another config than `point` (an earlier sweep into the same --out):
+    run_sweep would skip it as finished and the aggregate would report it under this point's head counts."""
+    saved = out / "config.yaml"
+    if saved.is_file():
+        fixed, _ = config_changes(load_config(str(saved)), point)
+        if fixed:
+            raise ConfigError(f"{out} holds a run of another config ({'; '.join(fixed)}): an earlier sweep into this "
+                              "--out; use a new --out or delete that run directory")
+
+
 def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
     """['mosa.selection=expert_choice'] -> {'mosa': {'selection': 'expert_choice'}}."""
     out: dict[str, dict[str, Any]] = {}
@@ -118,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         if size in SIZES:
             preset_conflicts(size, cfg.model, a.base, a.overrides)
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
+        a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config and run paths
         points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
+        for point, entry in points:
+            stale_run(point, Path(entry["out_dir"]))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

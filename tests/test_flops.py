@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 import lm
 from conftest import tiny_config
 from flops.formulas import FORMULAS, group_cost, sparse_k
-from flops.model import compressed_flops, mfu, model_cost, peak_flops, training_flops
+from flops.model import compressed_flops, layer_flops, mfu, model_cost, peak_flops, training_flops
 from heads import REGISTRY, ConfigError
 
 h, hd, T = 512, 64, 1024
@@ -60,7 +60,7 @@ def test_training_flops_and_mfu() -> None:
     assert training_flops(cost, 64) == 3 * 64 * cost.flops_per_pass
     assert training_flops(cost, 1, include_lm_head=True) == 3 * (cost.flops_per_pass + 2 * 512 * 8000 * 1024)
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H200 NVL") == 835e12
     # whole words: an L40 is not an L4, a workstation RTX A1000 not an A100, a GH200 is listed as itself
     assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12
     assert peak_flops("NVIDIA GH200 480GB") == 989e12 and peak_flops("NVIDIA A10G") == 70e12
@@ -167,6 +167,18 @@ def test_compressed_flops_refuse_heads_whose_slots_the_training_length_sets(opti
     # 2 blocks above L on t + suffix = 20 tokens (k = 5)
     elementwise = 2 * 2 * 3 * 8 * (16 // 4) + 2 * 3 * 8 * (20 // 4)
     assert counted == B * (compressed_flops(cfg, comp, layout) + 2 * cfg.d_model * cfg.vocab_size * layout.suffix - elementwise)
+
+
+@pytest.mark.parametrize("window", [16, 48])
+def test_layer_flops_refuse_fixed_slot_heads_on_any_other_window(window: int) -> None:
+    """A MoSA threshold head keeps capacity(model.seq_len) slots on a window of any length (above a compression
+    layer the blocks see t + S > seq_len positions): its formula, which takes k from the window, is refused on a
+    shorter and on a longer window alike, and counts the training window."""
+    heads = [{"type": "mosa", "count": 3, "options": {"sparsity": 4, "selection": "threshold"}}]
+    cfg = tiny_config(heads, n_layers=2, d_model=32, head_dim=8, seq_len=32).model
+    assert layer_flops(cfg, 0, 32) > 0
+    with pytest.raises(ConfigError, match=f"no FLOP count of mosa heads .* on {window}-token windows"):
+        layer_flops(cfg, 0, window)
 
 
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:

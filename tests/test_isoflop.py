@@ -144,6 +144,7 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosa", "--sparsity", "3"], "sparsity 3 does not divide seq_len 1024"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "1024"], "k = 1 < 2"),
         (["--size", "tiny", "--head", "nope", "--sparsity", "8"], "unknown head type 'nope'"),
+        (["--size", "tiny", "--head", "compression", "--option", "t=4"], "unknown head type 'compression'"),
         (["--size", "huge", "--head", "mosa", "--sparsity", "8"], "unknown size 'huge'"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--dense-heads", "10"], "dense_heads must be in [0, 9]"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--layers", "0"], "n_layers must be >= 1"),

@@ -43,5 +43,13 @@ def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert mfu.main([str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no config.yaml" in err
-    assert mfu.main([str(run), "--peak-tflops", "0"]) == 2
-    assert "--peak-tflops must be > 0" in capsys.readouterr().err
+    for bad in ("0", "inf"):
+        assert mfu.main([str(run), "--peak-tflops", bad]) == 2
+        assert "--peak-tflops must be a finite number > 0" in capsys.readouterr().err
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "config.yaml").write_text((run / "config.yaml").read_text())
+    (damaged / "metrics.json").write_text("{step: 3")
+    assert mfu.main([str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{damaged / 'metrics.json'} is damaged" in err

@@ -73,6 +73,39 @@ def test_preset_size_refuses_a_config_with_another_shape(tmp_path: Path, capsys)
     assert sweep_main(["--size", "base", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "c"), *shape]) == 0
     assert lm.load_config(str(tmp_path / "c" / "dense_s1.yaml")).model.n_layers == 3
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "d"), *shape[1:]]) == 0
+    # --size base takes the config's dense head count as the baseline: a config with sparse heads or a per-layer mix
+    # would silently shrink the budget
+    capsys.readouterr()
+    assert sweep_main(["--size", "base", "--base", "configs/experiments/mosa_hybrid.yaml", "--heads", "mosa",
+                       "--sparsity", "1,8", "--out", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --size base needs a dense baseline config (one dense head group, "
+                                               "no model.layer_heads); this one has dense, mosa heads")
+
+
+def test_sweep_refuses_an_out_holding_runs_of_other_models(tmp_path: Path, capsys) -> None:
+    """A second sweep into an --out whose run directories hold runs of other head counts is refused: run_sweep would
+    skip them as finished and the aggregate would report their perplexity under the new head counts. The same
+    sweep written again (e.g. with more steps) is fine."""
+    manifest = _sweep(tmp_path)
+    _fake_metrics(manifest["points"][1], 40.0)
+    run = Path(manifest["points"][1]["out_dir"])
+    (run / "config.yaml").write_text((tmp_path / "sw" / f"{manifest['points'][1]['name']}.yaml").read_text())
+    assert _sweep(tmp_path)["points"] == manifest["points"]
+    capsys.readouterr()
+    args = ["--size", "micro", "--heads", "mosa,fixed", "--sparsity", "1,4,16", "--dense-heads", "1", "--out",
+            str(tmp_path / "sw"), "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]
+    assert sweep_main(args) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: {run} holds a run of another config (model.heads: ") and "use a new --out" in err
+
+
+def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_root(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", "rel"]) == 0
+    entry = json.loads((tmp_path / "rel" / "sweep.json").read_text())["points"][0]
+    assert entry["config"] == str(tmp_path / "rel" / "dense_s1.yaml") and Path(entry["config"]).is_file()
+    assert entry["out_dir"] == str(tmp_path / "rel" / "runs" / "dense_s1")
 
 
 def _fake_metrics(entry: dict, ppl: float, step: int = 3) -> None:
