@@ -55,15 +55,19 @@ def decode(model: DecoderLM, prompt: torch.Tensor, new_tokens: int,
     B, L = prompt.shape
     step = model if step is None else step
     cache = new_cache(model, B, L + new_tokens)
-    t0 = time.perf_counter()
+
+    def now() -> float:  # CUDA runs asynchronously: wait for the queued kernels before reading the clock
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    t0 = now()
     logits = model(prompt, torch.arange(L, device=prompt.device).expand(B, -1), cache)[:, -1]
-    t1 = time.perf_counter()
+    t1 = now()
     for t in range(L, L + new_tokens):
         nxt = logits.argmax(-1, keepdim=True)
         logits = step(nxt, torch.full((B, 1), t, device=prompt.device), cache)[:, -1]
-    if prompt.is_cuda:
-        torch.cuda.synchronize()
-    t2 = time.perf_counter()
+    t2 = now()
     return t1 - t0, t2 - t1, cache
 
 

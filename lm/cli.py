@@ -1,12 +1,13 @@
 """Command-line arguments the training entry points share (train_lm.py, lm.compressed_training): the
-config, how to treat a run already in trainer.out_dir, and dotted overrides anywhere on the line.
-No Lightning import, so --help and bad arguments stay fast."""
+config, how to treat a run already in trainer.out_dir, and dotted overrides anywhere on the line; and the
+output-path check of the evaluation entry points. No Lightning import, so --help and bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -52,3 +53,15 @@ def status_of(err: Exception) -> int:
     from lm.errors import Interrupted, NonFiniteError
 
     return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM if isinstance(err, Interrupted) else 2
+
+
+def check_output(option: str, path: str | None) -> None:
+    """A one-line ValueError unless `path` (None: not given) can be written, checked before the work that writes it:
+    its directory must exist, and it must not be a directory itself."""
+    if path is None:
+        return
+    target = Path(path)
+    if not target.resolve().parent.is_dir():
+        raise ValueError(f"{option} {path}: directory {target.resolve().parent} does not exist")
+    if target.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file name")

@@ -39,6 +39,7 @@ from data_prep import tokenizer as sp_codec
 from data_prep.documents import StrictSkips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
+from lm.cli import check_output
 from lm.data import TokenStream
 from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
@@ -96,7 +97,7 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
     try:
         index = json.loads((src / "index.json").read_text())
         shards, sha = index["splits"][split]["shards"], index["tokenizer_sha256"]
-    except (ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"--input {src}: index.json has no usable split {split!r} ({type(err).__name__}: {err})") from None
     if hashlib.sha256(sp.serialized_model_proto()).hexdigest() != sha:
         raise DataError(f"--input {src} was tokenised with another tokenizer than the checkpoint's")
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--stride must be in 1..{context} (--context), got {stride}")
         if args.batch_size < 1 or (args.max_docs is not None and args.max_docs < 1):
             raise ValueError("--batch-size and --max-docs must be >= 1")
+        check_output("--out", args.out)
+        check_output("--curve", args.curve)
         fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
         if args.split is not None and fmt != "prepared":
             raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "

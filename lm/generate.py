@@ -234,6 +234,18 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
+def decodable(model: DecoderLM) -> bool:
+    """Whether every head group of the model supports KV-cached decoding: causal heads with a cache (causal Routing
+    heads have none)."""
+    if not model.causal:
+        return False
+    try:
+        new_cache(model, 1, 1)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def check_decodable(model: DecoderLM) -> None:
     """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise)."""
     try:

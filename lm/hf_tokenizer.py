@@ -22,6 +22,7 @@ class SparseHeadsTokenizer(SentencePieceBackend):
         kwargs.setdefault("unk_token", "<unk>")
         kwargs.setdefault("add_bos_token", False)
         kwargs.setdefault("add_eos_token", False)
+        kwargs.setdefault("split_special_tokens", True)  # a literal "</s>" / "<unk>" in the text is text, as in data_prep
         super().__init__(vocab_file=vocab_file, **kwargs)
 
     def _tokenize(self, text: str, **kwargs: Any) -> list[str]:

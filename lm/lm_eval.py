@@ -35,7 +35,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from data_prep import tokenizer as sp_codec
-from lm.generate import TOKENIZER_HELP, generate, load_for_generation, sample
+from lm.cli import check_output
+from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
 from lm.scoring import progress_bar, score
 from lm.training_overlap import TRAIN_DATA_HELP, training_overlap
 
@@ -100,8 +101,11 @@ class SparseHeadsLM(TemplateLM):
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether every continuation token is the argmax)."""
-        seqs = [list(ctx) + list(cont) for _, ctx, cont in requests]
-        firsts = [len(ctx) for _, ctx, _ in requests]
+        # a whitespace-only context is empty once lm-eval has moved its whitespace onto the continuation: EOS is then
+        # the prefix, as for an empty context
+        contexts = [list(ctx) or [self.eot_token_id] for _, ctx, _ in requests]
+        seqs = [ctx + list(cont) for ctx, (_, _, cont) in zip(contexts, requests)]
+        firsts = [len(ctx) for ctx in contexts]
         strides = [len(cont) if 0 < len(cont) <= self.seq_len else max(1, self.seq_len // 2) for _, _, cont in requests]
         scores = self._score(seqs, firsts, strides, disable_tqdm)
         return [(-float(s.nll.sum()), bool(s.greedy.all())) for s in scores]
@@ -133,7 +137,7 @@ class SparseHeadsLM(TemplateLM):
         return results  # type: ignore[return-value]
 
     def _generate(self, prompt: torch.Tensor, max_new: int, temperature: float) -> torch.Tensor:
-        if self.model.causal:
+        if decodable(self.model):
             return generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id,
                             vocab=self.sp.get_piece_size())
         tokens = prompt  # heads that cannot decode incrementally: recompute the prefix at every step
@@ -276,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.batch_size < 1:
             raise ValueError("--batch-size must be >= 1")
+        check_output("--output", args.output)
         results = run(args.ckpt, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
                       args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer, args.train_data)
     except ValueError as err:

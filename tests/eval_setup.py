@@ -17,6 +17,7 @@ MIXES = {
     "mosa": [{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}}],
     "mosa_expert_choice": [{"type": "dense", "count": 1},
                            {"type": "mosa", "count": 2, "options": {"sparsity": 4, "selection": "expert_choice"}}],
+    "routing": [{"type": "dense", "count": 1}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}],  # causal, no cache
 }
 
 

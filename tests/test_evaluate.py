@@ -158,6 +158,11 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", ok, "--format", "c4"], f"error: {ok}: no C4 JSON-lines files"),
         (["--ckpt", str(ckpt), "--input", ok, "--tokenizer", str(tmp_path / "ok.txt")],
          f"tokenizer {ok} is not a SentencePiece model"),
+        # output paths are checked before the scoring, not after it
+        (["--ckpt", str(ckpt), "--input", ok, "--out", str(tmp_path / "nodir" / "x.json")],
+         f"--out {tmp_path / 'nodir' / 'x.json'}: directory {tmp_path / 'nodir'} does not exist"),
+        (["--ckpt", str(ckpt), "--input", ok, "--curve", str(tmp_path)], f"--curve {tmp_path} is a directory"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path), "--format", "prepared"], "index.json has no usable split"),
     ]
     for args, message in cases:
         rc, _, err = run(capsys, *args)

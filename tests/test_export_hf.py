@@ -42,10 +42,10 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
     import sentencepiece as spm
     from data_prep.tokenizer import encode_documents
 
-    text = english(7, 3) + "\n  indented, and caf\u00e9"
     sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
-    ids = tok(text).input_ids
-    assert ids == encode_documents(sp, [text], 1)[0][:-1].tolist() and tok.decode(ids) == text
+    for text in (english(7, 3) + "\n  indented, and caf\u00e9", "the end.</s> <unk> x"):  # special pieces' text is text
+        ids = tok(text).input_ids
+        assert ids == encode_documents(sp, [text], 1)[0][:-1].tolist() and tok.decode(ids) == text
     assert tok.eos_token_id == 1
 
     prompt = torch.tensor([ids[:12]])
@@ -95,6 +95,7 @@ def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> N
     cases = [(["--ckpt", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "a")], "checkpoint not found"),
              (["--ckpt", str(tmp_path / "trunc.ckpt"), "--out", str(tmp_path / "b")], "truncated or not a torch file"),
              (["--ckpt", str(ckpt), "--out", str(tmp_path / "full")], "not an empty directory"),
+             (["--ckpt", str(ckpt), "--out", str(tmp_path / "full" / "x" / "y")], "Not a directory"),
              (["--ckpt", str(ckpt), "--out", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "full" / "x")],
               "x is not a SentencePiece model")]
     for args, message in cases:

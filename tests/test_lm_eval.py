@@ -93,6 +93,11 @@ def test_loglikelihood_matches_forward_pass(setup) -> None:
                 ref += logprob(model, x[lo:e], s - lo)
                 s, e = e, min(n, e + T // 2)
         assert abs(ll - ref) <= TOL, (ctx[:20], cont[:20], ll, ref)
+    # a whitespace-only context: lm-eval moves its whitespace onto the continuation, leaving no context tokens; it is
+    # scored with EOS as the prefix, like an empty context (it used to stop the whole evaluation)
+    blank, empty = lm.loglikelihood([Instance("loglikelihood", {}, c, i) for i, c in
+                                     enumerate([("\n", " " + words[0]), ("", "\n " + words[0])])], disable_tqdm=True)
+    assert blank == empty
     # rolling: [EOS] + text in disjoint windows of T
     text = english(2, 12)
     x = [1] + lm.tok_encode(text)
@@ -117,7 +122,8 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
         assert text == lm.tok_decode(ref).split("\n\n")[0]
 
 
-@pytest.mark.parametrize("mix", ["dense", "mosa_expert_choice"])  # KV-cached decoding / prefix recomputed
+# KV-cached decoding / prefix recomputed (not causal; causal but without a cache)
+@pytest.mark.parametrize("mix", ["dense", "mosa_expert_choice", "routing"])
 def test_padded_vocabulary_generates_only_the_tokenizers_ids(setup, tmp_path: Path, mix: str) -> None:
     """model.vocab_size above the tokenizer's pieces (as training allows): the checkpoint loads and
     generation, greedy or sampled, never produces an id the tokenizer cannot decode."""
@@ -233,7 +239,9 @@ def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> No
     broken.mkdir()
     (broken / "bad.yaml").write_text("task: x\ndoc_to_text: [unclosed\n")
     cases = [(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(broken)], "does not parse"),
-             (["--ckpt", str(root / "missing.ckpt"), "--tasks", "local_mc", "--include-path", str(tasks)], "checkpoint not found")]
+             (["--ckpt", str(root / "missing.ckpt"), "--tasks", "local_mc", "--include-path", str(tasks)], "checkpoint not found"),
+             (["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--output",
+               str(tmp_path / "nodir" / "r.json")], "--output " + str(tmp_path / "nodir" / "r.json") + ": directory")]
     for args, message in cases:
         assert_one_line_error(main(args), capsys, message)
 
