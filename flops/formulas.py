@@ -200,12 +200,14 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
     8hh'T + 4h'mT (aggregation: m = T // b agents over T keys) + 4h'Tm (broadcast: T queries over m
     agents) + 4h'T*min(w, T) (local window) + 2Kh'T (option dwc = K: the causal depthwise convolution over V,
-    eq. 7's k^2 NC term with K taps). Pooling not counted. Params: dense's 4hh' (no agent bias) + (K + 1)h' for
-    the convolution's taps and bias. An algorithmic count: the fast path scores each block of b queries against
-    2b window keys (1.06x this at h = 512, b = w = 64, T = 1024)."""
+    eq. 7's k^2 NC term with K taps). Pooling and the agent biases' additions not counted (elementwise). Params:
+    dense's 4hh' + (K + 1)h' for the convolution's taps and bias + 2 x (option bias) distance buckets of B1 and B2.
+    An algorithmic count: the fast path scores each block of b queries against 2b window keys (1.06x this at
+    h = 512, b = w = 64, T = 1024)."""
     m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc", 0))
     dwc = (2 * K * hd * T, (K + 1) * hd) if K else (0, 0)
-    return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w + dwc[0]), params=n * (4 * h * hd + dwc[1]))
+    params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias", 0))
+    return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w + dwc[0]), params=n * params)
 
 
 @formula("mita")

@@ -1,15 +1,15 @@
 """Causal agent attention (Han et al. 2024, "Agent Attention", §4.1, eq. 3), for decoder LMs.
 
-Paper (vision, non-causal): agents A = Pooling(Q) (n tokens); agent aggregation V_A = softmax(A K^T) V
-over all N tokens; agent broadcast O = softmax(Q A^T) V_A; the module adds agent biases B1, B2 and a
+Paper (vision, non-causal): agents A = Pooling(Q) (n tokens); agent aggregation V_A = softmax(A K^T + B1) V
+over all N tokens; agent broadcast O = softmax(Q A^T + B2) V_A (eq. 5, agent biases B1, B2); the module adds a
 depthwise conv DWC(V) (eq. 6).
 
 Here, made causal, per head:
 - agent j = average of the (rotated) queries of block j, rows jb .. jb+b-1, for completed blocks only
   (n = T // b); it is complete at row e_j = (j+1)b - 1 (routing/landmarks.py);
-- agent aggregation: V_A_j = softmax(A_j K^T / sqrt(h') + M) V, keys at rows <= e_j only;
+- agent aggregation: V_A_j = softmax(A_j K^T / sqrt(h') + B1_j + M) V, keys at rows <= e_j only;
 - agent broadcast + local window, one softmax: a query at row t attends to the agents with e_j <= t
-  (keys A_j, values V_A_j) and to the keys t-w < p <= t (keys K_p, values V_p).
+  (keys A_j, values V_A_j, + B2) and to the keys t-w < p <= t (keys K_p, values V_p).
 Using agent j at t = e_j is causal: A_j and V_A_j are built from rows <= e_j = t only.
 
 Deviations from the paper, and why:
@@ -19,20 +19,26 @@ Deviations from the paper, and why:
   pooling windows depend on the sequence length. The price: aggregation and broadcast cost 8h'T^2/b FLOPs,
   quadratic in T where the paper's fixed n makes them linear (§4.1), b / 2 times fewer than dense's 4h'T^2;
 The next two are choices, not forced by causality:
-- no agent biases B1, B2: positions come from RoPE (heads/rope.py), rotating Q and K at their positions
-  before pooling, so an agent's scores are the mean of its block's query scores. A causal relative bias
-  would be possible; note that averaging b rotated queries scales rotary frequency theta by
-  |sin(b theta / 2) / (b sin(theta / 2))|, so agents keep mostly the low frequencies' position information;
+- positions come from RoPE (heads/rope.py), rotating Q and K at their positions before pooling, so an agent's
+  scores are the mean of its block's query scores; averaging b rotated queries scales rotary frequency theta by
+  |sin(b theta / 2) / (b sin(theta / 2))|, so agents keep mostly the low frequencies' position information.
+  Eq. 5's agent biases are option `bias` = number of buckets > 0: B1[j, p] (agent j over key p) and B2[t, j]
+  (query t over agent j) are learned per head as functions of the token distances e_j - p and t - e_j, in
+  T5-style log buckets up to the training length (routing.landmarks.distance_buckets), added inside the two
+  softmaxes. The paper builds each bias from three learned components over the image grid (its appendix); a
+  function of the causal distance is our 1-D reading. They start at 0 (plain agent attention); with one bucket
+  B1 is a constant (no effect under softmax) and B2 a learned offset between agents and the window;
 - the local detail that the rank-n agent path loses (the role of eq. 6's DWC(V)) comes from a causal local
   window merged into the broadcast softmax (agents and window share one probability mass), which also gives
   the rows before the first completed block context. Eq. 6's DWC(V) itself, made causal, is option `dwc`
   = K > 0: a depthwise convolution over V of the K most recent tokens (rows t-K+1 .. t; the paper's 3 x 3
   image kernel, k = 3, becomes K taps along the sequence), added to each head's output before W^O.
-Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged (with `dwc`, the
-convolution's taps and bias come on top).
+Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged (with `dwc` or
+`bias`, the convolution's taps and bias and the agent-bias tables come on top).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +51,7 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.kv_cache import BlockKV, one_token
 from heads.local import window_blocks
-from routing.landmarks import block_ends, block_pool, prefix_mask
+from routing.landmarks import block_ends, block_pool, distance_buckets, prefix_mask
 
 
 @dataclass
@@ -53,6 +59,7 @@ class AgentOptions(HeadOptions):
     block: int = 64  # b, tokens pooled into one agent
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
     dwc: int = 0  # K: taps of the causal depthwise convolution over V added to the output (eq. 6's DWC); 0 = none
+    bias: int = 0  # distance buckets of the agent biases B1, B2 (eq. 5), learned per head; 0 = none
 
     def kv_per_head(self, seq_len: int) -> int:
         """Every token (a future agent aggregates over its whole prefix) plus one (A_j, V_A_j) key-value pair per
@@ -61,11 +68,11 @@ class AgentOptions(HeadOptions):
 
     @classmethod
     def example(cls) -> dict[str, Any]:
-        return {"block": 8, "window": 8, "dwc": 3}
+        return {"block": 8, "window": 8, "dwc": 3, "bias": 4}
 
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
-        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16], "dwc": [0, 1, 3]}
+        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16], "dwc": [0, 1, 3], "bias": [0, 1, 4]}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -75,6 +82,8 @@ class AgentOptions(HeadOptions):
             raise ConfigError(f"agent: options.window must be in [1, block={self.block}], got {self.window}")
         if self.dwc < 0:
             raise ConfigError(f"agent: options.dwc must be >= 0 (0 = no convolution), got {self.dwc}")
+        if self.bias < 0:
+            raise ConfigError(f"agent: options.bias must be >= 0 (0 = no agent biases), got {self.bias}")
 
     def validate_length(self, head: str, seq_len: int) -> None:
         super().validate_length(head, seq_len)
@@ -94,6 +103,17 @@ class AgentHeads(DenseHeads):
         channels = count * ctx.head_dim
         if options.dwc:  # one K-tap filter and a bias per (head, channel), as a depthwise Conv1d
             self.dwc = nn.Conv1d(channels, channels, options.dwc, groups=channels)
+        if options.bias:  # [B1; B2] per head and distance bucket; zero: training starts from plain agent attention
+            self.agent_bias = nn.Parameter(torch.zeros(2, count, options.bias))
+
+    def _bias(self, which: int, d: torch.Tensor) -> torch.Tensor:
+        """Agent bias B1 (which = 0: agent j over key p, d = e_j - p) or B2 (which = 1: query t over agent j,
+        d = t - e_j) of every head at the token distances d[...] -> [H, ...] (routing.landmarks.distance_buckets)."""
+        return self.agent_bias[which][:, distance_buckets(d, self.options.bias, self.ctx.seq_len)]
+
+    def _biased(self, which: int, d: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The additive mask of one softmax: the agent bias where `visible`, -inf elsewhere -> [H, ...]."""
+        return self._bias(which, d).masked_fill(~visible, float("-inf"))
 
     def _dwc(self, v: torch.Tensor) -> torch.Tensor:
         """DWC(V) made causal: v[B, H, T, h'] -> [B, H, T, h'], row t = bias + sum_i w_i * v[t - K + 1 + i] over
@@ -129,11 +149,15 @@ class AgentHeads(DenseHeads):
             for j in range(n):  # agent aggregation, one agent at a time
                 a = qi[:, j * b : (j + 1) * b].mean(1)  # [B, h'] pooled queries of block j
                 s = torch.einsum("bd,btd->bt", a, ki[:, : ends[j] + 1]) * scale  # keys <= e_j
+                if self.options.bias:  # + B1[j, p], by the distance e_j - p
+                    s = s + self._bias(0, ends[j] - torch.arange(ends[j] + 1, device=x.device))[i]
                 agents.append(a)
                 agent_values.append(torch.einsum("bt,btd->bd", s.softmax(-1), vi[:, : ends[j] + 1]))
             A = torch.stack(agents, 1) if n else qi[:, :0]  # [B, n, h']
             VA = torch.stack(agent_values, 1) if n else vi[:, :0]
             scores = torch.cat((qi @ A.transpose(-1, -2), qi @ ki.transpose(-1, -2)), -1) * scale  # [B, T, n+T]
+            if self.options.bias:  # + B2[t, j] on the agent columns, by the distance t - e_j
+                scores = scores + F.pad(self._bias(1, rows[:, None] - ends[None, :])[i], (0, T))
             scores = scores.masked_fill(~torch.cat((agent_visible, local), -1), float("-inf"))
             head = scores.softmax(-1) @ torch.cat((VA, vi), 1)  # broadcast + local, one softmax
             heads.append(head + self._dwc_reference(vi, i) if self.options.dwc else head)
@@ -145,21 +169,33 @@ class AgentHeads(DenseHeads):
         b, w = self.options.block, self.options.window
         n = T // b
         A = block_pool(q, b)  # [B, H, n, d]
-        VA = attend(A, k, v, mask=prefix_mask(n, T, b, q.device))  # agent aggregation, keys <= e_j
+        ends, seen = block_ends(n, b, q.device), prefix_mask(n, T, b, q.device)  # [n], [n, T]: keys <= e_j
+        if self.options.bias:  # + B1 [H, n, T]
+            seen = self._biased(0, ends[:, None] - torch.arange(T, device=q.device), seen)
+        VA = attend(A, k, v, mask=seen)  # agent aggregation
         # Query blocks of b rows; keys = all agents + the previous and own block (window w <= b).
         qb, kb, vb, band = window_blocks(q, k, v, b, w)  # [B*H, nb, b, d], [B*H, nb, 2b, d], [nb, b, 2b]
         nb = qb.shape[1]
         keys = torch.cat((A.flatten(0, 1)[:, None].expand(-1, nb, n, d), kb), 2)  # [B*H, nb, n + 2b, d]
         values = torch.cat((VA.flatten(0, 1)[:, None].expand(-1, nb, n, d), vb), 2)
         rows = torch.arange(nb * b, device=q.device).view(nb, b, 1)
-        mask = torch.cat((block_ends(n, b, q.device) <= rows, band), -1)  # [nb, b, n + 2b]: agents done by t
-        out = attend(qb, keys, values, mask=mask).view(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
+        if self.options.bias:  # + B2 on the agent columns: a [nb, b, n + 2b] mask per head, shared by the batch
+            near = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill(~band, float("-inf"))
+            mask = torch.cat((self._biased(1, rows - ends, ends <= rows), near.expand(H, -1, -1, -1)), -1)
+            heads = (B, H * nb, -1, d)  # [B, H*nb, ., d]: the mask [H*nb, b, n + 2b] broadcasts over B
+            out = attend(qb.reshape(heads), keys.reshape(heads), values.reshape(heads), mask=mask.flatten(0, 1))
+        else:
+            out = attend(qb, keys, values, mask=torch.cat((ends <= rows, band), -1))  # [nb, b, n + 2b]: agents done by t
+        out = out.reshape(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
         return self._merge(out + self._dwc(v) if self.options.dwc else out)
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BlockKV:
         """All T keys/values, the current block's queries, and each completed block's (A_j, V_A_j)."""
-        return BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, None, device, dtype)
+        cache = BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, None, device, dtype)
+        if self.options.bias:  # the cache builds each agent's V_A_j as blocks complete: with B1
+            cache.aggregation_bias = functools.partial(self._bias, 0)
+        return cache
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: BlockKV) -> torch.Tensor:
         """Prefill: the full forward over the prompt. A later token at row t (which may complete a
@@ -177,8 +213,14 @@ class AgentHeads(DenseHeads):
         near = rows.clamp(min=0)
         keys = torch.cat((cache.landmarks, cache.kv.k.index_select(2, near)), 2)  # every agent slot + window
         values = torch.cat((cache.values, cache.kv.v.index_select(2, near)), 2)
-        done = torch.arange(cache.landmarks.shape[2], device=x.device) < (t + 1) // self.options.block  # completed
-        out = attend(q, keys, values, mask=torch.cat((done, rows >= 0))[None])  # one softmax
+        n_max = cache.landmarks.shape[2]
+        done = torch.arange(n_max, device=x.device) < (t + 1) // self.options.block  # completed
+        mask = torch.cat((done, rows >= 0))[None]
+        if self.options.bias:  # + B2 [H, 1, n_max + w] on the agent columns
+            agents = self._biased(1, t - block_ends(n_max, self.options.block, x.device), done)
+            near = torch.zeros(w, dtype=q.dtype, device=x.device).masked_fill(rows < 0, float("-inf"))
+            mask = torch.cat((agents, near.expand(self.count, -1)), -1)[:, None]
+        out = attend(q, keys, values, mask=mask)  # one softmax
         if self.options.dwc:  # the last K rows of v (rows < 0 are zeros), the convolution's last output
             K = self.options.dwc
             taps = t - K + 1 + torch.arange(K, device=x.device)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from heads.attention import attend
-from routing.landmarks import landmark_topk, prefix_mask
+from routing.landmarks import block_ends, landmark_topk, prefix_mask
 
 
 def one_token(head: str, x: torch.Tensor) -> None:
@@ -139,6 +139,7 @@ class BlockKV:
     landmarks: torch.Tensor  # [B, H, n_max, d] q~_j of the completed blocks
     values: torch.Tensor  # [B, H, n_max, d] v~_j (its own buffer: torch.cond refuses aliased operands)
     experts: torch.Tensor | None = None  # [B, H, n_max, k'] int64 key rows of expert j, -1 = unused
+    aggregation_bias: Callable[[torch.Tensor], torch.Tensor] | None = None  # distances e_j - p -> [H, ...] (agent B1)
 
     @classmethod
     def empty(cls, batch: int, heads: int, max_len: int, dim: int, block: int, topk: int | None = None,
@@ -191,7 +192,9 @@ class BlockKV:
         m = T // b
         if m:
             lq = q[:, :, : m * b].unflatten(2, (m, b)).mean(3)  # [B, H, m, d] (MiTA Alg. 1 line 2)
-            lv, experts = summaries(lq, prefix_mask(m, T, b, q.device), self.kv.k[:, :, :T], self.kv.v[:, :, :T], self.topk)
+            d = block_ends(m, b, q.device)[:, None] - torch.arange(T, device=q.device)  # [m, T]: e_j - p
+            lv, experts = summaries(lq, prefix_mask(m, T, b, q.device), self.kv.k[:, :, :T], self.kv.v[:, :, :T], self.topk,
+                                    None if self.aggregation_bias is None else self.aggregation_bias(d))
             self.landmarks[:, :, :m], self.values[:, :, :m] = lq, lv
             if experts is not None:
                 self.experts[:, :, :m, : experts.shape[-1]] = experts
@@ -212,8 +215,9 @@ class BlockKV:
         def complete(queries: torch.Tensor, K: torch.Tensor, V: torch.Tensor, r: torch.Tensor, j: torch.Tensor,
                      *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
             lq = queries.mean(2, keepdim=True)  # [B, H, 1, d]
-            sees = (torch.arange(K.shape[2], device=K.device) <= r)[None]  # [1, S]
-            lv, experts = summaries(lq, sees, K, V, topk)
+            d = r - torch.arange(K.shape[2], device=K.device)[None]  # [1, S]: e_j - p
+            bias = None if self.aggregation_bias is None else self.aggregation_bias(d)
+            lv, experts = summaries(lq, d >= 0, K, V, topk, bias)
             return (lq, lv) + ((experts,) if experts is not None else ())
 
         def unchanged(queries: torch.Tensor, K: torch.Tensor, V: torch.Tensor, r: torch.Tensor, j: torch.Tensor,
@@ -225,11 +229,13 @@ class BlockKV:
             t.index_copy_(2, j, row)
 
 
-def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Tensor,
-              topk: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Tensor, topk: int | None,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Landmarks lq[B, H, m, d] over keys K, V [B, H, N, d] where sees[m, N]: their values
-    softmax(q~ K^T / sqrt(h')) V and (MiTA eq. 7, topk given) their experts' top-k key rows, -1 = none."""
-    S = (lq @ K.transpose(-1, -2) * lq.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
+    softmax(q~ K^T / sqrt(h') + bias) V (bias[H, m, N]: the agents' B1) and (MiTA eq. 7, topk given) their
+    experts' top-k key rows, -1 = none."""
+    S = lq @ K.transpose(-1, -2) * lq.shape[-1] ** -0.5
+    S = (S if bias is None else S + bias).masked_fill(~sees, float("-inf"))
     experts = None
     if topk is not None:
         idx, ok = landmark_topk(S, topk)

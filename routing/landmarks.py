@@ -10,6 +10,8 @@ Layout: x[B, H, T, d]; landmarks [B, H, n, d]. Rows are assumed to be in increas
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -27,6 +29,19 @@ def block_ends(n: int, block: int, device: torch.device) -> torch.Tensor:
 def prefix_mask(n: int, T: int, block: int, device: torch.device) -> torch.Tensor:
     """[n, T] bool: key row p is visible to landmark j iff p <= e_j (its block has ended by then)."""
     return torch.arange(T, device=device)[None, :] <= block_ends(n, block, device)[:, None]
+
+
+def distance_buckets(d: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
+    """Bucket of a token distance d >= 0 (negative d, only ever masked out, counts as 0), T5-style (Raffel et al.
+    2020, relative position buckets): d itself below `buckets` // 2, then log-spaced up to max_distance, the last
+    bucket beyond. Used by the agent biases (heads/agent.py)."""
+    d = d.clamp(min=0)
+    exact = buckets // 2
+    if exact == 0:
+        return torch.zeros_like(d)
+    span = math.log(max(max_distance, exact + 1) / exact)
+    far = exact + (torch.log(d.clamp(min=exact).double() / exact) / span * (buckets - exact)).long()
+    return torch.where(d < exact, d, far.clamp(max=buckets - 1))
 
 
 def earlier_blocks(T: int, n: int, block: int, device: torch.device, local_blocks: int = 1) -> torch.Tensor:

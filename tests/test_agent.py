@@ -50,6 +50,65 @@ def test_fast_path_keeps_no_score_tensor() -> None:
     assert max(saved_for_backward(group, T)) < H * T * (T // b + 2 * b) * 4
 
 
+def _per_query(group, x: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 made causal, one query at a time, from the group's own projections and bias tables: agent j
+    (complete at e_j) = mean of block j's rotated queries, V_A_j = softmax(A_j K_{<=e_j}^T / sqrt(h') + B1(e_j - p)) V;
+    query t: softmax over [q_t A_j^T / sqrt(h') + B2(t - e_j) for e_j <= t | q_t k_p^T / sqrt(h') for t-w < p <= t]
+    of [V_A_j | v_p]; the heads' outputs through W^O (no dwc)."""
+    from routing.landmarks import distance_buckets
+
+    B, T, _ = x.shape
+    q, k, v = group._qkv(x, torch.arange(T).expand(B, T))  # [B, H, T, h']
+    b, w, n, scale = group.options.block, group.options.window, T // group.options.block, group.ctx.head_dim ** -0.5
+
+    def bias(which: int, i: int, d: int) -> torch.Tensor:
+        return group.agent_bias[which, i, distance_buckets(torch.tensor(d), group.options.bias, group.ctx.seq_len)]
+
+    heads = []
+    for i in range(group.count):
+        rows = []
+        for t in range(T):
+            scores, values = [], []
+            for j in range(n):
+                e = (j + 1) * b - 1
+                if e > t:
+                    continue
+                a = q[:, i, j * b : e + 1].mean(1)  # [B, h']
+                s = torch.stack([(a * k[:, i, p]).sum(-1) * scale + bias(0, i, e - p) for p in range(e + 1)], -1)
+                values.append(torch.einsum("bp,bpd->bd", s.softmax(-1), v[:, i, : e + 1]))
+                scores.append((q[:, i, t] * a).sum(-1) * scale + bias(1, i, t - e))
+            for p in range(max(0, t - w + 1), t + 1):
+                values.append(v[:, i, p])
+                scores.append((q[:, i, t] * k[:, i, p]).sum(-1) * scale)
+            prob = torch.stack(scores, -1).softmax(-1)  # [B, keys]
+            rows.append(torch.einsum("bk,bkd->bd", prob, torch.stack(values, 1)))
+        heads.append(torch.stack(rows, 1))
+    return group.out(torch.cat(heads, -1))
+
+
+@pytest.mark.parametrize("buckets", [1, 3, 6])
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_agent_biases_enter_both_softmaxes(impl: str, buckets: int) -> None:
+    """Option bias (eq. 5's B1, B2 as learned per-head biases of the token distances e_j - p and t - e_j): both
+    paths equal a per-query implementation; the biases change the output (they start at 0: plain agent
+    attention); cached decoding equals the full forward."""
+    T, b = 23, 4
+    group = make_group("agent", {"block": b, "window": 3, "bias": buckets, "impl": impl}, T, dtype=torch.float64)
+    x = torch.randn(2, T, group.ctx.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(T).expand(2, T)
+    with torch.no_grad():
+        group.agent_bias.zero_()
+        plain = group(x, pos)
+        group.agent_bias.normal_(std=2.0, generator=torch.Generator().manual_seed(4))
+        out = group(x, pos)
+        want = _per_query(group, x)
+        assert (out - want).abs().max().item() <= TOL * want.abs().max().item()
+        assert (out - plain).abs().max().item() > 1e-3
+        cache = group.new_cache(2, T, "cpu", torch.float64)
+        steps = [group(x[:, :6], pos[:, :6], cache)] + [group(x[:, t : t + 1], pos[:, t : t + 1], cache) for t in range(6, T)]
+    assert (torch.cat(steps, 1) - out).abs().max().item() <= 1e-10 * out.abs().max().item()
+
+
 def _models(T: int, **options) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Dense and agent models (same weights) for sequences of up to T tokens; a block over T is allowed by
     building them for length `block` (config load refuses block > model.seq_len) and running them on T."""
@@ -84,7 +143,8 @@ def test_agents_change_rows_after_the_first_block() -> None:
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
     cfg = tiny_config(heads=[{"type": "dense", "count": 1},
-                             {"type": "agent", "count": 2, "options": {"block": 8, "window": 4, "dwc": 3, "impl": impl}}])
+                             {"type": "agent", "count": 2, "options": {"block": 8, "window": 4, "dwc": 3, "bias": 4,
+                                                                        "impl": impl}}])
     model = lm.build_model(cfg.model)
     tokens = torch.randint(0, 97, (2, 64))
     assert model.causal
@@ -97,7 +157,7 @@ def test_causal_in_hybrid_mix_and_trains(impl: str) -> None:
 
 
 @pytest.mark.parametrize("options,field", [({"block": 0}, "options.block"), ({"block": 8, "window": 9}, "options.window"),
-                                           ({"dwc": -1}, "options.dwc")])
+                                           ({"dwc": -1}, "options.dwc"), ({"bias": -2}, "options.bias")])
 def test_bad_options_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])

@@ -35,7 +35,8 @@ DECODED = {  # hand-picked decoding cases: options and head counts chosen for T 
                             {"type": "mosaic", "count": 4, "options": {"sparsity": 2, "top_s": 2, "gate": g}}]
        for g in ("renorm", "sigmoid")},
     # block landmarks: blocks of 4-5 rows, so decoding crosses several block ends; k > b for young experts
-    "agent": [{"type": "dense", "count": 1}, {"type": "agent", "count": 2, "options": {"block": 5, "window": 3, "dwc": 4}}],
+    "agent": [{"type": "dense", "count": 1},
+              {"type": "agent", "count": 2, "options": {"block": 5, "window": 3, "dwc": 4, "bias": 3}}],
     "mita": [{"type": "dense", "count": 1}, {"type": "mita", "count": 3, "options": {"block": 4, "k": 6, "s": 2}}],
     "mita_2blocks": [{"type": "dense", "count": 1},
                      {"type": "mita", "count": 2, "options": {"block": 4, "k": 5, "s": 2, "local_blocks": 2}}],
@@ -60,6 +61,9 @@ PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 
 def model_for(heads: list[dict], seed: int = 0, layers: int = 2):
     torch.manual_seed(seed)
     model = build_model(tiny_config(heads, seq_len=T, init_std=0.3, n_layers=layers).model)
+    for name, p in model.named_parameters():
+        if name.endswith("agent_bias"):  # the agent biases start at 0; decode with non-zero ones
+            torch.nn.init.normal_(p, std=1.0)
     model.train()(torch.randint(0, 97, (4, T)))
     commit_states(model)  # sets MoSA's running thresholds from data
     return model.eval()
@@ -105,7 +109,7 @@ def test_inductor_decoding_of_every_head_type_matches_eager() -> None:
     heads = [{"type": "dense", "count": 1}, {"type": "local", "count": 1, "options": {"window": 6}},
              {"type": "fixed", "count": 1, "options": {"sparsity": 4}}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
              {"type": "mosaic", "count": 2, "options": {"sparsity": 2}},
-             {"type": "agent", "count": 1, "options": {"block": 5, "window": 3}},
+             {"type": "agent", "count": 1, "options": {"block": 5, "window": 3, "bias": 3}},
              {"type": "mita", "count": 2, "options": {"block": 4, "k": 6, "s": 2}}, DECODED["topk"][1]]
     heads += [{"type": t, "count": 1, "options": tiny_options(t)} for t in sorted(decodable_types() - types_in(heads))]
     model = model_for(heads, layers=1).double()  # one layer: inductor's compile time grows with the graph
