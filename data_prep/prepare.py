@@ -47,7 +47,7 @@ from data_prep.shards import SplitWriter, write_atomic, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
 
-FORMAT = "data_prep/1"
+FORMAT = "data_prep/2"  # 2: a literal U+2581 is encoded as its bytes (data_prep/tokenizer.py)
 SPLITS = ("train", "val")
 INDEX, PROGRESS, TOKENIZER = "index.json", "progress.json", "tokenizer.model"
 ENCODE_BATCH_CHARS = 4_000_000  # documents are tokenised in batches of about this many characters

@@ -1,8 +1,10 @@
-"""A bounded, order-independent sample of text lines for tokenizer training.
+"""A bounded sample of text lines for tokenizer training (deterministic for a fixed input order).
 
-Every non-empty line gets a key from a hash of its content; the sample is the set of lowest-key lines
-whose lengths fit in `max_chars` (bottom-k sampling). That is a uniform random sample of lines over
-the whole corpus, the same whatever the document order, built in one pass with bounded memory.
+Every non-empty line gets a key from a hash of its content; the sample holds low-key lines whose lengths fit
+in `max_chars` (bottom-k sampling), built in one pass with bounded memory: a uniform random sample of lines over
+the whole corpus. When every line fits, it is all of them whatever the order; otherwise lines near the budget
+can depend on the order (a line that does not fit when it arrives is skipped, even if later pops would have made
+room for it), so a fixed input order (data_prep reads files sorted by name) gives a fixed sample.
 """
 from __future__ import annotations
 

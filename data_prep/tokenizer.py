@@ -4,7 +4,8 @@ Lossless by construction, so decode(encode(text)) == text and bits-per-byte figu
 identity normalisation (no NFKC, whitespace kept as is), no dummy prefix, byte fallback for
 characters outside the learned vocabulary. Ids: 0 <unk> (never produced, thanks to byte fallback),
 1 </s> = end of document, 2 "\\n" (a user-defined piece; lines are encoded separately and joined with
-it), 3..258 the 256 byte pieces, then the learned merges.
+it), 3..258 the 256 byte pieces, then the learned merges. A literal U+2581 "▁" (SentencePiece's own space
+symbol, which it would encode as a space) is written as its three UTF-8 byte pieces.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ MODEL_TYPE = "bpe"
 UNK_ID, EOS_ID, NEWLINE_ID = 0, 1, 2
 MAX_VOCAB = 2**16  # ids must fit in uint16 shards
 MAX_SENTENCE_BYTES = 1 << 15
+META = "\u2581"  # SentencePiece's space symbol: encoded as is, a literal one would decode as " "
+META_BYTE_IDS = [3 + byte for byte in META.encode("utf-8")]  # its byte pieces <0xE2> <0x96> <0x81>
 SAVED_THREADS = 1  # trainer_spec.num_threads in every saved model, so its bytes do not depend on --threads
 
 
@@ -78,18 +81,21 @@ def load(model: bytes) -> spm.SentencePieceProcessor:
 
 
 def encode_documents(sp: spm.SentencePieceProcessor, texts: Sequence[str], threads: int) -> list[np.ndarray]:
-    """uint16 tokens of each text, lines joined by NEWLINE_ID, followed by EOS_ID."""
-    lines_per_text = [text.split("\n") for text in texts]
-    ids = sp.encode([line for lines in lines_per_text for line in lines], num_threads=threads)
-    out, i = [], 0
-    for lines in lines_per_text:
+    """uint16 tokens of each text, lines joined by NEWLINE_ID, followed by EOS_ID; a literal META inside a line
+    as META_BYTE_IDS (the line is encoded in the pieces between them)."""
+    segments = [[line.split(META) for line in text.split("\n")] for text in texts]  # text -> line -> segments
+    ids = iter(sp.encode([seg for lines in segments for line in lines for seg in line], num_threads=threads))
+    out = []
+    for lines in segments:
         tokens: list[int] = []
-        for line_ids in ids[i : i + len(lines)]:
-            tokens.extend(line_ids)
+        for line in lines:
+            tokens.extend(next(ids))
+            for _ in line[1:]:
+                tokens.extend(META_BYTE_IDS)
+                tokens.extend(next(ids))
             tokens.append(NEWLINE_ID)
         tokens[-1] = EOS_ID  # the last line has no newline after it: the document ends
         out.append(np.array(tokens, dtype=np.uint16))
-        i += len(lines)
     return out
 
 

@@ -211,6 +211,7 @@ def test_round_trip_and_eos(tmp_path: Path) -> None:
     texts = {f"d{i:02d}.txt": words(i, 30) for i in range(12)}
     texts["odd.txt"] = "  indented\tline with  double  spaces\n\n\nüñíçødé — “quotes” 中文 ∑\x00\nend  "
     texts["crlf.txt"] = "windows\r\nline endings\r\n"
+    texts["meta.txt"] = "\u2581SentencePiece\u2581s space\u2581\u2581symbol as text \u2581\nnot a space"  # was decoded as " "
     src = write_texts(tmp_path / "src", texts)
     index = prepare("text", str(src), tmp_path / "out", vocab_size=600, val_fraction=0.2, shard_tokens=500, **QUIET)
     expected = {t.replace("\r\n", "\n") for t in texts.values()}
@@ -435,11 +436,20 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_builtin_source(tmp_path: Path) -> None:
     from pydoc_data.topics import topics
 
+    from data_prep.builtin import sections
+    from data_prep.doc_hashes import sequence_hashes
+
     out = tmp_path / "builtin"
     index = prepare("builtin", None, out, vocab_size=2000, val_fraction=0.05, **QUIET)
     train, val = documents_of(out, "train"), documents_of(out, "val")
-    assert sorted(train + val) == sorted(t for t in topics.values() if t.strip())
+    # every topic with text, except those that are sections of a larger topic (their text is in it)
+    kept = [t for name, t in topics.items() if t.strip() and name not in sections(topics)]
+    assert sorted(train + val) == sorted(kept) and len(kept) < len([t for t in topics.values() if t.strip()])
     assert index["sources"] == ["pydoc_data.topics"] and index["splits"]["train"]["tokens"] > 50_000
+    # no validation topic shares a 13-word sequence with training (the sections used to: "try" of "compound")
+    seen = set().union(*(sequence_hashes(t).tolist() for t in train))
+    assert val and not any(set(sequence_hashes(t).tolist()) & seen for t in val)
+    assert "compound" in topics and "try" in topics and "try" in sections(topics)
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2
