@@ -170,6 +170,33 @@ def step_files(directory: Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(p.stem.removeprefix("step")), reverse=True)
 
 
+def set_aside_after(directory: Path, step: int) -> list[Path]:
+    """Move the step checkpoints after `step` (and last.ckpt if it is one of them) into
+    `directory/abandoned-after-step<step>/`: a --resume-from that rewinds starts another timeline, whose --resume
+    and keep_last_k pruning must not take the old one's later files for its own. Returns their new paths."""
+    newer = [p for p in step_files(directory) if int(p.stem.removeprefix("step")) > step]
+    last = directory / "last.ckpt"
+    if last.is_file():
+        try:  # mmap: the step without reading the tensors (last.ckpt is a link, or a copy in a copied run)
+            last_step = torch.load(last, map_location="cpu", mmap=True, weights_only=True).get("global_step", 0)
+        except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError):
+            last_step = 0  # damaged: --resume passes it over anyway
+        if last_step > step:
+            newer.append(last)
+    if not newer:
+        return []
+    dest = directory / f"abandoned-after-step{step:07d}"
+    dest.mkdir(exist_ok=True)
+    moved = []
+    for path in newer:
+        target = dest / path.name
+        if target.is_dir():  # set aside by an earlier rewind to the same step
+            shutil.rmtree(target)
+        os.replace(path, target)
+        moved.append(target)
+    return moved
+
+
 def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tuple[Path, dict[str, Any]] | None:
     """(path, contents) of the newest checkpoint of a run that `read_checkpoint` accepts: step files newest
     first (a kill may land between writing one and linking last.ckpt), then last.ckpt; `skipped(path, why)`

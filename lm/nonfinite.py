@@ -34,6 +34,7 @@ from lm.errors import NonFiniteError
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """No NaN/inf entry in any tensor: one fused max-abs over all of them (torch's foreach norm, which
     propagates NaN and cannot overflow), one device sync."""
+    tensors = [t for t in tensors if t.numel()]  # e.g. RoPE's inv_freq with model.rope_fraction=0: the norm refuses them
     return not tensors or bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
 
 

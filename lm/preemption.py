@@ -8,8 +8,8 @@ tracebacks in 3 runs, never the one-line stop. So here, from the start of traini
 installs its handler just before), the handler only sets a flag. At the end of every optimizer step, and after
 every validation within training, the ranks reduce it (any rank: one integer, `reduce_boolean_decision`); if
 any rank got the signal, all of them checkpoint that step (lm/checkpoint.StepCheckpoints.save, unless written
-already) and stop there together, with Lightning's SIGTERMException, which lm.train turns into
-`Interrupted` (one line, exit status 143). A validation in progress is completed first (`data.val_batches`
+already) and stop there together, with Lightning's SIGTERMException (after a training step at the next batch's
+start, once Lightning has logged the step), which lm.train turns into `Interrupted` (one line, exit status 143). A validation in progress is completed first (`data.val_batches`
 batches), so a step's checkpoint carries its validation. A signal after the last step's check, or in a validation
 of its own (the first, or the final one), is agreed on when that call ends (lm.train.sigterm_interrupts), which
 checkpoints what the call completed before stopping. One process takes the same path without the reduction.
@@ -47,25 +47,33 @@ class Preemption(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
 
-    def _stop_if_agreed(self, trainer: L.Trainer) -> None:
-        if trainer.strategy.reduce_boolean_decision(self.received, all=False):  # a collective: every rank is here
-            if self.checkpoints.saved_step != trainer.global_step:
-                self.checkpoints.save(trainer)
-            self.stopped = True
-            raise SIGTERMException
+    def _agreed(self, trainer: L.Trainer) -> bool:
+        """Whether some rank got SIGTERM (a collective: every rank is here); then this step is checkpointed."""
+        if not trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            return False
+        if self.checkpoints.saved_step != trainer.global_step:
+            self.checkpoints.save(trainer)
+        self.stopped = True
+        return True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        """After an optimizer step, unless the step validates next (then after that validation)."""
+        """After an optimizer step, unless the step validates next (then after that validation). The stop itself
+        comes at the next batch's start, so that Lightning still logs this step's training values (it does after
+        this hook); after the last step the fit ends anyway and lm.train.sigterm_interrupts sees `stopped`."""
         if ends_step(trainer, batch_idx) and trainer.global_step % self.val_every != 0:
-            self._stop_if_agreed(trainer)
+            self._agreed(trainer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.stopped:
+            raise SIGTERMException
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """After a validation within training (StepCheckpoints, earlier in the callback list, has saved its step
-        if that is a checkpoint step). A validation on its own (trainer.validate) runs to its end: lm.train
-        reads `received` after it."""
-        if trainer.state.fn == "fit":
-            self._stop_if_agreed(trainer)
+        if that is a checkpoint step; its values are logged). A validation on its own (trainer.validate) runs to
+        its end: lm.train reads `received` after it."""
+        if trainer.state.fn == "fit" and self._agreed(trainer):
+            raise SIGTERMException
 
 
 def received_sigterm(trainer: L.Trainer) -> bool:

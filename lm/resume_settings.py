@@ -66,7 +66,8 @@ def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
         if "_last_lr" in sched:
             sched["_last_lr"] = [g["lr"] for g in opt_state["param_groups"]]
     how = {"data.batch_size": "tokens_seen continues from the checkpoint's count; later batches differ from "
-                              "an uninterrupted run"}
+                              "an uninterrupted run, and validation now averages data.val_batches batches of the new "
+                              "size, another set of windows: the validation curve changes its yardstick here"}
     lines = [f"--resume: {key} changed {old} -> {new}: {how.get(key, 'applied from this step on')}"
              for key, (old, new) in changes.items()]
     if SCHEDULE & set(changes):

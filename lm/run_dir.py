@@ -134,6 +134,9 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     out = Path(cfg.trainer.out_dir)
+    blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"trainer.out_dir {out}: {blocking} is a file, not a directory")
     here = read_provenance(Path(cfg.data.path).resolve())
     if resume and (out / RECORD).is_file():
         for change in check_resume(cfg, out, here):

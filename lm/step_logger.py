@@ -7,7 +7,9 @@ N). So validations after the same number of steps landed one apart, and `train/t
 steps' tokens. Here every scalar is written at the trainer's step count when it is logged: x = N for the N-th
 step's training values, for the validation after N steps (as on the console, in `stepN.ckpt` and in
 metrics.json's history) and for the head statistics of the N-th step's forward pass (lm/module.py). An untrained
-model's validation (`validate_first`) sits at x = 0.
+model's validation (`validate_first`) sits at x = 0. Values are flushed as they are logged, and a run resumed
+from step S purges what was logged at x > S (lm.train.tensorboard_logger), so that TensorBoard shows every step
+once after a kill and a resume.
 """
 from __future__ import annotations
 
@@ -25,3 +27,4 @@ class StepLogger(TensorBoardLogger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         super().log_metrics(metrics, step if self.trainer is None else self.trainer.global_step)
+        self.experiment.flush()  # on disk at once: a run killed after its checkpoint keeps the values up to it

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from heads import ConfigError
 from lm.accumulation import StepTimer
 from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_loadable, read_checkpoint,
-                           remove_temp_files)
+                           remove_temp_files, set_aside_after)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -86,9 +86,12 @@ def ckpt_dir(cfg: Config) -> Path:
     return Path(cfg.trainer.out_dir) / "checkpoints"
 
 
-def tensorboard_logger(cfg: Config) -> StepLogger:
-    """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config; x = optimizer steps (lm/step_logger.py)."""
-    logger = StepLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False)
+def tensorboard_logger(cfg: Config, resumed_step: int | None = None) -> StepLogger:
+    """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config; x = optimizer steps (lm/step_logger.py).
+    Resumed from step S, TensorBoard purges the values an interrupted run logged at x > S (after its checkpoint),
+    which the resumed run logs again."""
+    purge = {} if resumed_step is None else {"purge_step": resumed_step + 1}
+    logger = StepLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False, **purge)
     logger.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))  # type: ignore[arg-type]
     return logger
 
@@ -143,12 +146,13 @@ def model_line(cfg: Config, module: L.LightningModule) -> str:
             f"{' | '.join(mixes)} (head_dim {m.head_dim}); T = {m.seq_len}")
 
 
-def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L.Trainer:
-    """The Lightning Trainer of a run; `strategy` from build_strategy(cfg), after check_devices."""
+def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resumed_step: int | None = None) -> L.Trainer:
+    """The Lightning Trainer of a run; `strategy` from build_strategy(cfg), after check_devices; `resumed_step`:
+    the step of the checkpoint it continues from (TensorBoard purges what was logged after it)."""
     t = cfg.trainer
     deepspeed = t.strategy == "deepspeed_stage_2"
     timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
-    logger = tensorboard_logger(cfg)
+    logger = tensorboard_logger(cfg, resumed_step)
     trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=resolve_precision(t),  # type: ignore[arg-type]
@@ -173,11 +177,16 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any) -> L
     return trainer
 
 
-def resume_path(cfg: Config, resume: str | None) -> str | None:
+class ResumePoint(NamedTuple):
+    path: str  # the checkpoint file (or DeepSpeed directory)
+    step: int | None  # its optimizer step (None: a DeepSpeed directory not named step<N>.ckpt)
+
+
+def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
     """`resume="last"` (--resume) -> the newest loadable checkpoint of this run, saying which damaged ones it
     passed over (None, i.e. a fresh start, if there is none yet); a path (--resume-from PATH) -> that path,
     which must load. The checkpoint's model config and trainer.accumulate_grad_batches must equal this run's
-    (checked for single-file checkpoints; DeepSpeed writes directories)."""
+    (checked for single-file checkpoints; DeepSpeed writes directories, the only ones accepted)."""
     if resume is None:
         return None
     flag = "--resume" if resume == "last" else "--resume-from"
@@ -190,7 +199,11 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
     else:
         path = Path(resume)
         if path.is_dir():
-            return str(path)
+            if cfg.trainer.strategy != "deepspeed_stage_2":
+                raise ConfigError(f"{flag}: {path} is a directory (a DeepSpeed checkpoint; this run's "
+                                  f"trainer.strategy is {cfg.trainer.strategy}); give a .ckpt file")
+            digits = path.name.removeprefix("step").removesuffix(".ckpt")
+            return ResumePoint(str(path), int(digits) if digits.isdigit() else None)
         try:
             ckpt = read_checkpoint(path)
         except CheckpointError as err:
@@ -205,7 +218,7 @@ def resume_path(cfg: Config, resume: str | None) -> str | None:
         raise ConfigError(f"{flag}: {path} was trained with trainer.accumulate_grad_batches={accumulate}, which "
                           f"cannot change on resume")
     say(f"{flag}: continuing from {path}")
-    return str(path)
+    return ResumePoint(str(path), int(ckpt.get("global_step", 0)))
 
 
 @contextmanager
@@ -230,8 +243,10 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
               overwrite: bool) -> tuple[L.LightningModule, L.Trainer, StepCheckpoints, str | None]:
     """What every training entry point does before fitting: check the data and the devices (one-line errors before
     any Lightning set-up, and before the run directory is claimed), claim trainer.out_dir (lm/run_dir.py), remove
-    temp files an interrupted write left, find the checkpoint to resume from, seed, build the module (one model
-    line) and the Trainer. Returns (module, trainer, its StepCheckpoints, the checkpoint path or None)."""
+    temp files an interrupted write left, find the checkpoint to resume from (a --resume-from that rewinds sets
+    the abandoned steps' checkpoints aside), seed, build the module (one model line) and the Trainer (TensorBoard
+    drops what an interrupted run logged after the checkpoint). Returns (module, trainer, its StepCheckpoints,
+    the checkpoint path or None)."""
     data.check()
     check_devices(cfg.trainer)
     strategy = build_strategy(cfg)  # a start refused by these checks leaves trainer.out_dir unclaimed
@@ -239,14 +254,20 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     if rank_zero_only.rank == 0:
         for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
             say(f"warning: removed {path}, left by an interrupted write")
-    ckpt = resume_path(cfg, resume)
+    point = resume_path(cfg, resume)
+    if point is not None and point.step is not None and resume != "last" and rank_zero_only.rank == 0:
+        moved = set_aside_after(ckpt_dir(cfg), point.step)
+        if moved:
+            say(f"--resume-from: moved the checkpoints of steps after {point.step} ({', '.join(p.name for p in moved)}), "
+                f"a timeline this run abandons, to {moved[0].parent}")
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = make_module(cfg)
     say(model_line(cfg, module))
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
                                   keep=t.keep_last_k)
-    return module, build_trainer(cfg, checkpoints, strategy), checkpoints, ckpt
+    trainer = build_trainer(cfg, checkpoints, strategy, None if point is None else point.step)
+    return module, trainer, checkpoints, None if point is None else point.path
 
 
 def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataModule, checkpoints: StepCheckpoints,

@@ -49,12 +49,24 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
 
+def logged_steps(run: Path, tag: str = "train/loss") -> list[int]:
+    """The steps of one TensorBoard scalar as TensorBoard reads the run's directory (every event file in order,
+    purges applied), repeats included."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    """... and TensorBoard shows every step once: what the killed run logged after its checkpoint is purged."""
     data = write_prepared(tmp_path / "data")
     full, killed = tmp_path / "full", tmp_path / "killed"
-    uninterrupted = subprocess.Popen(command(data, full), env=env(), stdout=subprocess.DEVNULL,
+    uninterrupted = subprocess.Popen(command(data, full, "trainer.log_every=1"), env=env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)  # runs alongside, on the other core
-    proc = subprocess.Popen(command(data, killed), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(data, killed, "trainer.log_every=1"), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     wait_for_file(proc, killed / "checkpoints" / "step0000010.ckpt")
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
@@ -66,9 +78,11 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert 10 <= killed_at < STEPS
     print(f"killed after step {killed_at} ({len(saved)} checkpoint files)")
 
-    subprocess.run(command(data, killed, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command(data, killed, "trainer.log_every=1", "--resume"), env=env(), check=True, capture_output=True,
+                   timeout=300)
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(killed / "checkpoints" / "last.ckpt"))
+    assert logged_steps(killed) == logged_steps(full) == list(range(1, STEPS + 1))
 
 
 class Unpicklable:
@@ -83,10 +97,11 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     data = write_prepared(tmp_path / "data")
     full, out = tmp_path / "full", tmp_path / "run"
     no_val = "trainer.val_every=1000"  # validation only at the end: the signal lands in training, not in a validation
-    uninterrupted = subprocess.Popen(command(data, full, no_val), env=env(), stdout=subprocess.DEVNULL,
+    every = "trainer.log_every=1"  # the stopped step's training values are logged too (they used to be lost)
+    uninterrupted = subprocess.Popen(command(data, full, no_val, every), env=env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen(command(data, out, no_val), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(command(data, out, no_val, every), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     assert wait_for_file(proc, out / "checkpoints" / "step0000010.ckpt"), "the run wrote no checkpoint in time"
     time.sleep(0.1)  # into the middle of a checkpoint interval
     proc.send_signal(signal.SIGTERM)
@@ -99,9 +114,10 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     stopped = int(match.group(1))
     assert 10 <= stopped < STEPS and load(out / "checkpoints" / f"step{stopped:07d}.ckpt")["global_step"] == stopped
 
-    subprocess.run(command(data, out, no_val, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command(data, out, no_val, every, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
+    assert logged_steps(out) == logged_steps(full) == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("where", ["first validation", "last training step", "final validation"])
@@ -154,7 +170,8 @@ def test_sigterm_outside_the_step_checks_is_not_lost(where: str, tmp_path: Path,
 def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
     """lm/preemption.py: the agreed stop comes after the micro-batch that ends a step (never mid-accumulation),
     after the step's validation when it has one (so its checkpoint carries it), never inside a validation of its
-    own; the step is saved unless the step checkpoints already did, and the stop is Lightning's SIGTERMException."""
+    own; the step is saved unless the step checkpoints already did, and the stop is Lightning's SIGTERMException
+    (after a training step: at the next batch's start)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -181,9 +198,14 @@ def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
     with pytest.raises(SIGTERMException):
         preemption.on_validation_end(trainer(10), None)  # type: ignore[arg-type]
     assert saved == [] and preemption.stopped
+    # after a training step: saved at its end, stopped at the next batch's start, so that Lightning logs the step
+    after_step = Preemption(checkpoints, val_every=10)  # type: ignore[arg-type]
+    after_step.received = True
+    after_step.on_train_batch_start(trainer(12), None, None, batch_idx=24)  # type: ignore[arg-type]  # not yet agreed
+    after_step.on_train_batch_end(trainer(13), None, None, None, batch_idx=25)  # type: ignore[arg-type]
+    assert saved == [13] and after_step.stopped
     with pytest.raises(SIGTERMException):
-        preemption.on_train_batch_end(trainer(13), None, None, None, batch_idx=25)  # type: ignore[arg-type]
-    assert saved == [13]
+        after_step.on_train_batch_start(trainer(13), None, None, batch_idx=26)  # type: ignore[arg-type]
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:

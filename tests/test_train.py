@@ -288,12 +288,14 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
 
     out = trained[0]
     same = load_config(None, *run_overrides(data, out))
-    assert resume_path(same, "last") == str(out / "checkpoints" / "step0000030.ckpt")  # the newest step file
+    assert resume_path(same, "last") == (str(out / "checkpoints" / "step0000030.ckpt"), 30)  # the newest step file
     assert resume_path(load_config(None, *run_overrides(data, tmp_path)), "last") is None  # nothing yet: fresh
     with pytest.raises(ConfigError, match="model.n_layers"):
         resume_path(load_config(None, *run_overrides(data, out), "model.n_layers=3"), "last")
     with pytest.raises(ConfigError, match="not found"):
         resume_path(same, str(tmp_path / "nope.ckpt"))
+    with pytest.raises(ConfigError, match="is a directory .*DeepSpeed.*give a .ckpt file"):  # was an IsADirectoryError
+        resume_path(same, str(out / "checkpoints"))
 
 
 def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path) -> None:
@@ -342,3 +344,40 @@ def test_profiler_reports(data: Path, tmp_path: Path, profiler: str) -> None:
     (trace,) = (tmp_path / "profile").glob("fit-pytorch-*training_step*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "aten::mm" for e in events)
+
+
+def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(trained: tuple[Path, dict], data: Path,
+                                                                          tmp_path: Path, capsys) -> None:
+    """--resume-from step 10 of a run that went on to 30 starts another timeline: the old step 20/30 files and
+    last.ckpt (a link to step 30) move to checkpoints/abandoned-after-step0000010/, so that a --resume of the new
+    timeline (e.g. after a kill before its first checkpoint) never continues from the discarded steps."""
+    import shutil
+
+    from lm.checkpoint import newest_loadable, read_checkpoint
+    from lm.train import train
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    ckpts = out / "checkpoints"
+    old30 = read_checkpoint(ckpts / "step0000030.ckpt")["state_dict"]
+    cfg = load_config(None, *run_overrides(data, out, max_steps=10), "optim.lr=1e-3")  # stops at once: step 10
+    train(cfg, resume=str(ckpts / "step0000010.ckpt"))
+    aside = ckpts / "abandoned-after-step0000010"
+    assert sorted(p.name for p in aside.iterdir()) == ["last.ckpt", "step0000020.ckpt", "step0000030.ckpt"]
+    assert "moved the checkpoints of steps after 10" in capsys.readouterr().err
+    assert all(torch.equal(v, read_checkpoint(aside / "step0000030.ckpt")["state_dict"][k]) for k, v in old30.items())
+    path, ckpt = newest_loadable(ckpts, lambda p, why: None)
+    assert path.name == "step0000010.ckpt" and ckpt["global_step"] == 10
+
+
+def test_out_dir_below_a_file_and_empty_rope_buffers(data: Path, tmp_path: Path) -> None:
+    """trainer.out_dir that is (or lies below) a file: one ConfigError line, not FileExistsError; a model with
+    model.rope_fraction=0 (an empty RoPE frequency buffer) trains (the non-finite check used to crash on it)."""
+    from lm.train import train
+
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        with pytest.raises(ConfigError, match=f"trainer.out_dir {out}: {tmp_path / 'file'} is a file, not a directory"):
+            train(load_config(None, *run_overrides(data, out)))
+    metrics = train(load_config(None, *run_overrides(data, tmp_path / "norope", max_steps=3), "model.rope_fraction=0"))
+    assert metrics["step"] == 3 and math.isfinite(metrics["val_loss"])
