@@ -171,20 +171,15 @@ def step_files(directory: Path) -> list[Path]:
 
 
 def set_aside_after(directory: Path, step: int) -> list[Path]:
-    """Move the step checkpoints after `step` (and last.ckpt if it is one of them) into
+    """Move the step checkpoints after `step` (and then last.ckpt, which is the newest of them) into
     `directory/abandoned-after-step<step>/`: a --resume-from that rewinds starts another timeline, whose --resume
     and keep_last_k pruning must not take the old one's later files for its own. Returns their new paths."""
     newer = [p for p in step_files(directory) if int(p.stem.removeprefix("step")) > step]
-    last = directory / "last.ckpt"
-    if last.is_file():
-        try:  # mmap: the step without reading the tensors (last.ckpt is a link, or a copy in a copied run)
-            last_step = torch.load(last, map_location="cpu", mmap=True, weights_only=True).get("global_step", 0)
-        except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError):
-            last_step = 0  # damaged: --resume passes it over anyway
-        if last_step > step:
-            newer.append(last)
     if not newer:
         return []
+    last = directory / "last.ckpt"  # the newest step's link, copy or (DeepSpeed) directory: the old timeline's
+    if last.exists():
+        newer.append(last)
     dest = directory / f"abandoned-after-step{step:07d}"
     dest.mkdir(exist_ok=True)
     moved = []

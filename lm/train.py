@@ -61,6 +61,10 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
 def build_strategy(cfg: Config) -> Any:
     t = cfg.trainer
     if t.strategy != "deepspeed_stage_2":
+        c = cfg.compression  # a full-memory batch (compression.full_prob) leaves the compression layer unused
+        if (c is not None and c.mode == "compress" and c.full_prob > 0
+                and (t.strategy == "ddp" or t.devices * t.num_nodes > 1)):
+            return "ddp_find_unused_parameters_true"  # globally unused parameters keep grad None, as in one process
         return t.strategy  # "auto" or "ddp" (gloo on CPU, NCCL on GPU)
     try:
         import deepspeed  # noqa: F401

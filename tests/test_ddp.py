@@ -134,3 +134,50 @@ def test_sigterm_stops_every_rank_at_one_checkpointed_step_and_resumes(tmp_path:
     assert a["global_step"] == b["global_step"] == steps and a["val_history"] == b["val_history"]
     for name, w in a["state_dict"].items():
         assert torch.equal(w, b["state_dict"][name]), name
+
+
+@pytest.mark.slow
+def test_ddp_compression_training_with_full_memory_batches_matches_one_process(tmp_path: Path) -> None:
+    """compression.full_prob: a full-memory batch leaves the compression layer without gradient, which plain DDP
+    refuses at the next step ("parameters that were not used in producing loss"); lm.train.build_strategy then
+    finds unused parameters, whose gradients stay None as in one process. 2 ranks x 4 windows = 1 process
+    accumulating 2 micro-batches of 4 (lm/compressed_training.LayoutBatches), weights within relative RMS 1e-5."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("this torch build has no gloo backend, so CPU DDP cannot run")
+    import numpy as np
+
+    from conftest import tiny_config
+    from lm.compressed_training import LayoutSampler, train_compressed
+    from lm.config import CompressionConfig, to_yaml
+    from tests.test_compression import V, _prepared
+
+    rng = np.random.default_rng(0)
+    (tmp_path / "data").mkdir()
+    path = _prepared(tmp_path / "data", [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
+    steps = 6
+    cfg = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    cfg.compression = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, regime="random", ramp_steps=3,
+                                        max_depth=2, full_prob=0.5)
+    for key, value in dict(max_steps=steps, val_every=steps, ckpt_every=steps, accelerator="cpu").items():
+        setattr(cfg.trainer, key, value)
+    cfg.data.path, cfg.data.batch_size, cfg.data.val_batches = path, 4, 2
+    sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
+    full = [sampler.sample(s, np.random.default_rng([cfg.trainer.seed, s])).full for s in range(steps)]
+    assert any(a and not b for a, b in zip(full, full[1:])), full  # a compressing step follows a full one
+    config = tmp_path / "run.yaml"
+    config.write_text(to_yaml(cfg))
+    ran = subprocess.run(
+        [sys.executable, "-m", "lm.compressed_training", "--config", str(config), f"trainer.out_dir={tmp_path / 'ddp'}",
+         "trainer.devices=2", "trainer.strategy=ddp"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300, cwd=ROOT,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    cfg.trainer.out_dir, cfg.trainer.accumulate_grad_batches, cfg.data.val_batches = str(tmp_path / "single"), 2, 4
+    train_compressed(cfg)
+    ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    single = torch.load(tmp_path / "single" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert ddp.keys() == single.keys()
+    for name, w in single.items():
+        rel = ((ddp[name] - w).norm() / w.norm()).item()
+        assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
