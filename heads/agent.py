@@ -112,8 +112,10 @@ class AgentHeads(DenseHeads):
         return self.agent_bias[which][:, distance_buckets(d, self.options.bias, self.ctx.seq_len)]
 
     def _biased(self, which: int, d: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """The additive mask of one softmax: the agent bias where `visible`, -inf elsewhere -> [H, ...]."""
-        return self._bias(which, d).masked_fill(~visible, float("-inf"))
+        """The additive mask of one softmax -> [H, ...visible.shape]: the agent bias at the distances d (the first
+        d.shape[-1] columns, the agents'; 0 on the columns after them, the window's) where `visible`, else -inf."""
+        bias = self._bias(which, d)
+        return F.pad(bias, (0, visible.shape[-1] - bias.shape[-1])).masked_fill(~visible, float("-inf"))
 
     def _dwc(self, v: torch.Tensor) -> torch.Tensor:
         """DWC(V) made causal: v[B, H, T, h'] -> [B, H, T, h'], row t = bias + sum_i w_i * v[t - K + 1 + i] over
@@ -179,13 +181,13 @@ class AgentHeads(DenseHeads):
         keys = torch.cat((A.flatten(0, 1)[:, None].expand(-1, nb, n, d), kb), 2)  # [B*H, nb, n + 2b, d]
         values = torch.cat((VA.flatten(0, 1)[:, None].expand(-1, nb, n, d), vb), 2)
         rows = torch.arange(nb * b, device=q.device).view(nb, b, 1)
+        visible = torch.cat((ends <= rows, band), -1)  # [nb, b, n + 2b]: agents done by t, the window
         if self.options.bias:  # + B2 on the agent columns: a [nb, b, n + 2b] mask per head, shared by the batch
-            near = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill(~band, float("-inf"))
-            mask = torch.cat((self._biased(1, rows - ends, ends <= rows), near.expand(H, -1, -1, -1)), -1)
             heads = (B, H * nb, -1, d)  # [B, H*nb, ., d]: the mask [H*nb, b, n + 2b] broadcasts over B
-            out = attend(qb.reshape(heads), keys.reshape(heads), values.reshape(heads), mask=mask.flatten(0, 1))
+            mask = self._biased(1, rows - ends, visible).flatten(0, 1)
+            out = attend(qb.reshape(heads), keys.reshape(heads), values.reshape(heads), mask=mask)
         else:
-            out = attend(qb, keys, values, mask=torch.cat((ends <= rows, band), -1))  # [nb, b, n + 2b]: agents done by t
+            out = attend(qb, keys, values, mask=visible)
         out = out.reshape(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
         return self._merge(out + self._dwc(v) if self.options.dwc else out)
 
@@ -215,11 +217,9 @@ class AgentHeads(DenseHeads):
         values = torch.cat((cache.values, cache.kv.v.index_select(2, near)), 2)
         n_max = cache.landmarks.shape[2]
         done = torch.arange(n_max, device=x.device) < (t + 1) // self.options.block  # completed
-        mask = torch.cat((done, rows >= 0))[None]
+        mask = torch.cat((done, rows >= 0))[None]  # [1, n_max + w]
         if self.options.bias:  # + B2 [H, 1, n_max + w] on the agent columns
-            agents = self._biased(1, t - block_ends(n_max, self.options.block, x.device), done)
-            near = torch.zeros(w, dtype=q.dtype, device=x.device).masked_fill(rows < 0, float("-inf"))
-            mask = torch.cat((agents, near.expand(self.count, -1)), -1)[:, None]
+            mask = self._biased(1, t - block_ends(n_max, self.options.block, x.device)[None], mask)
         out = attend(q, keys, values, mask=mask)  # one softmax
         if self.options.dwc:  # the last K rows of v (rows < 0 are zeros), the convolution's last output
             K = self.options.dwc

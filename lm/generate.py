@@ -234,24 +234,22 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
-def decodable(model: DecoderLM) -> bool:
-    """Whether every head group of the model supports KV-cached decoding: causal heads with a cache (causal Routing
-    heads have none)."""
-    if not model.causal:
-        return False
-    try:
-        new_cache(model, 1, 1)
-    except NotImplementedError:
-        return False
-    return True
-
-
 def check_decodable(model: DecoderLM) -> None:
-    """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise)."""
+    """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise: a non-causal
+    group, or a causal one without a cache, as Routing's)."""
     try:
         new_cache(model, 1, 1)
     except NotImplementedError as err:
         raise ValueError(f"{err}; this checkpoint cannot be sampled with lm.generate") from None
+
+
+def decodable(model: DecoderLM) -> bool:
+    """Whether check_decodable accepts the model."""
+    try:
+        check_decodable(model)
+    except ValueError:
+        return False
+    return True
 
 
 def _load_problem(err: Exception) -> str:

@@ -56,6 +56,7 @@ class SparseHeadsLM(TemplateLM):
         self.seq_len = model.cfg.seq_len
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self.leak_free = {"on": True, "off": False, "auto": not model.causal}[str(leak_free)]
+        self.decodable = decodable(model)  # generate_until: KV-cached decoding, else the prefix recomputed
 
     @property
     def eot_token_id(self) -> int:
@@ -137,7 +138,7 @@ class SparseHeadsLM(TemplateLM):
         return results  # type: ignore[return-value]
 
     def _generate(self, prompt: torch.Tensor, max_new: int, temperature: float) -> torch.Tensor:
-        if decodable(self.model):
+        if self.decodable:
             return generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id,
                             vocab=self.sp.get_piece_size())
         tokens = prompt  # heads that cannot decode incrementally: recompute the prefix at every step
