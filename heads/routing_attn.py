@@ -7,7 +7,8 @@ unit-normalised directions u are clustered by online k-means (routing/kmeans.py)
 cluster attends within itself, causally (a member sees the members at or before its own position, itself
 included), with RoPE at original positions. A token's head output is the mean of its outputs over the
 clusters it belongs to (0 if none). Auxiliary loss: commitment `commitment * ||u - mu_nearest||^2`. KV entries
-per head: T (any future token may route to any cluster).
+per head: T (any future token may route to any cluster); decoding ("nearest") caches each cluster's members,
+ρ x ceil(capacity_factor * k) slots per head.
 
 Logits follow RT's released code (google-research routing_transformer/utils.py), where the paper is silent:
 - with the layer norm, LN(q)·LN(k) unscaled: the code scales q by 1/sqrt(h') *before* the layer norm, which
@@ -36,6 +37,7 @@ from torch import nn
 
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
+from heads.kv_cache import SlotKV, one_token
 from heads.layer_norm import layer_norm
 from heads.rows import gather_rows
 from routing.expert_choice import expert_choice, tokens_per_head
@@ -83,6 +85,7 @@ class RoutingOptions(HeadOptions):
 class RoutingHeads(HeadGroup):
     Options = RoutingOptions
     options: RoutingOptions
+    beyond_training = "adds no token to a cluster once its capacity slots (sized for the training length) are full"
 
     def __init__(self, ctx: GroupContext, count: int, options: RoutingOptions) -> None:
         super().__init__(ctx, count, options)
@@ -92,21 +95,25 @@ class RoutingHeads(HeadGroup):
         self.capacity = math.ceil(options.capacity_factor * tokens_per_head(ctx.seq_len, options.sparsity))
         self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x[B, T, h] -> q(=k) = LayerNorm(x W^Q) (or x W^Q without `layer_norm`), v [B, H, T, h'],
-        u = normalize(q), each token's nearest centroid [B, H, T], and the clusters' Selection [B, H, C, c]."""
+        u = normalize(q) and its similarities to the centroids [B, H, C, T]."""
         B, T, _ = x.shape
         q, v = self.qv(x).view(B, T, 2, self.count, self.ctx.head_dim).permute(2, 0, 3, 1, 4)
         q, v = q.contiguous(), v.contiguous()  # whatever keeps q (layer norm, normalize) keeps q only, not v too
         if self.options.layer_norm:
             q = layer_norm(q)  # RT Alg. 1, scale and bias disabled; backward keeps the output, which normalize keeps
         u = F.normalize(q, dim=-1)
-        sim = self.kmeans.similarity(u.detach())  # [B, H, C, T]
-        nearest = sim.argmax(2)  # [B, H, T]
+        return q, v, u, self.kmeans.similarity(u.detach())
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Selection]:
+        """q, v, u as `_project`, each token's nearest centroid [B, H, T] and the clusters' Selection [B, H, C, c]."""
+        q, v, u, sim = self._project(x)
+        nearest = sim.argmax(2)
         if self.options.assignment == "topk":
-            sel = expert_choice(sim, tokens_per_head(T, self.options.sparsity))
+            sel = expert_choice(sim, tokens_per_head(x.shape[1], self.options.sparsity))
         else:
-            members = nearest[:, :, None, :] == torch.arange(sim.shape[2], device=x.device)[:, None]
+            members = nearest[:, :, None, :] == torch.arange(self.options.sparsity, device=x.device)[:, None]
             sel = earliest_first(members, self.capacity)
         return q, v, u, nearest, sel
 
@@ -151,3 +158,42 @@ class RoutingHeads(HeadGroup):
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))
         return self._finish(a_sum, counts, u, nearest)
+
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> SlotKV:
+        """Each cluster's members ("nearest" only): rows [B, H * ρ] (head i's cluster c at row i * ρ + c) of
+        min(capacity, max_len) slots, keys rotated (the shared Q = K)."""
+        if not self.causal:
+            raise ValueError("routing: assignment 'topk' is not causal and cannot be decoded incrementally")
+        return SlotKV.empty(batch, self.count * self.options.sparsity, min(self.capacity, max_len), self.ctx.head_dim,
+                            device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
+        """Prefill (empty cache): the fast path, caching every cluster's members; later: one token, which joins
+        its nearest cluster if that holds fewer than `capacity` members, and attends to the members so far."""
+        if cache.fresh:
+            q, v, _, _, sel = self._route(x)
+            B, H, C, c = sel.idx.shape
+            flat = sel.idx.reshape(B, H, C * c)
+            pos = positions[:, None, :].expand(B, H, x.shape[1]).gather(2, flat)
+            k = self.rope(gather_rows(q, flat), pos)
+            cache.write(sel.valid.reshape(B, H * C, c), k.view(B, H * C, c, -1), gather_rows(v, flat).view(B, H * C, c, -1),
+                        pos.view(B, H * C, c))
+            return self.forward_fast(x, positions)
+        one_token("routing", x)
+        q, v, _, sim = self._project(x)  # [B, H, 1, d], sim [B, H, C, 1]
+        B, H, _, d = q.shape
+        C, S = self.options.sparsity, cache.k.shape[2]
+        rows = torch.arange(H, device=x.device) * C + sim[..., 0].argmax(2)  # [B, H]: the token's nearest cluster
+        member = cache.fill.gather(1, rows) < S  # [B, H]: earliest-first capacity
+        keep = torch.zeros(B, H * C, 1, dtype=torch.bool, device=x.device).scatter(1, rows[..., None], member[..., None])
+        pos = positions[:, None, :1].expand(B, H, 1)
+        k = self.rope(q, pos)
+        cache.write(keep, k.repeat_interleave(C, 1), v.repeat_interleave(C, 1), pos.repeat_interleave(C, 1))
+        at = rows[..., None, None].expand(B, H, S, d)
+        kpos = cache.pos.gather(1, rows[..., None].expand(B, H, S))[:, :, None]  # [B, H, 1, S]
+        mask = (kpos >= 0) & (kpos <= pos[..., None])
+        a = attend(k, cache.k.gather(1, at), cache.v.gather(1, at), mask=mask | ~mask.any(-1, keepdim=True),
+                   scale=self.scale)
+        a = a * member[..., None, None]  # a token its full cluster did not admit has no output
+        return self.out(a.transpose(1, 2).reshape(B, 1, H * d))

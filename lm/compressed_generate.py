@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lm.compression import CompressedLM
+from lm.generate import sample
 from lm.ratio_predictor import AdaptiveRatio
 
 
@@ -48,8 +49,9 @@ class CompressedCache:
         return sum(s.shape[1] for s in self.window_states)
 
     def kv_entries(self) -> int:
-        """Entries kept now for one sequence: cached keys summed over layers and heads."""
-        return sum(int(c.fill[0].clamp(max=c.k.shape[2]).sum()) for layer in self.layers for c in layer)
+        """Entries kept now per sequence: each head group's cache entries (`entries()`: keys/values, plus the
+        agents' and landmarks' pairs), summed over layers and heads, averaged over the batch."""
+        return sum(c.entries() for layer in self.layers for c in layer) // self.batch
 
     def kv_uncompressed(self) -> int:
         """Entries a dense cache of all `seen` tokens would keep."""
@@ -63,10 +65,10 @@ class CompressedGenerator:
                  adaptive: AdaptiveRatio | None = None) -> None:
         comp = model.comp
         self.model, self.adaptive = model, adaptive
-        self.window = window or comp.prefix_len
-        self.t = t or max(1, round(comp.ratio * self.window))
-        if not 1 <= self.t <= self.window:
-            raise ValueError(f"t must be in [1, window={self.window}], got {self.t}")
+        self.window = comp.prefix_len if window is None else window
+        self.t = max(1, round(comp.ratio * self.window)) if t is None else t
+        if self.window < 1 or not 1 <= self.t <= self.window:
+            raise ValueError(f"need window >= 1 and t in [1, window], got window {self.window} and t {self.t}")
         for g in model.lm.head_groups():
             try:
                 g.new_cache(1, 1)
@@ -137,21 +139,23 @@ class CompressedGenerator:
         self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
     ) -> tuple[torch.Tensor, CompressedCache]:
         """prompt[B, n] -> (prompt + new tokens [B, n + max_new_tokens], final cache). temperature 0
-        = greedy, else sampling from softmax(logits / temperature)."""
+        = greedy, else sampling from softmax(logits / temperature) (lm.generate.sample). One-line ValueError
+        for an empty prompt, max_new_tokens < 0 or a negative temperature."""
+        if prompt.shape[1] == 0 or max_new_tokens < 0 or not 0 <= temperature < float("inf"):
+            raise ValueError(f"need a prompt of at least one token, max_new_tokens >= 0 and a finite temperature "
+                             f">= 0, got {prompt.shape[1]} tokens, {max_new_tokens} and {temperature}")
         was = self.model.training
         self.model.eval()
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        cache = self.new_cache(prompt.shape[0])
-        logits = self.feed(cache, prompt)[:, -1]
-        out = [prompt]
-        for i in range(max_new_tokens):
-            if temperature == 0.0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                probs = (logits / temperature).softmax(-1).cpu()
-                nxt = torch.multinomial(probs, 1, generator=g).to(prompt.device)
-            out.append(nxt)
-            if i < max_new_tokens - 1:
-                logits = self.feed(cache, nxt)[:, -1]
-        self.model.train(was)
+        try:
+            g = torch.Generator(device=prompt.device).manual_seed(seed)
+            cache = self.new_cache(prompt.shape[0])
+            logits = self.feed(cache, prompt)[:, -1]
+            out = [prompt]
+            for i in range(max_new_tokens):
+                nxt = sample(logits, temperature, generator=g)[:, None]
+                out.append(nxt)
+                if i < max_new_tokens - 1:
+                    logits = self.feed(cache, nxt)[:, -1]
+        finally:
+            self.model.train(was)
         return torch.cat(out, dim=1), cache

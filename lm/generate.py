@@ -54,7 +54,7 @@ def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., to
 
 
 def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens (prompt + generated)."""
+    """An empty cache for `batch` sequences of up to `max_len` tokens fed (`fed_tokens`)."""
     p = next(model.parameters())
     return [[g.new_cache(batch, max_len, p.device, p.dtype) for g in block.attn.groups] for block in model.blocks]
 
@@ -132,33 +132,48 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
+def fed_tokens(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens `generate` runs through the model (and caches): the prompt and every new token but the last."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
 @torch.no_grad()
 def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              stop_id: int | None = None, cache: Cache | None = None,
              step: Callable[..., torch.Tensor] | None = None, vocab: int | None = None) -> torch.Tensor:
-    """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens (stops early when every sequence
-    produced stop_id). `cache`: an empty one for T0 + max_new_tokens tokens, to read its fill afterwards;
-    `step`: what decodes each new token (default the model; `decode_step(model)` compiles it); `vocab`: only
-    ids below it are generated (`sample`)."""
-    model.eval()
+    """prompt[B, T0] -> tokens[B, T0 + n] with n <= max_new_tokens: stops early when every sequence has
+    produced stop_id, and a sequence that has is padded with stop_id after it. `cache`: an empty one for
+    `fed_tokens(T0, max_new_tokens)` tokens, to read its fill afterwards; `step`: what decodes each new token
+    (default the model; `decode_step(model)` compiles it); `vocab`: only ids below it are generated (`sample`).
+    Runs the model in eval mode and leaves it in the mode it found. One-line ValueError for an empty prompt or
+    max_new_tokens < 0."""
     B, T0 = prompt.shape
+    if T0 == 0 or max_new_tokens < 0:
+        raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
+                         f"got {T0} tokens and {max_new_tokens}")
     if T0 + max_new_tokens > model.cfg.seq_len:
         warn(beyond_training(model, T0 + max_new_tokens))
-    cache = new_cache(model, B, T0 + max_new_tokens) if cache is None else cache
-    step = model if step is None else step
-    logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
-    tokens = [prompt]
-    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
-    for t in range(T0, T0 + max_new_tokens):
-        nxt = sample(logits, temperature, top_k, top_p, generator, vocab)
-        tokens.append(nxt[:, None])
-        if stop_id is not None:
-            done |= nxt == stop_id
-            if bool(done.all()):
+    was_training = model.training
+    model.eval()
+    try:
+        cache = new_cache(model, B, fed_tokens(T0, max_new_tokens)) if cache is None else cache
+        step = model if step is None else step
+        logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
+        tokens = [prompt]
+        done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
+        for t in range(T0, T0 + max_new_tokens):
+            nxt = sample(logits, temperature, top_k, top_p, generator, vocab)
+            if stop_id is not None:
+                nxt = nxt.masked_fill(done, stop_id)  # a finished sequence only pads
+                done |= nxt == stop_id
+            tokens.append(nxt[:, None])
+            if stop_id is not None and bool(done.all()):
                 break
-        if t + 1 < T0 + max_new_tokens:
-            logits = step(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
+            if t + 1 < T0 + max_new_tokens:
+                logits = step(nxt[:, None], _positions(t, 1, B, prompt.device), cache)[:, -1]
+    finally:
+        model.train(was_training)
     return torch.cat(tokens, dim=1)
 
 
@@ -230,7 +245,7 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
     need = kv_bytes_analytic(model, max_len)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > free:
-        raise ValueError(f"{max_len} tokens (prompt + --max-new-tokens) need a {need / 2**30:.1f} GiB KV cache, more "
+        raise ValueError(f"{max_len} tokens fed (the prompt and --max-new-tokens but the last) need a {need / 2**30:.1f} GiB KV cache, more "
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
@@ -282,10 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         ids = sp.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
-        check_memory(model, len(ids) + args.max_new_tokens)
+        check_memory(model, fed_tokens(len(ids), args.max_new_tokens))
         prompt = torch.tensor([ids])
         g = torch.Generator().manual_seed(args.seed)
-        cache = new_cache(model, 1, len(ids) + args.max_new_tokens)
+        cache = new_cache(model, 1, fed_tokens(len(ids), args.max_new_tokens))
         step = decode_step(model) if args.compile else None
         out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
                        stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache, step=step,
@@ -293,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    T = out.shape[1]
-    print(f"KV cache after {T} tokens: entries stored / slots allocated {format_fill(cache_fill(model, cache))}; "
+    T = out.shape[1] - 1  # the last token is sampled, never fed
+    print(f"KV cache after the {T} tokens fed (prompt and new tokens but the last): entries stored / slots allocated {format_fill(cache_fill(model, cache))}; "
           f"{cache_nbytes(cache)} bytes allocated; analytic kv_total({T}) = {model.kv_total(T)} entries = "
           f"{kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
     print(sp.decode(out[0].tolist()))

@@ -147,9 +147,11 @@ def test_full_layout_keeps_every_raw_prefix_state(mode):
 
 
 LOCAL = [{"type": "dense", "count": 2}, {"type": "local", "count": 2, "options": {"window": 5}}]
+BLOCKS = [{"type": "dense", "count": 2}, {"type": "agent", "count": 1, "options": {"block": 4, "window": 4}},
+          {"type": "mosaic", "count": 2, "options": {"sparsity": 2}}]
 
 
-@pytest.mark.parametrize("heads", [None, LOCAL], ids=["dense", "dense+local"])
+@pytest.mark.parametrize("heads", [None, LOCAL, BLOCKS], ids=["dense", "dense+local", "dense+agent+mosaic"])
 def test_generation_matches_training_forward_and_counts_entries(heads):
     """Online compression while decoding (the head groups' own decoding caches) gives the logits of
     the training-time forward pass with layout ((W,) * k, t, n) for the k full windows seen and the
@@ -168,10 +170,14 @@ def test_generation_matches_training_forward_and_counts_entries(heads):
             ref = model(x[:, : W * k + layout.suffix], layout)
         assert (ref - logits[:, W * k : W * k + layout.suffix]).abs().max() < 1e-5
     # per layer 2 dense heads keep the window (below L: 7 tokens, above: t + 7); local heads <= 5
-    local = 0 if heads is None else 4 * 2 * 5
     dense = 4 if heads is None else 2
-    assert cache.kv_entries() == 2 * dense * 7 + 2 * dense * (t + 7) + local
-    assert cache.kv_uncompressed() == 4 * 4 * x.shape[1]  # 4 layers x 4 heads, every token
+    if heads is BLOCKS:  # + the agent's tokens and one agent per block of 4; MoSAIC's members, read off their slots
+        members = sum(int((c.kv.pos >= 0).sum()) for layer in cache.layers for c in layer[2:]) // 2
+        other = 2 * (7 + 7 // 4) + 2 * (t + 7 + (t + 7) // 4) + members
+    else:
+        other = 0 if heads is None else 4 * 2 * 5
+    assert cache.kv_entries() == 2 * dense * 7 + 2 * dense * (t + 7) + other
+    assert cache.kv_uncompressed() == 4 * sum(g["count"] for g in heads or [{"count": 4}]) * x.shape[1]
     seq, cache = gen.generate(x[:, :5], 30)
     assert seq.shape == (2, 35) and torch.equal(seq[:, :5], x[:, :5])
 
@@ -228,6 +234,20 @@ def test_generation_needs_cached_decoding():
     model.lm.blocks[0].attn.groups.append(HeadGroup(model.cfg.group_context(0), 1, HeadOptions()))
     with pytest.raises(ValueError, match="needs KV-cached decoding"):
         CompressedGenerator(model)
+
+
+def test_generator_arguments_are_checked():
+    """t = 0 is refused, not replaced by the default; an empty prompt, a negative max_new_tokens or temperature
+    is one line; the model's training mode is restored."""
+    model = make()
+    with pytest.raises(ValueError, match="^need window >= 1 and t in \\[1, window\\], got window 12 and t 0$"):
+        CompressedGenerator(model, t=0)
+    gen = CompressedGenerator(model)
+    for prompt, n, temperature in ((tokens(0), 3, 0.0), (tokens(4), -1, 0.0), (tokens(4), 3, -1.0)):
+        with pytest.raises(ValueError, match="^need a prompt of at least one token, max_new_tokens >= 0"):
+            gen.generate(prompt, n, temperature)
+    model.train()
+    assert gen.generate(tokens(4), 3, temperature=1.0)[0].shape == (2, 7) and model.training
 
 
 def test_layout_sampler_regimes():

@@ -43,6 +43,11 @@ DECODED = {  # hand-picked decoding cases: options and head counts chosen for T 
     "mita_route_only": [{"type": "dense", "count": 1},
                         {"type": "mita", "count": 2, "options": {"block": 5, "k": 3, "s": 1, "shared": False}}],
     "topk": [{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}],
+    # capacity 6 of 45 tokens in 4 clusters: full clusters turn tokens away inside the sequence
+    "routing": [{"type": "dense", "count": 1},
+                {"type": "routing", "count": 2, "options": {"sparsity": 4, "capacity_factor": 0.5}}],
+    "routing_raw": [{"type": "dense", "count": 1},
+                    {"type": "routing", "count": 2, "options": {"sparsity": 3, "layer_norm": False}}],
 }
 
 
@@ -54,7 +59,7 @@ def types_in(*mixes: list[dict]) -> set[str]:
 # every decodable type is decoded: in its hand-picked cases, or else beside a dense head with its example options
 CAUSAL_TYPES = {**DECODED, **{t: [{"type": "dense", "count": 1}, {"type": t, "count": 3, "options": tiny_options(t)}]
                               for t in sorted(decodable_types() - types_in(*DECODED.values()))}}
-PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17),  # default (17,); 3 = shorter than a block
+PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17), "routing": (1, 17),  # default (17,); 3 = shorter than a block
             "agent": (3, 17), "mita": (3, 17), "mita_2blocks": (3, 9, 17), "mita_route_only": (3, 17)}
 
 
@@ -80,7 +85,7 @@ def test_incremental_decoding_matches_full_forward(name: str) -> None:
         assert (inc - full).abs().max().item() <= 1e-4 * full.abs().max().item()
     for block, caches in zip(model.blocks, cache):
         for g, c in zip(block.attn.groups, caches):
-            if g.type_name in ("mosa", "mosaic"):  # a sparse cache: some tokens kept, never all of them
+            if g.type_name in ("mosa", "mosaic", "routing"):  # a sparse cache: some tokens kept, never all of them
                 fill = getattr(c, "kv", c).fill
                 assert 0 < int(fill.sum()) and int(fill.max()) < T
 
@@ -151,7 +156,8 @@ def test_a_full_cache_holds_the_analytic_kv_count(name: str) -> None:
 
 def test_non_causal_heads_refuse_to_decode() -> None:
     for heads in ([{"type": "mosaic", "count": 4, "options": {"priority": "random"}}],
-                  [{"type": "mosa", "count": 4, "options": {"selection": "expert_choice"}}]):
+                  [{"type": "mosa", "count": 4, "options": {"selection": "expert_choice"}}],
+                  [{"type": "routing", "count": 2, "options": {"assignment": "topk"}}]):
         with pytest.raises(ValueError, match="not causal"):
             new_cache(model_for(heads), 1, T)
 
@@ -174,6 +180,39 @@ def test_greedy_generation_agrees_with_full_forward() -> None:
     with torch.no_grad():
         greedy = model(out[:, :-1]).argmax(-1)[:, 4:]
     assert torch.equal(greedy, out[:, 5:])
+
+
+def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() -> None:
+    """With stop_id, a sequence that produced it gets only stop_id after it (the others go on as without
+    stop_id); generate leaves a training model in training mode; bad arguments are one line."""
+    model = model_for(CAUSAL_TYPES["mosa"])
+    prompt = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(0))
+    free = generate(model, prompt, 12, generator=torch.Generator().manual_seed(1))
+    stop = int(free[0, 7])  # row 0's third new token
+    out = generate(model.train(), prompt, 12, generator=torch.Generator().manual_seed(1), stop_id=stop)
+    assert model.training
+    for row, ref in zip(out, free):
+        ends = (ref[5:] == stop).nonzero()
+        if len(ends):  # up to its stop the row is unchanged, then padding
+            e = 5 + int(ends[0])
+            assert torch.equal(row[: e + 1], ref[: e + 1]) and bool((row[e:] == stop).all())
+        else:
+            assert torch.equal(row, ref[: len(row)])
+    for bad_prompt, n in ((prompt[:, :0], 3), (prompt, -1)):
+        with pytest.raises(ValueError, match="^generate: need a prompt of at least one token and max_new_tokens >= 0"):
+            generate(model, bad_prompt, n)
+
+
+def test_cli_reports_a_full_dense_cache(tmp_path, capsys) -> None:
+    """The cache holds the tokens fed, every token but the last sampled one: a dense head's slots are all used."""
+    from lm.generate import main
+
+    ckpt, cfg = _checkpoint(tmp_path)
+    assert main(["--ckpt", str(ckpt), "--prompt", "the cat", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    report = capsys.readouterr().err
+    fed = int(report.split("after the ")[1].split()[0])
+    dense = cfg.model.n_layers * fed  # one dense head per layer
+    assert f"dense {dense}/{dense} (100%)" in report and f"kv_total({fed})" in report, report
 
 
 def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None):
