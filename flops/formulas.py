@@ -25,11 +25,11 @@ citing the paper.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from heads.base import REGISTRY, ConfigError, GroupContext, make_options
+from routing.capacity import slot_capacity, token_choice_capacity
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     k = sparse_k(T, o.require("sparsity"))
     selection = o.get("selection", "threshold")
     if selection != "expert_choice":
-        k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
+        k = min(T, slot_capacity(k, o.get("capacity_factor", 1.0)))
     predictor = n * (2 * h * T) if selection == "predictor" else 0
     return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + predictor,
                 params=n * (4 * h * hd + h) + (n * (h + 1) if selection == "predictor" else 0))
@@ -156,7 +156,7 @@ def routing(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     clusters = int(o.require("sparsity"))  # heads/routing_attn.py keeps rho centroids, whatever T
     k = sparse_k(T, clusters)
     if o.get("assignment", "nearest") == "nearest":
-        k = min(T, math.ceil(o.get("capacity_factor", 1.0) * k))
+        k = min(T, slot_capacity(k, o.get("capacity_factor", 1.0)))
     return Work(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), params=n * 3 * h * hd)
 
 
@@ -191,7 +191,7 @@ def mosaic(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     slots, 8hh'k + 4h'k^2 + h'k (output scaled by the router probability), plus the token-choice
     router X W^r with W^r in R^{h x n}: 2hT per head, as MoSA's. Softmax and top-s not counted.
     Params: 4hh' + h per head (projections + router column)."""
-    k = min(max(int(float(o.get("capacity_factor", 1.0)) * T // float(o.require("sparsity"))), 2), T)
+    k = min(token_choice_capacity(T, float(o.require("sparsity")), float(o.get("capacity_factor", 1.0))), T)
     return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), params=n * (4 * h * hd + h))
 
 

@@ -25,6 +25,7 @@ pass, so training compiles with fullgraph=True); lm/module.py reads them only ev
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -220,10 +221,13 @@ def head_class(name: str) -> type[HeadGroup]:
 
 def _typed(name: str, key: str, value: Any, kind: type) -> Any:
     """`value` checked against the option's declared type (int, float, str or bool); an int is a valid
-    float, an integral float (4.0, from JSON/YAML) a valid int; anything else is a one-line ConfigError."""
+    float, an integral float (4.0, from JSON/YAML) a valid int, a float must be finite (YAML's .nan and .inf
+    pass every `x <= 0` check); anything else is a one-line ConfigError."""
     if kind not in (int, float, str, bool):  # richer annotations are left to the type's own validate()
         return value
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"head type {name!r}: option {key} must be a finite number, got {value!r}")
         return float(value)
     if kind is int and isinstance(value, float) and value.is_integer():
         return int(value)

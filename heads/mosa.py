@@ -30,7 +30,6 @@ is q at its position.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from torch import nn
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
 from heads.kv_cache import SlotKV, gathered_prefill, gathered_step, one_token
+from routing.capacity import quota_rate, slot_capacity
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.predictor import MembershipPredictor, predictor_loss, topk_targets
 from routing.selection import Selection, earliest_first, prefix_quota
@@ -87,7 +87,7 @@ class MoSAOptions(HeadOptions):
     def kv_per_head(self, seq_len: int) -> int:
         k = tokens_per_head(seq_len, self.sparsity)
         if self.selection != "expert_choice":
-            return min(seq_len, math.ceil(self.capacity_factor * k))
+            return min(seq_len, slot_capacity(k, self.capacity_factor))
         return k
 
 
@@ -136,8 +136,8 @@ class MoSAHeads(HeadGroup):
     def quota(self, t: torch.Tensor) -> torch.Tensor:
         """Prefix quota at token positions t: q_t = min(capacity, ceil(capacity_factor * k * (t+1) / seq_len))."""
         o, T = self.options, self.ctx.seq_len
-        per_token = o.capacity_factor * tokens_per_head(T, o.sparsity) / T
-        return torch.ceil((t.double() + 1) * per_token).long().clamp(max=self.capacity)
+        num, den = quota_rate(tokens_per_head(T, o.sparsity), o.capacity_factor, T)
+        return ((t.long() + 1) * num + den - 1).div(den, rounding_mode="floor").clamp(max=self.capacity)
 
     def select(self, scores: torch.Tensor) -> Selection:
         """scores[B, H, T] -> per-head token indices [B, H, c] (ascending, padded) and validity."""
@@ -173,7 +173,7 @@ class MoSAHeads(HeadGroup):
                         ranked[0] = float("inf")
                     I = torch.topk(ranked, tokens_per_head(T, self.options.sparsity)).indices  # TopK order
                 else:
-                    above = s > self.threshold.tau[i]
+                    above = s > self.threshold.tau[i] if self.options.sparsity > 1 else torch.ones_like(s, dtype=torch.bool)
                     if self.options.keep_first:
                         above[0] = True
                     if quota is None:

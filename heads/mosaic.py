@@ -30,7 +30,8 @@ from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, regist
 from heads.gathered import gathered_heads_fast
 from heads.kv_cache import SlotKV, gathered_prefill, one_token
 from routing.selection import Selection
-from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, capacity, choose,
+from routing.capacity import token_choice_capacity
+from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, choose,
                                   gate_weights, load_mismatch, resolve_top_s, slots)
 
 PRIORITIES = ("recency", "random")
@@ -81,9 +82,13 @@ class MosaicOptions(HeadOptions):
     def validate_count(self, count: int) -> None:
         if self.top_s > count:
             raise ConfigError(f"mosaic: top_s ({self.top_s}) must be <= the group's head count ({count})")
+        if self.gate == "renorm" and resolve_top_s(count, self.top_s, self.sparsity) == 1:
+            raise ConfigError("mosaic: gate 'renorm' with one head per token (top_s 1) weights every chosen head by "
+                              "p / p = 1, so the router gets no gradient from the LM loss; use gate 'softmax' or "
+                              "'sigmoid', or top_s >= 2")
 
     def kv_per_head(self, seq_len: int) -> int:
-        return min(capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
+        return min(token_choice_capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
 
     def advice(self, count: int) -> str | None:
         return load_mismatch(count, self.top_s, self.sparsity, self.capacity_factor)
@@ -116,7 +121,7 @@ class MosaicHeads(HeadGroup):
     def __init__(self, ctx: GroupContext, count: int, options: MosaicOptions) -> None:
         super().__init__(ctx, count, options)
         self.top_s = resolve_top_s(count, options.top_s, options.sparsity)
-        self.k = capacity(ctx.seq_len, options.sparsity, options.capacity_factor)
+        self.k = token_choice_capacity(ctx.seq_len, options.sparsity, options.capacity_factor)
         self.frame = ctx.seq_len
         self.router = nn.Linear(ctx.d_model, count, bias=False)  # W^r
         self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)  # rows: (q|k|v, head, h')

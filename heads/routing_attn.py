@@ -27,7 +27,6 @@ Cluster assignment (option `assignment`):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, regist
 from heads.kv_cache import SlotKV, one_token
 from heads.layer_norm import layer_norm
 from heads.rows import gather_rows
+from routing.capacity import slot_capacity
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.kmeans import OnlineKMeans
 from routing.selection import Selection, earliest_first
@@ -92,7 +92,7 @@ class RoutingHeads(HeadGroup):
         self.qv = nn.Linear(ctx.d_model, 2 * count * ctx.head_dim, bias=False)  # W^Q = W^K, and W^V
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
         self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
-        self.capacity = math.ceil(options.capacity_factor * tokens_per_head(ctx.seq_len, options.sparsity))
+        self.capacity = slot_capacity(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor)
         self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

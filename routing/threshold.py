@@ -38,7 +38,10 @@ class RunningQuantileThreshold(StagedStatistics):
         self.stage_into(heads + 1)  # this step's sum of micro-batch quantiles [:heads] and their count [heads]
 
     def above(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h."""
+        """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h; every token at fraction 1 (ρ = 1), whose (1 - 1)-quantile,
+        the running mean of batch minima, would drop the tokens below it."""
+        if self.fraction >= 1:
+            return torch.ones_like(logits, dtype=torch.bool)
         return logits > self.tau[:, None]
 
     @torch.no_grad()

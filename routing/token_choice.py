@@ -1,7 +1,7 @@
 """Token-choice routing with per-head capacity (MoSA App. E, "MoSAIC").
 
 Each token t picks its top-s heads from router probabilities p_t = softmax(x_t W^r) over the N heads
-of the group. Head i has capacity k = max(floor(capacity_factor * T / rho), 2) slots (T = the
+of the group. Head i has capacity k = max(floor(capacity_factor * T / rho), 2) slots (routing/capacity.py; T = the
 model's training length, so the capacity is a constant of the model and decoding is well defined).
 When more than k tokens choose head i it is *overloaded*: the routing priority decides who is kept.
 When fewer choose it, the free slots are *padded* with tokens that did not choose it (App. E.2).
@@ -22,11 +22,6 @@ members that did not are padding).
 from __future__ import annotations
 
 import torch
-
-
-def capacity(seq_len: int, sparsity: float, capacity_factor: float = 1.0) -> int:
-    """Slots per head, k = max(floor(capacity_factor * T / rho), 2) (MoSA App. E; App. F's minimum of 2)."""
-    return max(int(capacity_factor * seq_len // sparsity), 2)
 
 
 GATES = ("softmax", "renorm", "sigmoid")

@@ -4,7 +4,8 @@ head counts, training lengths, input lengths up to twice the training length, an
 dims of a head. In fp64, so that any
 difference is a bug, not rounding:
 - fast path == reference, output and every gradient (rtol 1e-10, atol 1e-12: some gradients are exactly 0 in
-  theory, e.g. MoSAIC's router under `renorm` with one chosen head, and both paths give 1e-16 noise);
+  theory, e.g. the router of a one-head MoSAIC group, whose softmax over one logit is 1, and both paths give
+  1e-16 noise);
 - causal groups: resampling the inputs after row t leaves the outputs at rows <= t unchanged;
 - decodable groups: a prefill of p rows then one row per call == the full forward.
 The values drawn are each type's `Options.grid()` (heads/), which every type with options of its own declares.

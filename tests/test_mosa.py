@@ -215,6 +215,8 @@ def test_causal_property_and_default() -> None:
                                            ({"capacity_factor": 0}, "capacity_factor"),
                                            ({"threshold_momentum": 2}, "threshold_momentum"),
                                            ({"predictor_weight": 0}, "predictor_weight"),
+                                           ({"predictor_weight": float("nan")}, "predictor_weight"),
+                                           ({"capacity_factor": float("inf")}, "capacity_factor"),
                                            ({"rho": 4}, "rho")])
 def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -242,6 +244,40 @@ def test_hybrid_kv_total() -> None:
     model = lm.build_model(cfg.model)
     assert model.kv_total(T) == 2 * (4 * T + 17 * k) + (5 * k + 2 * 16)
     assert model.kv_total(16) == 2 * (4 * 16 + 17 * 2) + (5 * 2 + 2 * 16)
+
+
+def test_rho_1_keeps_every_token() -> None:
+    """At ρ = 1 (k = T) the running (1 - 1)-quantile would be the mean of batch minima, which drops the tokens below
+    it: every token is a candidate instead, in training, eval and decoding."""
+    T = 64
+    group = make_group("mosa", dict(sparsity=1), T).train()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        group(torch.randn(2, T, 32, generator=gen), torch.arange(T).expand(2, T))
+        commit_states(group)
+    group.eval()
+    group(torch.randn(8, T, 32, generator=gen), torch.arange(T).expand(8, T))
+    assert group.stats["selected_frac"].item() == 1.0
+    errors = fast_vs_reference(group, T)
+    assert_match(errors)
+
+
+@pytest.mark.parametrize("cf, T, rho, capacity, quota_49", [(1.1, 800, 8, 110, 7), (1.0, 100, 7, 14, 7),
+                                                            (0.3, 100, 10, 3, 2)])
+def test_capacities_are_exact_decimals(cf: float, T: int, rho: int, capacity: int, quota_49: int) -> None:
+    """ceil(1.1 * 100) = 110 and q_49 = ceil(50 * 14 / 100) = 7: the decimals as written, not their binary
+    rounding (1.1 * 100 = 110.00000000000001, 50 * 0.14 = 7.000000000000001), in the heads and in flops/."""
+    from flops.formulas import group_cost
+
+    for selection in ("threshold", "quota"):
+        group = make_group("mosa", dict(sparsity=rho, capacity_factor=cf, selection=selection), T, count=1)
+        assert group.capacity == capacity
+        assert int(group.quota(torch.tensor([49]))) == quota_49 and int(group.quota(torch.tensor([T - 1]))) == capacity
+    routing = make_group("routing", dict(sparsity=rho, capacity_factor=cf), T, count=1)
+    assert routing.capacity == capacity
+    h, hd, k = 32, 16, capacity
+    cost = group_cost("mosa", h, hd, T, 1, {"sparsity": rho, "capacity_factor": cf})
+    assert (cost.flops, cost.kv) == (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k, k)
 
 
 def test_tokens_per_head_rule() -> None:

@@ -17,6 +17,7 @@ from heads.mosaic import MosaicHeads, MosaicOptions
 from lm.causality import future_leak
 from lm.model import build_model
 from routing.token_choice import assign_random, assign_recency, assign_reference, balance_loss, choose
+from tests.head_checks import make_group
 
 COMBOS = list(itertools.product(("recency", "random"), ("include", "identity", "ignore")))
 
@@ -134,12 +135,24 @@ def test_causality(priority: str, padded: str, sparsity: float) -> None:
     "options,field",
     [({"priority": "lifo"}, "priority"), ({"padded": "drop"}, "padded"), ({"sparsity": 0.5}, "sparsity"),
      ({"top_s": -1}, "top_s"), ({"gate": "relu"}, "gate"), ({"alpha": -1}, "alpha"),
-     ({"capacity_factor": 0}, "capacity_factor"), ({"top_s": 5}, "top_s")],  # top_s 5 > 4 heads: at config load
+     ({"capacity_factor": 0}, "capacity_factor"), ({"top_s": 5}, "top_s"),  # top_s 5 > 4 heads: at config load
+     ({"sparsity": float("nan")}, "sparsity"), ({"alpha": float("nan")}, "alpha"),
+     ({"gate": "renorm", "top_s": 1}, "renorm"), ({"gate": "renorm", "sparsity": 4.0}, "renorm")],  # round(4 / 4) = 1
 )
 def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field) as err:
         tiny_config([{"type": "mosaic", "count": 4, "options": options}])
     assert "\n" not in str(err.value)
+
+
+def test_capacity_is_the_exact_decimal() -> None:
+    """k = floor(1.15 * 100 / 1) = 115 and floor(1.15 * 100 / 5) = 23 (binary rounding gives 114 and 22), in the head
+    and in flops/."""
+    from flops.formulas import group_cost
+
+    for rho, k in ((1.0, 115), (5.0, 23)):
+        assert make_group("mosaic", dict(sparsity=rho, capacity_factor=1.15), 100, count=4).k == k
+        assert group_cost("mosaic", 32, 16, 100, 1, {"sparsity": rho, "capacity_factor": 1.15}).kv == min(k, 100)
 
 
 def test_mosaic_trains() -> None:

@@ -1,0 +1,30 @@
+"""Slot counts of the capacity-limited routers, in exact arithmetic (no torch: flops/ uses them too).
+
+A capacity factor or sparsity is read as the decimal it was written as (1.1 = 11/10), so ceil(1.1 * 100) is
+110, not the 111 that binary floating point gives (1.1 * 100 = 110.00000000000001).
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+
+def decimal(x: float) -> Fraction:
+    """x as the shortest decimal that round-trips (repr), exactly."""
+    return Fraction(repr(float(x)))
+
+
+def slot_capacity(k: int, capacity_factor: float) -> int:
+    """ceil(capacity_factor * k): the slots of a MoSA head (causal selections) or a Routing cluster ("nearest")
+    that holds k = T / rho tokens on average."""
+    return math.ceil(decimal(capacity_factor) * k)
+
+
+def quota_rate(k: int, capacity_factor: float, seq_len: int) -> tuple[int, int]:
+    """capacity_factor * k / T as integers (num, den): MoSA's prefix quota q_t = ceil((t + 1) * num / den)."""
+    return (decimal(capacity_factor) * k / seq_len).as_integer_ratio()
+
+
+def token_choice_capacity(seq_len: int, sparsity: float, capacity_factor: float = 1.0) -> int:
+    """Slots per MoSAIC head, k = max(floor(capacity_factor * T / rho), 2) (MoSA App. E; App. F's minimum of 2)."""
+    return max(math.floor(decimal(capacity_factor) * seq_len / decimal(sparsity)), 2)
