@@ -165,6 +165,12 @@ class HeadGroup(nn.Module):
         """Whether this forward pass moves the group's batch-statistics state: in training, outside `frozen_state`."""
         return self.training and not _FROZEN[0]
 
+    def own_loss_parameters(self) -> list[nn.Parameter]:
+        """Parameters trained by an auxiliary loss of their own only: no gradient of the LM loss reaches them and
+        theirs reaches nothing else (MoSA's membership predictor). lm/module.py clips them apart, so that their
+        gradient does not scale the LM's through the global clipping norm."""
+        return []
+
     def kv_entries(self, seq_len: int) -> int:
         """KV-cache entries of the whole group for a length-T sequence."""
         return self.count * self.options.kv_per_head(seq_len)

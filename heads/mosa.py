@@ -118,6 +118,9 @@ class MoSAHeads(HeadGroup):
         """x[B, T, h] -> s = X W^r [B, H, T]; the router score is r = σ(s)."""
         return self.router(x).transpose(1, 2)
 
+    def own_loss_parameters(self) -> list[nn.Parameter]:
+        return list(self.predictor.parameters()) if self.options.selection == "predictor" else []
+
     def selection_scores(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """What the selection ranks or thresholds [B, H, T]: the predictor's logits z (selection
         "predictor"; they carry the gradient of its own loss only) or the router logits s, detached

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import KeyValidationError, OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
@@ -24,10 +24,11 @@ from lm.sanity import config_warnings, warn
 
 @dataclass
 class HeadGroupConfig:
-    """`count` heads of one registered `type`, with that type's options (see heads/<type>.py)."""
+    """`count` heads of one registered `type`, with that type's options (see heads/<type>.py). Both `type` and
+    `count` must be given: a head count is what an IsoFLOP point is made of, so none is assumed."""
 
-    type: str = "dense"
-    count: int = 8
+    type: str = MISSING
+    count: int = MISSING
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,8 +91,8 @@ class TrainerConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | deepspeed_stage_2
     seed: int = 1234
-    log_every: int = 10
-    val_every: int = 500
+    log_every: int = 50  # the presets' (configs/tiny.yaml ... large.yaml), which experiment configs inherit
+    val_every: int = 1000
     ckpt_every: int = 1000
     keep_last_k: int = 3  # step checkpoints kept (the newest k; 0 = all)
     out_dir: str = "runs/default"
@@ -153,8 +154,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
     if not m.rope_base > 1.0:  # theta_j = base^(-2j/r): base <= 1 gives constant, infinite or NaN frequencies
         raise ConfigError(f"model.rope_base must be > 1, got {m.rope_base}")
-    if m.vocab_size > 65535:
-        raise ConfigError(f"model.vocab_size must be <= 65535 (uint16 token shards), got {m.vocab_size}")
+    if m.vocab_size > 2**16:
+        raise ConfigError(f"model.vocab_size must be <= 65536 (ids in uint16 token shards), got {m.vocab_size}")
     for layer in m.layer_heads:
         if not 0 <= layer < m.n_layers:
             raise ConfigError(f"model.layer_heads: layer {layer} outside [0, {m.n_layers})")
@@ -246,9 +247,18 @@ def _whole_layer(update: str) -> str:
     return f"model.layer_heads={{{match[1]}: {match[2]}}}" if match else update
 
 
+def _apply(merged: DictConfig, update: str) -> None:
+    """One dotted update. Sections and mappings merge (`model.layer_heads.N=...` keeps the other layers), except
+    a whole `model.layer_heads=...`, which replaces the YAML's per-layer mixes (`model.layer_heads={}` clears them)."""
+    if update.startswith("model.layer_heads="):
+        OmegaConf.update(merged, "model.layer_heads", OmegaConf.from_dotlist([update]).model.layer_heads, merge=False)
+    else:
+        merged.merge_with_dotlist([_whole_layer(update)])
+
+
 def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
     """Defaults <- YAML file <- dotted CLI strings ("model.n_layers=4") <- keyword overrides
-    (`model__n_layers=4` or `**{"model.n_layers": 4}`), validated into a Config."""
+    (`model__n_layers=4` or `**{"model.n_layers": 4}`, Python values as they are), validated into a Config."""
     schema = OmegaConf.structured(Config)
     layers = []
     if path is not None:
@@ -264,12 +274,13 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)
-        updates = [*dotlist, *(f"{k.replace('__', '.')}={v!s}" for k, v in overrides.items())]
-        updates = [_whole_layer(u) for u in updates]
-        if merged.compression is None and any(u.startswith("compression.") for u in updates):
+        keywords = {k.replace("__", "."): str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
+        if merged.compression is None and any(u.startswith("compression.") for u in [*dotlist, *keywords]):
             merged.compression = CompressionConfig()  # `compression.x=...` switches the optional section on
-        # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4
-        merged.merge_with_dotlist(updates)
+        for update in dotlist:  # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4
+            _apply(merged, update)
+        for key, value in keywords.items():  # a whole layer_heads replaces, as in `_apply`
+            OmegaConf.update(merged, key, value, merge=key != "model.layer_heads")
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None

@@ -224,21 +224,29 @@ class LMModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip to the global L2 norm optim.grad_clip (Lightning's "norm" clipping) and log that norm, taken before
-        clipping, as train/grad_norm: one reduction serves both (read on logging steps only). Nothing to do
-        under DeepSpeed, which keeps its own gradient partitions and clips them itself, or on a skipped step."""
+        clipping, as train/grad_norm: one reduction serves both (read on logging steps only). Parameters that only
+        their own auxiliary loss trains (HeadGroup.own_loss_parameters: MoSA's predictor) are clipped apart, to
+        the same bound, so that their gradient does not scale the LM's. Nothing to do under DeepSpeed, which keeps
+        its own gradient partitions and clips them all together itself, or on a skipped step."""
+        own = {id(p) for g in self.model.modules() if isinstance(g, HeadGroup) for p in g.own_loss_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params and gradient_clip_val:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+            lm_params = [p for p in params if id(p) not in own]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in lm_params], 2.0)
             self.log("train/grad_norm", norm)
-            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, norm)
+            torch.nn.utils.clip_grads_with_norm_(lm_params, gradient_clip_val, norm)
+            if len(lm_params) < len(params):
+                torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in own], gradient_clip_val)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (weight decay on matrices only) with linear warmup + cosine (lm/schedule.py)."""
+        """AdamW (weight decay on weight matrices and filters only: not on norms, biases or bias tables such as
+        agent attention's) with linear warmup + cosine (lm/schedule.py)."""
         o = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        decays = [p.ndim >= 2 and not name.endswith("bias") for name, p in params]
         groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for (_, p), d in zip(params, decays) if d], "weight_decay": o.weight_decay},
+            {"params": [p for (_, p), d in zip(params, decays) if not d], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
         factor = functools.partial(lr_factor, warmup_steps=o.warmup_steps, max_steps=self.cfg.trainer.max_steps,
@@ -248,6 +256,7 @@ class LMModule(L.LightningModule):
 
     # ---- checkpoints ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._last_time = None  # do not count checkpoint writing as training time (the save precedes on_train_batch_end)
         checkpoint["config"] = OmegaConf.to_container(OmegaConf.structured(self.cfg))
         checkpoint["rng"] = rng_state()
         checkpoint["val_history"] = self.val_history

@@ -68,7 +68,8 @@ CASES = [
                              "compression.layer=1", "compression.prefix_len=16", "optim.lr=1e6", "optim.grad_clip=1e9",
                              "optim.warmup_steps=0", "trainer.val_every=100"], 3, r"^error: non-finite training at step \d+"),
     # lm.generate
-    ("generate-routing", [*GENERATE, "--ckpt", "{routing_ckpt}"], 2, r"'routing' does not support KV-cached decoding"),
+    ("generate-routing", [*GENERATE, "--ckpt", "{routing_ckpt}"], 2,
+     r"routing: assignment 'topk' is not causal and cannot be decoded incrementally"),
     ("generate-huge", [*GENERATE, "--ckpt", "{dense_ckpt}", "--max-new-tokens", "100000000000"], 2,
      r"need a \d+\.\d GiB KV cache, more than the .* free memory"),
     ("generate-nan-temperature", [*GENERATE, "--ckpt", "{dense_ckpt}", "--temperature", "nan"], 2,
@@ -176,7 +177,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "empty_ckpt": str(tmp / "empty.ckpt"), "garbled_ckpt": str(tmp / "garbled.ckpt"),
         "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),
         "routing_ckpt": str(_checkpoint(tmp / "routing.ckpt", tmp, [{"type": "routing", "count": 2,
-                                                                      "options": {"sparsity": 4}}])),
+                                                                      "options": {"sparsity": 4, "assignment": "topk"}}])),
         "damaged_sweep": str(_sweep(tmp / "sw1", [], **{"sweep.json": '{"points": [{"name": '})),
         "damaged_status": str(_sweep(tmp / "sw2", [point], **{"status.json": "\x00\x00"})),
         "damaged_metrics": str(_sweep(tmp / "sw3", [point])),

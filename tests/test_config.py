@@ -46,6 +46,10 @@ def test_bad_value() -> None:
     assert "trainer.precision" in error_of(None, "trainer.precision=fp8")
     assert "max_minutes" in error_of(None, "trainer.max_minutes=0")
     assert "trainer.profiler" in error_of(None, "trainer.profiler=advanced")
+    # ids 0..65535 fit the uint16 shards, as data_prep's --vocab-size 65536 allows
+    assert load_config(None, "model.vocab_size=65536").model.vocab_size == 65536
+    assert error_of(None, "model.vocab_size=65537") == \
+        "model.vocab_size must be <= 65536 (ids in uint16 token shards), got 65537"
 
 
 @pytest.mark.parametrize("override,field", [
@@ -91,6 +95,31 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
 def test_overrides_reach_list_items_and_keywords() -> None:
     cfg = load_config(CONFIGS / "tiny.yaml", "model.heads.0.count=4", "trainer.max_steps=7", optim__lr=1e-3)
     assert cfg.model.heads[0].count == 4 and cfg.trainer.max_steps == 7 and cfg.optim.lr == 1e-3
+
+
+def test_keyword_overrides_are_python_values() -> None:
+    """Keyword values are set as they are, not printed and re-read as YAML (None was the string 'None', a tuple
+    a string, a path with ': ' a mapping)."""
+    cfg = load_config(CONFIGS / "tiny.yaml", trainer__max_minutes=None, trainer__profiler=None, optim__betas=(0.8, 0.9),
+                      data__path=Path("data/x: y"))
+    assert cfg.trainer.max_minutes is None and cfg.trainer.profiler is None
+    assert tuple(cfg.optim.betas) == (0.8, 0.9) and cfg.data.path == "data/x: y"
+
+
+def test_head_groups_name_their_type_and_count() -> None:
+    for group, missing in (("{type: mosa, options: {sparsity: 8}}", "count"), ("{count: 3}", "type")):
+        assert error_of(None, f"model.heads=[{group}]") == f"model.heads[0].{missing}: Structured config of type " \
+            f"`HeadGroupConfig` has missing mandatory value: {missing}"
+
+
+def test_a_whole_layer_heads_value_replaces_the_files() -> None:
+    """`model.layer_heads={}` clears the YAML's per-layer mixes (a merge kept them, so a 2-layer smoke run of a
+    6-layer config with a mix at layer 5 could not be configured), on the command line and as a keyword."""
+    override = CONFIGS / "experiments" / "mosa_layer_override.yaml"  # mixes at layers 0 and 5
+    assert load_config(override, "model.n_layers=2", "model.layer_heads={}").model.layer_heads == {}
+    assert load_config(override, **{"model.layer_heads": {}}).model.layer_heads == {}
+    cfg = load_config(override, "model.layer_heads={2: [{type: dense, count: 2}]}")
+    assert {k: [(g.type, g.count) for g in v] for k, v in cfg.model.layer_heads.items()} == {2: [("dense", 2)]}
 
 
 def test_a_layer_mix_is_set_by_its_index() -> None:

@@ -59,6 +59,26 @@ def logged_steps(run: Path, tag: str = "train/loss") -> list[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
+def kill_after_logging_past(proc: subprocess.Popen, run: Path, step: int) -> None:
+    """SIGKILL a training run once TensorBoard holds train/loss beyond `step`, at a moment (checked with the process
+    stopped) when its newest checkpoint's step has its values logged: not in the milliseconds between a
+    checkpoint and its step's values (docs/training.md), which a kill right after a checkpoint appears hits."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        os.kill(proc.pid, signal.SIGSTOP)
+        acc.Reload()
+        logged = max((e.step for e in acc.Scalars("train/loss")), default=0) if "train/loss" in acc.Tags()["scalars"] else 0
+        saved = [int(p.stem.removeprefix("step")) for p in (run / "checkpoints").glob("step*.ckpt")]
+        if logged > step and saved and logged >= max(saved):
+            os.kill(proc.pid, signal.SIGKILL)
+            return
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.02)
+
+
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     """... and TensorBoard shows every step once: what the killed run logged after its checkpoint is purged."""
     data = write_prepared(tmp_path / "data")
@@ -68,7 +88,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     proc = subprocess.Popen(command(data, killed, "trainer.log_every=1"), env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     wait_for_file(proc, killed / "checkpoints" / "step0000010.ckpt")
-    os.kill(proc.pid, signal.SIGKILL)
+    kill_after_logging_past(proc, killed, 11)  # so that the killed run logged a step after its checkpoint
     assert proc.wait(timeout=30) == -signal.SIGKILL, "the run ended before it could be killed"
     saved = sorted((killed / "checkpoints").glob("*.ckpt"))
     for path in saved:  # every checkpoint file present after the kill is complete

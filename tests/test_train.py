@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,60 @@ def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> 
     norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters()], 2.0).item()
     assert sorted(logged) == [1, 2] and norm > cfg.optim.grad_clip
     assert logged[1] == pytest.approx(norm, rel=1e-5) and logged[2] != logged[1]
+
+
+def test_the_mosa_predictors_gradient_does_not_scale_the_lms(data: Path) -> None:
+    """MoSA's predictor is trained by its own loss only; clipped apart, its weight leaves the LM's first update
+    exactly as it is (in one global clipping norm, a 50x heavier predictor loss shrank the LM's step)."""
+    params = {}
+    for weight in (1.0, 50.0):
+        heads = f"[{{type: dense, count: 2}}, {{type: mosa, count: 4, options: {{sparsity: 4, selection: predictor, predictor_weight: {weight}}}}}]"
+        cfg = load_config(None, *run_overrides(data, Path("unused")), f"model.heads={heads}")
+        torch.manual_seed(0)
+        module = LMModule(cfg)
+        optimizer = module.configure_optimizers()["optimizer"]
+        stream = open_split(data, "train", cfg.model)
+        module.losses(*TrainBatches(stream, cfg.model.seq_len, cfg.data.batch_size, cfg.trainer.seed).batch(0))[0].backward()
+        lm_grads = [p.grad for name, p in module.named_parameters() if ".predictor." not in name]
+        assert torch.nn.utils.get_total_norm(lm_grads, 2.0) > cfg.optim.grad_clip  # clipping is active
+        module.configure_gradient_clipping(optimizer, cfg.optim.grad_clip)
+        optimizer.step()
+        params[weight] = {name: p.detach().clone() for name, p in module.named_parameters()}
+    predictor = {name for name in params[1.0] if ".predictor." in name}
+    assert predictor and all(not torch.equal(params[1.0][n], params[50.0][n]) for n in predictor)
+    assert all(torch.equal(params[1.0][n], params[50.0][n]) for n in params[1.0] if n not in predictor)
+
+
+def test_weight_decay_spares_norms_and_biases(data: Path) -> None:
+    """optim.weight_decay reaches the weight matrices and filters (agent attention's DWC convolution), never a
+    norm, a bias or agent attention's bias tables (3-D parameters named *bias)."""
+    heads = "[{type: dense, count: 2}, {type: agent, count: 2, options: {block: 8, window: 8, dwc: 3, bias: 4}}]"
+    module = LMModule(load_config(None, *run_overrides(data, Path("unused")), f"model.heads={heads}", "optim.weight_decay=0.1"))
+    decayed, spared = (module.configure_optimizers()["optimizer"].param_groups[i] for i in (0, 1))
+    name = {id(p): n for n, p in module.named_parameters()}
+    decayed, spared = {name[id(p)] for p in decayed["params"]}, {name[id(p)] for p in spared["params"]}
+    assert any(n.endswith("agent_bias") for n in spared) and any(n.endswith("dwc.weight") for n in decayed)
+    assert all(n.endswith("weight") for n in decayed) and "model.embed.weight" in decayed
+    assert all(not n.endswith("bias") for n in decayed) and len(decayed) + len(spared) == len(name)
+
+
+def test_checkpoint_writing_is_not_training_time(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tokens_per_s counts training steps only: a checkpoint every step that takes 1 s to write leaves it at the
+    steps' own speed (it read about one batch per second before)."""
+    import lightning as L
+
+    from lm.train import train
+
+    save = L.Trainer.save_checkpoint
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(1.0)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", slow_save)
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=6, ckpt_every=1, val_every=6))
+    metrics = train(cfg)
+    assert metrics["tokens_per_s"] > 5 * cfg.data.batch_size * cfg.model.seq_len  # batches take < 0.2 s each
 
 
 def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
