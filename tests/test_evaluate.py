@@ -127,6 +127,21 @@ def test_cli_prepared_split_per_document_and_curve(corpus: Path, tmp_path: Path,
     assert res["leak_free"] is False and res["causal"] is True
 
 
+def test_leak_free_auto_is_on_for_a_non_causal_checkpoint(corpus: Path, tmp_path: Path, capsys) -> None:
+    """--leak-free auto (the default) scores a non-causal checkpoint (MoSA expert choice) leak-free: the totals of
+    --leak-free on, not those of teacher forcing."""
+    ckpt, model = save_checkpoint(tmp_path, corpus, mix="mosa_expert_choice", seq_len=24)
+    assert not model.causal
+    (tmp_path / "one.txt").write_text(english(99, 4), encoding="utf-8")
+    results = {}
+    for mode in ("auto", "on", "off"):
+        capsys.readouterr()
+        assert main(["--ckpt", str(ckpt), "--input", str(tmp_path / "one.txt"), "--stride", "12", "--leak-free", mode]) == 0
+        results[mode] = json.loads(capsys.readouterr().out)
+    assert results["auto"]["leak_free"] is True and results["auto"]["total"] == results["on"]["total"]
+    assert results["auto"]["total"] != results["off"]["total"]
+
+
 def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None:
     ckpt, _ = save_checkpoint(tmp_path, corpus)
     state = torch.load(ckpt, weights_only=False)

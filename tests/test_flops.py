@@ -32,6 +32,22 @@ def test_app_c_per_head_formulas() -> None:
     assert group_cost("topk", h, hd, T, 2, {"k": 64}).flops == group_cost("dense", h, hd, T, 2).flops
 
 
+def test_agent_and_mita_formulas_in_numbers() -> None:
+    """Every term of the agent and MiTA formulas, written out at h = 512, h' = 64, T = 1024 (projections
+    8hh'T = 268,435,456)."""
+    agent = group_cost("agent", h, hd, T, 1, {"block": 64, "window": 64, "dwc": 3, "bias": 4})
+    # + aggregation and broadcast 8h'mT (m = 16 agents) 8,388,608 + window 4h'Tw 16,777,216 + DWC 2Kh'T 393,216
+    assert (agent.flops, agent.params, agent.kv) == (293_994_496, 131_072 + 4 * 64 + 8, 1024 + 16)
+    # two heads, m = 8, w = 32: 2 x (268,435,456 + 4,194,304 + 8,388,608); no DWC or bias parameters
+    assert group_cost("agent", h, hd, T, 2, {"block": 128, "window": 32}).flops == 562_036_736
+    mita = group_cost("mita", h, hd, T, 1, {"block": 64, "k": 64, "s": 2, "local_blocks": 2})
+    # + landmark scores and routing logits 4h'mT 4,194,304 + shared expert 4h'mT 4,194,304
+    # + s = 2 routed experts of k = 64 keys 33,554,432 + two local blocks 4h'T(2b) 33,554,432
+    assert (mita.flops, mita.params) == (343_932_928, 131_072)
+    # no shared expert, m = 8: + 2,097,152 + one expert of 32 keys 8,388,608 + own block of 128 33,554,432
+    assert group_cost("mita", h, hd, T, 1, {"block": 128, "k": 32, "s": 1, "shared": False}).flops == 312_475_648
+
+
 def test_kv_entries_and_short_sequences() -> None:
     assert group_cost("dense", h, hd, T, 9).kv == 9 * T
     assert group_cost("mosa", h, hd, T, 17, {"sparsity": 32}).kv == 17 * 32

@@ -170,6 +170,9 @@ def test_sampling_controls() -> None:
     assert all(sample(logits, top_p=0.05, generator=g).item() == 1 for _ in range(20))
     drawn = {sample(logits, top_k=2, generator=g).item() for _ in range(200)}
     assert drawn == {1, 3}
+    # p = .024, .479, .065, .433: the nucleus of 0.6 is {1, 3}, of 0.95 {1, 2, 3}
+    assert {sample(logits, top_p=0.6, generator=g).item() for _ in range(200)} == {1, 3}
+    assert {sample(logits, top_p=0.95, generator=g).item() for _ in range(400)} == {1, 2, 3}
 
 
 def test_greedy_generation_agrees_with_full_forward() -> None:

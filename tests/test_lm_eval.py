@@ -108,6 +108,21 @@ def test_loglikelihood_matches_forward_pass(setup) -> None:
     assert abs(rolled - ref) <= TOL
 
 
+def test_leak_free_auto_is_on_for_a_non_causal_checkpoint(setup, tmp_path: Path) -> None:
+    """leak_free="auto" (the default) scores a non-causal checkpoint leak-free: as "on", not as "off"."""
+    from lm_eval.api.instance import Instance
+
+    root = setup[0]
+    ckpt, model = save_checkpoint(tmp_path, root / "data", mix="mosa_expert_choice", seq_len=T)  # prepared_corpus(root)
+    assert not model.causal
+    words = english(3, 20).split()
+    request = [Instance("loglikelihood", {}, (" ".join(words[:20]), " " + " ".join(words[20:26])), 0)]
+    scores = {mode: SparseHeadsLM(str(ckpt), leak_free=mode).loglikelihood(request, disable_tqdm=True)[0][0]
+              for mode in ("auto", "on", "off")}
+    assert SparseHeadsLM(str(ckpt)).leak_free is True
+    assert scores["auto"] == scores["on"] != scores["off"]
+
+
 def test_generate_until_matches_greedy_decoding(setup) -> None:
     from lm_eval.api.instance import Instance
 

@@ -135,3 +135,45 @@ def test_overfits_one_batch() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[0] > 4.0 and losses[-1] < 0.05, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_forward_equals_the_architecture_written_out() -> None:
+    """The whole LM in float64 against MoSA App. H's pre-LN decoder written out by hand (no RoPE here, which
+    tests/test_rope.py covers): h_0 = E[x]; per layer u = h + sum_i softmax(q_i k_i^T / sqrt(h') + M) v_i W^O_i on
+    LN(h), h' = u + W_down GELU(W_up LN(u)); logits = LN(h_L) W_vocab^T. Norm gains and biases are random."""
+    import math
+
+    cfg = tiny_config([{"type": "dense", "count": 2}, {"type": "dense", "count": 1}], rope_fraction=0.0, n_layers=2)
+    torch.manual_seed(0)
+    model = lm.build_model(cfg.model).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_()
+    x = torch.randint(0, 97, (2, 13))
+    d, hd = cfg.model.d_model, cfg.model.head_dim
+
+    def ln(t: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+        mu, var = t.mean(-1, keepdim=True), t.var(-1, unbiased=False, keepdim=True)
+        return (t - mu) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
+
+    T = x.shape[1]
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    hidden = model.embed.weight[x]
+    for block in model.blocks:
+        a = ln(hidden, block.norm_attn)
+        attn = torch.zeros_like(hidden)
+        for group in block.attn.groups:
+            w = group.qkv.weight.view(3, group.count, hd, d)
+            wo = group.out.weight.view(d, group.count, hd)
+            for i in range(group.count):
+                q, k, v = a @ w[0, i].T, a @ w[1, i].T, a @ w[2, i].T
+                s = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~causal, float("-inf"))
+                attn = attn + s.softmax(-1) @ v @ wo[:, i].T
+        hidden = hidden + attn
+        f = ln(hidden, block.norm_ffn) @ block.ffn.up.weight.T
+        hidden = hidden + 0.5 * f * (1 + torch.erf(f / math.sqrt(2))) @ block.ffn.down.weight.T
+    want = ln(hidden, model.norm) @ model.lm_head.weight.T
+    with torch.no_grad():
+        got = model(x)
+    assert (got - want).abs().max().item() <= 1e-10 * want.abs().max().item()

@@ -126,7 +126,20 @@ def test_logged_gradient_norm_is_the_first_steps(data: Path, tmp_path: Path) -> 
     assert logged[1] == pytest.approx(norm, rel=1e-5) and logged[2] != logged[1]
 
 
-def test_the_mosa_predictors_gradient_does_not_scale_the_lms(data: Path) -> None:
+def test_gradients_are_clipped_to_grad_clip(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After configure_gradient_clipping the global L2 norm of the gradient is optim.grad_clip (it was larger)."""
+    cfg = load_config(None, *run_overrides(data, Path("unused")))
+    module = LMModule(cfg)
+    monkeypatch.setattr(module, "log", lambda *args, **kwargs: None)  # no trainer to log to
+    stream = open_split(data, "train", cfg.model)
+    module.losses(*TrainBatches(stream, cfg.model.seq_len, cfg.data.batch_size, cfg.trainer.seed).batch(0))[0].backward()
+    grads = [p.grad for p in module.parameters()]
+    assert torch.nn.utils.get_total_norm(grads, 2.0) > 2 * cfg.optim.grad_clip
+    module.configure_gradient_clipping(module.configure_optimizers()["optimizer"], cfg.optim.grad_clip)
+    torch.testing.assert_close(torch.nn.utils.get_total_norm(grads, 2.0), torch.tensor(cfg.optim.grad_clip), rtol=1e-5, atol=0)
+
+
+def test_the_mosa_predictors_gradient_does_not_scale_the_lms(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """MoSA's predictor is trained by its own loss only; clipped apart, its weight leaves the LM's first update
     exactly as it is (in one global clipping norm, a 50x heavier predictor loss shrank the LM's step)."""
     params = {}
@@ -135,6 +148,7 @@ def test_the_mosa_predictors_gradient_does_not_scale_the_lms(data: Path) -> None
         cfg = load_config(None, *run_overrides(data, Path("unused")), f"model.heads={heads}")
         torch.manual_seed(0)
         module = LMModule(cfg)
+        monkeypatch.setattr(module, "log", lambda *args, **kwargs: None)  # no trainer to log to
         optimizer = module.configure_optimizers()["optimizer"]
         stream = open_split(data, "train", cfg.model)
         module.losses(*TrainBatches(stream, cfg.model.seq_len, cfg.data.batch_size, cfg.trainer.seed).batch(0))[0].backward()
@@ -152,13 +166,21 @@ def test_weight_decay_spares_norms_and_biases(data: Path) -> None:
     """optim.weight_decay reaches the weight matrices and filters (agent attention's DWC convolution), never a
     norm, a bias or agent attention's bias tables (3-D parameters named *bias)."""
     heads = "[{type: dense, count: 2}, {type: agent, count: 2, options: {block: 8, window: 8, dwc: 3, bias: 4}}]"
-    module = LMModule(load_config(None, *run_overrides(data, Path("unused")), f"model.heads={heads}", "optim.weight_decay=0.1"))
-    decayed, spared = (module.configure_optimizers()["optimizer"].param_groups[i] for i in (0, 1))
-    name = {id(p): n for n, p in module.named_parameters()}
-    decayed, spared = {name[id(p)] for p in decayed["params"]}, {name[id(p)] for p in spared["params"]}
-    assert any(n.endswith("agent_bias") for n in spared) and any(n.endswith("dwc.weight") for n in decayed)
-    assert all(n.endswith("weight") for n in decayed) and "model.embed.weight" in decayed
-    assert all(not n.endswith("bias") for n in decayed) and len(decayed) + len(spared) == len(name)
+    module = LMModule(load_config(None, *run_overrides(data, Path("unused")), f"model.heads={heads}", "optim.weight_decay=0.5",
+                                  "optim.betas=[0.8,0.95]", "optim.lr=0.1", "optim.warmup_steps=0"))
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert all(tuple(g["betas"]) == (0.8, 0.95) for g in optimizer.param_groups)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)  # only the decay moves a weight: w <- w (1 - lr wd)
+    optimizer.step()
+    decayed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    for n in decayed:
+        torch.testing.assert_close(dict(module.named_parameters())[n].detach(), before[n] * (1 - 0.1 * 0.5))
+    assert any(n.endswith("dwc.weight") for n in decayed) and "model.embed.weight" in decayed
+    assert all(n.endswith("weight") and before[n].ndim >= 2 for n in decayed)
+    assert {n for n in before if n.endswith("agent_bias") or before[n].ndim < 2}.isdisjoint(decayed)
+    assert {n for n in before if before[n].ndim >= 2 and n.endswith("weight")} == decayed
 
 
 def test_checkpoint_writing_is_not_training_time(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
