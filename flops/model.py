@@ -54,15 +54,19 @@ def model_cost(cfg: ModelConfig) -> ModelCost:
     )
 
 
-def slots_set_by_training_length(g: HeadGroupConfig) -> bool:
-    """Whether the group's heads size their slots from model.seq_len, not from the window they run on: MoSA's
-    threshold selection and Routing's nearest-centroid clusters (capacity ceil(capacity_factor * k(seq_len))),
-    MoSAIC (k(seq_len) per expert). On a window of another length their formula, which takes k from the window,
-    would miscount them (4.3x too few for MoSA at a quarter of the length; too many on a longer window, e.g. above
-    a compression layer, which sees t + S positions)."""
+def slots_set_by_training_length(g: HeadGroupConfig, window: int, seq_len: int) -> bool:
+    """Whether the group's heads size their slots on a `window`-token input from model.seq_len, not from the
+    window, so that their formula, which takes k from the window, would miscount them: MoSA's threshold selection
+    and Routing's nearest-centroid clusters (capacity ceil(capacity_factor * k(seq_len))) and MoSAIC (k(seq_len)
+    per expert) on any other length (4.3x too few for MoSA at a quarter of the length; too many on a longer
+    window, e.g. above a compression layer, which sees t + S positions); MoSA's quota and predictor selections,
+    whose prefix quota follows the window up to model.seq_len and is capped at the capacity after it, on longer
+    windows."""
     o = Options(g.type, g.options)
-    return (g.type == "mosaic" or (g.type == "mosa" and o.get("selection") == "threshold")
-            or (g.type == "routing" and o.get("assignment") == "nearest"))
+    selection = o.get("selection") if g.type == "mosa" else None
+    if g.type == "mosaic" or selection == "threshold" or (g.type == "routing" and o.get("assignment") == "nearest"):
+        return window != seq_len
+    return selection in ("quota", "predictor") and window > seq_len
 
 
 def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
@@ -70,7 +74,7 @@ def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:
     for a window of another length than model.seq_len when a head group's slots are set by model.seq_len."""
     if seq_len != cfg.seq_len:
         for g in cfg.mix(layer):
-            if slots_set_by_training_length(g):
+            if slots_set_by_training_length(g, seq_len, cfg.seq_len):
                 raise ConfigError(f"no FLOP count of {g.type} heads ({g.options}) on {seq_len}-token windows: their slots "
                                   f"are set by model.seq_len={cfg.seq_len}, not by the window")
     groups = sum(group_cost(g.type, cfg.d_model, cfg.head_dim, seq_len, g.count, g.options).flops for g in cfg.mix(layer))

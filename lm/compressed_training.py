@@ -155,8 +155,8 @@ class CompressedDataModule(LMDataModule):
         super().check()
         self.train_windows = document_windows(self.cfg.path, "train", self.full)
         self.val_windows = document_windows(self.cfg.path, "val", self.full)
-        need = self.sampler.longest()
-        for name, w in (("train", self.train_windows), ("val", self.val_windows)):
+        for name, w, need in (("train", self.train_windows, self.sampler.longest()),
+                              ("val", self.val_windows, self.val_layout().window)):  # validation has one layout
             if w.lengths.max(initial=0) < need:
                 raise DataError(f"data.path: no {name} document has the {need} tokens compression windows need")
 

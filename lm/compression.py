@@ -212,7 +212,7 @@ class CompressedLM(nn.Module):
         P, S = layout.prefix, layout.suffix
         logits = self(tokens, layout)
         target = tokens[:, P + 1 : P + S + 1]
-        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)  # fp32 under bf16
         return loss.mean() if reduce else loss.mean(1)
 
     def kv_total(self, seq_len: int | None = None) -> int:

@@ -206,6 +206,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.precision must be auto, 32-true, bf16-mixed, 16-mixed or bf16-true, got {t.precision!r}")
     if cfg.compression is not None:
         validate_compression(cfg.compression, m)
+        if t.compile:  # each batch's layout (spans, t) is read on the host and shapes the graph
+            raise ConfigError("trainer.compile is not supported with a compression section: every batch has its own "
+                              "layout (prefix spans, t), which would need a graph of its own; set trainer.compile=false")
     return cfg
 
 
@@ -222,8 +225,10 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
         raise ConfigError(f"compression.regime must be fixed or random, got {c.regime!r}")
     if not 0.0 <= c.prefix_spread < 1.0 or not 0.0 <= c.ratio_spread < 1.0:
         raise ConfigError("compression.prefix_spread and compression.ratio_spread must be in [0, 1)")
-    if c.ratio * (1 + c.ratio_spread) > 1.0:
-        raise ConfigError(f"compression.ratio * (1 + ratio_spread) must be <= 1, got {c.ratio * (1 + c.ratio_spread)}")
+    top = c.ratio * (1 + c.ratio_spread) if c.regime == "random" else c.ratio  # the spread applies to random only
+    if top > 1.0:
+        raise ConfigError(f"compression.ratio{' * (1 + ratio_spread)' if c.regime == 'random' else ''} must be <= 1, "
+                          f"got {top}")
     if c.ramp_steps < 0:
         raise ConfigError(f"compression.ramp_steps must be >= 0, got {c.ramp_steps}")
     if not 0.0 <= c.full_prob < 1.0:

@@ -78,13 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [float(r) for r in args.ratios.split(",")]
         if not all(0 < r <= 1 for r in ratios):
             raise ValueError(f"--ratios must be in (0, 1], got {args.ratios}")
+        if args.prompts < 1 or args.batch < 1 or (args.prefix_len is not None and args.prefix_len < 1):
+            raise ValueError(f"need --prompts >= 1, --batch >= 1 and --prefix-len >= 1, got {args.prompts}, {args.batch} "
+                             f"and {args.prefix_len}")
+        if args.probe_ratio is not None and not 0 < args.probe_ratio <= 1:
+            raise ValueError(f"--probe-ratio must be in (0, 1], got {args.probe_ratio}")
         if not Path(args.ckpt).is_file():
             raise ValueError(f"--ckpt {args.ckpt} not found")
         model, cfg = load_compressed(args.ckpt)
-        P = args.prefix_len or cfg.compression.prefix_len
-        probe = args.probe_ratio or cfg.compression.ratio
+        P = cfg.compression.prefix_len if args.prefix_len is None else args.prefix_len
+        probe = cfg.compression.ratio if args.probe_ratio is None else args.probe_ratio
         n_batches = -(-args.prompts // args.batch)
         windows = fixed_windows(document_windows(args.data, args.split, cfg), n_batches, args.batch, P + cfg.model.seq_len + 1, args.seed)
+        windows[-1] = windows[-1][: args.prompts - (n_batches - 1) * args.batch]  # exactly --prompts prompts
     except (ValueError, ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

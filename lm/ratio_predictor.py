@@ -151,6 +151,9 @@ def _choose(args: argparse.Namespace) -> dict:
 
     predictor, blob = RatioPredictor.load(args.predictor)
     model, cfg = load_compressed(args.ckpt)
+    if predictor.hparams["d_model"] != cfg.model.d_model:
+        raise ValueError(f"--predictor {args.predictor} reads states of width {predictor.hparams['d_model']}, "
+                         f"--ckpt {args.ckpt} has model.d_model {cfg.model.d_model}: not a predictor of this model")
     P, S = blob["prefix_len"], cfg.model.seq_len
     windows = fixed_windows(document_windows(args.data, args.split, cfg), 1, args.prompts, P + S + 1, seed=args.seed)[0]
     states = measure(model, windows, P, [], blob["probe_ratio"])["states"]
@@ -180,12 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--prompts", type=int, default=8)
     c.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    for name in ("data", "predictor", "ckpt"):
-        path = getattr(args, name, None)
-        if path is not None and not Path(path).exists():
-            print(f"error: --{name} {path} not found", file=sys.stderr)
-            return 2
-    print(json.dumps(_train(args) if args.cmd == "train" else _choose(args)))
+    try:
+        for name in ("data", "predictor", "ckpt"):
+            path = getattr(args, name, None)
+            if path is not None and not Path(path).exists():
+                raise ValueError(f"--{name} {path} not found")
+        if args.cmd == "train" and (args.steps < 1 or args.latent < 1 or not 0 < args.lr < math.inf):
+            raise ValueError(f"need --steps >= 1, --latent >= 1 and a finite --lr > 0, got {args.steps}, {args.latent} "
+                             f"and {args.lr}")
+        if args.cmd == "choose" and (args.prompts < 1 or not math.isfinite(args.delta)):
+            raise ValueError(f"need --prompts >= 1 and a finite --delta, got {args.prompts} and {args.delta}")
+        result = _train(args) if args.cmd == "train" else _choose(args)
+    except ValueError as err:  # also ConfigError and DataError (an unknown --split, a missing directory)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
     return 0
 
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_config
@@ -22,6 +24,7 @@ from lm.config import CompressionConfig, validate
 from lm.ratio_predictor import AdaptiveRatio, RatioPredictor
 
 V = 61
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make(mode: str = "compress", detach: bool = True, seed: int = 0, heads: list[dict] | None = None, **comp) -> CompressedLM:
@@ -304,6 +307,27 @@ def _prepared(root, docs: list[np.ndarray], eos: int = 0) -> str:
     return str(root)
 
 
+@pytest.mark.parametrize("val_len, error", [(30, None), (19, "no val document has the 21 tokens")])
+def test_validation_documents_need_the_validation_window_only(tmp_path, val_len: int, error: str | None):
+    """Training may recurse over 2 prefixes (33 tokens), validation takes one prefix of 12 + suffix 8 + 1 = 21 tokens:
+    validation documents of 30 tokens are enough."""
+    from lm.compressed_training import CompressedDataModule
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, V, 60) for _ in range(6)] + [rng.integers(1, V, val_len) for _ in range(4)]
+    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=12, ratio=0.25, max_depth=2)
+    cfg.data.path = _prepared(tmp_path, docs)
+    validate(cfg)
+    data = CompressedDataModule(cfg)
+    assert data.sampler.longest() == 33 and data.val_layout().window == 21
+    if error is None:
+        data.check()
+    else:
+        with pytest.raises(ValueError, match=error):
+            data.check()
+
+
 def test_training_regimes_lower_the_suffix_loss(tmp_path):
     """Random ratios with recursion train end to end through the Lightning stack on a task where
     the memory matters: each document repeats its own random 6-token pattern, so the suffix's first
@@ -369,10 +393,29 @@ def test_config_errors_name_the_field():
         make(layer=4)
     with pytest.raises(ConfigError, match="compression.mode"):
         make(mode="zip")
-    with pytest.raises(ConfigError, match="compression.ratio"):
-        make(ratio=0.9, ratio_spread=0.5)
+    with pytest.raises(ConfigError, match=r"compression.ratio \* \(1 \+ ratio_spread\) must be <= 1"):
+        make(ratio=0.9, ratio_spread=0.5, regime="random")
+    assert make(ratio=1.0, ratio_spread=0.5).comp.ratio == 1.0  # the spread is the random regime's only
+    with pytest.raises(ConfigError, match="compression.ratio must be <= 1, got 1.5"):
+        make(ratio=1.5)
     with pytest.raises(ConfigError, match=r"compression.full_prob must be in \[0, 1\), got 1.0"):
         make(full_prob=1.0)
+
+
+def test_compile_is_refused_and_the_suffix_loss_is_fp32():
+    """trainer.compile with a compression section is one line (each batch's layout shapes the graph); under bf16 the
+    suffix cross-entropy is taken in fp32 (as the plain LM's), not rounded to bf16's 1/32 nat steps near 4."""
+    from lm.config import load_config
+
+    with pytest.raises(ConfigError, match="^trainer.compile is not supported with a compression section"):
+        load_config(ROOT / "configs" / "experiments" / "compression.yaml", "trainer.compile=true")
+    model = make().to(torch.bfloat16)
+    x, layout = tokens(12 + 10 + 1), Layout((12,), 3, 10)
+    loss = model.suffix_loss(x, layout, reduce=False)
+    with torch.no_grad():
+        logits = model(x, layout).float()
+    want = F.cross_entropy(logits.flatten(0, 1), x[:, 13:23].flatten(), reduction="none").view(2, 10).mean(1)
+    assert loss.dtype == torch.float32 and torch.allclose(loss, want, atol=1e-6)
 
 
 def test_flop_formula_matches_counted_matmuls():

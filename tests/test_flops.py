@@ -197,6 +197,18 @@ def test_layer_flops_refuse_fixed_slot_heads_on_any_other_window(window: int) ->
         layer_flops(cfg, 0, window)
 
 
+@pytest.mark.parametrize("selection", ["quota", "predictor"])
+def test_layer_flops_refuse_quota_heads_on_longer_windows(selection: str) -> None:
+    """A quota (or predictor) head's slots follow a shorter window but stop at capacity(model.seq_len) on a longer one
+    (above a compression layer with a suffix of seq_len): counted by its formula at the window's k, 48 tokens would
+    read 12 slots where the head computes on 8."""
+    heads = [{"type": "mosa", "count": 3, "options": {"sparsity": 4, "selection": selection}}]
+    cfg = tiny_config(heads, n_layers=2, d_model=32, head_dim=8, seq_len=32).model
+    assert layer_flops(cfg, 0, 16) > 0
+    with pytest.raises(ConfigError, match="no FLOP count of mosa heads .* on 48-token windows"):
+        layer_flops(cfg, 0, 48)
+
+
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:
     # one formula per head type, none for a type that does not exist; plus the compression layer (lm/compression.py)
     assert set(FORMULAS) == set(REGISTRY) | {"compression"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -105,3 +106,31 @@ def test_clis_data_train_choose(tmp_path, capsys):
     assert len(chosen["chosen_ratio"]) == 3 and all(0.125 <= r <= 1 for r in chosen["chosen_ratio"])
     assert ratio_data.main(["--ckpt", str(tmp_path / "nope.ckpt"), "--data", data_dir, "--out", str(rows)]) == 2
     assert "not found" in capsys.readouterr().err
+    assert ratio_data.main(["--ckpt", ckpt, "--data", data_dir, "--out", str(rows), "--prompts", "5", "--batch", "4",
+                            "--ratios", "0.25"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == 5  # exactly --prompts (two batches, the last cut)
+
+
+@pytest.mark.parametrize("cli, args, message", [
+    ("data", ["--prompts", "0"], "need --prompts >= 1"), ("data", ["--batch", "0"], "need --prompts >= 1"),
+    ("data", ["--prefix-len", "-4"], "--prefix-len >= 1"), ("data", ["--probe-ratio", "3"], "--probe-ratio must be in"),
+    ("train", ["--steps", "0"], "need --steps >= 1"), ("train", ["--lr", "nan"], "finite --lr > 0"),
+    ("choose", ["--prompts", "0"], "need --prompts >= 1"), ("choose", ["--delta", "nan"], "finite --delta"),
+    ("choose", ["--split", "nope"], "nope"), ("choose", ["--wide"], "reads states of width 48"),
+])
+def test_cli_bad_arguments_are_one_line(tmp_path, capsys, cli: str, args: list[str], message: str):
+    rng = np.random.default_rng(0)
+    data_dir = _prepared(tmp_path, [rng.integers(1, V, 60) for _ in range(20)])
+    ckpt, rows, pred = _checkpoint(tmp_path), tmp_path / "rows.pt", tmp_path / "pred.pt"
+    RatioPredictor(48 if "--wide" in args else 32).save(pred, probe_ratio=0.25, prefix_len=16, ratios=[0.25])
+    rows.write_bytes(b"")
+    args = [a for a in args if a != "--wide"]
+    if cli == "data":
+        code = ratio_data.main(["--ckpt", ckpt, "--data", data_dir, "--out", str(rows), *args])
+    elif cli == "train":
+        code = ratio_predictor.main(["train", "--data", str(rows), "--out", str(pred), *args])
+    else:
+        code = ratio_predictor.main(["choose", "--predictor", str(pred), "--ckpt", ckpt, "--data", data_dir,
+                                     "--delta", "0.05", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
