@@ -1,13 +1,16 @@
-"""Training throughput (tokens/s) of configs on the current device.
+"""Training throughput (tokens/s) of configs on the current device, side by side.
 
-One training step = forward + backward + gradient clipping + AdamW/scheduler step, exactly the loss
-and optimizer of lm/module.py (no Lightning loop, no data loading: random tokens). Each config runs
-`--warmup` untimed steps, then `--steps` timed ones; the table reports the median step time and
-tokens/s = batch * seq_len / median. Results go to bench/results/throughput_<device>.md together
-with the machine, library versions and the exact command.
+One training step = trainer.accumulate_grad_batches micro-batches of forward + backward, then lm/module.py's
+gradient clipping and the AdamW/scheduler step: the loss (compiled under trainer.compile), clipping and
+optimizer of lm/module.py (no Lightning loop, no data loading: random tokens). Precision 32-true, or bf16-mixed
+(autocast) on CUDA. Every config is built first; then `--rounds` rounds each run `--warmup` untimed and `--steps`
+timed steps of every config in turn, so the configs share the machine's state; the table reports the median step
+time over all timed steps, tokens/s = accumulate * batch * seq_len / median, and each config's tokens/s as a
+ratio to the first config's. Results go to bench/results/throughput_<device>.md together with the machine,
+library versions and the exact command.
 
     python bench/throughput.py --config configs/quickstart.yaml [--config configs/tiny.yaml] \\
-        [model.n_layers=4 data.batch_size=8 ...] [--steps 20 --warmup 5] [--out PATH]
+        [model.n_layers=4 data.batch_size=8 ...] [--steps 20 --warmup 5 --rounds 1] [--out PATH]
 """
 from __future__ import annotations
 
@@ -50,38 +53,55 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def measure(cfg: Config, device: torch.device, steps: int, warmup: int) -> dict[str, float]:
-    """Median seconds per training step of `cfg` and the derived tokens/s."""
-    torch.manual_seed(cfg.trainer.seed)
-    module = LMModule(cfg).to(device)
-    module.setup("fit")  # what Lightning does before training (trainer.activation_checkpointing)
-    opt_cfg = module.configure_optimizers()
-    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
-    B, T, V = cfg.data.batch_size, cfg.model.seq_len, cfg.model.vocab_size
-    tokens = torch.randint(0, V, (B, T + 1), device=device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    bf16 = resolve_precision(cfg.trainer) == "bf16-mixed" and device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+class Bench:
+    """One config's module, optimizer and random batch, ready to time training steps."""
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        precision = resolve_precision(cfg.trainer)
+        if precision not in ("32-true", "bf16-mixed") or (precision == "bf16-mixed" and device.type != "cuda"):
+            raise ConfigError(f"trainer.precision {precision} is not timed here: 32-true, or bf16-mixed on CUDA")
+        torch.manual_seed(cfg.trainer.seed)
+        self.cfg, self.device, self.precision = cfg, device, precision
+        self.module = LMModule(cfg).to(device)
+        self.module.setup("fit")  # what Lightning does before training (trainer.activation_checkpointing)
+        self.module.log = lambda *args, **kwargs: None  # no Lightning trainer to log the gradient norm to
+        opt_cfg = self.module.configure_optimizers()
+        self.optimizer, self.scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+        B, T, V = cfg.data.batch_size, cfg.model.seq_len, cfg.model.vocab_size
+        tokens = torch.randint(0, V, (B, T + 1), device=device)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+        self.accumulate = cfg.trainer.accumulate_grad_batches
+        self.tokens_per_step = self.accumulate * B * T
+        self.times: list[float] = []
+
+    def step(self) -> float:
+        """Seconds of one training step."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.precision == "bf16-mixed" else contextlib.nullcontext()
+        sync()
         start = time.perf_counter()
-        with autocast:
-            loss = module.losses(x, y)[0]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        commit_states(module.model)  # as training does after every step (MoSA's thresholds, Routing's centroids)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    return {"params": module.model.num_params(), "median_s": median, "tokens_per_s": B * T / median,
-            "min_s": min(times), "max_s": max(times), "precision": "bf16-mixed" if bf16 else "32-true"}
+        for _ in range(self.accumulate):  # Lightning divides each micro-batch's loss by the accumulation
+            with autocast:
+                loss = self.module.train_losses(self.x, self.y)[0]
+            (loss / self.accumulate).backward()
+        self.module.configure_gradient_clipping(self.optimizer, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        commit_states(self.module.model)  # as training does after every step (MoSA's thresholds, Routing's centroids)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - start
+
+    def run(self, steps: int, warmup: int) -> None:
+        for i in range(warmup + steps):
+            seconds = self.step()
+            if i >= warmup:
+                self.times.append(seconds)
+
+    def result(self) -> dict[str, float]:
+        median = statistics.median(self.times)
+        return {"params": self.module.model.num_params(), "median_s": median, "min_s": min(self.times),
+                "max_s": max(self.times), "tokens_per_s": self.tokens_per_step / median}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,32 +109,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", required=True, help="YAML config (repeatable)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every config")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per config")
-    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="untimed steps first")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
+                        help="untimed steps of every config in every round (compilation, allocator warm-up)")
+    parser.add_argument("--rounds", type=positive_int, default=1, help="rounds over the configs, in turn")
     parser.add_argument("--out", type=Path, default=None, help="default bench/results/throughput_<device>.md")
     args = parser.parse_args(argv)
+    device, slug = device_name()
     try:
-        configs = [(path, load_config(path, *args.overrides)) for path in args.config]
+        benches = [(path, Bench(load_config(path, *args.overrides), device)) for path in args.config]
+        if args.warmup == 0 and any(b.cfg.trainer.compile for _, b in benches):
+            raise ConfigError("trainer.compile needs --warmup >= 1: the first step compiles")
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    device, slug = device_name()
     load = os.getloadavg()  # the machine may be shared: record how busy it was
-    rows = []
-    for path, cfg in configs:
-        r = measure(cfg, device, args.steps, args.warmup)
-        B, T = cfg.data.batch_size, cfg.model.seq_len
-        print(f"{path}: {r['params'] / 1e6:.2f}M params, batch {B} x {T}: median {r['median_s']:.3f} s/step, "
-              f"{r['tokens_per_s']:,.0f} tokens/s")
-        rows.append(f"| {path} | {r['params'] / 1e6:.2f}M | {B} x {T} | {r['precision']} | {r['median_s']:.4f} "
-                    f"| {r['min_s']:.4f} / {r['max_s']:.4f} | {r['tokens_per_s']:,.0f} |")
+    for _ in range(args.rounds):
+        for _, bench in benches:
+            bench.run(args.steps, args.warmup)
+    rows, first = [], benches[0][1].result()["tokens_per_s"]
+    for path, bench in benches:
+        r, c = bench.result(), bench.cfg
+        shape = f"{bench.accumulate} x {c.data.batch_size} x {c.model.seq_len}"
+        print(f"{path}: {r['params'] / 1e6:.2f}M params, {shape} tokens a step: median {r['median_s']:.3f} s/step, "
+              f"{r['tokens_per_s']:,.0f} tokens/s ({r['tokens_per_s'] / first:.3f} x the first config)")
+        rows.append(f"| {path} | {r['params'] / 1e6:.2f}M | {shape} | {bench.precision} | {c.trainer.compile} "
+                    f"| {r['median_s']:.4f} | {r['min_s']:.4f} / {r['max_s']:.4f} | {r['tokens_per_s']:,.0f} "
+                    f"| {r['tokens_per_s'] / first:.3f} |")
     threads_env = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if "OMP_NUM_THREADS" in os.environ else []
     command = shlex.join([*threads_env, "python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
     lines = [
         f"# Training throughput on {slug}",
         "",
-        "One step = forward + backward + clip + AdamW (lm/module.py loss and optimizer), random tokens, "
-        f"median of {args.steps} timed steps after {args.warmup} warm-up steps.",
+        "One step = accumulate x (forward + backward), clip + AdamW (lm/module.py loss, clipping and optimizer), "
+        f"random tokens; {args.rounds} round(s) over the configs in turn, each {args.warmup} warm-up and "
+        f"{args.steps} timed steps of every config; median over the timed steps.",
         "",
         f"- command: `{command}` (overrides: {' '.join(args.overrides) or 'none'})",
         f"- device: {hardware}; torch threads: {torch.get_num_threads()}; load average before the run: "
@@ -123,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{platform.platform()}",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        "| config | params | batch x T | precision | median step (s) | min / max (s) | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| config | params | accumulate x batch x T | precision | compiled | median step (s) | min / max (s) "
+        "| tokens/s | tokens/s / first |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ]

@@ -1,0 +1,51 @@
+"""bench/throughput.py: a step is lm/module.py's training step (its compiled loss under trainer.compile, every
+micro-batch of trainer.accumulate_grad_batches, its gradient clipping), configs are timed in turn and compared."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from lm.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import throughput  # noqa: E402
+
+TINY = ["model.n_layers=1", "model.d_model=32", "model.head_dim=8", "model.seq_len=16", "model.vocab_size=64",
+        "model.heads=[{type: dense, count: 2}]", "data.batch_size=2"]
+
+
+def test_a_step_is_the_modules_training_step() -> None:
+    cfg = load_config(None, *TINY, "trainer.accumulate_grad_batches=3", "optim.grad_clip=1e-3")
+    bench = throughput.Bench(cfg, torch.device("cpu"))
+    calls = []
+    loss = bench.module.train_losses
+    bench.module.train_losses = lambda x, y: calls.append(x.shape) or loss(x, y)
+    clip = bench.module.configure_gradient_clipping
+    norms = []
+
+    def clipped(optimizer, value):
+        clip(optimizer, value)
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in bench.module.parameters()], 2.0).item())
+
+    bench.module.configure_gradient_clipping = clipped
+    bench.run(steps=2, warmup=1)
+    assert calls == [(2, 16)] * 9 and len(norms) == 3 and max(norms) <= 1e-3 * 1.0001
+    assert bench.tokens_per_step == 3 * 2 * 16 and len(bench.times) == 2
+    assert bench.result()["tokens_per_s"] == 96 / bench.result()["median_s"]
+
+
+def test_compiled_loss_and_side_by_side_ratio(tmp_path: Path, capsys) -> None:
+    compiled = throughput.Bench(load_config(None, *TINY, "trainer.compile=true"), torch.device("cpu")).module
+    assert compiled.train_losses != compiled.losses  # what a step calls (above) is the compiled loss
+    out = tmp_path / "t.md"
+    args = ["--config", "configs/quickstart.yaml", "--config", "configs/quickstart.yaml", *TINY, "--steps", "2",
+            "--warmup", "1", "--rounds", "2", "--out", str(out)]
+    assert throughput.main(args) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| configs/")]
+    assert len(rows) == 2 and rows[0].endswith("| 1.000 |") and "| 1 x 2 x 16 | 32-true | False |" in rows[1]
+    assert throughput.main([*args[:4], *TINY, "trainer.compile=true", "--warmup", "0"]) == 2
+    assert capsys.readouterr().err.endswith("error: trainer.compile needs --warmup >= 1: the first step compiles\n")
