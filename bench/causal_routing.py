@@ -21,16 +21,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from bench.gutenberg_compare import base_config, eval_windows, prepare_data, run_config, train_and_evaluate, wanted_variants
-from flops.cli import script_parser
+from bench.gutenberg_compare import (
+    base_config, distinct, eval_windows, load_settings, prepare_data, run_config, train_and_evaluate, wanted_variants)
+from flops.cli import command_line, script_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "causal_routing"
@@ -79,8 +77,9 @@ def selection_coverage(model: Any, windows: Any) -> dict[str, Any]:
             "predictor_acc": statistics.fmean(accuracy) if accuracy else None}
 
 
-def run_one(settings: Any, name: str, seed: int, overrides: list[str]) -> dict[str, Any]:
-    """Train and evaluate one (variant, seed); write and return its result (with the val curve)."""
+def run_one(settings: Any, name: str, seed: int, overrides: list[str], command: str) -> dict[str, Any]:
+    """Train and evaluate one (variant, seed) for the command line `command`; write and return its result (with the
+    val curve)."""
     from flops.model import model_cost
     from lm.checkpoint import load_model
 
@@ -92,7 +91,7 @@ def run_one(settings: Any, name: str, seed: int, overrides: list[str]) -> dict[s
     row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget, retrain=False)
     out = ROOT / cfg.trainer.out_dir
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
-    row.update(seed=seed, **selection_coverage(model, eval_windows(cfg, int(settings.eval.windows))))
+    row.update(seed=seed, command=command, **selection_coverage(model, eval_windows(cfg, int(settings.eval.windows))))
     row["history"] = json.loads((out / "metrics.json").read_text())["history"]
     (out / "result.json").write_text(json.dumps(row, indent=1))
     print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
@@ -111,8 +110,8 @@ def mean_std(values: list[float]) -> str:
     return f"{m:.2f} ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{m:.2f}"
 
 
-def write_report(settings: Any) -> None:
-    """bench/results/causal_routing.{csv,md,png} from every finished run."""
+def write_report(settings: Any, command: str) -> None:
+    """bench/results/causal_routing.{csv,md,png} from every finished run, written by the command line `command`."""
     import csv
 
     rows = results(settings)
@@ -120,7 +119,8 @@ def write_report(settings: Any) -> None:
         return
     order = [n for n in settings.variants if any(r["variant"] == n for r in rows)]
     columns = ["variant", "seed", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
-               "train_s", "val_ppl", "leakfree_ppl", "cover_cand", "cover_topk", "predictor_acc", "torch", "code"]
+               "train_s", "val_ppl", "leakfree_ppl", "cover_cand", "cover_topk", "predictor_acc", "torch", "code",
+               "machine", "command"]
     with open(RESULTS.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
@@ -129,18 +129,18 @@ def write_report(settings: Any) -> None:
                              for c in columns})
     by = {n: [r for r in rows if r["variant"] == n] for n in order}
     b = settings.base
+    budget = "; ".join(dict.fromkeys(f"{r['steps']} steps ({r['tokens']:,} tokens)" for r in rows))  # as trained
     lines = [
         "# Causal sparse routing on Gutenberg, seed-replicated (bench/causal_routing.py)",
         "",
-        f"Machine: {platform.machine()} CPU (shared 2-core box, other jobs running), 1 thread per run, fp32, "
-        f"torch {rows[0]['torch']}. Command: `nice -n 10 python -m bench.causal_routing` (2-3 workers "
-        "in parallel), then `--report`.",
+        f"Machine: {distinct(rows, 'machine')}, 1 thread per run, fp32, torch {distinct(rows, 'torch')}. "
+        f"Runs trained by: {distinct(rows, 'command', quote=True)}; this report written by: `{command}`.",
         f"Model: {b.model.n_layers} layers, h = {b.model.d_model}, h' = {b.model.head_dim}, T = {b.model.seq_len}, "
         f"vocab {b.model.vocab_size}; baseline {b.model.heads[0].count} dense heads per layer; sparse variants keep 4 "
         "dense heads and add the most sparse heads whose App. C forward FLOPs fit the baseline's (flops.isoflop.solve; "
         "causal MoSA counted at its capacity, the predictor's classifier included).",
-        f"Training: {b.trainer.max_steps} steps of {b.data.batch_size} x {b.model.seq_len} tokens, AdamW lr {b.optim.lr}, "
-        f"warmup {b.optim.warmup_steps}, cosine to {b.optim.min_lr_ratio}x; seeds {list(settings.seeds)} (init and data order).",
+        f"Training: {budget} per run, AdamW lr {b.optim.lr}, warmup {b.optim.warmup_steps}, cosine to {b.optim.min_lr_ratio}x; "
+        f"seeds {sorted({r['seed'] for r in rows})} (init and data order).",
         f"Evaluation: final checkpoint on the same {settings.eval.windows} evenly spaced held-out windows for every run; "
         "`val ppl` teacher-forced, `leak-free ppl` with every prediction recomputed from its own prefix "
         "(lm/leakfree.py): the honest number for faithful (non-causal) MoSA; equal to val ppl for causal models.",
@@ -247,10 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only rewrite the results from finished runs")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
-    settings = OmegaConf.load(args.config)
+    command = command_line(["-m", "bench.causal_routing"], argv)
     try:
+        settings = load_settings(args.config, ("base", "variants", "seeds"))
         wanted = wanted_variants(list(settings.variants), args.only)
         seeds = parse_seeds(args.seeds, [int(s) for s in settings.seeds])
+        for name in [] if args.report else wanted:  # bad overrides: one line before any run is claimed
+            run_config(settings, name, run_overrides(settings, seeds[0], args.overrides))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -258,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         done = {(r["variant"], r["seed"]) for r in results(settings)}
         for seed, name in [(s, n) for s in seeds for n in wanted if (n, s) not in done]:
             if claim(settings, seed, name):
-                run_one(settings, name, seed, args.overrides)
-                write_report(settings)
-    write_report(settings)
+                run_one(settings, name, seed, args.overrides, command)
+                write_report(settings, command)
+    write_report(settings, command)
     return 0
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flops.cli import comma_list, finite_float, positive_int, script_parser  # noqa: E402
+from flops.cli import command_line, comma_list, finite_float, hardware, positive_int, script_parser  # noqa: E402
 from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
@@ -179,16 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     models, cfgs = {}, {}
     runs = [("baseline", args.baseline), ("compressed", args.compressed)] + ([("compressed, fixed r", args.fixed)] if args.fixed else [])
     runs += [(MIXED, args.mixed)] if args.mixed else []
-    for name, run in runs:
-        models[name], cfgs[name] = load_compressed(Path(run) / "checkpoints" / "last.ckpt")
-    cfg = cfgs["compressed"]
+    try:  # missing or foreign checkpoints, data that does not fit them
+        for name, run in runs:
+            models[name], cfgs[name] = load_compressed(Path(run) / "checkpoints" / "last.ckpt")
+        cfg = cfgs["compressed"]
+        val_docs, train_docs = document_windows(args.data, "val", cfg), document_windows(args.data, "train", cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     P, S = cfg.compression.prefix_len, cfg.model.seq_len
     t = tokens_for(cfg.compression.ratio, P)
-    val = fixed_windows(document_windows(args.data, "val", cfg), args.batches, args.batch, 3 * P + S + 1, seed=0)
+    val = fixed_windows(val_docs, args.batches, args.batch, 3 * P + S + 1, seed=0)
     started = time.time()
     table = perplexity_table(models, val, P, t, S, full=(MIXED,) if args.mixed else ())
     online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
-    train = fixed_windows(document_windows(args.data, "train", cfg), args.predictor_batches, 16, P + S + 1, seed=1)
+    train = fixed_windows(train_docs, args.predictor_batches, 16, P + S + 1, seed=1)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
     chooser = MIXED if args.mixed else "compressed"
     pred, adaptive = predictor_section(models[chooser], train, held, P, cfg.compression.ratio, args.tolerances)
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     c = cfg.compression
     lines = [
         "# Adaptive-attention compression on Gutenberg", "",
-        f"Machine: {platform.machine()} CPU, {platform.system()}, Python {platform.python_version()}, torch {torch.__version__}, 1 thread. "
+        f"Machine: {hardware()}, {platform.system()}, Python {platform.python_version()}, torch {torch.__version__}, 1 thread. "
         f"Evaluation took {time.time() - started:.0f} s.", "",
         "Commands (each training run <= 4 min, under the shared lock):", "```",
         "python -m data_prep.prepare --source gutenberg --src ../shared/data/gutenberg --out data/gutenberg_v2k --vocab-size 2048 --max-docs 40",
@@ -204,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_baseline.yaml data.path=data/gutenberg_v2k",
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_fixed.yaml data.path=data/gutenberg_v2k",
         "flock /tmp/cpu_heavy.lock python -m lm.compressed_training --config configs/experiments/compression_mixed.yaml data.path=data/gutenberg_v2k",
-        f"python bench/compression_experiment.py --compressed {args.compressed} --baseline {args.baseline}"
-        + (f" --fixed {args.fixed}" if args.fixed else "") + (f" --mixed {args.mixed}" if args.mixed else "")
-        + f" --data {args.data} --out {args.out}",
+        command_line(["bench/compression_experiment.py"], argv),
         "```", "",
         f"Model: {cfg.model.n_layers} blocks, d_model {cfg.model.d_model}, {heads_per_layer(models['compressed'])} dense heads x {cfg.model.head_dim}, "
         f"vocab {cfg.model.vocab_size}; compression before block L = {c.layer}, {c.n_heads} heads; P = {P}, t = {t} (r = {c.ratio}), S = {S}. "

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from flops.cli import positive_int, script_parser
+from flops.cli import command_line, hardware, positive_int, script_parser, torch_device
 from heads import commit_states
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=positive_int, default=1000, help="vocabulary size (random weights)")
     ap.add_argument("--sparsity", type=positive_int, default=32, help="rho of the MoSA hybrid's heads")
     ap.add_argument("--repeats", type=positive_int, default=3, help="timed rounds (median reported)")
-    ap.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    ap.add_argument("--device", type=torch_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
     ap.add_argument("--compile", action="store_true",
                     help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
     ap.add_argument("--out", default=None, help="write a markdown table here")
@@ -139,11 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        cmd = "OMP_NUM_THREADS=1 python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:])
         header = [
             "# Decoding: dense vs MoSA and MoSAIC hybrids (KV cache, lm/generate.py)", "",
-            f"Command: `{cmd}`  ",
-            f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} thread(s), "
+            f"Command: `{command_line(['-m', 'bench.decode'], argv)}`  ",
+            f"Machine: {hardware(args.device)}, {torch.get_num_threads()} CPU thread(s), "
             f"device {args.device}; Python {platform.python_version()}, torch {torch.__version__}  ",
             f"Model: {args.layers} layers, d_model {args.d_model}, head_dim {args.head_dim}, vocab {args.vocab}, "
             f"fp32, batch 1, random weights; seq_len = prompt + {args.new_tokens}; {args.new_tokens} greedy "

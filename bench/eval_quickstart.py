@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from lm_eval.api.model import TemplateLM
 
-from flops.cli import positive_int, script_parser
+from flops.cli import command_line, hardware, positive_int, script_parser
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
 from lm.checkpoint import read_checkpoint
@@ -131,11 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     start = time.perf_counter()
     torch.manual_seed(0)
-    model, sp, run = load_for_generation(args.ckpt)
+    books = [Path(args.shared) / "gutenberg" / f"{name}.txt.gz" for name in UNSEEN]
+    try:
+        model, sp, run = load_for_generation(args.ckpt)
+        saved = read_checkpoint(args.ckpt)  # memory-mapped: the run's data path and step, not the weights again
+        data_dir = Path(saved["config"]["data"]["path"])
+        if not (data_dir / "index.json").is_file():
+            raise ValueError(f"{data_dir}: the checkpoint's training data (data.path) is not a prepared directory here")
+        missing = [str(b) for b in books if not b.is_file()]
+        if missing:
+            raise ValueError(f"--shared {args.shared}: unseen book(s) not found: {', '.join(missing)}")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     cfg = model.cfg
     T = cfg.seq_len
-    saved = read_checkpoint(args.ckpt)  # memory-mapped: the run's data path and step, not the weights again
-    data_dir = Path(saved["config"]["data"]["path"])
     index = json.loads((data_dir / "index.json").read_text())
     train = TokenStream(data_dir, "train", index["splits"]["train"]["shards"], cfg.vocab_size)
     counts = np.bincount(train.read(0, len(train)), minlength=cfg.vocab_size).astype(np.float64)
@@ -143,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     uni = UnigramLM(ours, counts)
 
     work = Path(args.work)
-    books = [Path(args.shared) / "gutenberg" / f"{name}.txt.gz" for name in UNSEEN]
     unseen_dir = work / "unseen_books"
     unseen_dir.mkdir(parents=True, exist_ok=True)
     for b in books:
@@ -167,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     scores = {name: evaluate_tasks(lm, tasks, manager)["results"] for name, lm in [("quickstart", ours), ("unigram", uni)]}
     minutes = (time.perf_counter() - start) / 60
 
-    cmd = "python -m bench.eval_quickstart " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Held-out evaluation of the quickstart model (CPU)",
         "",
-        f"Command: `{cmd.strip()}` ({minutes:.1f} min on a shared 2-core CPU machine; "
-        f"torch {torch.__version__}, lm-eval {_version('lm_eval')}, Python {platform.python_version()}, {platform.machine()}).",
-        f"Checkpoint: `{_rel(Path(args.ckpt))}` (configs/quickstart.yaml: dense, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"Command: `{command_line(['-m', 'bench.eval_quickstart'], argv)}` ({minutes:.1f} min on {hardware()}, "
+        f"{torch.get_num_threads()} thread(s); torch {torch.__version__}, lm-eval {_version('lm_eval')}, "
+        f"Python {platform.python_version()}, {platform.platform()}).",
+        f"Checkpoint: `{_rel(Path(args.ckpt))}` ({training_config(Path(args.ckpt))}: "
+        f"{' + '.join(f'{g.count} {g.type}' for g in cfg.heads)} heads, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"T = {T}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M parameters, "
         f"step {saved.get('global_step', '?')}).",
         "Baseline: unigram distribution of the quickstart's training tokens (add-one smoothed), same tokens and code paths.",
@@ -212,6 +222,18 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def training_config(ckpt: Path) -> str:
+    """The config file named by the training command of checkpoint `ckpt`, as its run directory (<out_dir>/checkpoints/
+    holds the checkpoint) recorded it in run.json (lm/run_dir.py)."""
+    try:
+        command = json.loads((ckpt.resolve().parent.parent / "run.json").read_text())["command"]
+    except (OSError, ValueError, KeyError):  # no run directory around the checkpoint, or a record without it
+        command = []
+    given = [arg.split("=", 1)[1] for arg in command if arg.startswith("--config=")]
+    given += [value for flag, value in zip(command, command[1:]) if flag == "--config"]
+    return given[0] if given else "config file not recorded"
 
 
 def _rel(path: Path) -> str:

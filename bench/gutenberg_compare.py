@@ -21,23 +21,23 @@ import dataclasses
 import csv
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 
-from flops.cli import script_parser
+from flops.cli import hardware, script_parser
 from flops.run_sweep import locked
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"
 COLUMNS = ["variant", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
-           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code"]
+           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code", "machine"]
 CODE_DIRS = ["heads", "routing", "lm", "flops", "train_lm.py"]  # what a variant's numbers depend on
 
 
@@ -48,6 +48,19 @@ def code_version() -> str:
 
     head = git("rev-parse", "--short", "HEAD")
     return head + ("+dirty" if head and git("status", "--porcelain", "--untracked-files=no", "--", *CODE_DIRS) else "")
+
+
+def load_settings(path: str, sections: tuple[str, ...] = ("base", "variants")) -> Any:
+    """The settings YAML at `path`; ValueError, one line, unless it is a mapping with these sections."""
+    if not Path(path).is_file():
+        raise ValueError(f"--config {path}: settings file not found")
+    try:
+        settings = OmegaConf.load(path)
+    except yaml.YAMLError as err:  # multi-line messages
+        raise ValueError(f"--config {path}: not valid YAML ({type(err).__name__})") from None
+    if not isinstance(settings, DictConfig) or not set(sections) <= set(settings):
+        raise ValueError(f"--config {path}: expected a mapping with sections {', '.join(sections)}")
+    return settings
 
 
 def head_mix(base_model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,6 +141,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         out.mkdir(parents=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
         (out / "code_version.txt").write_text(code_version() + "\n")
+        (out / "machine.txt").write_text(hardware() + "\n")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         start = time.time()
         with open(out / "train.log", "w") as log:
@@ -158,8 +172,21 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
         "leakfree_ppl": round(result["leakfree_ppl"], 2),
         "windows": windows,
         "torch": torch.__version__,
-        "code": (out / "code_version.txt").read_text().strip() if (out / "code_version.txt").is_file() else "",
+        "code": _recorded(out / "code_version.txt"),
+        "machine": _recorded(out / "machine.txt"),
     }
+
+
+def _recorded(path: Path) -> str:
+    """What a run directory recorded at training time in the text file `path` ("" for runs from before it did)."""
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def distinct(rows: Iterable[dict[str, Any]], key: str, quote: bool = False) -> str:
+    """The different values of `key` in `rows`, in order of appearance ("not recorded" for rows without one),
+    joined by "; "; with `quote`, each recorded value in backticks."""
+    values = dict.fromkeys(f"`{r[key]}`" if quote and r.get(key) else str(r.get(key) or "not recorded") for r in rows)
+    return "; ".join(values)
 
 
 def eval_windows(cfg: Any, windows: int) -> Any:
@@ -192,8 +219,7 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
     lines = [
         "# Gutenberg: dense vs sparse heads at matched forward FLOPs (bench/gutenberg_compare.py)",
         "",
-        f"Machine: {platform.machine()} CPU, 1 thread per run (shared 2-core box), {platform.system()}; "
-        f"torch {rows[names[0]].get('torch', '?')}, fp32.",
+        f"Machine: {distinct(rows.values(), 'machine')}, 1 thread per run; torch {distinct(rows.values(), 'torch')}, fp32.",
         f"Data: `{b.data.path}` prepared once from ../shared/data/gutenberg (SentencePiece vocab "
         f"{settings.prepare.vocab_size}); same tokenizer, data order and seed ({b.trainer.seed}) for every run.",
         f"Model: {b.model.n_layers} layers, h = {b.model.d_model}, h' = {b.model.head_dim}, T = {b.model.seq_len}; "
@@ -249,11 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only rewrite the markdown table from the csv")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
-    settings = OmegaConf.load(args.config)
-    order = list(settings.variants)
     try:
+        settings = load_settings(args.config)
+        order = list(settings.variants)
         wanted = wanted_variants(order, args.only)
-    except ValueError as err:
+        configs = {} if args.report else {name: run_config(settings, name, args.overrides) for name in wanted}
+    except ValueError as err:  # ConfigError of the overrides included: reported before any run
         print(f"error: {err}", file=sys.stderr)
         return 2
     rows = read_rows()
@@ -261,20 +288,20 @@ def main(argv: list[str] | None = None) -> int:
         write_results(rows, settings, order)
         return 0
     with locked(args.lock if args.hold_lock else None):
-        for name in wanted:
+        for name, cfg in configs.items():
             if name in rows and not (args.force or args.only):
                 print(f"{name}: already in {RESULTS.with_suffix('.csv').name}, skipped (--force to rerun)")
                 continue
-            row = run_variant(settings, name, args)
+            row = run_variant(settings, name, cfg, args)
             rows = {**read_rows(), name: row}  # merge with rows other processes may have written meanwhile
             write_results(rows, settings, order)
     return 0
 
 
-def run_variant(settings: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_variant(settings: Any, name: str, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Train and evaluate variant `name`, whose full Config is `cfg` (run_config); its result row."""
     from flops.model import model_cost
 
-    cfg = run_config(settings, name, args.overrides)
     with locked(None if args.hold_lock else args.lock):
         prepare_data(settings, cfg.data.path)
         print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import weakref
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import positive_int, script_parser
+from flops.cli import command_line, hardware, positive_int, run_in_worker, script_parser, torch_device
 
 VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
     "dense": ("dense", {}),
@@ -56,7 +55,8 @@ DEFAULT_VARIANTS = ["dense", "mosa-threshold", "mosa-expert_choice"]
 
 
 def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
-    """(heads, forward FLOPs, options) of `variant` FLOP-matched to args.dense_heads dense heads."""
+    """(heads, forward FLOPs, options) of `variant` FLOP-matched to args.dense_heads dense heads; ValueError if
+    not even one head fits."""
     from flops.formulas import group_cost
     from heads import head_class
 
@@ -68,6 +68,9 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
         options = {**options, "sparsity": args.sparsity}
     per_head = group_cost(head_type, args.d_model, args.head_dim, T, 1, options).flops
     n = budget // per_head
+    if n == 0:
+        raise ValueError(f"{variant}: not even one head fits the FLOP budget of {args.dense_heads} dense head(s) "
+                         f"at T = {T}")
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
 
 
@@ -167,10 +170,9 @@ CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc: mmap (and
 
 
 def run_worker(spec: dict, env: dict[str, str] | None = None) -> dict:
-    """One fresh worker process (extra environment variables `env`); its result."""
-    out = subprocess.run([sys.executable, "-m", "bench.heads", "--worker", json.dumps(spec)], capture_output=True,
-                         text=True, check=True, env={**os.environ, **env} if env else None)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One fresh worker process (extra environment variables `env`); its result. RuntimeError with the worker's
+    last stderr line if it fails."""
+    return run_in_worker("bench.heads", spec, f"T = {spec['T']}, {spec['count']} {spec['type']} head(s)", env)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,19 +187,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive_int, default=1, help="fresh processes per variant, alternating (medians)")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                         help="head groups to measure (dense = the budget)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
+    try:
+        rows = measure_all(args)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    table = format_table(rows, args, command_line(["-m", "bench.heads"], argv))
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+    return 0
+
+
+def measure_all(args: argparse.Namespace) -> list[dict]:
+    """One row per (T, variant): the medians over the rounds. ValueError before any work if a variant gets no head;
+    RuntimeError if a worker fails."""
+    matched = {(T, v): matched_count(v, T, args) for T in args.T for v in args.variants}
     rows = []
     for T in args.T:
         runs: dict[str, list[dict]] = {v: [] for v in args.variants}
         for _ in range(args.rounds):  # variants alternate, so load drift on a shared machine hits all alike
             for variant in args.variants:
-                count, flops, options = matched_count(variant, T, args)
+                count, flops, options = matched[T, variant]
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
                             head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
                 result = run_worker(spec)
@@ -208,24 +226,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
         for variant, results in runs.items():
-            count, flops, _ = matched_count(variant, T, args)
+            count, flops, _ = matched[T, variant]
             keys = ("seconds", "peak_bytes", "grad_bytes", "saved_bytes")
             median = {key: statistics.median(r[key] for r in results) for key in keys}
             rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
-    table = format_table(rows, args, " ".join(["python -m bench.heads", *sys.argv[1:]]))
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
-    return 0
+    return rows
 
 
 def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     dense = {r["T"]: r for r in rows if r["variant"] == "dense"}
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else (platform.processor() or platform.machine())
     lines = [
         "# Head groups vs dense heads at equal forward FLOPs (bench/heads.py)",
         "",
-        f"Machine: {device}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
+        f"Machine: {hardware(args.device)}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "

@@ -23,13 +23,12 @@ import dataclasses
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from flops.cli import nonnegative_int, positive_int, script_parser
+from flops.cli import command_line, hardware, nonnegative_int, positive_int, run_in_worker, script_parser, torch_device
 from flops.model import model_cost
 from flops.presets import baseline
 from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
@@ -51,13 +50,6 @@ PAIRS = {  # Table 2 head counts and sparsities
     "table2-large": lambda: table2_pair("large", 16, 16),
     "isoflop-tiny": lambda: table2_pair("tiny", 32, 276),  # Table 5's IsoFLOP point: 4 dense + 276 MoSA, rho 32
 }
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, threads: int,
@@ -108,7 +100,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
         "kv_total": model.kv_total(),
         "kv_stored": stored,
         "kv_slots": slots,
-        "device_name": torch.cuda.get_device_name() if cuda else _cpu_name(),
+        "device_name": hardware(device),
         "torch": torch.__version__,
     }
 
@@ -133,14 +125,9 @@ def measured_kv(model: Any, tokens: Any) -> tuple[int | None, int | None]:
 
 def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing: bool = False) -> dict[str, Any]:
     """Measure one config in a fresh Python process."""
-    spec = json.dumps({"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-                       "device": a.device, "threads": a.threads, "checkpointing": checkpointing})
-    out = subprocess.run([sys.executable, "-m", "bench.resources", "--worker", spec], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])
-    if out.returncode != 0:
-        lines = out.stderr.strip().splitlines()
-        raise RuntimeError(f"{name}: worker failed: {lines[-1] if lines else out.returncode}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    spec = {"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
+            "device": a.device, "threads": a.threads, "checkpointing": checkpointing}
+    result = run_in_worker("bench.resources", spec, name)
     cost = model_cost(cfg)
     return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""), "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
             "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
@@ -195,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=2, help="sequences per step")
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed steps first")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    p.add_argument("--device", type=torch_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.add_argument("--rounds", type=positive_int, default=1,
                    help="fresh processes per config, all configs in turn each round (medians; load drift hits all alike)")
@@ -230,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [combine([r[i] for r in rounds]) for i in range(len(runs))]
     r0 = results[0]
     header = (
-        f"Command: `python -m bench.resources {' '.join(argv if argv is not None else sys.argv[1:])}`  \n"
+        f"Command: `{command_line(['-m', 'bench.resources'], argv)}`  \n"
         f"Machine: {platform.platform()}, {r0['device_name']}, device `{a.device}`, torch {r0['torch']}, "
         f"{a.threads} thread(s)  \n"
         f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "

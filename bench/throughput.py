@@ -18,7 +18,6 @@ import contextlib
 import os
 import platform
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import lightning  # noqa: E402
 import torch  # noqa: E402
 
-from flops.cli import nonnegative_int, positive_int, script_parser  # noqa: E402
+from flops.cli import command_line, hardware, nonnegative_int, positive_int, script_parser  # noqa: E402
 from heads import ConfigError, commit_states  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
@@ -43,14 +42,6 @@ def device_name() -> tuple[torch.device, str]:
         name = torch.cuda.get_device_name(0)
         return torch.device("cuda"), "cuda_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     return torch.device("cpu"), "cpu"
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 class Bench:
@@ -135,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {path} | {r['params'] / 1e6:.2f}M | {shape} | {bench.precision} | {c.trainer.compile} "
                     f"| {r['median_s']:.4f} | {r['min_s']:.4f} / {r['max_s']:.4f} | {r['tokens_per_s']:,.0f} "
                     f"| {r['tokens_per_s'] / first:.3f} |")
-    threads_env = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if "OMP_NUM_THREADS" in os.environ else []
-    command = shlex.join([*threads_env, "python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-    hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{cpu_model()}, {os.cpu_count()} cores"
+    command = command_line(["bench/throughput.py"], argv)
     lines = [
         f"# Training throughput on {slug}",
         "",
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} timed steps of every config; median over the timed steps.",
         "",
         f"- command: `{command}` (overrides: {' '.join(args.overrides) or 'none'})",
-        f"- device: {hardware}; torch threads: {torch.get_num_threads()}; load average before the run: "
+        f"- device: {hardware(device.type)}; torch threads: {torch.get_num_threads()}; load average before the run: "
         f"{load[0]:.2f} (1 min)",
         f"- python {platform.python_version()}, torch {torch.__version__}, lightning {lightning.__version__}, "
         f"{platform.platform()}",

@@ -1,14 +1,24 @@
 """Command-line pieces shared by the scripts of flops/ and bench/: a parser whose --help shows the
-script's whole module docstring and whose errors are one `error: ...` line (exit 2), and argparse types
-that reject bad numbers before any work starts."""
+script's whole module docstring and whose errors are one `error: ...` line (exit 2), argparse types
+that reject bad numbers and devices before any work starts, worker processes whose failure is one line,
+and what a results file states: the command that reruns it and the hardware it ran on."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -68,3 +78,57 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
         return values
 
     return parse
+
+
+def torch_device(text: str) -> str:
+    """argparse type: cpu, cuda or cuda:N where this machine has that GPU (the benchmarks time and measure memory
+    on those two only); the text itself."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {gpus} CUDA GPU(s) (torch {torch.__version__})")
+    return text
+
+
+def run_in_worker(module: str, spec: dict[str, Any], name: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`python -m module --worker <spec as JSON>` in a fresh process from the repository root, with the extra
+    environment variables `env`: the JSON object it prints last. If it fails, RuntimeError "<name>: worker failed:
+    <the last line of its stderr>"."""
+    out = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, **env} if env else None)
+    if out.returncode != 0:
+        lines = out.stderr.strip().splitlines()
+        raise RuntimeError(f"{name}: worker failed: {lines[-1] if lines else f'exit status {out.returncode}'}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def command_line(program: list[str], argv: list[str] | None = None) -> str:
+    """The shell command that reruns a script: OMP_NUM_THREADS=N where it is set, `python`, `program` (e.g.
+    ["-m", "bench.decode"]) and `argv` (default sys.argv[1:]), quoted."""
+    threads = [f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"] if "OMP_NUM_THREADS" in os.environ else []
+    return shlex.join([*threads, "python", *program, *(sys.argv[1:] if argv is None else argv)])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware(device: str = "cpu") -> str:
+    """What runs on torch device `device`: the GPU's name for cuda, else the CPU's model and core count."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} ({os.cpu_count() or '?'} cores)"

@@ -15,3 +15,21 @@ def test_decode_bench_reports_eager_and_compiled_side_by_side(tmp_path) -> None:
     col = header.index("compiled tok/s / dense")
     assert rows[0][col] == "1.00" and all(float(r[header.index("compiled tok/s")]) > 0 for r in rows)
     assert "lm.generate.decode_step" in text
+
+
+def test_report_states_the_real_command_and_machine(tmp_path, monkeypatch) -> None:
+    """OMP_NUM_THREADS in the command only as it was set (it was always written as 1), and the CPU's model."""
+    from flops.cli import hardware
+
+    out = tmp_path / "decode.md"
+    argv = ["--lengths", "8", "--new-tokens", "1", "--d-model", "16", "--head-dim", "8", "--layers", "1", "--vocab", "20",
+            "--repeats", "1", "--out", str(out)]
+    for threads, prefix in [(None, ""), ("2", "OMP_NUM_THREADS=2 ")]:
+        if threads is None:
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OMP_NUM_THREADS", threads)
+        assert main(argv) == 0
+        lines = out.read_text().splitlines()
+        assert lines[2] == f"Command: `{prefix}python -m bench.decode {' '.join(argv)}`  "
+        assert lines[3].startswith(f"Machine: {hardware('cpu')}, ") and "device cpu" in lines[3]

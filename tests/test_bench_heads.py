@@ -31,8 +31,10 @@ def test_main_writes_a_table_with_time_and_memory_from_separate_workers(tmp_path
     from bench.heads import main
 
     out = tmp_path / "heads.md"
-    assert main(["--T", "64", "--d-model", "32", "--head-dim", "8", "--dense-heads", "2", "--repeats", "1",
-                 "--variants", "dense", "mita", "--out", str(out)]) == 0
+    argv = ["--T", "64", "--d-model", "32", "--head-dim", "8", "--dense-heads", "2", "--repeats", "1",
+            "--variants", "dense", "mita", "--out", str(out)]
+    assert main(argv) == 0
+    assert f"python -m bench.heads {' '.join(argv)}`" in out.read_text()  # the arguments given, not pytest's
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| 64 |")]
     assert [r[2].strip() for r in rows] == ["dense", "mita"]
     assert all(float(r[5]) > 0 and float(r[7]) >= 0 and float(r[11]) > 0 for r in rows)  # ms, peak MiB, saved MiB
@@ -84,3 +86,14 @@ def test_saved_bytes_count_only_what_the_pass_leaves_saved() -> None:
 
     x = torch.randn(1000, 4, requires_grad=True)
     assert saved_bytes(Dropping(), x, torch.zeros(1)) == 0
+
+
+def test_table_names_the_cpu_model_and_the_command() -> None:
+    """The Machine line names the CPU's model and cores (was platform.processor(), often just "x86_64")."""
+    from bench.heads import format_table
+    from flops.cli import hardware
+
+    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, repeats=1, rounds=1,
+                              device="cpu")
+    lines = format_table([], args, "python -m bench.heads --T 64").splitlines()
+    assert lines[2].startswith(f"Machine: {hardware('cpu')}, ")

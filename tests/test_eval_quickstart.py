@@ -2,6 +2,7 @@
 the perplexity rows, the unigram baseline and the lm-eval tasks all run and land in the report."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -23,3 +24,20 @@ def test_writes_the_report(shared_data: Path, tmp_path: Path) -> None:
     rows = [line for line in report.splitlines() if line.startswith("| 3 unseen") or line.startswith("| quickstart")]
     assert len(rows) == 2 + 4  # two perplexity rows; cloze acc + perplexity, mc acc + acc_norm
     assert all("nan" not in row for row in rows), rows
+    from flops.cli import hardware
+
+    assert f"on {hardware()}, " in report and "2-core" not in report  # the machine it ran on
+    assert "(config file not recorded: 2 dense heads, " in report  # the checkpoint's, not always the quickstart's
+
+
+def test_training_config_is_the_one_the_run_directory_recorded(tmp_path: Path) -> None:
+    from bench.eval_quickstart import training_config
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    assert training_config(ckpt) == "config file not recorded"
+    record = {"command": ["train_lm.py", "--config", "configs/tiny.yaml", "model.n_layers=2"]}
+    (tmp_path / "run" / "run.json").write_text(json.dumps(record))
+    assert training_config(ckpt) == "configs/tiny.yaml"
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"command": ["train_lm.py", "--config=configs/a.yaml"]}))
+    assert training_config(ckpt) == "configs/a.yaml"
