@@ -39,7 +39,7 @@ from torch import nn
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
 from heads.kv_cache import SlotKV, gathered_prefill, gathered_step, one_token
-from routing.capacity import quota_rate, slot_capacity
+from routing.capacity import prefix_quotas, slot_capacity
 from routing.expert_choice import expert_choice, tokens_per_head
 from routing.predictor import MembershipPredictor, predictor_loss, topk_targets
 from routing.selection import Selection, earliest_first, prefix_quota
@@ -108,6 +108,10 @@ class MoSAHeads(HeadGroup):
         if self.causal:
             self.threshold = RunningQuantileThreshold(count, 1.0 / options.sparsity, options.threshold_momentum)
             self.capacity = options.kv_per_head(ctx.seq_len)
+        if options.selection in QUOTA_SELECTIONS:  # q_t by position (not saved: a function of the options)
+            quotas = prefix_quotas(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor,
+                                   ctx.seq_len, self.capacity)
+            self.register_buffer("quotas", torch.tensor(quotas), persistent=False)
 
     def kv_entries(self, seq_len: int) -> int:
         if self.causal:
@@ -137,10 +141,9 @@ class MoSAHeads(HeadGroup):
         return mask
 
     def quota(self, t: torch.Tensor) -> torch.Tensor:
-        """Prefix quota at token positions t: q_t = min(capacity, ceil(capacity_factor * k * (t+1) / seq_len))."""
-        o, T = self.options, self.ctx.seq_len
-        num, den = quota_rate(tokens_per_head(T, o.sparsity), o.capacity_factor, T)
-        return ((t.long() + 1) * num + den - 1).div(den, rounding_mode="floor").clamp(max=self.capacity)
+        """Prefix quota at token positions t: q_t = min(capacity, ceil(capacity_factor * k * (t+1) / seq_len)), the
+        capacity from the training length on (routing/capacity.prefix_quotas)."""
+        return self.quotas[t.long().clamp(max=self.ctx.seq_len - 1)]
 
     def select(self, scores: torch.Tensor) -> Selection:
         """scores[B, H, T] -> per-head token indices [B, H, c] (ascending, padded) and validity."""
@@ -176,7 +179,7 @@ class MoSAHeads(HeadGroup):
                         ranked[0] = float("inf")
                     I = torch.topk(ranked, tokens_per_head(T, self.options.sparsity)).indices  # TopK order
                 else:
-                    above = s > self.threshold.tau[i] if self.options.sparsity > 1 else torch.ones_like(s, dtype=torch.bool)
+                    above = self.threshold.above(scores[b : b + 1].detach())[0, i]  # s > tau_i (every token at rho = 1)
                     if self.options.keep_first:
                         above[0] = True
                     if quota is None:

@@ -208,6 +208,9 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     if cfg.compression is None:
         raise ConfigError("compression: the config has no compression section; train a plain model with "
                           "python train_lm.py --config CONFIG")
+    if cfg.trainer.compile:  # refused here, not at config load, so that such checkpoints still load for evaluation
+        raise ConfigError("trainer.compile is not supported with a compression section: every batch has its own "
+                          "layout (prefix spans, t), which would need a graph of its own; set trainer.compile=false")
     data, t = CompressedDataModule(cfg), cfg.trainer
     module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
     fit_and_finish(trainer, module, data, checkpoints, ckpt)

@@ -206,9 +206,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.precision must be auto, 32-true, bf16-mixed, 16-mixed or bf16-true, got {t.precision!r}")
     if cfg.compression is not None:
         validate_compression(cfg.compression, m)
-        if t.compile:  # each batch's layout (spans, t) is read on the host and shapes the graph
-            raise ConfigError("trainer.compile is not supported with a compression section: every batch has its own "
-                              "layout (prefix spans, t), which would need a graph of its own; set trainer.compile=false")
     return cfg
 
 
@@ -261,6 +258,17 @@ def _apply(merged: DictConfig, update: str) -> None:
         merged.merge_with_dotlist([_whole_layer(update)])
 
 
+def _apply_keyword(merged: DictConfig, key: str, value: Any) -> None:
+    """One keyword update, a Python value, with `_apply`'s rules for model.layer_heads: one layer's mix
+    (`model.layer_heads.N`, an int key) merges, the whole map replaces."""
+    if match := re.fullmatch(r"model\.layer_heads\.(\d+)", key):
+        OmegaConf.update(merged, "model.layer_heads", {int(match[1]): value}, merge=True)
+    elif key == "model.layer_heads":
+        OmegaConf.update(merged, key, OmegaConf.create(value), merge=False)
+    else:
+        OmegaConf.update(merged, key, value, merge=True)
+
+
 def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
     """Defaults <- YAML file <- dotted CLI strings ("model.n_layers=4") <- keyword overrides
     (`model__n_layers=4` or `**{"model.n_layers": 4}`, Python values as they are), validated into a Config."""
@@ -284,8 +292,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             merged.compression = CompressionConfig()  # `compression.x=...` switches the optional section on
         for update in dotlist:  # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4
             _apply(merged, update)
-        for key, value in keywords.items():  # a whole layer_heads replaces, as in `_apply`
-            OmegaConf.update(merged, key, value, merge=key != "model.layer_heads")
+        for key, value in keywords.items():
+            _apply_keyword(merged, key, value)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None

@@ -251,7 +251,7 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
 
 def check_decodable(model: DecoderLM) -> None:
     """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise: a non-causal
-    group, or a causal one without a cache, as Routing's)."""
+    group, or a type without a cache)."""
     try:
         new_cache(model, 1, 1)
     except NotImplementedError as err:

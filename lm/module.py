@@ -3,7 +3,7 @@ MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` 
 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
-micro-batches under gradient accumulation), train/lr, train/grad_norm (before clipping), train/tokens_seen,
+micro-batches under gradient accumulation), train/lr, train/grad_norm (the LM's, before clipping), train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
 val/loss, val/ppl, and every `trainer.log_every` steps the head groups' statistics
 heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading
@@ -239,14 +239,15 @@ class LMModule(L.LightningModule):
                 torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in own], gradient_clip_val)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (weight decay on weight matrices and filters only: not on norms, biases or bias tables such as
-        agent attention's) with linear warmup + cosine (lm/schedule.py)."""
+        """AdamW with linear warmup + cosine (lm/schedule.py); weight decay on the parameters of two or more
+        dimensions (weight matrices, embeddings, convolution filters and agent attention's bias tables), none on
+        vectors (norms). The two groups' layout is part of every checkpoint's optimizer state: changing it would
+        stop older runs from resuming."""
         o = self.cfg.optim
-        params = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        decays = [p.ndim >= 2 and not name.endswith("bias") for name, p in params]
+        params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for (_, p), d in zip(params, decays) if d], "weight_decay": o.weight_decay},
-            {"params": [p for (_, p), d in zip(params, decays) if not d], "weight_decay": 0.0},
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
         factor = functools.partial(lr_factor, warmup_steps=o.warmup_steps, max_steps=self.cfg.trainer.max_steps,

@@ -20,9 +20,12 @@ def slot_capacity(k: int, capacity_factor: float) -> int:
     return math.ceil(decimal(capacity_factor) * k)
 
 
-def quota_rate(k: int, capacity_factor: float, seq_len: int) -> tuple[int, int]:
-    """capacity_factor * k / T as integers (num, den): MoSA's prefix quota q_t = ceil((t + 1) * num / den)."""
-    return (decimal(capacity_factor) * k / seq_len).as_integer_ratio()
+def prefix_quotas(k: int, capacity_factor: float, seq_len: int, capacity: int) -> list[int]:
+    """MoSA's prefix quota at every position t < T: q_t = min(capacity, ceil(capacity_factor * k * (t + 1) / T)), in
+    Python's unbounded integers (a capacity factor with many digits has a numerator near 1e16, which int64
+    products would wrap)."""
+    rate = decimal(capacity_factor) * k / seq_len
+    return [min(capacity, math.ceil(rate * (t + 1))) for t in range(seq_len)]
 
 
 def token_choice_capacity(seq_len: int, sparsity: float, capacity_factor: float = 1.0) -> int:

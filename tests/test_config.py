@@ -118,6 +118,11 @@ def test_a_whole_layer_heads_value_replaces_the_files() -> None:
     override = CONFIGS / "experiments" / "mosa_layer_override.yaml"  # mixes at layers 0 and 5
     assert load_config(override, "model.n_layers=2", "model.layer_heads={}").model.layer_heads == {}
     assert load_config(override, **{"model.layer_heads": {}}).model.layer_heads == {}
+    mix = [{"type": "dense", "count": 3}]  # as keywords: one layer merges, a whole map replaces
+    assert {k: [g.count for g in v] for k, v in load_config(override, **{"model.layer_heads.1": mix})
+            .model.layer_heads.items()} == {0: [9], 5: [9], 1: [3]}
+    assert {k: [g.count for g in v] for k, v in load_config(override, **{"model.layer_heads": {2: mix}})
+            .model.layer_heads.items()} == {2: [3]}
     cfg = load_config(override, "model.layer_heads={2: [{type: dense, count: 2}]}")
     assert {k: [(g.type, g.count) for g in v] for k, v in cfg.model.layer_heads.items()} == {2: [("dense", 2)]}
 

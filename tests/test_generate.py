@@ -218,7 +218,7 @@ def test_cli_reports_a_full_dense_cache(tmp_path, capsys) -> None:
     assert f"dense {dense}/{dense} (100%)" in report and f"kv_total({fed})" in report, report
 
 
-def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None):
+def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None, heads: list[dict] | None = None):
     """A train_lm.py-style checkpoint (config + 'model.'-prefixed state dict) and its tokenizer of `vocab`
     pieces; `model_vocab`: the model's vocabulary (default `vocab`)."""
     import sentencepiece as spm
@@ -231,7 +231,7 @@ def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None):
     lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=g).tolist()) for _ in range(300)]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(data / "tokenizer"),
                                    vocab_size=vocab, model_type="bpe", minloglevel=2)
-    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosaic", "count": 4}], vocab_size=model_vocab or vocab)
+    cfg = tiny_config(heads or [{"type": "dense", "count": 1}, {"type": "mosaic", "count": 4}], vocab_size=model_vocab or vocab)
     cfg.data.path = str(data)
     model = build_model(cfg.model)
     ckpt = tmp_path / "last.ckpt"
@@ -240,12 +240,16 @@ def _checkpoint(tmp_path, vocab: int = 60, model_vocab: int | None = None):
     return ckpt, cfg
 
 
-def test_cli_samples_from_a_checkpoint(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("heads", [None, [{"type": "dense", "count": 1}, {"type": "routing", "count": 2,
+                                                                             "options": {"sparsity": 4}}]],
+                         ids=["mosaic", "routing"])
+def test_cli_samples_from_a_checkpoint(tmp_path, capsys, heads) -> None:
     from lm.generate import main
 
-    ckpt, _ = _checkpoint(tmp_path)
+    ckpt, _ = _checkpoint(tmp_path, heads=heads)
     assert main(["--ckpt", str(ckpt), "--prompt", "the cat", "--max-new-tokens", "8", "--top-k", "5"]) == 0
-    assert capsys.readouterr().out.startswith("the cat")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("the cat") and (heads is None or "routing " in captured.err)
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys) -> None:

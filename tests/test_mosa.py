@@ -269,15 +269,28 @@ def test_capacities_are_exact_decimals(cf: float, T: int, rho: int, capacity: in
     rounding (1.1 * 100 = 110.00000000000001, 50 * 0.14 = 7.000000000000001), in the heads and in flops/."""
     from flops.formulas import group_cost
 
-    for selection in ("threshold", "quota"):
-        group = make_group("mosa", dict(sparsity=rho, capacity_factor=cf, selection=selection), T, count=1)
-        assert group.capacity == capacity
-        assert int(group.quota(torch.tensor([49]))) == quota_49 and int(group.quota(torch.tensor([T - 1]))) == capacity
+    assert make_group("mosa", dict(sparsity=rho, capacity_factor=cf), T, count=1).capacity == capacity
+    group = make_group("mosa", dict(sparsity=rho, capacity_factor=cf, selection="quota"), T, count=1)
+    assert group.capacity == capacity
+    assert int(group.quota(torch.tensor([49]))) == quota_49 and int(group.quota(torch.tensor([T - 1]))) == capacity
     routing = make_group("routing", dict(sparsity=rho, capacity_factor=cf), T, count=1)
     assert routing.capacity == capacity
     h, hd, k = 32, 16, capacity
     cost = group_cost("mosa", h, hd, T, 1, {"sparsity": rho, "capacity_factor": cf})
     assert (cost.flops, cost.kv) == (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k, k)
+
+
+@pytest.mark.parametrize("cf, T", [(0.3333333333333333, 8192), (1.2345678901234567, 1024)])
+def test_quotas_of_long_decimals_do_not_overflow(cf: float, T: int) -> None:
+    """A capacity factor with 16 digits is a fraction with a numerator near 1e16: q_t stays exact (int64 products
+    of it wrapped to negative quotas), non-decreasing, and reaches the capacity at the training length."""
+    from fractions import Fraction
+
+    group = make_group("mosa", dict(sparsity=8, capacity_factor=cf, selection="quota"), T, count=1)
+    q = group.quota(torch.arange(2 * T)).tolist()  # decoding past the training length keeps the capacity
+    rate = Fraction(repr(cf)) * (T // 8) / T
+    assert q[:T] == [min(group.capacity, math.ceil(rate * (t + 1))) for t in range(T)]
+    assert q[T - 1] == group.capacity == math.ceil(Fraction(repr(cf)) * (T // 8)) and set(q[T:]) == {group.capacity}
 
 
 def test_tokens_per_head_rule() -> None:
