@@ -9,8 +9,11 @@ theta_j = base^(-2j/r), j = 0 .. r/2-1.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
+from routing.capacity import decimal
 from routing.float32_state import Float32Buffers
 
 
@@ -20,7 +23,7 @@ class RotaryEmbedding(Float32Buffers):
 
     def __init__(self, head_dim: int, fraction: float = 0.5, base: float = 10000.0) -> None:
         super().__init__()
-        rot_dim = int(head_dim * fraction) // 2 * 2
+        rot_dim = math.floor(decimal(fraction) * head_dim) // 2 * 2  # 0.58 x 100 is 58, not float's 57.99...
         if not 0 <= rot_dim <= head_dim:
             raise ValueError(f"rope fraction {fraction} gives rot_dim {rot_dim} outside [0, {head_dim}]")
         if not base > 1.0:

@@ -67,6 +67,13 @@ def test_half_fraction_leaves_other_half_unchanged() -> None:
     assert (out[..., :32] - x[..., :32]).abs().max() > 0.1  # the rotated half did move
 
 
+def test_rotated_dims_are_the_fraction_as_written() -> None:
+    """rot_dim = the even floor of fraction x head_dim with the fraction read as written: 0.58 x 100 is 58 (float's
+    57.99999999999999 gave 56); odd products round down to an even count."""
+    assert [RotaryEmbedding(d, f).rot_dim for d, f in ((100, 0.58), (64, 0.25), (7, 1.0), (10, 0.3), (16, 0.0))] == \
+        [58, 16, 6, 2, 0]
+
+
 def test_norm_preserved_and_position_zero_is_identity() -> None:
     rope = RotaryEmbedding(32, 0.5)
     x = torch.randn(3, 20, 32, dtype=torch.float64)
