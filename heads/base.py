@@ -114,17 +114,18 @@ class HeadOptions:
         return None
 
 
-_FROZEN = [False]  # inside `frozen_state`
+_FROZEN = [0]  # depth of nested `frozen_state` blocks
 
 
 @contextmanager
 def frozen_state() -> Iterator[None]:
-    """Forward passes inside move no head state: for replaying a forward pass whose update already happened."""
-    _FROZEN[0] = True
+    """Forward passes inside move no head state: for replaying a forward pass whose update already happened.
+    Nestable: the state stays frozen until the outermost block ends."""
+    _FROZEN[0] += 1
     try:
         yield
     finally:
-        _FROZEN[0] = False
+        _FROZEN[0] -= 1
 
 
 def commit_states(module: nn.Module, keep: bool = True) -> None:

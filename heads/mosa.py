@@ -177,7 +177,8 @@ class MoSAHeads(HeadGroup):
                     ranked = s.clone()
                     if self.options.keep_first:
                         ranked[0] = float("inf")
-                    I = torch.topk(ranked, tokens_per_head(T, self.options.sparsity)).indices  # TopK order
+                    k = tokens_per_head(T, self.options.sparsity)
+                    I = ranked.sort(descending=True, stable=True).indices[:k]  # TopK, ties to the earliest
                 else:
                     above = self.threshold.above(scores[b : b + 1].detach())[0, i]  # s > tau_i (every token at rho = 1)
                     if self.options.keep_first:

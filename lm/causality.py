@@ -13,12 +13,15 @@ from heads.base import frozen_state
 
 
 @torch.no_grad()
-def future_leak(model: nn.Module, tokens: torch.Tensor, t: int, vocab_size: int, seed: int = 0,
+def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_size: int, seed: int = 0,
                 training: bool = False) -> float:
     """max |logits[:, :t+1](tokens) - logits[:, :t+1](tokens')| where tokens' = tokens with every
-    position > t replaced by fresh random tokens. The model runs in eval mode, or with `training` in train mode
+    position > t replaced by fresh random tokens; t = None: the largest over every t (a leak between two positions
+    shows at the t between them only). The model runs in eval mode, or with `training` in train mode
     (the training-time paths: MoSAIC's training priorities, a head's batch statistics) with its state frozen, so
     that the first pass moves no threshold or centroid the second would see, and the same RNG draws in both."""
+    if t is None:
+        return max(future_leak(model, tokens, s, vocab_size, seed, training) for s in range(tokens.shape[1] - 1))
     if not 0 <= t < tokens.shape[1] - 1:
         raise ValueError(f"t must be in [0, {tokens.shape[1] - 1}), got {t}")
     was_training = model.training

@@ -16,10 +16,14 @@ def tokens_per_head(seq_len: int, sparsity: int) -> int:
 
 
 def expert_choice(scores: torch.Tensor, k: int, keep_first: bool = False) -> Selection:
-    """scores[..., T] -> the k highest-scoring tokens of each row, indices sorted ascending.
+    """scores[..., T] -> the k highest-scoring tokens of each row, indices sorted ascending; equal scores go to the
+    earliest tokens (a stable sort: topk breaks ties by its kernel's layout, so a row's selection could depend on
+    the rows batched beside it, e.g. repeated tokens' equal scores in the first layer). Scores equal only up to
+    rounding, as the Routing head's normalised queries of repeated tokens, which vectorised kernels round by their
+    place in memory, can still order differently from batch to batch: those selections are not causal anyway.
     keep_first forces token 0 into every selection (it then takes one of the k slots)."""
     if keep_first:
         scores = scores.detach().clone()
         scores[..., 0] = float("inf")
-    idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
     return Selection(idx, torch.ones_like(idx, dtype=torch.bool))

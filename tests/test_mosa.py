@@ -326,3 +326,28 @@ def test_gutenberg_compare_variants_are_flop_matched() -> None:
         causal[name] = lm.build_model(cfg.model).causal
     mine = {"dense": True, "mosa_causal": True, "mosa_faithful": False, "fixed": True, "routing": True, "routing_balanced": False}
     assert {name: causal[name] for name in mine} == mine
+
+
+def test_frozen_state_nests() -> None:
+    """Inside an outer frozen_state the head state stays frozen after an inner block ends."""
+    from heads.base import frozen_state
+
+    group = make_group("mosa", dict(sparsity=4), 32).train()
+    with frozen_state():
+        with frozen_state():
+            assert not group.updates_state
+        assert not group.updates_state
+    assert group.updates_state
+
+
+def test_expert_choice_ties_go_to_the_earliest_tokens() -> None:
+    """Equal scores (repeated tokens in the first layer) are taken earliest first, whatever else is in the batch;
+    torch.topk took positions 5, 6, 7 of eight equal scores, and 21 ... 48 of every third position."""
+    from routing.expert_choice import expert_choice
+
+    scores = torch.tensor([[0.0, 1, 1, 1, 1, 1, 1, 1, 1, 0]])
+    assert expert_choice(scores, 3).idx.tolist() == [[1, 2, 3]]
+    assert expert_choice(scores.expand(4, 10), 3).idx.tolist() == [[1, 2, 3]] * 4
+    every_third = torch.zeros(1, 64)
+    every_third[0, ::3] = 1
+    assert expert_choice(every_third, 5).idx.tolist() == [[0, 3, 6, 9, 12]]
