@@ -25,10 +25,12 @@ def text_documents(files: list[Path], names: list[str], skips: Skips) -> Iterato
 
 
 def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
-                data_files: str | list[str] | None = None) -> Corpus:
+                data_files: str | list[str] | None = None, hub_config: str | None = None) -> Corpus:
     """Check the input exists (DataError otherwise) and return its Corpus.
     Local sources read --src (a directory, searched recursively, or one file); hub sources stream
-    the dataset id in --src (default per source, see hub.HUB_DATASETS); builtin ignores --src."""
+    the dataset id in --src (default per source, see hub.HUB_DATASETS) with its config `hub_config` (default:
+    the default dataset's, e.g. allenai/c4's "en"; none for another id, such as a generic "json"); builtin
+    ignores --src."""
     if kind not in SOURCES:
         raise DataError(f"--source {kind!r}: choose one of {', '.join(SOURCES)}")
     if kind in LOCAL:
@@ -51,7 +53,7 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
         return Corpus(kind, [builtin.NAME], builtin.documents, size_hint=count)
     default_path, default_name, default_split = HUB_DATASETS[kind]
     path = src or default_path
-    name = default_name if path == default_path else None
+    name = hub_config if hub_config is not None else (default_name if path == default_path else None)
     split = hub_split or default_split
     rows = partial(stream_rows, path, name, split, data_files)
     to_documents = c4.row_documents if kind == "c4-hub" else gutenberg.row_documents

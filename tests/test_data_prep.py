@@ -165,6 +165,25 @@ def test_hub_route_on_local_json_gz(shared_data: Path, tmp_path: Path) -> None:
         sorted(d.text for d in local[:120])
 
 
+def test_c4_hub_route_on_a_local_copy_in_the_allenai_layout(shared_data: Path, tmp_path: Path) -> None:
+    """datasets.load_dataset(DIR, "en", streaming=True) on a copy laid out as allenai/c4 (a README's configs, en/
+    shards): --hub-config en reaches it (without it, a --src other than allenai/c4 got no config and failed) and gives
+    the local reader's documents."""
+    import shutil
+
+    mirror = tmp_path / "c4"
+    (mirror / "en").mkdir(parents=True)
+    shard = shared_data / "c4" / "c4-train.00000-of-01024.first1000.json.gz"
+    shutil.copy(shard, mirror / "en" / "c4-train.00000-of-01024.json.gz")
+    (mirror / "README.md").write_text("---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n"
+                                      "    path: en/c4-train.*.json.gz\n---\n")
+    streamed = list(open_source("c4-hub", str(mirror), hub_config="en").read(Skips()))
+    assert len(streamed) == 1000 and streamed == list(c4.file_documents([shard], Skips()))
+    index = prepare("c4-hub", str(mirror), tmp_path / "out", hub_config="en", vocab_size=800, max_docs=60,
+                    val_fraction=0.1, **QUIET)
+    assert index["sources"] == [f"{mirror}/en:train"]
+
+
 def test_gutenberg_hub_route_on_local_json(tmp_path: Path) -> None:
     """gutenberg-hub rows ({"id", "text"} with PG header/footer and CRLF) are stripped like local books."""
     bodies = {str(i): words(300 + i, 25) for i in range(8)}
