@@ -326,13 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                              "characters either side, as GPT-3 did (.txt[.gz] or JSON lines with a 'text' field; "
                              "files or directories): decontamination for evaluation")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier preparation with other settings")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (there are none either when stderr is not a terminal, e.g. a log file)")
     args = parser.parse_args(argv)
     try:
         prepare(args.source, args.src, args.out, vocab_size=args.vocab_size, max_docs=args.max_docs,
                 val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, sample_chars=args.sample_chars,
                 hub_split=args.hub_split, data_files=args.data_files, overwrite=args.overwrite,
-                threads=args.threads, progress=not args.no_progress, exclude_overlap=args.exclude_overlap,
+                threads=args.threads, progress=not args.no_progress and sys.stderr.isatty(),
+                exclude_overlap=args.exclude_overlap,
                 hub_config=args.hub_config)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)

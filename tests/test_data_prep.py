@@ -480,6 +480,19 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     return code, err
 
 
+def test_cli_writes_no_progress_frames_to_a_log(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Without --no-progress but with stderr not a terminal (a log file, here pytest's capture), no tqdm frames:
+    only the summary line."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"d{i}.txt").write_text(words(i, 40), encoding="utf-8")
+    assert main(["--source", "text", "--src", str(src), "--out", str(tmp_path / "o"), "--vocab-size", "400",
+                 "--val-fraction", "0.3", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "%|" not in captured.err and "\r" not in captured.err and "prepared" in captured.out + captured.err
+
+
 def test_missing_path_and_no_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code, err = run_cli(capsys, "--source", "gutenberg", "--src", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
     assert code == 2 and err == f"error: {tmp_path / 'nope'}: no such file or directory"
