@@ -168,6 +168,8 @@ class MoSAHeads(HeadGroup):
         scores = self.selection_scores(x, logits)
         B, H, T = logits.shape
         quota = self.quota(torch.arange(T)).tolist() if self.options.selection in QUOTA_SELECTIONS else None
+        # [B, H, T]: s > tau_i (every token at rho = 1), for the causal selections
+        candidates = None if self.options.selection == "expert_choice" else self.threshold.above(scores.detach())
         index_sets: list[list[torch.Tensor]] = [[] for _ in range(B)]
         gates: list[list[torch.Tensor]] = [[] for _ in range(B)]
         for b in range(B):
@@ -180,7 +182,7 @@ class MoSAHeads(HeadGroup):
                     k = tokens_per_head(T, self.options.sparsity)
                     I = ranked.sort(descending=True, stable=True).indices[:k]  # TopK, ties to the earliest
                 else:
-                    above = self.threshold.above(scores[b : b + 1].detach())[0, i]  # s > tau_i (every token at rho = 1)
+                    above = candidates[b, i].clone()
                     if self.options.keep_first:
                         above[0] = True
                     if quota is None:

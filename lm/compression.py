@@ -212,7 +212,8 @@ class CompressedLM(nn.Module):
         P, S = layout.prefix, layout.suffix
         logits = self(tokens, layout)
         target = tokens[:, P + 1 : P + S + 1]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)  # fp32 under bf16
+        logits = logits.flatten(0, 1).float()  # the cross-entropy in fp32 under bf16
+        loss = F.cross_entropy(logits, target.flatten(), reduction="none").view_as(target)
         return loss.mean() if reduce else loss.mean(1)
 
     def kv_total(self, seq_len: int | None = None) -> int:

@@ -245,7 +245,8 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
     need = kv_bytes_analytic(model, max_len)
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > free:
-        raise ValueError(f"{max_len} tokens fed (the prompt and --max-new-tokens but the last) need a {need / 2**30:.1f} GiB KV cache, more "
+        raise ValueError(f"{max_len} tokens fed (the prompt and --max-new-tokens but the last) need a "
+                         f"{need / 2**30:.1f} GiB KV cache, more "
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
@@ -297,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         ids = sp.encode(args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
-        check_memory(model, fed_tokens(len(ids), args.max_new_tokens))
+        fed = fed_tokens(len(ids), args.max_new_tokens)
+        check_memory(model, fed)
         prompt = torch.tensor([ids])
         g = torch.Generator().manual_seed(args.seed)
-        cache = new_cache(model, 1, fed_tokens(len(ids), args.max_new_tokens))
+        cache = new_cache(model, 1, fed)
         step = decode_step(model) if args.compile else None
         out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, g,
                        stop_id=sp.eos_id() if sp.eos_id() >= 0 else None, cache=cache, step=step,
@@ -309,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     T = out.shape[1] - 1  # the last token is sampled, never fed
-    print(f"KV cache after the {T} tokens fed (prompt and new tokens but the last): entries stored / slots allocated {format_fill(cache_fill(model, cache))}; "
+    print(f"KV cache after the {T} tokens fed (prompt and new tokens but the last): entries stored / slots allocated "
+          f"{format_fill(cache_fill(model, cache))}; "
           f"{cache_nbytes(cache)} bytes allocated; analytic kv_total({T}) = {model.kv_total(T)} entries = "
           f"{kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
     print(sp.decode(out[0].tolist()))

@@ -221,6 +221,11 @@ class LMModule(L.LightningModule):
         atomic_write(Path(self.cfg.trainer.out_dir) / "metrics.json", lambda f: f.write(text.encode()))
 
     # ---- optimisation -----------------------------------------------------------------------
+    @functools.cached_property
+    def _own_loss_parameters(self) -> set[int]:
+        """ids of the parameters clipped apart from the LM's (HeadGroup.own_loss_parameters), collected once."""
+        return {id(p) for g in self.model.modules() if isinstance(g, HeadGroup) for p in g.own_loss_parameters()}
+
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip to the global L2 norm optim.grad_clip (Lightning's "norm" clipping) and log that norm, taken before
@@ -228,9 +233,9 @@ class LMModule(L.LightningModule):
         their own auxiliary loss trains (HeadGroup.own_loss_parameters: MoSA's predictor) are clipped apart, to
         the same bound, so that their gradient does not scale the LM's. Nothing to do under DeepSpeed, which keeps
         its own gradient partitions and clips them all together itself, or on a skipped step."""
-        own = {id(p) for g in self.model.modules() if isinstance(g, HeadGroup) for p in g.own_loss_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params and gradient_clip_val:
+            own = self._own_loss_parameters
             lm_params = [p for p in params if id(p) not in own]
             norm = torch.nn.utils.get_total_norm([p.grad for p in lm_params], 2.0)
             self.log("train/grad_norm", norm)

@@ -6,7 +6,8 @@ small classifier on x_t alone, z_t = x_t · w^p_i + b_i per head i, is trained w
 cross-entropy to predict whether token t is in head i's expert-choice top-k of the full sequence:
     L_pred = mean_t,i BCE(σ(z_ti), 1[t ∈ TopK(s_i, k)]),
 with a stop-gradient on x and on the router logits s, so the predictor's loss never reaches the LM's
-parameters (and lm/module.py clips the predictor's gradient apart from the LM's; DeepSpeed clips all together). Its decision uses only x_t, so training-time and decoding-time selections are identical.
+parameters (and lm/module.py clips the predictor's gradient apart from the LM's; DeepSpeed clips all together).
+Its decision uses only x_t, so training-time and decoding-time selections are identical.
 """
 from __future__ import annotations
 
