@@ -21,7 +21,6 @@ convention (flops/formulas.py), vocabulary projection excluded.
 """
 from __future__ import annotations
 
-import math
 import platform
 import sys
 import time
@@ -37,6 +36,7 @@ from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
 from lm.compression import CompressedLM, Layout, tokens_for  # noqa: E402
+from lm.perplexity import perplexity  # noqa: E402
 from lm.ratio_data import generate, measure  # noqa: E402
 from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit  # noqa: E402
 
@@ -67,7 +67,7 @@ def perplexity_table(models: dict[str, CompressedLM], windows: list[torch.Tensor
         for k in range(1 if uncompressed else 0, 4):
             layout = Layout((P,) * k, 0, S, full=True) if uncompressed else Layout((P,) * k, t, S)
             loss = evaluate(model, windows, layout)
-            ppl = math.exp(loss)
+            ppl = perplexity(loss)
             if name == "baseline":
                 base_ppl[k] = ppl
             H, n, L = heads_per_layer(model), model.cfg.n_layers, model.layer

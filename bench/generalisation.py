@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import platform
 import sys
 import time
@@ -31,6 +30,7 @@ from lm.checkpoint import load_model
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.data import DataError, ValWindows, open_split
 from lm.model import DecoderLM, build_model
+from lm.perplexity import perplexity
 
 
 def swap_heads(model: DecoderLM, head_type: str, options: dict[str, Any]) -> DecoderLM:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             loss = val_loss(model, windows, args.batch_size)
             rows.append((head_type, options, loss, time.perf_counter() - t0))
-            print(f"{head_type:6s} {options} val loss {loss:.4f} ppl {math.exp(loss):.2f}", flush=True)
+            print(f"{head_type:6s} {options} val loss {loss:.4f} ppl {perplexity(loss):.2f}", flush=True)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -136,8 +136,8 @@ def _markdown(rows: list[tuple[str, dict[str, Any], float, float]], m: ModelConf
     ]
     for head_type, options, loss, seconds in rows:
         lines.append(
-            f"| {head_type} | {_describe(head_type, options, m.seq_len)} | {loss:.4f} | {math.exp(loss):.2f} | "
-            f"{math.exp(loss - dense_loss):.3f} | {seconds:.1f} |"
+            f"| {head_type} | {_describe(head_type, options, m.seq_len)} | {loss:.4f} | {perplexity(loss):.2f} | "
+            f"{perplexity(loss - dense_loss):.3f} | {seconds:.1f} |"
         )
     cmd = "python -m bench.generalisation " + " ".join(sys.argv[1:])
     return "\n".join([

@@ -8,8 +8,9 @@ FLOPs of one sequence / T (backward = 2 x forward), counted as everywhere in thi
 MoSA App. C: dense attention as the full T x T square, routers included) plus the vocabulary projection,
 which a GPU executes too (flops/model.py: `training_flops(..., include_lm_head=True)`). Activation
 checkpointing's replayed forward passes are not counted (model FLOPs, not hardware FLOPs). The peak is
-the device's dense bf16 peak (flops/model.py: PEAK_TFLOPS_BF16, from the name in metrics.json), or
---peak-tflops; on a CPU there is none, and MFU is left out.
+the device's dense peak at the run's precision (flops/model.py: PEAK_TFLOPS_BF16 for 16-bit runs,
+PEAK_TFLOPS_FP32 for 32-true, from the device name and precision in metrics.json), or --peak-tflops; on a
+CPU, or a GPU or precision missing from the tables, there is none, and MFU is left out.
 """
 from __future__ import annotations
 
@@ -45,13 +46,13 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
     if not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0:
         raise RunError(f"{run}: metrics.json has no measured tokens_per_s (too few training steps timed)")
     per_token = training_flops(model_cost(cfg.model), 1, include_lm_head=True) / cfg.model.seq_len
-    device, devices = m.get("device", "unknown"), int(m.get("world_size", 1))
+    device, devices, precision = m.get("device", "unknown"), int(m.get("world_size", 1)), m.get("precision", "?")
     try:
-        peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device)
+        peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device, precision)
     except ValueError:
         peak = None
     achieved = tokens_per_s * per_token
-    return {"run": str(run), "device": device, "devices": devices, "precision": m.get("precision", "?"),
+    return {"run": str(run), "device": device, "devices": devices, "precision": precision,
             "compile": cfg.trainer.compile, "params": m.get("params"), "tokens_per_s": tokens_per_s,
             "flops_per_token": per_token, "achieved": achieved, "peak": peak,
             "mfu": None if peak is None else achieved / (peak * devices)}

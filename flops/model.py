@@ -104,15 +104,16 @@ def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = Fal
     return 3 * per_pass * batch_size
 
 
-# Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets.
-# Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is not an
-# L4, "NVIDIA GH200" not an H200), most specific first.
+# Dense 16-bit (bf16, or fp16 on Volta) tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data
+# sheets. Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is
+# not an L4, "NVIDIA GH200" not an H200), most specific first.
 PEAK_TFLOPS_BF16: dict[str, float] = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
     "H100": 989.0,  # SXM
     "H200 NVL": 835.0,
     "H200": 989.0,
+    "H800 PCIe": 756.0,
     "H800": 989.0,
     "GH200": 989.0,
     "B200": 2250.0,
@@ -125,14 +126,40 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
     "A10": 125.0,
     "V100": 125.0,  # fp16 (no bf16 on Volta)
 }
+# Dense fp32 peaks without TF32 (the stack never enables it: torch's default "highest" matmul precision runs fp32
+# matmuls on the CUDA cores), same sources and matching; a GPU missing here needs --peak-tflops for 32-true runs.
+PEAK_TFLOPS_FP32: dict[str, float] = {
+    "H100 PCIe": 51.0,
+    "H100 NVL": 60.0,
+    "H100": 67.0,  # SXM
+    "H200 NVL": 60.0,
+    "H200": 67.0,
+    "H800 PCIe": 51.0,
+    "H800": 67.0,
+    "GH200": 67.0,
+    "A100": 19.5,
+    "A800": 19.5,
+    "L40S": 91.6,
+    "L40": 90.5,
+    "L4": 30.3,
+    "A10": 31.2,
+    "V100-PCIE": 14.0,
+    "V100": 15.7,  # SXM2
+}
+PEAKS_BY_PRECISION = {"bf16-mixed": PEAK_TFLOPS_BF16, "bf16-true": PEAK_TFLOPS_BF16, "16-mixed": PEAK_TFLOPS_BF16,
+                      "16-true": PEAK_TFLOPS_BF16, "32-true": PEAK_TFLOPS_FP32}
 
 
-def peak_flops(device_name: str) -> float:
-    """Dense bf16 peak FLOP/s of a GPU from its name; ValueError (one line) if not in the table."""
-    for key, tflops in PEAK_TFLOPS_BF16.items():
+def peak_flops(device_name: str, precision: str = "bf16-mixed") -> float:
+    """Dense peak FLOP/s of a GPU at a training precision (Lightning's names: 16-bit ones run on the tensor
+    cores, 32-true on the CUDA cores) from its name; ValueError (one line) if not in the table."""
+    table = PEAKS_BY_PRECISION.get(precision)
+    if table is None:
+        raise ValueError(f"no peak FLOP/s table for precision {precision!r}; known: {', '.join(PEAKS_BY_PRECISION)}")
+    for key, tflops in table.items():
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
             return tflops * 1e12
-    raise ValueError(f"no peak FLOP/s known for device {device_name!r}; known: {', '.join(PEAK_TFLOPS_BF16)}")
+    raise ValueError(f"no {precision} peak FLOP/s known for device {device_name!r}; known: {', '.join(table)}")
 
 
 def mfu(flops_per_step: float, seconds_per_step: float, peak: float, n_devices: int = 1) -> float:

@@ -43,6 +43,7 @@ from lm.cli import check_output
 from lm.data import TokenStream
 from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
+from lm.perplexity import perplexity
 from lm.scoring import Scores, progress_bar, score
 from lm.training_overlap import TRAIN_DATA_HELP, Overlap, training_overlap
 
@@ -120,7 +121,7 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
 def summarize(nll: float, tokens: int, nbytes: int) -> dict[str, float]:
     """loss (nats/token), perplexity, bits per byte from a summed loss."""
     loss = nll / tokens
-    return {"tokens": tokens, "bytes": nbytes, "loss": loss, "ppl": math.exp(loss),
+    return {"tokens": tokens, "bytes": nbytes, "loss": loss, "ppl": perplexity(loss),
             "bpb": nll / (math.log(2) * nbytes)}
 
 

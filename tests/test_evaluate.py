@@ -315,3 +315,12 @@ def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, 
         res, line = check("--input", str(train_doc), "--train-data", str(where))
         assert res["documents"][0]["in_training_data"] is None and res["training_data"]["checked_against"] is None
         assert line == f"note: not checked against the training data: {where} {why}", line
+
+
+def test_a_diverged_models_perplexity_is_inf_not_a_crash() -> None:
+    """A summed loss past exp's range (a diverged checkpoint) reports ppl = inf, as lm/perplexity.py states."""
+    from lm.evaluate import summarize
+
+    s = summarize(8000.0, 10, 5)
+    assert s["loss"] == 800.0 and s["ppl"] == math.inf and s["bpb"] == pytest.approx(8000.0 / (math.log(2) * 5))
+    assert summarize(20.0, 10, 5)["ppl"] == pytest.approx(math.exp(2.0), rel=1e-15)

@@ -80,10 +80,21 @@ def test_training_flops_and_mfu() -> None:
     # whole words: an L40 is not an L4, a workstation RTX A1000 not an A100, a GH200 is listed as itself
     assert peak_flops("NVIDIA L40") == 181e12 and peak_flops("NVIDIA L4") == 121e12
     assert peak_flops("NVIDIA GH200 480GB") == 989e12 and peak_flops("NVIDIA A10G") == 70e12
+    assert peak_flops("NVIDIA H800 PCIe") == 756e12 and peak_flops("NVIDIA H800") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16-true") == peak_flops("NVIDIA H100 80GB HBM3", "16-mixed")
+    # fp32 runs (the stack never enables TF32) are measured against the CUDA cores' fp32 peak, not the tensor cores'
+    assert peak_flops("NVIDIA H100 80GB HBM3", "32-true") == 67e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
+    assert peak_flops("Tesla V100-PCIE-16GB", "32-true") == 14e12
+    assert peak_flops("Tesla V100-SXM2-16GB", "32-true") == 15.7e12
     assert mfu(156e12, 1.0, 312e12) == pytest.approx(0.5)
     for unknown in ("Some CPU", "NVIDIA RTX A1000", "NVIDIA A1000X"):
-        with pytest.raises(ValueError, match="no peak FLOP/s known"):
+        with pytest.raises(ValueError, match="no bf16-mixed peak FLOP/s known"):
             peak_flops(unknown)
+    with pytest.raises(ValueError, match="no 32-true peak FLOP/s known for device 'NVIDIA B200'"):
+        peak_flops("NVIDIA B200", "32-true")
+    with pytest.raises(ValueError, match="no peak FLOP/s table for precision '64-true'"):
+        peak_flops("NVIDIA H100 80GB HBM3", "64-true")
 
 
 def _counted(model: torch.nn.Module, tokens: torch.Tensor) -> int:

@@ -36,6 +36,17 @@ def test_mfu_of_a_run_against_a_hand_count(run: Path) -> None:
     assert mfu.run_mfu(run)["mfu"] is None  # a CPU has no known peak
 
 
+@pytest.mark.parametrize("precision, peak", [("32-true", 67e12), ("bf16-mixed", 989e12)])
+def test_the_peak_follows_the_runs_precision(run: Path, tmp_path: Path, precision: str, peak: float) -> None:
+    """An fp32 run on an H100 is measured against the fp32 peak: against the bf16 one its MFU read ~15x low."""
+    (tmp_path / "config.yaml").write_text((run / "config.yaml").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics.update(device="NVIDIA H100 80GB HBM3", precision=precision, tokens_per_s=1e8)
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    r = mfu.run_mfu(tmp_path)
+    assert r["peak"] == peak and r["mfu"] == pytest.approx(1e8 * FLOPS_PER_TOKEN / peak, rel=1e-12)
+
+
 def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert mfu.main([str(run), "--peak-tflops", "0.5"]) == 0
     row = capsys.readouterr().out.splitlines()[2].split(" | ")
