@@ -7,8 +7,9 @@ unit-normalised directions u are clustered by online k-means (routing/kmeans.py)
 cluster attends within itself, causally (a member sees the members at or before its own position, itself
 included), with RoPE at original positions. A token's head output is the mean of its outputs over the
 clusters it belongs to (0 if none). Auxiliary loss: commitment `commitment * ||u - mu_nearest||^2`. KV entries
-per head: T (any future token may route to any cluster); decoding ("nearest") caches each cluster's members,
-ρ x ceil(capacity_factor * k) slots per head.
+per head ("nearest"): every token a cluster admitted, at most min(T, ρ x ceil(capacity_factor * k)) (a token joins
+one cluster; any future token may route to any cluster); decoding caches each cluster's members, ρ x
+min(ceil(capacity_factor * k), T) slots per head (a cluster may take every token). "topk": T.
 
 Logits follow RT's released code (google-research routing_transformer/utils.py), where the paper is silent:
 - with the layer norm, LN(q)·LN(k) unscaled: the code scales q by 1/sqrt(h') *before* the layer norm, which
@@ -49,8 +50,6 @@ ASSIGNMENTS = ("nearest", "topk")
 
 @dataclass
 class RoutingOptions(HeadOptions):
-    """KV: every token (the default kv_per_head), since a future query may fall into any cluster."""
-
     sparsity: int = 8  # ρ clusters of k = T/ρ tokens per head
     assignment: str = "nearest"  # "nearest" (causal) | "topk" (balanced, as published, non-causal)
     capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
@@ -70,6 +69,14 @@ class RoutingOptions(HeadOptions):
     @property
     def causal(self) -> bool:
         return self.assignment != "topk"  # RT's balanced clusters of k tokens over the whole sequence
+
+    def kv_per_head(self, seq_len: int) -> int:
+        """nearest: the tokens the clusters admit, each at most once: min(T, ρ x capacity); topk: T (not decodable;
+        a future query may fall into any cluster)."""
+        if self.assignment == "topk":
+            return seq_len
+        capacity = slot_capacity(tokens_per_head(seq_len, self.sparsity), self.capacity_factor)
+        return min(seq_len, self.sparsity * capacity)
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -94,6 +101,11 @@ class RoutingHeads(HeadGroup):
         self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
         self.capacity = slot_capacity(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor)
         self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
+
+    def kv_entries(self, seq_len: int) -> int:
+        if self.causal:  # the capacity is the training length's, as in the cache
+            return self.count * min(seq_len, self.options.sparsity * self.capacity)
+        return super().kv_entries(seq_len)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x[B, T, h] -> q(=k) = LayerNorm(x W^Q) (or x W^Q without `layer_norm`), v [B, H, T, h'],

@@ -53,10 +53,12 @@ def decode_step(model: DecoderLM, backend: str = "inductor") -> Callable[..., to
     return torch.compile(model, fullgraph=True, dynamic=False, backend=backend, options=options)
 
 
-def new_cache(model: DecoderLM, batch: int, max_len: int) -> Cache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens fed (`fed_tokens`)."""
+def new_cache(model: DecoderLM, batch: int, max_len: int, device: torch.device | str | None = None) -> Cache:
+    """An empty cache for `batch` sequences of up to `max_len` tokens fed (`fed_tokens`), on the model's device
+    (or `device`: "meta" sizes a cache without allocating it)."""
     p = next(model.parameters())
-    return [[g.new_cache(batch, max_len, p.device, p.dtype) for g in block.attn.groups] for block in model.blocks]
+    return [[g.new_cache(batch, max_len, device or p.device, p.dtype) for g in block.attn.groups]
+            for block in model.blocks]
 
 
 def cache_nbytes(cache: Cache) -> int:
@@ -241,8 +243,10 @@ def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str 
 
 
 def check_memory(model: DecoderLM, max_len: int) -> None:
-    """Refuse a KV cache for `max_len` tokens larger than the free host memory (one-line ValueError)."""
-    need = kv_bytes_analytic(model, max_len)
+    """Refuse a KV cache for `max_len` tokens larger than the free host memory (one-line ValueError): the bytes the
+    cache allocates (slots, positions, counters), which can exceed the analytic count's (a Routing head's clusters
+    each have room for the capacity)."""
+    need = cache_nbytes(new_cache(model, 1, max_len, device="meta"))
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if need > free:
         raise ValueError(f"{max_len} tokens fed (the prompt and --max-new-tokens but the last) need a "

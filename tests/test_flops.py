@@ -52,6 +52,9 @@ def test_kv_entries_and_short_sequences() -> None:
     assert group_cost("dense", h, hd, T, 9).kv == 9 * T
     assert group_cost("mosa", h, hd, T, 17, {"sparsity": 32}).kv == 17 * 32
     assert group_cost("routing", h, hd, T, 2, {"sparsity": 8}).kv == 2 * T
+    # a Routing head keeps each token in one cluster at most, a cluster at most ceil(cf x k) tokens
+    assert group_cost("routing", h, hd, T, 2, {"sparsity": 8, "capacity_factor": 0.5}).kv == 2 * 8 * 64
+    assert group_cost("routing", h, hd, T, 2, {"sparsity": 8, "capacity_factor": 2.0}).kv == 2 * T
     assert group_cost("local", h, hd, 100, 1, {"window": 256}).kv == 100
     assert sparse_k(10, 64) == 2 and sparse_k(1000, 64) == 15  # App. F: max(floor(T / rho), 2)
     assert group_cost("mosa", h, hd, T, 1, {"sparsity": 8, "capacity_factor": 1.5}).kv == 192

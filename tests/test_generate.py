@@ -8,6 +8,8 @@ step, for every head type, and gives the eager steps' logits.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -131,7 +133,8 @@ def _caches(cache):
             yield getattr(c, "kv", c)
 
 
-@pytest.mark.parametrize("name", ["dense", "local", "fixed", "mosa", "mosa_quota", "mosaic_include_rho8"])
+@pytest.mark.parametrize("name", ["dense", "local", "fixed", "mosa", "mosa_quota", "mosaic_include_rho8", "routing",
+                                  "routing_raw"])
 def test_cache_bytes_match_the_analytic_kv_count(name: str) -> None:
     """K and V slots allocated = kv_total(T) x 2 x head_dim x 4 bytes per sequence; on top, an int32
     position per slot and an int64 fill counter per head (and MoSAIC's slot counter)."""
@@ -152,6 +155,25 @@ def test_a_full_cache_holds_the_analytic_kv_count(name: str) -> None:
     model = model_for(CAUSAL_TYPES[name])
     _, cache = cached_logits(model, torch.randint(0, 97, (2, T)), 17)
     assert sum(stored for stored, _ in cache_fill(model, cache).values()) == 2 * model.kv_total(T)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
+def test_routing_stores_at_most_its_analytic_kv_count(capacity_factor: float) -> None:
+    """A Routing head stores each token in one cluster at most, and a cluster at most its capacity: min(T, ρ x
+    capacity) entries (it counted T whatever the capacity); its clusters allocate ρ x capacity slots, more than it
+    stores when capacity_factor > 1, and lm.generate's memory check counts those."""
+    from lm.generate import cache_fill
+
+    model = model_for([{"type": "routing", "count": 2, "options": {"sparsity": 3, "capacity_factor": capacity_factor}}])
+    per_head = min(T, 3 * math.ceil(capacity_factor * (T // 3)))
+    assert model.kv_total(T) == model.cfg.n_layers * 2 * per_head
+    _, cache = cached_logits(model, torch.randint(0, 97, (2, T)), 17)
+    (stored, slots), = cache_fill(model, cache).values()
+    assert stored <= 2 * model.kv_total(T) and slots == 2 * model.cfg.n_layers * 2 * 3 * math.ceil(capacity_factor * 15)
+    meta = new_cache(model, 1, T, device="meta")
+    assert cache_nbytes(meta) == cache_nbytes(new_cache(model, 1, T))
+    kv_slots = sum(c.k.nbytes + c.v.nbytes for c in _caches(meta))
+    assert (kv_slots > kv_bytes_analytic(model, T)) == (capacity_factor > 1)
 
 
 def test_non_causal_heads_refuse_to_decode() -> None:
