@@ -90,12 +90,13 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
         if step >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    stored, slots = measured_kv(model, x[:1])
+    peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stored, slots = measured_kv(model, x[:1])  # after reading the training peak: the prefill is not training
     return {
         "step_ms": 1000 * step_s,
         "tokens_per_s": batch * cfg.seq_len / step_s,
-        "peak_mem_bytes": torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_after_import_bytes": None if cuda else rss_after_import,
+        "peak_mem_bytes": peak,
+        "mem_above_import": None if cuda else peak - rss_after_import,
         "params": model.num_params(),
         "kv_total": model.kv_total(),
         "kv_stored": stored,
@@ -134,10 +135,13 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One config's results over rounds: medians of the measured time and memory, the rest from the first round."""
+    """One config's results over rounds: medians of the measured time and memory (each memory figure a median of
+    the rounds' own values), the rest from the first round."""
     step_ms = statistics.median(r["step_ms"] for r in rounds)
+    above = [r["mem_above_import"] for r in rounds if r["mem_above_import"] is not None]
     return {**rounds[0], "step_ms": step_ms, "tokens_per_s": rounds[0]["tokens_per_s"] * rounds[0]["step_ms"] / step_ms,
-            "peak_mem_bytes": statistics.median(r["peak_mem_bytes"] for r in rounds)}
+            "peak_mem_bytes": statistics.median(r["peak_mem_bytes"] for r in rounds),
+            "mem_above_import": statistics.median(above) if above else None}
 
 
 ROWS = [  # (label, key, format, scale)
@@ -157,8 +161,6 @@ ROWS = [  # (label, key, format, scale)
 
 def table(results: list[dict[str, Any]]) -> str:
     """Table-2-style markdown: one column per config, and the change vs the first config."""
-    for r in results:
-        r["mem_above_import"] = r["peak_mem_bytes"] - r["rss_after_import_bytes"] if r["rss_after_import_bytes"] else None
     head = "| | " + " | ".join(f"{r['name']} | change" if i else r["name"] for i, r in enumerate(results)) + " |"
     lines = [head, "|---" * (1 + len(results) + len(results) - 1) + "|"]
     for label, key, fmt, scale in ROWS:

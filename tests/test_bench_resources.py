@@ -33,3 +33,14 @@ def test_the_checkpointing_worker_checkpoints_every_block(monkeypatch) -> None: 
         calls.clear()
         resources.measure(cfg, batch=1, steps=2, warmup=1, device="cpu", threads=1, checkpointing=on)
         assert len(calls) == (3 * cfg.n_layers if on else 0)  # 3 training steps; decoding is never checkpointed
+
+
+def test_rounds_combine_each_rounds_own_memory_above_import() -> None:
+    """The memory above import is a median of each round's own peak minus that round's import RSS, not the median
+    peak minus the first round's RSS (rounds in fresh processes differ in both)."""
+    rounds = [{"step_ms": ms, "tokens_per_s": 1000 / ms, "peak_mem_bytes": peak, "mem_above_import": above}
+              for ms, peak, above in ((10.0, 100, 60), (20.0, 200, 50), (30.0, 150, 55))]
+    r = resources.combine(rounds)
+    assert (r["step_ms"], r["peak_mem_bytes"], r["mem_above_import"]) == (20.0, 150, 55)
+    assert r["tokens_per_s"] == 1000 / 20.0
+    assert resources.combine([{**rounds[0], "mem_above_import": None}])["mem_above_import"] is None  # CUDA
