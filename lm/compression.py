@@ -225,7 +225,3 @@ class CompressedLM(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def build_compressed(cfg: ModelConfig, comp: CompressionConfig) -> CompressedLM:
-    return CompressedLM(cfg, comp)
