@@ -24,7 +24,8 @@ Resuming: `progress.json` records the settings, the inputs (name, size, SHA-256 
 the tokenizer hash and every finished shard (with its SHA-256); a rerun with the same settings and
 inputs reuses the tokenizer and skips finished shards (their documents are read but not tokenised),
 and a rerun after completion does nothing. Every rerun re-checks the finished shards: a damaged one
-and those after it in its split are redone (data_prep/manifest.py). A rerun with different settings
+and those after it in its split are redone (data_prep/manifest.py); a finished preparation whose tokenizer
+differs from the one its index records, or is missing, or that lacks a hash file, is prepared again. A rerun with different settings
 or changed inputs stops with one line naming the differences; `--overwrite` starts fresh.
 """
 from __future__ import annotations
@@ -106,6 +107,10 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
                             "pass --overwrite to replace it, or choose another --out")
         _remove_outputs(out)
         return None, None
+    if index is not None and (problem := _incomplete(out, index)):
+        warn(f"{out}: {problem}; preparing it again")  # every shard depends on the tokenizer: all of it
+        _remove_outputs(out)
+        return None, None
     if index is not None:
         progress = {"settings": settings, "inputs": inputs, "tokenizer_sha256": index["tokenizer_sha256"],
                     "splits": {sp: {"shards": index["splits"][sp]["shards"], "documents": index["splits"][sp]["documents"]}
@@ -125,6 +130,19 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
         write_json(out / PROGRESS, progress)
         (out / INDEX).unlink()
     return None, progress
+
+
+def _incomplete(out: Path, index: dict) -> str | None:
+    """What a finished preparation in `out` lacks besides its shards (checked by intact_prefix): its tokenizer (the
+    one its shards were made with) and the training text's hash files its index names; None if nothing."""
+    model = out / TOKENIZER
+    if not model.is_file():
+        return f"{TOKENIZER} is missing"
+    if hashlib.sha256(model.read_bytes()).hexdigest() != index.get("tokenizer_sha256"):
+        return f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)"
+    named = [index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")]
+    missing = [name for name in named if name and not (out / name).is_file()]
+    return f"{', '.join(missing)} missing" if missing else None
 
 
 def _documents(corpus: Corpus, skips: Skips, desc: str, total: int | None, progress: bool) -> Iterator[Document]:

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from heads import ConfigError
 from lm.checkpoint import atomic_write
 from lm.config import Config, from_dict, to_yaml
+from lm.errors import DataError
 from lm.resume_settings import reported_here
 
 CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
@@ -72,10 +73,14 @@ def read_provenance(data: Path) -> dict[str, Any]:
     tokenizer_sha256, tokenizer_model}."""
     index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
     model = data / index.get("tokenizer", TOKENIZER)
+    sha = _sha256(model)
+    if sha is not None and index.get("tokenizer_sha256") not in (None, sha):
+        raise DataError(f"data.path: {model} is not the tokenizer {data} was prepared with (SHA-256 {sha[:12]}, "
+                        f"index.json's {index['tokenizer_sha256'][:12]}); rerun data_prep.prepare on it")
     return {
         "data_path": str(data),
         "data_sha256": data_fingerprint(data, index) if index else None,
-        "tokenizer_sha256": index.get("tokenizer_sha256") or _sha256(model),
+        "tokenizer_sha256": sha or index.get("tokenizer_sha256"),
         "tokenizer_model": model.read_bytes() if model.is_file() else None,
     }
 

@@ -651,6 +651,22 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
     assert f"{shards_[1]['file']}: SHA-256 mismatch; redoing it and the train shards after it" in capsys.readouterr().err
     assert {s["file"]: (out / s["file"]).read_bytes() for s in shards_} == before
 
+    # the tokenizer every shard depends on, and the hash files the index names, are checked too: replaced by
+    # another preparation's tokenizer or missing, the preparation is made again, to the same bytes
+    other = prepare("text", str(src), tmp_path / "other", **{**kw, "vocab_size": 400})
+    assert other["tokenizer_sha256"] != index["tokenizer_sha256"]
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    swapped = (tmp_path / "other" / "tokenizer.model").read_bytes()
+    for tamper, problem in ((lambda: (out / "tokenizer.model").write_bytes(swapped),
+                             "tokenizer.model is not the one its shards were made with"),
+                            (lambda: (out / "tokenizer.model").unlink(), "tokenizer.model is missing"),
+                            (lambda: (out / "train_ngrams.u64").unlink(), "train_ngrams.u64 missing")):
+        tamper()
+        capsys.readouterr()
+        assert prepare("text", str(src), out, **kw) == index
+        assert f"{out}: {problem}" in capsys.readouterr().err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+
     (src / "d03.txt").unlink()
     (src / "d04.txt").write_text(words(99, 40))
     (src / "new.txt").write_text(words(98, 40))

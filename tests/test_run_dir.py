@@ -2,6 +2,7 @@
 keep_last_k, and checkpoints that carry their tokenizer."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 
 from heads import ConfigError
 from lm.config import load_config
+from lm.errors import DataError
 from lm.run_dir import claim, holds_run
 from tests.synthetic import run_overrides, write_prepared
 
@@ -19,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 
 
-def tokenizer(data: Path, vocab: int = 64) -> None:
-    """A real SentencePiece model of the synthetic data's vocabulary size at <data>/tokenizer.model."""
+def tokenizer(data: Path, vocab: int = 64) -> str:
+    """A real SentencePiece model of the synthetic data's vocabulary size at <data>/tokenizer.model, recorded in
+    its index.json as a preparation records it; returns its SHA-256."""
     import sentencepiece as spm
 
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home", "tree", "big"]
@@ -28,6 +31,10 @@ def tokenizer(data: Path, vocab: int = 64) -> None:
     lines = [" ".join(words[i] for i in torch.randint(0, len(words), (12,), generator=g).tolist()) for _ in range(300)]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(data / "tokenizer"),
                                    vocab_size=vocab, model_type="bpe", minloglevel=2)
+    sha = hashlib.sha256((data / "tokenizer.model").read_bytes()).hexdigest()
+    index = json.loads((data / "index.json").read_text())
+    (data / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": sha}))
+    return sha
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,8 @@ def test_run_saves_config_tokenizer_and_data_hash(run: tuple[Path, Path]) -> Non
     assert load_config(out / "config.yaml") == load_config(None, *overrides(data, out))
     record = json.loads((out / "run.json").read_text())
     assert len(record["data_sha256"]) == 64 and record["command"]
-    assert record["tokenizer_sha256"] == "synthetic" and record["data_path"] == str(data.resolve())
+    sha = hashlib.sha256((data / "tokenizer.model").read_bytes()).hexdigest()
+    assert record["tokenizer_sha256"] == sha and record["data_path"] == str(data.resolve())
     assert (out / "tokenizer.model").read_bytes() == (data / "tokenizer.model").read_bytes()
     hparams = yaml.safe_load((out / "tb" / "hparams.yaml").read_text())  # TensorBoard's copy (was {})
     assert hparams["model"]["d_model"] == 32
@@ -108,7 +116,11 @@ def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_pat
     assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["max_steps"] == 20  # as trained now
     claim(load_config(None, *overrides(data, out)), True, False)  # back to the run's own config
 
-    other = write_prepared(tmp_path / "other", seed=1)  # same format, other tokens
+    other = write_prepared(tmp_path / "other", seed=1)  # same format and tokenizer, other tokens
+    shutil.copy(data / "tokenizer.model", other / "tokenizer.model")
+    other_index = json.loads((other / "index.json").read_text())
+    sha = json.loads((data / "index.json").read_text())["tokenizer_sha256"]
+    (other / "index.json").write_text(json.dumps({**other_index, "tokenizer_sha256": sha}))
     with pytest.raises(ConfigError, match=r"trained on another data \(sha256 "):
         claim(load_config(None, *overrides(other, out)), True, False)
     moved = tmp_path / "moved"
@@ -116,7 +128,13 @@ def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_pat
     claim(load_config(None, *overrides(moved, out)), True, False)
     index = json.loads((moved / "index.json").read_text())
     (moved / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "retrained"}))
-    with pytest.raises(ConfigError, match=r"trained on another tokenizer \(sha256 synthetic, .* has retrained\)"):
+    (moved / "tokenizer.model").unlink()  # (with its tokenizer, the index's hash would not be that file's)
+    with pytest.raises(ConfigError, match=r"trained on another tokenizer \(sha256 [0-9a-f]{12}, .* has retrained\)"):
+        claim(load_config(None, *overrides(moved, out)), True, False)
+    (moved / "index.json").write_text(json.dumps(index))
+    (moved / "tokenizer.model").write_bytes(b"another tokenizer")  # not the one index.json records: refused
+    with pytest.raises(DataError, match=r"^data.path: .*tokenizer.model is not the tokenizer .* was prepared with "
+                                        r"\(SHA-256 [0-9a-f]{12}, index.json's [0-9a-f]{12}\); rerun data_prep.prepare"):
         claim(load_config(None, *overrides(moved, out)), True, False)
     with pytest.raises(ConfigError, match=r"different config \(model.n_layers: 2 -> 3; trainer.seed: 1234 -> 5\)"):
         claim(load_config(None, *overrides(data, out, "model.n_layers=3", "trainer.seed=5")), True, False)
