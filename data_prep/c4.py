@@ -55,11 +55,11 @@ def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
         if rows == 0:
             skips.skip_file(path.name, "unreadable", f"{type(err).__name__}: {err}")
         else:
-            skips.count("truncated_files")
-            skips.warn_once(f"{path.name}: {type(err).__name__}: {err}; kept the {rows} rows before it")
+            skips.lose(path.name, "truncated_files", 1, f"{type(err).__name__}: {err}",
+                       f"; kept the {rows} rows before it")
     if broken:
-        skips.count("broken_json_lines", broken)
-        skips.warn_once(f"{path.name}: skipped {broken} broken JSON line(s), first at line {first_broken}")
+        skips.lose(path.name, "broken_json_lines", broken,
+                   f"{broken} broken JSON line(s), first at line {first_broken}", " (skipped)")
     if rows == 0 and path.name not in skips.files:
         skips.skip_file(path.name, "empty" if not broken else "no valid JSON lines")
 

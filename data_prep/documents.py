@@ -44,6 +44,12 @@ class Skips:
     def count(self, what: str, n: int = 1) -> None:
         self.counts[what] += n
 
+    def lose(self, name: str, what: str, n: int, problem: str, kept: str) -> None:
+        """Count `n` items of file `name` left out under `what` (the rest of the file is kept) and warn once:
+        '<name>: <problem><kept>'."""
+        self.count(what, n)
+        self.warn_once(f"{name}: {problem}{kept}")
+
     def describe_counts(self) -> str:
         """The counted items for an error line, e.g. '; 100 rows without a string "text" field', or ''."""
         return "".join(f"; {n} {COUNT_NAMES.get(what, what.replace('_', ' '))}"
@@ -63,12 +69,21 @@ class Skips:
 @dataclass
 class StrictSkips(Skips):
     """A skip ledger for inputs that must be read whole (an evaluation's text, texts to exclude): a file it would
-    skip (undecodable, empty, unreadable) is a DataError, its message ending in `consequence`."""
+    skip (undecodable, empty, unreadable) or part of a file it would leave out (a truncated stream, broken JSON
+    lines, rows without text) is a DataError, its message ending in `consequence`."""
 
     consequence: str = "nothing was done"
 
     def skip_file(self, name: str, reason: str, detail: str = "") -> None:
         raise DataError(f"{name}: {reason}{f' ({detail})' if detail else ''}; {self.consequence}")
+
+    def lose(self, name: str, what: str, n: int, problem: str, kept: str) -> None:
+        raise DataError(f"{name}: {problem}; {self.consequence}")
+
+    def count(self, what: str, n: int = 1) -> None:
+        if what == "rows_without_text":
+            raise DataError(f"{n} {COUNT_NAMES[what]}; {self.consequence}")
+        super().count(what, n)
 
 
 @dataclass

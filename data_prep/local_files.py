@@ -9,6 +9,10 @@ from data_prep.documents import Skips
 from data_prep.errors import DataError
 
 
+NUL_SHARE = 0.1  # more NUL characters than this share of a file: UTF-16 without a BOM (English: ~50%) or binary;
+# a stray NUL in text is kept, like any other character (the tokenizer is lossless)
+
+
 def find_files(src: str | Path, suffixes: tuple[str, ...], what: str) -> list[Path]:
     """`src` itself if it is a matching file, else every matching file under it (recursive),
     sorted by relative path so the document order never depends on the file system."""
@@ -40,7 +44,7 @@ def read_bytes(path: Path) -> bytes:
 
 def read_text(path: Path, skips: Skips) -> str | None:
     """A file's text (UTF-8, optional BOM, newlines normalised), or None after recording why it was skipped:
-    unreadable (corrupt gzip / I/O error), undecodable (not UTF-8) or empty (only whitespace)."""
+    unreadable (corrupt gzip / I/O error), undecodable (not UTF-8, or mostly NULs) or empty (only whitespace)."""
     try:
         raw = read_bytes(path)
     except (OSError, EOFError, zlib.error) as err:
@@ -50,6 +54,10 @@ def read_text(path: Path, skips: Skips) -> str | None:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         skips.skip_file(path.name, "undecodable", f"not UTF-8: byte {err.start}")
+        return None
+    if (nuls := text.count("\x00")) > NUL_SHARE * len(text):  # valid UTF-8, but not text
+        share = f"{nuls / len(text):.0%}"
+        skips.skip_file(path.name, "undecodable", f"{share} NUL characters: UTF-16 without a BOM, or binary")
         return None
     if not text.strip():
         skips.skip_file(path.name, "empty")

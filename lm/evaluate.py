@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--batch-size and --max-docs must be >= 1")
         check_output("--out", args.out)
         check_output("--curve", args.curve)
+        if args.curve is not None and Path(args.curve).suffix.lower() != ".png":
+            raise ValueError(f"--curve {args.curve}: the plot is a PNG; give a file name ending in .png")
         fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
         if args.split is not None and fmt != "prepared":
             raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "

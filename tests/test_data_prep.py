@@ -514,12 +514,14 @@ def test_empty_and_undecodable_files_are_skipped_and_counted(tmp_path: Path, cap
     (src / "blank.txt").write_text("  \n\n")
     (src / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
     (src / "broken.txt.gz").write_bytes(b"\x1f\x8b not really gzip")
+    (src / "utf16.txt").write_bytes(words(7, 20).encode("utf-16-le"))  # no BOM: valid UTF-8, every other byte NUL
     index = prepare("text", str(src), tmp_path / "out", vocab_size=500, val_fraction=0.3, **QUIET)
-    assert index["skipped"]["skipped_files"] == 3
-    assert index["skipped"]["skipped_files_by_reason"] == {"empty": 1, "undecodable": 1, "unreadable": 1}
+    assert index["skipped"]["skipped_files"] == 4
+    assert index["skipped"]["skipped_files_by_reason"] == {"empty": 1, "undecodable": 2, "unreadable": 1}
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 6
     err = capsys.readouterr().err
     assert "warning: skipped latin1.txt: undecodable (not UTF-8: byte 3)" in err
+    assert "warning: skipped utf16.txt: undecodable (50% NUL characters: UTF-16 without a BOM, or binary)" in err
     assert err.count("warning: skipped blank.txt: empty") == 1  # once, although both passes read it
 
 
@@ -604,7 +606,7 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["skipped"]["skipped_files_by_reason"] == {"no valid JSON lines": 1}
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
-    assert "warning: a.json.gz: skipped 3 broken JSON line(s), first at line 11" in err
+    assert "warning: a.json.gz: 3 broken JSON line(s), first at line 11 (skipped)" in err
 
 
 def test_unencodable_text_is_a_broken_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -617,7 +619,7 @@ def test_unencodable_text_is_a_broken_line(tmp_path: Path, capsys: pytest.Captur
     assert index["skipped"]["broken_json_lines"] == 2
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 8
     err = capsys.readouterr().err
-    assert err.count("warning: a.jsonl: skipped 2 broken JSON line(s), first at line 4") == 1
+    assert err.count("warning: a.jsonl: 2 broken JSON line(s), first at line 4 (skipped)") == 1
 
 
 def test_no_usable_documents_names_the_skipped_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

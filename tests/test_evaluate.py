@@ -91,7 +91,7 @@ def test_cli_formats_agree_and_bits_per_byte(corpus: Path, tmp_path: Path, capsy
     text = english(99, 8)
     (tmp_path / "one.txt").write_text(text, encoding="utf-8")
     with gzip.open(tmp_path / "c4.json.gz", "wt") as f:
-        f.write(json.dumps({"text": text, "url": "u"}) + "\n" + "{broken\n")
+        f.write(json.dumps({"text": text, "url": "u"}) + "\n\n")  # (a blank line is no document; a broken one an error)
     pg = f"header\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***\n{text}\n*** END OF THIS PROJECT GUTENBERG EBOOK X ***\n"
     (tmp_path / "pg").mkdir()
     (tmp_path / "pg" / "book.txt").write_text(pg, encoding="utf-8")
@@ -151,6 +151,12 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "ok.txt").write_text("hello there\n")
+    (tmp_path / "utf16.txt").write_bytes("hello there\n".encode("utf-16-le"))  # no BOM: valid UTF-8, half NULs
+    lines = [json.dumps({"text": f"document {i}"}) + "\n" for i in range(200)]
+    rows = "".join(lines).encode()
+    (tmp_path / "cut.json.gz").write_bytes(gzip.compress(rows)[:-40])  # a download cut short
+    (tmp_path / "broken.jsonl").write_text("".join(lines[:4]) + "{not json\n" + "".join(lines[4:]))
+    (tmp_path / "notext.jsonl").write_bytes(rows + b'{"content": "no text field"}\n')
     other = prepared_corpus(tmp_path / "other_corpus_root")  # same text, but its own tokenizer training run
     (other / "tokenizer.model").write_bytes((other / "tokenizer.model").read_bytes())
     index = json.loads((other / "index.json").read_text())
@@ -163,6 +169,13 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(tmp_path / "other.ckpt"), "--input", ok], "do not fit its model config"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "bad.txt")], "bad.txt: undecodable"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "empty.txt")], "empty.txt: empty"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "utf16.txt")], "utf16.txt: undecodable (50% NUL characters"),
+        # text left out of an input is an error, not a warning: the scores would be of part of it
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "cut.json.gz")], "cut.json.gz: EOFError: "),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "broken.jsonl")],
+         "broken.jsonl: 1 broken JSON line(s), first at line 5; nothing was evaluated"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "notext.jsonl")],
+         '1 rows without a string "text" field; nothing was evaluated'),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
         (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
         (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),
@@ -177,6 +190,8 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", ok, "--out", str(tmp_path / "nodir" / "x.json")],
          f"--out {tmp_path / 'nodir' / 'x.json'}: directory {tmp_path / 'nodir'} does not exist"),
         (["--ckpt", str(ckpt), "--input", ok, "--curve", str(tmp_path)], f"--curve {tmp_path} is a directory"),
+        (["--ckpt", str(ckpt), "--input", ok, "--curve", str(tmp_path / "c.txt")],
+         f"--curve {tmp_path / 'c.txt'}: the plot is a PNG; give a file name ending in .png"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path), "--format", "prepared"], "index.json has no usable split"),
     ]
     for args, message in cases:
