@@ -216,12 +216,16 @@ def remove_temp_files(directory: Path) -> list[Path]:
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[DecoderLM, Config]:
     """Rebuild the model saved in a training checkpoint and load its weights (e.g. for lm/generate.py)."""
-    return model_from_checkpoint(read_checkpoint(path, map_location, mmap=False))
+    return model_from_checkpoint(read_checkpoint(path, map_location, mmap=False), path)
 
 
-def model_from_checkpoint(ckpt: dict[str, Any]) -> tuple[DecoderLM, Config]:
-    """The model and config of a checkpoint already read with `read_checkpoint`."""
+def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint") -> tuple[DecoderLM, Config]:
+    """The model and config of a checkpoint already read from `path` with `read_checkpoint`; a CheckpointError for
+    a compressed model's (lm/compressed_training.py), which is another model."""
     cfg = from_dict(ckpt["config"])
+    if cfg.compression is not None:
+        raise CheckpointError(f"{path} is a compressed model's checkpoint (lm.compressed_training): load it with "
+                              "lm.compressed_training.load_compressed, sample with lm.compressed_generate")
     model = build_model(cfg.model)
     prefix = "model."
     model.load_state_dict({k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)})

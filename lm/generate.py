@@ -198,7 +198,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
         raise ValueError(f"checkpoint not found: {path}")
     try:
         saved = read_checkpoint(path, mmap=False)  # read once: weights, config and the carried tokenizer
-        model, cfg = model_from_checkpoint(saved)
+        model, cfg = model_from_checkpoint(saved, path)
     except CheckpointError as err:  # empty, truncated, garbled or foreign file
         raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
@@ -254,6 +254,16 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
+def check_utf8(option: str, text: str) -> None:
+    """A one-line ValueError if a command-line string is not valid UTF-8 (Python keeps such bytes as lone
+    surrogates, which the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{option} is not valid UTF-8 (byte 0x{ord(text[err.start]) - 0xDC00:02x} at character "
+                         f"{err.start})") from None
+
+
 def check_decodable(model: DecoderLM) -> None:
     """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise: a non-causal
     group, or a type without a cache)."""
@@ -295,8 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0 or not 0 < args.top_p <= 1:
-            raise ValueError("need --max-new-tokens >= 1, finite --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+        for ok, option, rule in ((args.max_new_tokens >= 1, "max-new-tokens", ">= 1"),
+                                 (0 <= args.temperature < math.inf, "temperature", "finite and >= 0"),
+                                 (args.top_k >= 0, "top-k", ">= 0"), (0 < args.top_p <= 1, "top-p", "in (0, 1]")):
+            if not ok:
+                raise ValueError(f"--{option} must be {rule}, got {getattr(args, option.replace('-', '_'))}")
+        check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)
         ids = sp.encode(args.prompt)

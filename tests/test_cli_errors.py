@@ -73,7 +73,14 @@ CASES = [
     ("generate-huge", [*GENERATE, "--ckpt", "{dense_ckpt}", "--max-new-tokens", "100000000000"], 2,
      r"need a \d+\.\d GiB KV cache, more than the .* free memory"),
     ("generate-nan-temperature", [*GENERATE, "--ckpt", "{dense_ckpt}", "--temperature", "nan"], 2,
-     r"finite --temperature >= 0"),
+     r"--temperature must be finite and >= 0, got nan$"),
+    ("generate-top-p", [*GENERATE, "--ckpt", "{dense_ckpt}", "--top-p", "1.5"], 2, r"--top-p must be in \(0, 1\], got 1\.5$"),
+    ("generate-prompt-not-utf8", [*GENERATE, "--ckpt", "{dense_ckpt}", "--prompt", "caf\udce9"], 2,  # bytes c a f 0xe9
+     r"--prompt is not valid UTF-8 \(byte 0xe9 at character 3\)$"),
+    ("generate-compressed", [*GENERATE, "--ckpt", "{compressed_ckpt}"], 2,
+     r"^error: \S*compressed\.ckpt is a compressed model's checkpoint \(lm\.compressed_training\): load it with "
+     r"lm\.compressed_training\.load_compressed, sample with lm\.compressed_generate$"),
+    ("evaluate-compressed", [*EVALUATE, "--ckpt", "{compressed_ckpt}"], 2, r"compressed\.ckpt is a compressed model's checkpoint"),
     ("generate-empty-ckpt", [*GENERATE, "--ckpt", "{empty_ckpt}"], 2, r"empty\.ckpt is empty"),
     ("generate-tokenizer-not-sentencepiece", [*GENERATE, "--ckpt", "{dense_ckpt}", "--tokenizer", "{readme}"], 2,
      r"^error: tokenizer \S*README\.md is not a SentencePiece model$"),
@@ -128,13 +135,15 @@ def _tokenizer(directory: Path) -> None:
                                    vocab_size=40, model_type="bpe", minloglevel=2)
 
 
-def _checkpoint(path: Path, data: Path, heads: list[dict]) -> Path:
+def _checkpoint(path: Path, data: Path, heads: list[dict], **compression: int) -> Path:
     from omegaconf import OmegaConf
 
+    from lm.config import CompressionConfig
     from lm.model import build_model
 
     cfg = tiny_config(heads, vocab_size=40)
     cfg.data.path = str(data)
+    cfg.compression = CompressionConfig(**compression) if compression else None
     state = {f"model.{k}": v for k, v in build_model(cfg.model).state_dict().items()}
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "state_dict": state}, path)
     return path
@@ -178,6 +187,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),
         "routing_ckpt": str(_checkpoint(tmp / "routing.ckpt", tmp, [{"type": "routing", "count": 2,
                                                                       "options": {"sparsity": 4, "assignment": "topk"}}])),
+        "compressed_ckpt": str(_checkpoint(tmp / "compressed.ckpt", tmp, [{"type": "dense", "count": 2}], layer=1,
+                                           prefix_len=16)),
         "damaged_sweep": str(_sweep(tmp / "sw1", [], **{"sweep.json": '{"points": [{"name": '})),
         "damaged_status": str(_sweep(tmp / "sw2", [point], **{"status.json": "\x00\x00"})),
         "damaged_metrics": str(_sweep(tmp / "sw3", [point])),
