@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import KeyValidationError, OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
@@ -137,13 +137,17 @@ class Config:
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 MAX_MINUTES = 525_600  # trainer.max_minutes: at most a year (the trainer's timedelta overflows near 1.4e12)
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
+FLOAT32_MAX = 3.4028234663852886e38  # optim.lr above it overflows the optimizer's fp32 arithmetic
+SECTIONS = {"ModelConfig": "model", "DataConfig": "data", "OptimConfig": "optim", "TrainerConfig": "trainer",
+            "CompressionConfig": "compression"}  # a section's name in YAML files and overrides
 
 
 def _positive(section: object, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
         if not (value > 0 and (isinstance(value, int) or math.isfinite(value))):
-            raise ConfigError(f"{type(section).__name__}.{name} must be a finite number > 0, got {value}")
+            where = SECTIONS.get(type(section).__name__, type(section).__name__)
+            raise ConfigError(f"{where}.{name} must be a finite number > 0, got {value}")
 
 
 def validate(cfg: Config) -> Config:
@@ -173,8 +177,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     o = cfg.optim
     _positive(o, "lr", "grad_clip")
-    if o.warmup_steps < 0 or not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    if o.lr > FLOAT32_MAX:  # the optimizer's fp32 state multiplies by it
+        raise ConfigError(f"optim.lr must fit in float32 (<= {FLOAT32_MAX:.4g}), got {o.lr}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if not all(0.0 <= beta < 1.0 for beta in o.betas):
         raise ConfigError(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
     if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
@@ -249,9 +257,27 @@ def _whole_layer(update: str) -> str:
     return f"model.layer_heads={{{match[1]}: {match[2]}}}" if match else update
 
 
+def _check_list_items(merged: DictConfig, key: str) -> None:
+    """A one-line ConfigError if the dotted `key` indexes past the end of a list (`model.heads.5.count` with one
+    head group): OmegaConf would try to create the item and fail with a message about types."""
+    node: Any = merged
+    for i, part in enumerate(key.split(".")):
+        if isinstance(node, ListConfig) and part.isdigit() and int(part) >= len(node):
+            where = ".".join(key.split(".")[:i])
+            raise ConfigError(f"{key}: {where} has {len(node)} item(s), no item {part}; to add one, set the whole "
+                              f"list ({where}=[...])")
+        if isinstance(node, ListConfig) and part.isdigit():
+            node = node[int(part)]
+        elif isinstance(node, DictConfig) and (part in node or part.isdigit() and int(part) in node):
+            node = node[part] if part in node else node[int(part)]  # layer_heads' keys are ints
+        else:
+            return
+
+
 def _apply(merged: DictConfig, update: str) -> None:
     """One dotted update. Sections and mappings merge (`model.layer_heads.N=...` keeps the other layers), except
     a whole `model.layer_heads=...`, which replaces the YAML's per-layer mixes (`model.layer_heads={}` clears them)."""
+    _check_list_items(merged, update.split("=", 1)[0])
     if update.startswith("model.layer_heads="):
         OmegaConf.update(merged, "model.layer_heads", OmegaConf.from_dotlist([update]).model.layer_heads, merge=False)
     else:
@@ -297,6 +323,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
         cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise ConfigError(_one_line(err)) from None
+    except ConfigError:
+        raise
     except (ValueError, yaml.YAMLError) as err:  # an override that is not key=value or not valid YAML
         raise ConfigError(f"overrides {' '.join(dotlist)}: {' '.join(str(err).split())}") from None
     for message in config_warnings(validate(cfg)):

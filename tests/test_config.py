@@ -55,10 +55,13 @@ def test_bad_value() -> None:
 @pytest.mark.parametrize("override,field", [
     ("trainer.seed=-1", "trainer.seed must be in [0, 2**32)"), ("trainer.seed=4294967296", "trainer.seed"),
     ("optim.betas=[1.5,0.999]", "optim.betas must both be in [0, 1)"), ("optim.betas=[0.9,1.0]", "optim.betas"),
-    ("optim.lr=nan", "OptimConfig.lr must be a finite number > 0"), ("optim.grad_clip=inf", "OptimConfig.grad_clip"),
-    ("model.init_std=-1", "ModelConfig.init_std"), ("model.init_std=nan", "ModelConfig.init_std"),
-    ("trainer.max_minutes=nan", "TrainerConfig.max_minutes"), ("trainer.max_minutes=1e30", "trainer.max_minutes must be <="),
+    ("optim.lr=nan", "optim.lr must be a finite number > 0, got nan"), ("optim.grad_clip=inf", "optim.grad_clip"),
+    ("optim.lr=1e300", "optim.lr must fit in float32 (<= 3.403e+38), got 1e+300"),
+    ("model.init_std=-1", "model.init_std"), ("model.init_std=nan", "model.init_std"),
+    ("trainer.max_minutes=nan", "trainer.max_minutes must be a finite"), ("trainer.max_minutes=1e30", "trainer.max_minutes must be <="),
     ("optim.weight_decay=-5", "optim.weight_decay must be a finite number >= 0"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio must be in [0, 1], got 2"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
 ])
 def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(override: str, field: str) -> None:
     """Each of these passed the type check and failed deep in training (seed_everything, AdamW, timedelta,
@@ -142,6 +145,17 @@ def test_a_layer_mix_is_set_by_its_index() -> None:
     for bad, key in (("model.layer_heads.x=[{type: dense, count: 2}]", "model.layer_heads.x"),
                      ("model.layer_heads.1.0.count=2", "model.layer_heads.1")):  # layer 1 has no mix of its own
         assert error_of(None, bad).startswith(f"{key}: {hint}")
+
+
+def test_an_item_past_the_end_of_a_list_is_named() -> None:
+    """Items of lists can be changed, not added, by a dotted override: past the end it names the list and its length
+    (it said 'Invalid type assigned: dict is not a subclass of HeadGroupConfig')."""
+    mix = "model.layer_heads={1: [{type: dense, count: 2}]}"
+    assert error_of(CONFIGS / "tiny.yaml", "model.heads.5.count=3") == \
+        "model.heads.5.count: model.heads has 1 item(s), no item 5; to add one, set the whole list (model.heads=[...])"
+    assert error_of(CONFIGS / "tiny.yaml", mix, "model.layer_heads.1.1.options.window=8").startswith(
+        "model.layer_heads.1.1.options.window: model.layer_heads.1 has 1 item(s), no item 1;")
+    assert load_config(CONFIGS / "tiny.yaml", mix, "model.layer_heads.1.0.count=5").model.layer_heads[1][0].count == 5
 
 
 # MoSA App. H Table 4 (layers, h, heads of h'=64) and Table 5 parameter counts (vocab 8000).
