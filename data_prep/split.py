@@ -50,8 +50,9 @@ class Splitter:
     def finalize(self) -> None:
         """Force one document into an empty split; fail if there are fewer than two distinct documents."""
         if self._lowest[1] == self._highest[1]:
-            raise DataError("need at least 2 distinct documents for a train/validation split; "
-                            f"found {sum(self._counts.values())}")
+            n = sum(self._counts.values())
+            found = "found 1" if n == 1 else f"found {n}, all the same text"
+            raise DataError(f"need at least 2 distinct documents for a train/validation split; {found}")
         if self._counts["val"] == 0:
             self.forced[self._lowest[1]] = "val"
         if self._counts["train"] == 0:

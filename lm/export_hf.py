@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="new (or empty) directory")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
+    if not sys.stderr.isatty():  # transformers' "Writing model shards" bar: no frames in log files, as in training
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     try:
         out = export(args.ckpt, args.out, args.tokenizer)
     except (OSError, ValueError) as err:

@@ -409,8 +409,13 @@ def test_tiny_corpus_forces_one_validation_document() -> None:
     assert [splitter(d) for d in ids].count("val") == 1 and len(splitter.forced) == 1
     lone = Splitter(0.5)
     lone.observe("only")
-    with pytest.raises(DataError, match="at least 2 distinct documents"):
+    with pytest.raises(DataError, match="at least 2 distinct documents for a train/validation split; found 1$"):
         lone.finalize()
+    copies = Splitter(0.5)
+    for _ in range(5):
+        copies.observe("same text")
+    with pytest.raises(DataError, match="at least 2 distinct documents .*; found 5, all the same text$"):
+        copies.finalize()
 
 
 def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,6 +27,7 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
     ckpt, ours = save_checkpoint(tmp_path, corpus, mix=mix, seq_len=40)
     out = tmp_path / "hf"
     assert main(["--ckpt", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert "\r" not in capsys.readouterr().err  # no progress-bar frames when stderr is not a terminal (a log)
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.model",
                                               "tokenizer_config.json", "modeling_sparse_heads.py"}
     assert "class " not in (out / "modeling_sparse_heads.py").read_text()  # imports this package, copies nothing
