@@ -7,6 +7,7 @@ newest `trainer.keep_last_k`), `checkpoints/last.ckpt` (the newest), `metrics.js
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
 from lm.errors import Interrupted
+from lm.model import build_model
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curve
@@ -113,6 +115,21 @@ def check_devices(t: TrainerConfig) -> None:
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
     if t.accelerator == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
+
+
+def check_host_memory(cfg: Config) -> None:
+    """The model's fp32 weights fit in this machine's memory (every run builds the whole model on the host first;
+    training needs ~4x that): a one-line ConfigError, not the allocator's traceback. Counted on the meta device."""
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in build_model(cfg.model).parameters())
+    except RuntimeError:  # a weight of more than 2**63 bytes
+        raise ConfigError(f"model: a weight matrix alone has more than 2**63 bytes; this machine has "
+                          f"{have / 2**30:,.0f} GiB of memory") from None
+    if 4 * params > have:
+        raise ConfigError(f"model: {params / 1e9:.3g}B parameters need {4 * params / 2**30:,.0f} GiB for their fp32 "
+                          f"weights alone, more than this machine's {have / 2**30:,.0f} GiB of memory")
 
 
 def build_profiler(t: TrainerConfig) -> Profiler | None:
@@ -253,6 +270,7 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     the checkpoint path or None)."""
     data.check()
     check_devices(cfg.trainer)
+    check_host_memory(cfg)
     strategy = build_strategy(cfg)  # a start refused by these checks leaves trainer.out_dir unclaimed
     claim(cfg, resume is not None, overwrite)
     if rank_zero_only.rank == 0:

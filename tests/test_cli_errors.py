@@ -55,6 +55,11 @@ CASES = [
     ("resume-garbled", [*TRAIN, "--resume-from", "{garbled_ckpt}"], 2, r"garbled\.ckpt is truncated or not a torch file"),
     ("resume-from-missing", [*TRAIN, "--resume-from", "{tmp}/none.ckpt"], 2,
      r"^error: --resume-from: checkpoint \S+/none\.ckpt not found$"),
+    ("huge-model", [*TRAIN, "model.d_model=1000000", "model.head_dim=8"], 2,
+     r"^error: model: \S+B parameters need [\d,]+ GiB for their fp32 weights alone, more than this machine's [\d,]+ GiB "
+     r"of memory$"),
+    ("overflowing-model", [*TRAIN, "model.d_model=1000000000", "model.head_dim=8"], 2,
+     r"^error: model: a weight matrix alone has more than 2\*\*63 bytes; this machine has [\d,]+ GiB of memory$"),
     ("compression-config", [*TRAIN, "compression.layer=1"], 2,
      r"compression: .* train_lm\.py does not train; use python -m lm\.compressed_training --config CONFIG"),
     # lm.compressed_training (overrides on both sides of an option reach the config check)
