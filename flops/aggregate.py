@@ -172,7 +172,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
         ax.set_ylabel("validation perplexity")
         ax.set_title(sweep)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a sweep without finished runs has no curve to name
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()

@@ -95,6 +95,8 @@ def read_documents(src: str | Path, fmt: str, sp: Any, split: str = "val",
 
 
 def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) -> list[TokenDoc]:
+    if not (src / "index.json").is_file():
+        raise DataError(f"--input {src}: not a prepared directory (no index.json; see python -m data_prep.prepare)")
     try:
         index = json.loads((src / "index.json").read_text())
         shards, sha = index["splits"][split]["shards"], index["tokenizer_sha256"]

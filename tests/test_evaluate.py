@@ -192,7 +192,9 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", ok, "--curve", str(tmp_path)], f"--curve {tmp_path} is a directory"),
         (["--ckpt", str(ckpt), "--input", ok, "--curve", str(tmp_path / "c.txt")],
          f"--curve {tmp_path / 'c.txt'}: the plot is a PNG; give a file name ending in .png"),
-        (["--ckpt", str(ckpt), "--input", str(tmp_path), "--format", "prepared"], "index.json has no usable split"),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path), "--format", "prepared"],
+         f"--input {tmp_path}: not a prepared directory (no index.json"),
+        (["--ckpt", str(ckpt), "--input", str(other), "--split", "nope"], "index.json has no usable split 'nope'"),
     ]
     for args, message in cases:
         rc, _, err = run(capsys, *args)

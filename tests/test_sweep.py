@@ -168,6 +168,17 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_aggregate_of_a_sweep_with_no_finished_run_warns_nothing(tmp_path: Path) -> None:
+    """Nothing to plot yet: an empty panel, no matplotlib warning about a legend without curves."""
+    import warnings
+
+    _sweep(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert aggregate_main([str(tmp_path / "sw"), "--out", str(tmp_path / "isoflop")]) == 0
+    assert (tmp_path / "isoflop.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_aggregate_marks_partial_points_and_leaves_them_out(tmp_path: Path) -> None:
     """A point whose run stopped before trainer.max_steps (3) is 'partial': in the table with its step,
     not in the curve; so is a point the runner recorded as interrupted, whatever its metrics say."""
