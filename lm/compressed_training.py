@@ -38,7 +38,7 @@ from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
-from lm.train import ckpt_dir, fit_and_finish, start_run
+from lm.train import ckpt_dir, fit_and_finish, process_group_released, start_run
 
 
 class LayoutSampler:
@@ -212,8 +212,9 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
         raise ConfigError("trainer.compile is not supported with a compression section: every batch has its own "
                           "layout (prefix spans, t), which would need a graph of its own; set trainer.compile=false")
     data, t = CompressedDataModule(cfg), cfg.trainer
-    module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
-    fit_and_finish(trainer, module, data, checkpoints, ckpt)
+    with process_group_released():
+        module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
+        fit_and_finish(trainer, module, data, checkpoints, ckpt)
     rank_zero_info(f"checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | metrics {Path(t.out_dir) / 'metrics.json'}")
     return module.metrics()
 

@@ -104,7 +104,10 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
         raise DataError(f"--input {src}: index.json has no usable split {split!r} ({type(err).__name__}: {err})") from None
     if hashlib.sha256(sp.serialized_model_proto()).hexdigest() != sha:
         raise DataError(f"--input {src} was tokenised with another tokenizer than the checkpoint's")
-    stream = TokenStream(src, split, shards, sp.get_piece_size())
+    try:
+        stream = TokenStream(src, split, shards, sp.get_piece_size())
+    except ValueError as err:  # lm.errors.DataError, whose messages name training's option
+        raise DataError(str(err).replace("data.path: ", "--input: ", 1)) from None
     if len(stream) == 0:
         raise DataError(f"--input {src}: split {split!r} is empty")
     tokens = stream.read(0, len(stream))

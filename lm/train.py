@@ -221,8 +221,9 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
         path = Path(resume)
         if path.is_dir():
             if cfg.trainer.strategy != "deepspeed_stage_2":
-                raise ConfigError(f"{flag}: {path} is a directory (a DeepSpeed checkpoint; this run's "
-                                  f"trainer.strategy is {cfg.trainer.strategy}); give a .ckpt file")
+                raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
+                                  f"checkpoints as directories; this run's trainer.strategy is "
+                                  f"{cfg.trainer.strategy}); give a .ckpt file")
             digits = path.name.removeprefix("step").removesuffix(".ckpt")
             return ResumePoint(str(path), int(digits) if digits.isdigit() else None)
         try:
@@ -292,6 +293,18 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     return module, trainer, checkpoints, None if point is None else point.path
 
 
+@contextmanager
+def process_group_released() -> Iterator[None]:
+    """Within: a training entry point's work; on the way out, the default process group DDP created (if any) is
+    destroyed. Left to the interpreter's exit, a gloo group now and then aborts a finished run ('terminate called
+    without an active exception', exit status -6 instead of 0)."""
+    try:
+        yield
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataModule, checkpoints: StepCheckpoints,
                    ckpt: str | None) -> None:
     """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done,
@@ -321,13 +334,13 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
         raise ConfigError("compression: this config adds compression layers, which train_lm.py does not train; "
                           "use python -m lm.compressed_training --config CONFIG")
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
-    module, trainer, checkpoints, ckpt = start_run(cfg, data, LMModule, resume, overwrite)
-    t = cfg.trainer
-    if validate_first and ckpt is None:
-        with sigterm_interrupts(trainer):
-            trainer.validate(module, datamodule=data, verbose=False)
-    fit_and_finish(trainer, module, data, checkpoints, ckpt)
-    out = Path(t.out_dir)
+    with process_group_released():
+        module, trainer, checkpoints, ckpt = start_run(cfg, data, LMModule, resume, overwrite)
+        if validate_first and ckpt is None:
+            with sigterm_interrupts(trainer):
+                trainer.validate(module, datamodule=data, verbose=False)
+        fit_and_finish(trainer, module, data, checkpoints, ckpt)
+    out = Path(cfg.trainer.out_dir)
     curve = None  # drawn from two validations on
     if trainer.is_global_zero:
         curve = plot_val_curve(module.val_history, out / "val_curve.png", title=out.name)

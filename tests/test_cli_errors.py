@@ -44,7 +44,7 @@ CASES = [
                  r"trainer\.accelerator=gpu .* 0 CUDA GPU", marks=NO_GPU, id="accelerator-gpu"),
     ("accelerator-name", [*TRAIN, "trainer.accelerator=tpu9"], 2, r"trainer\.accelerator must be one of"),
     ("num-workers", [*TRAIN, "data.num_workers=-1"], 2, r"data\.num_workers must be >= 0, got -1"),
-    ("num-nodes", [*TRAIN, "trainer.num_nodes=0"], 2, r"TrainerConfig\.num_nodes must be a finite number > 0, got 0"),
+    ("num-nodes", [*TRAIN, "trainer.num_nodes=0"], 2, r"trainer\.num_nodes must be a finite number > 0, got 0"),
     ("max-bad-steps", [*TRAIN, "trainer.max_bad_steps=-1"], 2, r"trainer\.max_bad_steps must be >= 0"),
     # train_lm.py: data and checkpoints
     ("data-path-is-a-file", [*TRAIN, "data.path={readme}"], 2,

@@ -11,6 +11,7 @@ at 2.5e-2 for MoSA and 4.8e-2 for Routing), validation losses within 1e-5 relati
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -181,3 +182,21 @@ def test_ddp_compression_training_with_full_memory_batches_matches_one_process(t
     for name, w in single.items():
         rel = ((ddp[name] - w).norm() / w.norm()).item()
         assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
+
+
+def test_training_entry_points_release_the_process_group(tmp_path: Path) -> None:
+    """lm.train.train and train_compressed destroy the process group DDP made when they return or raise: a gloo
+    group left to the interpreter's exit now and then aborted a finished run (exit status -6, 'terminate called
+    without an active exception'; seen in test_ddp_compression_training_with_full_memory_batches_matches_one_process)."""
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("this torch build has no gloo backend")
+    from lm.train import process_group_released
+
+    for fails in (False, True):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{fails}'}", rank=0, world_size=1)
+        with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
+            with process_group_released():
+                assert dist.is_initialized()
+                if fails:
+                    raise RuntimeError("a failed run")
+        assert not dist.is_initialized()

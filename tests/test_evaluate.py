@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,9 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     index = json.loads((other / "index.json").read_text())
     index["tokenizer_sha256"] = "0" * 64
     (other / "index.json").write_text(json.dumps(index))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(corpus, damaged)
+    (damaged / "val_00000.bin").unlink()
     ok = str(tmp_path / "ok.txt")
     cases = [
         (["--ckpt", str(tmp_path / "missing.ckpt"), "--input", ok], "checkpoint not found"),
@@ -194,6 +198,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
          f"--curve {tmp_path / 'c.txt'}: the plot is a PNG; give a file name ending in .png"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path), "--format", "prepared"],
          f"--input {tmp_path}: not a prepared directory (no index.json"),
+        (["--ckpt", str(ckpt), "--input", str(damaged)], f"--input: shard {damaged / 'val_00000.bin'} listed in index.json is missing"),
         (["--ckpt", str(ckpt), "--input", str(other), "--split", "nope"], "index.json has no usable split 'nope'"),
     ]
     for args, message in cases:
