@@ -64,12 +64,13 @@ def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
         skips.skip_file(path.name, "empty" if not broken else "no valid JSON lines")
 
 
-def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
-    """One document per row with a non-empty string "text" (newlines normalised); others are counted."""
-    for row in rows:
+def row_documents(rows: Iterable[dict], skips: Skips, source: str = "rows") -> Iterator[Document]:
+    """One document per row with a non-empty string "text" (newlines normalised); others are counted (`source`,
+    e.g. the file name, names where in an error of StrictSkips)."""
+    for i, row in enumerate(rows, 1):
         text = row.get("text")
         if not isinstance(text, str):
-            skips.count("rows_without_text")
+            skips.count("rows_without_text", where=f"{source}: JSON row {i}")
             continue
         text = normalize_newlines(text)
         if not text.strip():
@@ -80,4 +81,4 @@ def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
 
 def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
     for path in files:
-        yield from row_documents(file_rows(path, skips), skips)
+        yield from row_documents(file_rows(path, skips), skips, path.name)

@@ -41,7 +41,8 @@ class Skips:
         self.files[name] = reason
         self.warn_once(f"skipped {name}: {reason}{f' ({detail})' if detail else ''}")
 
-    def count(self, what: str, n: int = 1) -> None:
+    def count(self, what: str, n: int = 1, where: str = "") -> None:
+        """Count `n` items left out under `what`; `where` names them for StrictSkips' error."""
         self.counts[what] += n
 
     def lose(self, name: str, what: str, n: int, problem: str, kept: str) -> None:
@@ -80,10 +81,10 @@ class StrictSkips(Skips):
     def lose(self, name: str, what: str, n: int, problem: str, kept: str) -> None:
         raise DataError(f"{name}: {problem}; {self.consequence}")
 
-    def count(self, what: str, n: int = 1) -> None:
+    def count(self, what: str, n: int = 1, where: str = "") -> None:
         if what == "rows_without_text":
-            raise DataError(f"{n} {COUNT_NAMES[what]}; {self.consequence}")
-        super().count(what, n)
+            raise DataError(f"{where or 'a row'} has no string \"text\" field; {self.consequence}")
+        super().count(what, n, where)
 
 
 @dataclass

@@ -25,7 +25,8 @@ the tokenizer hash and every finished shard (with its SHA-256); a rerun with the
 inputs reuses the tokenizer and skips finished shards (their documents are read but not tokenised),
 and a rerun after completion does nothing. Every rerun re-checks the finished shards: a damaged one
 and those after it in its split are redone (data_prep/manifest.py); a finished preparation whose tokenizer
-differs from the one its index records, or is missing, or that lacks a hash file, is prepared again. A rerun with different settings
+differs from the one its index records, or is missing, or that lacks a hash file, stops with one line
+(`--overwrite` prepares it again). A rerun with different settings
 or changed inputs stops with one line naming the differences; `--overwrite` starts fresh.
 """
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
         _remove_outputs(out)
         return None, None
     if index is not None and (problem := _incomplete(out, index)):
-        warn(f"{out}: {problem}; preparing it again")  # every shard depends on the tokenizer: all of it
+        if not overwrite:  # every shard depends on the tokenizer: redoing it means redoing everything
+            raise DataError(f"--out {out} holds a preparation whose {problem}; pass --overwrite to prepare it again")
         _remove_outputs(out)
         return None, None
     if index is not None:
@@ -142,7 +144,7 @@ def _incomplete(out: Path, index: dict) -> str | None:
         return f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)"
     named = [index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")]
     missing = [name for name in named if name and not (out / name).is_file()]
-    return f"{', '.join(missing)} missing" if missing else None
+    return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else None
 
 
 def _documents(corpus: Corpus, skips: Skips, desc: str, total: int | None, progress: bool) -> Iterator[Document]:

@@ -48,6 +48,12 @@ from routing.selection import Selection, earliest_first
 ASSIGNMENTS = ("nearest", "topk")
 
 
+def admitted(seq_len: int, clusters: int, capacity: int) -> int:
+    """Tokens a head's nearest clusters can hold of a length-T sequence: each token joins one cluster, each
+    cluster at most `capacity`: min(T, ρ x capacity)."""
+    return min(seq_len, clusters * capacity)
+
+
 @dataclass
 class RoutingOptions(HeadOptions):
     sparsity: int = 8  # ρ clusters of k = T/ρ tokens per head
@@ -71,12 +77,12 @@ class RoutingOptions(HeadOptions):
         return self.assignment != "topk"  # RT's balanced clusters of k tokens over the whole sequence
 
     def kv_per_head(self, seq_len: int) -> int:
-        """nearest: the tokens the clusters admit, each at most once: min(T, ρ x capacity); topk: T (not decodable;
-        a future query may fall into any cluster)."""
+        """nearest: the tokens the clusters admit (`admitted`); topk: T (not decodable; a future query may fall into
+        any cluster)."""
         if self.assignment == "topk":
             return seq_len
-        capacity = slot_capacity(tokens_per_head(seq_len, self.sparsity), self.capacity_factor)
-        return min(seq_len, self.sparsity * capacity)
+        return admitted(seq_len, self.sparsity, slot_capacity(tokens_per_head(seq_len, self.sparsity),
+                                                              self.capacity_factor))
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
@@ -104,7 +110,7 @@ class RoutingHeads(HeadGroup):
 
     def kv_entries(self, seq_len: int) -> int:
         if self.causal:  # the capacity is the training length's, as in the cache
-            return self.count * min(seq_len, self.options.sparsity * self.capacity)
+            return self.count * admitted(seq_len, self.options.sparsity, self.capacity)
         return super().kv_entries(seq_len)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -287,6 +287,7 @@ def _apply(merged: DictConfig, update: str) -> None:
 def _apply_keyword(merged: DictConfig, key: str, value: Any) -> None:
     """One keyword update, a Python value, with `_apply`'s rules for model.layer_heads: one layer's mix
     (`model.layer_heads.N`, an int key) merges, the whole map replaces."""
+    _check_list_items(merged, key)
     if match := re.fullmatch(r"model\.layer_heads\.(\d+)", key):
         OmegaConf.update(merged, "model.layer_heads", {int(match[1]): value}, merge=True)
     elif key == "model.layer_heads":

@@ -73,16 +73,23 @@ def read_provenance(data: Path) -> dict[str, Any]:
     tokenizer_sha256, tokenizer_model}."""
     index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
     model = data / index.get("tokenizer", TOKENIZER)
-    sha = _sha256(model)
-    if sha is not None and index.get("tokenizer_sha256") not in (None, sha):
-        raise DataError(f"data.path: {model} is not the tokenizer {data} was prepared with (SHA-256 {sha[:12]}, "
-                        f"index.json's {index['tokenizer_sha256'][:12]}); rerun data_prep.prepare on it")
     return {
         "data_path": str(data),
         "data_sha256": data_fingerprint(data, index) if index else None,
-        "tokenizer_sha256": sha or index.get("tokenizer_sha256"),
+        "tokenizer_sha256": index.get("tokenizer_sha256") or _sha256(model),
         "tokenizer_model": model.read_bytes() if model.is_file() else None,
     }
+
+
+def check_tokenizer(data: Path) -> None:
+    """A one-line DataError if the data directory's tokenizer.model is not the one its index.json records (the
+    shards were made with that one; checkpoints carry the file's bytes)."""
+    index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
+    model = data / index.get("tokenizer", TOKENIZER)
+    sha, recorded = _sha256(model), index.get("tokenizer_sha256")
+    if sha is not None and recorded is not None and sha != recorded:
+        raise DataError(f"data.path: {model} is not the tokenizer {data} was prepared with (SHA-256 {sha[:12]}, "
+                        f"index.json's {recorded[:12]}); rerun data_prep.prepare on it")
 
 
 def provenance(cfg: Config) -> dict[str, Any]:
@@ -142,6 +149,7 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     blocking = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError(f"trainer.out_dir {out}: {blocking} is a file, not a directory")
+    check_tokenizer(Path(cfg.data.path).resolve())
     here = read_provenance(Path(cfg.data.path).resolve())
     if resume and (out / RECORD).is_file():
         for change in check_resume(cfg, out, here):

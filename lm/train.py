@@ -124,7 +124,9 @@ def check_host_memory(cfg: Config) -> None:
     try:
         with torch.device("meta"):
             params = sum(p.numel() for p in build_model(cfg.model).parameters())
-    except RuntimeError:  # a weight of more than 2**63 bytes
+    except RuntimeError as err:
+        if "overflow" not in str(err):
+            raise
         raise ConfigError(f"model: a weight matrix alone has more than 2**63 bytes; this machine has "
                           f"{have / 2**30:,.0f} GiB of memory") from None
     if 4 * params > have:
@@ -295,13 +297,16 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
 
 @contextmanager
 def process_group_released() -> Iterator[None]:
-    """Within: a training entry point's work; on the way out, the default process group DDP created (if any) is
-    destroyed. Left to the interpreter's exit, a gloo group now and then aborts a finished run ('terminate called
-    without an active exception', exit status -6 instead of 0)."""
+    """Within: a training entry point's work; on the way out, the default process group it created (Lightning's
+    DDP or DeepSpeed set-up) is destroyed, not one the caller made before (e.g. under torchrun). Left to the
+    interpreter's exit, a gloo group now and then aborts a finished run ('terminate called without an active
+    exception', exit status -6 instead of 0)."""
+    distributed = torch.distributed.is_available()
+    ours = distributed and not torch.distributed.is_initialized()
     try:
         yield
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if ours and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 

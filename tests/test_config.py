@@ -156,6 +156,8 @@ def test_an_item_past_the_end_of_a_list_is_named() -> None:
     assert error_of(CONFIGS / "tiny.yaml", mix, "model.layer_heads.1.1.options.window=8").startswith(
         "model.layer_heads.1.1.options.window: model.layer_heads.1 has 1 item(s), no item 1;")
     assert load_config(CONFIGS / "tiny.yaml", mix, "model.layer_heads.1.0.count=5").model.layer_heads[1][0].count == 5
+    assert error_of(CONFIGS / "tiny.yaml", **{"model.heads.5.count": 3}).startswith(  # keyword overrides too
+        "model.heads.5.count: model.heads has 1 item(s), no item 5;")
 
 
 # MoSA App. H Table 4 (layers, h, heads of h'=64) and Table 5 parameter counts (vocab 8000).

@@ -659,7 +659,7 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
     assert {s["file"]: (out / s["file"]).read_bytes() for s in shards_} == before
 
     # the tokenizer every shard depends on, and the hash files the index names, are checked too: replaced by
-    # another preparation's tokenizer or missing, the preparation is made again, to the same bytes
+    # another preparation's tokenizer or missing, the rerun stops; with --overwrite it prepares the same bytes
     other = prepare("text", str(src), tmp_path / "other", **{**kw, "vocab_size": 400})
     assert other["tokenizer_sha256"] != index["tokenizer_sha256"]
     files = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -667,11 +667,12 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
     for tamper, problem in ((lambda: (out / "tokenizer.model").write_bytes(swapped),
                              "tokenizer.model is not the one its shards were made with"),
                             (lambda: (out / "tokenizer.model").unlink(), "tokenizer.model is missing"),
-                            (lambda: (out / "train_ngrams.u64").unlink(), "train_ngrams.u64 missing")):
+                            (lambda: (out / "train_ngrams.u64").unlink(), "train_ngrams.u64 is missing")):
         tamper()
-        capsys.readouterr()
-        assert prepare("text", str(src), out, **kw) == index
-        assert f"{out}: {problem}" in capsys.readouterr().err
+        with pytest.raises(DataError, match=f"^--out {out} holds a preparation whose {problem}.*; pass --overwrite "
+                                            "to prepare it again$"):
+            prepare("text", str(src), out, **kw)
+        assert prepare("text", str(src), out, overwrite=True, **kw) == index
         assert {p.name: p.read_bytes() for p in out.iterdir()} == files
 
     (src / "d03.txt").unlink()

@@ -192,11 +192,18 @@ def test_training_entry_points_release_the_process_group(tmp_path: Path) -> None
         pytest.skip("this torch build has no gloo backend")
     from lm.train import process_group_released
 
+    def init(name: str) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1)
+
     for fails in (False, True):
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{fails}'}", rank=0, world_size=1)
         with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
             with process_group_released():
-                assert dist.is_initialized()
+                init(f"store{fails}")  # as Lightning's DDP set-up does within training
                 if fails:
                     raise RuntimeError("a failed run")
         assert not dist.is_initialized()
+    init("callers")  # a group the caller made before (e.g. under torchrun) stays its own
+    with process_group_released():
+        pass
+    assert dist.is_initialized()
+    dist.destroy_process_group()

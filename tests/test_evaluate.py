@@ -179,7 +179,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "broken.jsonl")],
          "broken.jsonl: 1 broken JSON line(s), first at line 5; nothing was evaluated"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "notext.jsonl")],
-         '1 rows without a string "text" field; nothing was evaluated'),
+         'notext.jsonl: JSON row 201 has no string "text" field; nothing was evaluated'),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
         (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
         (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),

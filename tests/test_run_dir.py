@@ -14,7 +14,7 @@ import yaml
 from heads import ConfigError
 from lm.config import load_config
 from lm.errors import DataError
-from lm.run_dir import claim, holds_run
+from lm.run_dir import claim, holds_run, read_provenance
 from tests.synthetic import run_overrides, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +136,8 @@ def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_pat
     with pytest.raises(DataError, match=r"^data.path: .*tokenizer.model is not the tokenizer .* was prepared with "
                                         r"\(SHA-256 [0-9a-f]{12}, index.json's [0-9a-f]{12}\); rerun data_prep.prepare"):
         claim(load_config(None, *overrides(moved, out)), True, False)
+    # ... but only training refuses it: the evaluation's training-data lookup (lm/training_overlap.py) reads it
+    assert read_provenance(moved.resolve())["data_sha256"] is not None
     with pytest.raises(ConfigError, match=r"different config \(model.n_layers: 2 -> 3; trainer.seed: 1234 -> 5\)"):
         claim(load_config(None, *overrides(data, out, "model.n_layers=3", "trainer.seed=5")), True, False)
     with pytest.raises(ConfigError, match="exclude each other"):
