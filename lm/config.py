@@ -247,6 +247,8 @@ def _one_line(err: OmegaConfBaseException) -> str:
         return (f"{key}: model.layer_heads keys are layer indices, each set to a whole head mix: "
                 "model.layer_heads.1=[{type: dense, count: 4}] or model.layer_heads={1: [...]} (items only once "
                 "the layer has a mix)")
+    if getattr(err, "object_type", None) is HeadGroupConfig and "." not in str(key):  # merged from a YAML list item
+        return f"model.heads / model.layer_heads: a head group's {key}: {message}"
     return f"{key}: {message}" if key else message
 
 

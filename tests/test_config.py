@@ -30,6 +30,9 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_unknown_key(tmp_path: Path) -> None:
     assert "model.n_layer" in error_of(write(tmp_path, "model: {n_layer: 4}\n"))
     assert "trainer.max_step" in error_of(None, "trainer.max_step=5")
+    # a misspelt key of a head group in a YAML list: OmegaConf knows no path for it, the message says where to look
+    assert error_of(write(tmp_path, "model: {heads: [{type: dense, count: 4, option: {}}]}\n")).startswith(
+        "model.heads / model.layer_heads: a head group's option: Key 'option' not in 'HeadGroupConfig'")
 
 
 def test_wrong_type(tmp_path: Path) -> None:
