@@ -35,9 +35,9 @@ def parse_row(line: bytes) -> dict | None:
     return row if isinstance(row, dict) else None
 
 
-def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
-    """The JSON objects of one JSON-lines file (.gz or plain). Broken lines (see `parse_row`) are
-    skipped and counted; a corrupt gzip stream ends the file with a warning."""
+def file_rows(path: Path, skips: Skips) -> Iterator[tuple[int, dict]]:
+    """The JSON objects of one JSON-lines file (.gz or plain), each with its line number. Broken lines (see
+    `parse_row`) are skipped and counted; a corrupt gzip stream ends the file with a warning."""
     broken = first_broken = rows = 0
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
@@ -50,7 +50,7 @@ def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
                     broken, first_broken = broken + 1, first_broken or line_no
                     continue
                 rows += 1
-                yield row
+                yield line_no, row
     except (OSError, EOFError, zlib.error) as err:
         if rows == 0:
             skips.skip_file(path.name, "unreadable", f"{type(err).__name__}: {err}")
@@ -64,13 +64,18 @@ def file_rows(path: Path, skips: Skips) -> Iterator[dict]:
         skips.skip_file(path.name, "empty" if not broken else "no valid JSON lines")
 
 
-def row_documents(rows: Iterable[dict], skips: Skips, source: str = "rows") -> Iterator[Document]:
-    """One document per row with a non-empty string "text" (newlines normalised); others are counted (`source`,
-    e.g. the file name, names where in an error of StrictSkips)."""
-    for i, row in enumerate(rows, 1):
+def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
+    """One document per row of a stream (`datasets` streaming): `numbered_documents`, rows counted from 1."""
+    return numbered_documents(enumerate(rows, 1), skips, "rows: JSON row")
+
+
+def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: str) -> Iterator[Document]:
+    """One document per (number, row) with a non-empty string "text" (newlines normalised); others are counted
+    (`where` and the number, e.g. "a.jsonl: line" 7, name the row in an error of StrictSkips)."""
+    for n, row in rows:
         text = row.get("text")
         if not isinstance(text, str):
-            skips.count("rows_without_text", where=f"{source}: JSON row {i}")
+            skips.count("rows_without_text", where=f"{where} {n}")
             continue
         text = normalize_newlines(text)
         if not text.strip():
@@ -81,4 +86,4 @@ def row_documents(rows: Iterable[dict], skips: Skips, source: str = "rows") -> I
 
 def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
     for path in files:
-        yield from row_documents(file_rows(path, skips), skips, path.name)
+        yield from numbered_documents(file_rows(path, skips), skips, f"{path.name}: line")

@@ -134,13 +134,18 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
     return None, progress
 
 
+def _tokenizer_matches(model: Path, sha256: str | None) -> bool:
+    """Whether the tokenizer file `model` exists and is the one whose SHA-256 a progress/index file recorded."""
+    return model.is_file() and hashlib.sha256(model.read_bytes()).hexdigest() == sha256
+
+
 def _incomplete(out: Path, index: dict) -> str | None:
     """What a finished preparation in `out` lacks besides its shards (checked by intact_prefix): its tokenizer (the
     one its shards were made with) and the training text's hash files its index names; None if nothing."""
     model = out / TOKENIZER
     if not model.is_file():
         return f"{TOKENIZER} is missing"
-    if hashlib.sha256(model.read_bytes()).hexdigest() != index.get("tokenizer_sha256"):
+    if not _tokenizer_matches(model, index.get("tokenizer_sha256")):
         return f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)"
     named = [index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")]
     missing = [name for name in named if name and not (out / name).is_file()]
@@ -294,8 +299,7 @@ def prepare(
     times["hash"], clock = time.perf_counter() - clock, time.perf_counter()  # inputs and finished shards
 
     model_file = out / TOKENIZER
-    reuse = state is not None and model_file.is_file() and \
-        hashlib.sha256(model_file.read_bytes()).hexdigest() == state.get("tokenizer_sha256")
+    reuse = state is not None and _tokenizer_matches(model_file, state.get("tokenizer_sha256"))
     sampler = None if reuse else LineSampler(sample_chars)
     n_docs, scan_skips = _scan(corpus, splitter, sampler, progress)
     if report := decontaminate.report(scan_skips):

@@ -51,7 +51,8 @@ class Splitter:
         """Force one document into an empty split; fail if there are fewer than two distinct documents."""
         if self._lowest[1] == self._highest[1]:
             n = sum(self._counts.values())
-            found = "found 1" if n == 1 else f"found {n}, all the same text"
+            found = "found 1" if n == 1 else \
+                f"found {n}, all with one id (the same text, or the pieces --exclude-overlap cut from one document)"
             raise DataError(f"need at least 2 distinct documents for a train/validation split; {found}")
         if self._counts["val"] == 0:
             self.forced[self._lowest[1]] = "val"

@@ -137,7 +137,7 @@ class Config:
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 MAX_MINUTES = 525_600  # trainer.max_minutes: at most a year (the trainer's timedelta overflows near 1.4e12)
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
-FLOAT32_MAX = 3.4028234663852886e38  # optim.lr above it overflows the optimizer's fp32 arithmetic
+FLOAT32_MAX = 3.4028234663852886e38  # AdamW's step size above it overflows its fp32 arithmetic
 SECTIONS = {"ModelConfig": "model", "DataConfig": "data", "OptimConfig": "optim", "TrainerConfig": "trainer",
             "CompressionConfig": "compression"}  # a section's name in YAML files and overrides
 
@@ -177,14 +177,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")
     o = cfg.optim
     _positive(o, "lr", "grad_clip")
-    if o.lr > FLOAT32_MAX:  # the optimizer's fp32 state multiplies by it
-        raise ConfigError(f"optim.lr must fit in float32 (<= {FLOAT32_MAX:.4g}), got {o.lr}")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
     if not all(0.0 <= beta < 1.0 for beta in o.betas):
         raise ConfigError(f"optim.betas must both be in [0, 1), got {list(o.betas)}")
+    if o.lr / (1 - o.betas[0]) > FLOAT32_MAX:  # AdamW's largest step size, lr / (1 - beta1) at its first step
+        raise ConfigError(f"optim.lr / (1 - optim.betas[0]) must fit in float32 (<= {FLOAT32_MAX:.4g}; AdamW's first "
+                          f"step size), got lr {o.lr}, betas[0] {o.betas[0]}")
     if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
         raise ConfigError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
     t = cfg.trainer

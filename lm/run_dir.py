@@ -68,11 +68,16 @@ def data_fingerprint(data: Path, index: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def _index_and_tokenizer(data: Path) -> tuple[dict[str, Any], Path]:
+    """The data directory's index.json ({} if none) and the tokenizer file it names."""
+    index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
+    return index, data / index.get("tokenizer", TOKENIZER)
+
+
 def read_provenance(data: Path) -> dict[str, Any]:
     """Data identity and tokenizer of the data directory `data` (resolved): {data_path, data_sha256,
     tokenizer_sha256, tokenizer_model}."""
-    index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
-    model = data / index.get("tokenizer", TOKENIZER)
+    index, model = _index_and_tokenizer(data)
     return {
         "data_path": str(data),
         "data_sha256": data_fingerprint(data, index) if index else None,
@@ -84,8 +89,7 @@ def read_provenance(data: Path) -> dict[str, Any]:
 def check_tokenizer(data: Path) -> None:
     """A one-line DataError if the data directory's tokenizer.model is not the one its index.json records (the
     shards were made with that one; checkpoints carry the file's bytes)."""
-    index = json.loads((data / "index.json").read_text()) if (data / "index.json").is_file() else {}
-    model = data / index.get("tokenizer", TOKENIZER)
+    index, model = _index_and_tokenizer(data)
     sha, recorded = _sha256(model), index.get("tokenizer_sha256")
     if sha is not None and recorded is not None and sha != recorded:
         raise DataError(f"data.path: {model} is not the tokenizer {data} was prepared with (SHA-256 {sha[:12]}, "

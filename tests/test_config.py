@@ -59,7 +59,9 @@ def test_bad_value() -> None:
     ("trainer.seed=-1", "trainer.seed must be in [0, 2**32)"), ("trainer.seed=4294967296", "trainer.seed"),
     ("optim.betas=[1.5,0.999]", "optim.betas must both be in [0, 1)"), ("optim.betas=[0.9,1.0]", "optim.betas"),
     ("optim.lr=nan", "optim.lr must be a finite number > 0, got nan"), ("optim.grad_clip=inf", "optim.grad_clip"),
-    ("optim.lr=1e300", "optim.lr must fit in float32 (<= 3.403e+38), got 1e+300"),
+    ("optim.lr=1e300", "optim.lr / (1 - optim.betas[0]) must fit in float32 (<= 3.403e+38; AdamW's first step "
+                       "size), got lr 1e+300, betas[0] 0.9"),
+    ("optim.lr=1e38", "got lr 1e+38, betas[0] 0.9"),  # fits float32, but AdamW's first step is lr / 0.1
     ("model.init_std=-1", "model.init_std"), ("model.init_std=nan", "model.init_std"),
     ("trainer.max_minutes=nan", "trainer.max_minutes must be a finite"), ("trainer.max_minutes=1e30", "trainer.max_minutes must be <="),
     ("optim.weight_decay=-5", "optim.weight_decay must be a finite number >= 0"),

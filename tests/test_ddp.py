@@ -11,7 +11,6 @@ at 2.5e-2 for MoSA and 4.8e-2 for Routing), validation losses within 1e-5 relati
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -184,26 +183,39 @@ def test_ddp_compression_training_with_full_memory_batches_matches_one_process(t
         assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
 
 
-def test_training_entry_points_release_the_process_group(tmp_path: Path) -> None:
+def test_training_entry_points_release_the_process_group(tmp_path: Path, monkeypatch) -> None:
     """lm.train.train and train_compressed destroy the process group DDP made when they return or raise: a gloo
     group left to the interpreter's exit now and then aborted a finished run (exit status -6, 'terminate called
-    without an active exception'; seen in test_ddp_compression_training_with_full_memory_batches_matches_one_process)."""
+    without an active exception'; seen in test_ddp_compression_training_with_full_memory_batches_matches_one_process).
+    Each entry point runs with its run set-up replaced by one that creates a group, as Lightning's DDP set-up does,
+    and then fails; a group the caller made before (e.g. under torchrun) stays the caller's."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no gloo backend")
-    from lm.train import process_group_released
+    import lm.compressed_training
+    import lm.train
+    from conftest import tiny_config
+    from lm.config import CompressionConfig
 
     def init(name: str) -> None:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1)
 
-    for fails in (False, True):
-        with pytest.raises(RuntimeError) if fails else contextlib.nullcontext():
-            with process_group_released():
-                init(f"store{fails}")  # as Lightning's DDP set-up does within training
-                if fails:
-                    raise RuntimeError("a failed run")
-        assert not dist.is_initialized()
-    init("callers")  # a group the caller made before (e.g. under torchrun) stays its own
-    with process_group_released():
+    def failing_start(name: str):
+        def start_run(*args, **kwargs):
+            init(name)
+            raise RuntimeError("a failed run")
+        return start_run
+
+    plain = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8)
+    compressed = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8)
+    compressed.compression = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, max_depth=2)
+    for module, entry, cfg in ((lm.train, lm.train.train, plain),
+                               (lm.compressed_training, lm.compressed_training.train_compressed, compressed)):
+        monkeypatch.setattr(module, "start_run", failing_start(entry.__name__))
+        with pytest.raises(RuntimeError, match="a failed run"):
+            entry(cfg)
+        assert not dist.is_initialized(), f"{entry.__name__} left its process group"
+    init("callers")
+    with lm.train.process_group_released():
         pass
     assert dist.is_initialized()
     dist.destroy_process_group()

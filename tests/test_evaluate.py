@@ -157,7 +157,8 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     rows = "".join(lines).encode()
     (tmp_path / "cut.json.gz").write_bytes(gzip.compress(rows)[:-40])  # a download cut short
     (tmp_path / "broken.jsonl").write_text("".join(lines[:4]) + "{not json\n" + "".join(lines[4:]))
-    (tmp_path / "notext.jsonl").write_bytes(rows + b'{"content": "no text field"}\n')
+    # blank lines count as lines: the error names the file's line, not the row's ordinal (201)
+    (tmp_path / "notext.jsonl").write_bytes(b"\n" + rows + b'\n{"content": "no text field"}\n')
     other = prepared_corpus(tmp_path / "other_corpus_root")  # same text, but its own tokenizer training run
     (other / "tokenizer.model").write_bytes((other / "tokenizer.model").read_bytes())
     index = json.loads((other / "index.json").read_text())
@@ -179,7 +180,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "broken.jsonl")],
          "broken.jsonl: 1 broken JSON line(s), first at line 5; nothing was evaluated"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "notext.jsonl")],
-         'notext.jsonl: JSON row 201 has no string "text" field; nothing was evaluated'),
+         'notext.jsonl: line 203 has no string "text" field; nothing was evaluated'),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
         (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
         (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),
