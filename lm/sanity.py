@@ -14,17 +14,19 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from lightning.pytorch.utilities import rank_zero_only
-
 from heads import make_options
 
 if TYPE_CHECKING:
     from lm.config import Config, DataConfig, ModelConfig
 
 
-@rank_zero_only
 def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    """One `warning:` line on stderr, on rank 0 only (Lightning's rank; imported here, not at module level, so that
+    the config and the FLOP calculators load without Lightning's import, which takes seconds)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if rank_zero_only.rank == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def config_warnings(cfg: Config) -> list[str]:

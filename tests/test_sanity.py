@@ -1,10 +1,13 @@
 """Config sanity warnings (lm/sanity.py): one line on stderr each, never an error."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from lm.config import load_config
 from lm.data import LMDataModule
 from tests.synthetic import run_overrides, write_prepared
@@ -76,3 +79,24 @@ def test_validation_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
         assert lines == []
     else:
         assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_warnings_print_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lm.sanity import warn
+
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # as Lightning's strategies set it on the other ranks
+    warn("from rank 1")
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    warn("from rank 0")
+    assert warnings_of(capsys.readouterr().err) == ["warning: from rank 0"]
+
+
+def test_the_config_and_the_flop_calculator_load_without_lightning() -> None:
+    """Lightning's import takes seconds; the IsoFLOP calculator (flops.isoflop) and config loading do not need it
+    (lm.sanity imports it when a warning is printed)."""
+    code = ("import sys, flops.isoflop, lm.config; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
