@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import command_line, hardware, positive_int, run_in_worker, script_parser, torch_device
+from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, positive_int, run_in_worker, script_parser,
+                       torch_device)
 
 VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
     "dense": ("dense", {}),
@@ -164,9 +165,6 @@ def reset_peak_rss() -> int:
     """Reset this process's peak RSS (VmHWM) to its current RSS (Linux clear_refs 5); that RSS in bytes."""
     Path("/proc/self/clear_refs").write_text("5")
     return _status_kib("VmRSS") * 1024
-
-
-CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # glibc: mmap (and unmap on free) every block >= 128 KiB
 
 
 def run_worker(spec: dict, env: dict[str, str] | None = None) -> dict:

@@ -9,8 +9,11 @@ Every config is measured in a fresh subprocess (honest peak RSS; no allocator st
 with the configs alternating (medians over rounds; the per-round time changes are printed too): random
 tokens, AdamW, forward + cross-entropy (+ auxiliary losses) + backward + step; `--warmup` steps are
 discarded, then the median of `--steps` timed steps. Peak memory is torch.cuda.max_memory_allocated
-on GPU and the process's peak RSS (ru_maxrss) on CPU, also shown above the RSS once torch, heads/
-and lm/ are imported (model, activations, gradients, optimizer state).
+on GPU. On CPU it is the peak RSS (ru_maxrss) of a second fresh process per config and round that runs two
+training steps with glibc mapping every block of 128 KiB or more (flops.cli.CPU_MEMORY_ENV), so that RSS follows the
+live tensors as CUDA's counter does (the timing process keeps the default allocator); also shown above the RSS once
+torch, torch._dynamo (which the optimizer loads), heads/ and lm/ are imported (model, activations, gradients,
+optimizer state).
 KV is MoSA Table 2's "KV Total" (one layer: T*H_dense + k*H_sparse) and the sum over layers, next to
 the measured fill: after the timed steps (MoSA's thresholds moved by them), one sequence of T tokens is
 prefilled into lm/generate.py's cache and the key/value entries actually stored are counted, of the
@@ -28,7 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flops.cli import command_line, hardware, nonnegative_int, positive_int, run_in_worker, script_parser, torch_device
+from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, positive_int, run_in_worker,
+                       script_parser, torch_device)
 from flops.model import model_cost
 from flops.presets import baseline
 from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
@@ -59,13 +63,14 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
     import resource
 
     import torch
+    import torch._dynamo  # noqa: F401  (the optimizer imports it, and sympy, on construction: ~140 MB of runtime)
     import torch.nn.functional as F
 
     from heads import commit_states
     from lm.model import build_model, checkpoint_blocks
 
     torch.set_num_threads(threads)
-    rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + heads + lm loaded
+    rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + heads + lm + dynamo loaded
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
     checkpoint_blocks(model, checkpointing)
@@ -129,6 +134,9 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing
     spec = {"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
             "device": a.device, "threads": a.threads, "checkpointing": checkpointing}
     result = run_in_worker("bench.resources", spec, name)
+    if not a.device.startswith("cuda"):  # memory from a process whose RSS follows the live tensors (module doc)
+        memory = run_in_worker("bench.resources", {**spec, "steps": 1, "warmup": 1}, name, env=CPU_MEMORY_ENV)
+        result.update(peak_mem_bytes=memory["peak_mem_bytes"], mem_above_import=memory["mem_above_import"])
     cost = model_cost(cfg)
     return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""), "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
             "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
@@ -224,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.threads} thread(s)  \n"
         f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "
         f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
-        f"each config in a fresh process; {a.rounds} round(s) of all configs in turn, medians over rounds.  \n"
+        f"each config in a fresh process; {a.rounds} round(s) of all configs in turn, medians over rounds"
+        + ("" if a.device.startswith("cuda") else "; CPU memory from a second process of 2 steps per config and "
+           "round with MALLOC_MMAP_THRESHOLD_=131072 (RSS follows the live tensors)") + ".  \n"
         + "".join(f"Wall-time change per round, {r['name']}: "
                   + ", ".join(f"{100 * (x[i]['step_ms'] / x[0]['step_ms'] - 1):+.1f}%" for x in rounds) + "  \n"
                   for i, r in enumerate(results) if i)

@@ -1,7 +1,7 @@
 """C4 (allenai/c4 format): JSON lines {"text", "timestamp", "url"}, one document per line.
 
-The same `row_documents` turns rows into documents for local *.json.gz files and for
-`datasets` streaming of allenai/c4, so both routes give identical documents and splits.
+The same `numbered_documents` turns rows into documents for local *.json.gz files (`file_documents`) and for
+`datasets` streaming of allenai/c4 (`row_documents`), so both routes give identical documents and splits.
 """
 from __future__ import annotations
 

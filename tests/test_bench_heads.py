@@ -46,7 +46,8 @@ def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
     timed worker the caller's environment (normally glibc's default)."""
     import os
 
-    from bench.heads import CPU_MEMORY_ENV, run_worker
+    from bench.heads import run_worker
+    from flops.cli import CPU_MEMORY_ENV
 
     spec = dict(type="dense", options={}, count=1, T=16, d_model=16, head_dim=8, batch=1, repeats=0, device="cpu")
     assert run_worker(spec, CPU_MEMORY_ENV)["mmap_threshold"] == "131072"

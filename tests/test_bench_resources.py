@@ -44,3 +44,29 @@ def test_rounds_combine_each_rounds_own_memory_above_import() -> None:
     assert (r["step_ms"], r["peak_mem_bytes"], r["mem_above_import"]) == (20.0, 150, 55)
     assert r["tokens_per_s"] == 1000 / 20.0
     assert resources.combine([{**rounds[0], "mem_above_import": None}])["mem_above_import"] is None  # CUDA
+
+
+def test_cpu_memory_comes_from_a_process_whose_rss_follows_the_live_tensors(monkeypatch) -> None:  # noqa: ANN001
+    """On CPU each config's peak memory is measured again in a second worker with glibc's fixed mmap threshold
+    (flops.cli.CPU_MEMORY_ENV) over two steps, and the table's memory is that worker's; time and KV stay the timing
+    worker's. On CUDA (max_memory_allocated) one worker does both."""
+    from flops.cli import CPU_MEMORY_ENV
+    from lm.config import load_config
+
+    calls = []
+
+    def worker(module, spec, name, env=None):  # noqa: ANN001, ANN202
+        calls.append((spec["steps"], spec["warmup"], env))
+        memory = env == CPU_MEMORY_ENV
+        return {"step_ms": 5.0 if memory else 7.0, "peak_mem_bytes": 1 if memory else 2,
+                "mem_above_import": 3 if memory else 4, "kv_stored": None if memory else 9}
+
+    monkeypatch.setattr(resources, "run_in_worker", worker)
+    cfg = load_config(str(ROOT / "configs" / "quickstart.yaml")).model
+    args = resources.argparse.Namespace(batch=1, steps=4, warmup=2, device="cpu", threads=1)
+    r = resources.run_worker("q", cfg, args)
+    assert calls == [(4, 2, None), (1, 1, CPU_MEMORY_ENV)]
+    assert (r["step_ms"], r["peak_mem_bytes"], r["mem_above_import"], r["kv_stored"]) == (7.0, 1, 3, 9)
+    calls.clear()
+    resources.run_worker("q", cfg, resources.argparse.Namespace(**{**vars(args), "device": "cuda"}))
+    assert calls == [(4, 2, None)]
