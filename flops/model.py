@@ -142,6 +142,7 @@ PEAK_TFLOPS_FP32: dict[str, float] = {
     "L40S": 91.6,
     "L40": 90.5,
     "L4": 30.3,
+    "A10G": 35.0,  # AWS's variant: fewer tensor-core FLOP/s than the A10 (70 vs 125 above), more on the CUDA cores
     "A10": 31.2,
     "V100-PCIE": 14.0,
     "V100": 15.7,  # SXM2

@@ -164,14 +164,18 @@ def validate(cfg: Config) -> Config:
         if not 0 <= layer < m.n_layers:
             raise ConfigError(f"model.layer_heads: layer {layer} outside [0, {m.n_layers})")
     for layer in range(m.n_layers):
+        where = f"model.layer_heads.{layer}" if layer in m.layer_heads else "model.heads"  # the mix as written
         if not m.mix(layer):
-            raise ConfigError(f"model.heads: layer {layer} has an empty head mix")
+            raise ConfigError(f"{where}: layer {layer} has an empty head mix")
         for g in m.mix(layer):
-            opts = make_options(g.type, dict(g.options), m.group_context(layer))
-            opts.validate_length(g.type, m.seq_len)
-            if g.count < 1:
-                raise ConfigError(f"model.heads: {g.type} count must be >= 1, got {g.count}")
-            opts.validate_count(g.count)
+            try:
+                opts = make_options(g.type, dict(g.options), m.group_context(layer))
+                opts.validate_length(g.type, m.seq_len)
+                if g.count < 1:
+                    raise ConfigError(f"{g.type} count must be >= 1, got {g.count}")
+                opts.validate_count(g.count)
+            except ConfigError as err:
+                raise ConfigError(f"{where}: {err}") from None
     _positive(cfg.data, "batch_size", "val_batches")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")

@@ -239,3 +239,18 @@ def test_tiny_shaped_experiments_train_with_the_dense_baselines_recipe(path: Pat
     configs/tiny.yaml: same data, batch and optimizer (App. H), or the comparison is not at equal tokens."""
     cfg, tiny = load_config(path), load_config(CONFIGS / "tiny.yaml")
     assert (cfg.data, cfg.optim, cfg.trainer.max_steps) == (tiny.data, tiny.optim, tiny.trainer.max_steps)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.heads=[]", "model.heads: layer 0 has an empty head mix"),
+    ("model.layer_heads={1: []}", "model.layer_heads.1: layer 1 has an empty head mix"),
+    ("model.heads.0.count=0", "model.heads: dense count must be >= 1, got 0"),
+    ("model.layer_heads={1: [{type: dense, count: 0}]}", "model.layer_heads.1: dense count must be >= 1, got 0"),
+    ("model.layer_heads={2: [{type: mosa, count: 2, options: {sparsity: 2048}}]}",
+     "model.layer_heads.2: mosa sparsity 2048 > model.seq_len 1024"),
+    ("model.layer_heads={1: [{type: dense, count: 2, options: {window: 5}}]}",
+     "model.layer_heads.1: head type 'dense': unknown option(s) window; allowed: impl"),
+])
+def test_a_head_group_error_names_the_mix_it_is_in(override: str, message: str) -> None:
+    """A per-layer override's group is named as model.layer_heads.<layer>, the shared mix's as model.heads."""
+    assert error_of(None, override) == message
