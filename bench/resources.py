@@ -129,13 +129,16 @@ def measured_kv(model: Any, tokens: Any) -> tuple[int | None, int | None]:
     return sum(n for n, _ in fill), sum(c for _, c in fill)
 
 
+MEMORY_STEPS = {"warmup": 1, "steps": 1}  # the CPU memory worker's: the second step's peak holds AdamW's moments
+
+
 def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing: bool = False) -> dict[str, Any]:
     """Measure one config in a fresh Python process."""
     spec = {"model": dataclasses.asdict(cfg), "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
             "device": a.device, "threads": a.threads, "checkpointing": checkpointing}
     result = run_in_worker("bench.resources", spec, name)
     if not a.device.startswith("cuda"):  # memory from a process whose RSS follows the live tensors (module doc)
-        memory = run_in_worker("bench.resources", {**spec, "steps": 1, "warmup": 1}, name, env=CPU_MEMORY_ENV)
+        memory = run_in_worker("bench.resources", {**spec, **MEMORY_STEPS}, name, env=CPU_MEMORY_ENV)
         result.update(peak_mem_bytes=memory["peak_mem_bytes"], mem_above_import=memory["mem_above_import"])
     cost = model_cost(cfg)
     return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""), "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
@@ -233,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "
         f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
         f"each config in a fresh process; {a.rounds} round(s) of all configs in turn, medians over rounds"
-        + ("" if a.device.startswith("cuda") else "; CPU memory from a second process of 2 steps per config and "
-           "round with MALLOC_MMAP_THRESHOLD_=131072 (RSS follows the live tensors)") + ".  \n"
+        + ("" if a.device.startswith("cuda") else
+           f"; CPU memory from a second process of {sum(MEMORY_STEPS.values())} steps per config and round with "
+           f"{' '.join(f'{k}={v}' for k, v in CPU_MEMORY_ENV.items())} (RSS follows the live tensors)") + ".  \n"
         + "".join(f"Wall-time change per round, {r['name']}: "
                   + ", ".join(f"{100 * (x[i]['step_ms'] / x[0]['step_ms'] - 1):+.1f}%" for x in rounds) + "  \n"
                   for i, r in enumerate(results) if i)

@@ -71,7 +71,7 @@ def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
 
 def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: str) -> Iterator[Document]:
     """One document per (number, row) with a non-empty string "text" (newlines normalised); others are counted
-    (`where` and the number, e.g. "a.jsonl: line" 7, name the row in an error of StrictSkips)."""
+    (`where` and the number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7")."""
     for n, row in rows:
         text = row.get("text")
         if not isinstance(text, str):

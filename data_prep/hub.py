@@ -1,7 +1,8 @@
 """Streaming from the Hugging Face hub with `datasets` (for online users; nothing is downloaded whole).
 
-Rows from the stream go through the same `row_documents` functions as the local files, so e.g.
-C4 documents get the same ids (and the same train/val split) whether read locally or streamed.
+Rows from the stream become documents as the local files' rows do (C4: c4.numbered_documents; Gutenberg: the same
+header/footer stripping), so e.g. C4 documents get the same ids (and the same train/val split) whether read locally
+or streamed.
 """
 from __future__ import annotations
 

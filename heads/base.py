@@ -91,7 +91,7 @@ class HeadOptions:
         other sizes extend it."""
         sparsity = getattr(self, "sparsity", None)
         if sparsity is not None and sparsity > seq_len:
-            raise ConfigError(f"{head} sparsity {sparsity} > model.seq_len {seq_len}")
+            raise ConfigError(f"{head}: options.sparsity = {sparsity} > model.seq_len {seq_len}")
 
     def at_most(self, head: str, name: str, seq_len: int, otherwise: str) -> None:
         """validate_length's check that options.<name> <= T, where the head would degenerate (`otherwise`)."""

@@ -38,7 +38,7 @@ CASES = [
     ("option-type", [*TRAIN, MOSA % "{sparsity: abc}"], 2, r"mosa.*option sparsity must be an int, got 'abc'"),
     ("option-float-for-int", [*TRAIN, MOSA % "{sparsity: 2.5}"], 2, r"option sparsity must be an int, got 2\.5"),
     ("option-bool", [*TRAIN, MOSA % "{keep_first: maybe}"], 2, r"option keep_first must be a bool, got 'maybe'"),
-    ("sparsity-above-seq-len", [*TRAIN, MOSA % "{sparsity: 64}"], 2, r"model\.heads: mosa sparsity 64 > model\.seq_len 32"),
+    ("sparsity-above-seq-len", [*TRAIN, MOSA % "{sparsity: 64}"], 2, r"model\.heads: mosa: options\.sparsity = 64 > model\.seq_len 32"),
     ("unknown-option", [*TRAIN, MOSA % "{rho: 4}"], 2, r"unknown option\(s\) rho"),
     pytest.param("accelerator-gpu", [*TRAIN, "trainer.accelerator=gpu"], 2,
                  r"trainer\.accelerator=gpu .* 0 CUDA GPU", marks=NO_GPU, id="accelerator-gpu"),

@@ -247,7 +247,7 @@ def test_tiny_shaped_experiments_train_with_the_dense_baselines_recipe(path: Pat
     ("model.heads.0.count=0", "model.heads: dense count must be >= 1, got 0"),
     ("model.layer_heads={1: [{type: dense, count: 0}]}", "model.layer_heads.1: dense count must be >= 1, got 0"),
     ("model.layer_heads={2: [{type: mosa, count: 2, options: {sparsity: 2048}}]}",
-     "model.layer_heads.2: mosa sparsity 2048 > model.seq_len 1024"),
+     "model.layer_heads.2: mosa: options.sparsity = 2048 > model.seq_len 1024"),
     ("model.layer_heads={1: [{type: dense, count: 2, options: {window: 5}}]}",
      "model.layer_heads.1: head type 'dense': unknown option(s) window; allowed: impl"),
 ])

@@ -11,6 +11,7 @@ at 2.5e-2 for MoSA and 4.8e-2 for Routing), validation losses within 1e-5 relati
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -206,7 +207,7 @@ def test_training_entry_points_release_the_process_group(tmp_path: Path, monkeyp
         return start_run
 
     plain = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8)
-    compressed = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8)
+    compressed = copy.deepcopy(plain)
     compressed.compression = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, max_depth=2)
     for module, entry, cfg in ((lm.train, lm.train.train, plain),
                                (lm.compressed_training, lm.compressed_training.train_compressed, compressed)):
