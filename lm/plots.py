@@ -1,31 +1,66 @@
-"""Training curves as PNG: validation perplexity against tokens seen (from metrics.json history)."""
+"""Training curves as PNG: validation perplexity against tokens seen (from metrics.json history).
+
+    python -m lm.plots runs/dense runs/mosa --out curves.png [--title TEXT]   # several runs on one plot
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
 
-def plot_val_curve(history: list[dict[str, Any]], path: str | Path, title: str = "") -> Path | None:
-    """Write the validation-perplexity curve of `history` (entries with tokens_seen, val_ppl; log scale)
-    to `path`; None (nothing written) when there are fewer than two validations."""
-    points = [(h["tokens_seen"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
-    if len(points) < 2:
+def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "") -> Path | None:
+    """Write the validation-perplexity curve of each history (label -> entries with tokens_seen, val_ppl; log
+    scale) to `path`; None (nothing written) when no history has two validations."""
+    curves = {label: [(h["tokens_seen"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
+              for label, history in histories.items()}
+    curves = {label: points for label, points in curves.items() if len(points) >= 2}
+    if not curves:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tokens, ppl = zip(*points)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([t / 1e6 for t in tokens], ppl, marker="o")
+    for label, points in curves.items():
+        tokens, ppl = zip(*points)
+        ax.plot([t / 1e6 for t in tokens], ppl, marker="o", label=label or None)
     ax.set_yscale("log")
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("validation perplexity")
     ax.set_title(title or "validation perplexity")
     ax.grid(alpha=0.3, which="both")
+    if any(curves):
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Plot the validation curves of training runs (metrics.json) together.")
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--title", default="", help="plot title")
+    args = parser.parse_args(argv)
+    histories = {}
+    for run in args.runs:
+        metrics = run / "metrics.json"
+        if not metrics.is_file():
+            print(f"error: {run}: no metrics.json (not a training run directory, or no validation yet)", file=sys.stderr)
+            return 2
+        histories[run.name] = json.loads(metrics.read_text()).get("history", [])
+    if plot_val_curves(histories, args.out, args.title) is None:
+        print("error: no run has two validations to draw a curve through", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,7 +34,7 @@ from lm.errors import Interrupted
 from lm.model import build_model
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
-from lm.plots import plot_val_curve
+from lm.plots import plot_val_curves
 from lm.preemption import Preemption, received_sigterm
 from lm.run_dir import claim
 from lm.step_logger import StepLogger
@@ -348,7 +348,7 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     out = Path(cfg.trainer.out_dir)
     curve = None  # drawn from two validations on
     if trainer.is_global_zero:
-        curve = plot_val_curve(module.val_history, out / "val_curve.png", title=out.name)
+        curve = plot_val_curves({"": module.val_history}, out / "val_curve.png", title=out.name)
     rank_zero_info(
         f"outputs: TensorBoard `tensorboard --logdir {out / 'tb'}` | checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | "
         f"metrics {out / 'metrics.json'}" + (f" | curve {curve}" if curve else "")

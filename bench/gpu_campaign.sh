@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# The GPU campaign (issue 14): the stack where its users run it, on one CUDA GPU, in one or two device calls.
+#
+#   bash bench/gpu_campaign.sh [PHASE ...]      PHASE: tests timing mfu (default: all three, in that order)
+#
+#   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed), and beside it,
+#           runs that need correctness but no clean timing: DeepSpeed ZeRO-2 and DDP, each stopped by SIGTERM
+#           half-way and resumed (bench/resume_check.py), and a short C4 run of dense Tiny vs the IsoFLOP MoSA
+#           hybrid (4 dense + 276 MoSA heads, rho 32) with their validation curves in one PNG (lm/plots.py)
+#   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
+#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda)
+#   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
+#
+# A step whose run directory already has metrics.json (an earlier call on the same warm machine) is not rerun.
+# Inputs, made on a CPU machine first and carried (git-ignored): .carry/shared_data (a copy of ../shared/data,
+# which the tests read), .whl/ (what the GPU image lacks: deepspeed,
+# datasets, omegaconf and their missing dependencies, see bench/results/gpu_tests.md) and .carry/c4 (C4 from
+# ../shared/data/c4: python -m data_prep.prepare --source c4 --src ../shared/data/c4 --out .carry/c4
+# --val-fraction 0.05). Results go to $OUT/campaign.tgz (re-packed after every step, so a call stopped at its limit
+# still returns what finished) and the log to $OUT/campaign.log. BUDGET_S (default 560) is this call's time: a
+# step that cannot finish in what is left is skipped, and says so.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_campaign_out}
+BUDGET_S=${BUDGET_S:-560}
+END=$(( $(date +%s) + BUDGET_S ))
+C=/tmp/campaign            # result files (packed into $OUT/campaign.tgz)
+R=/tmp/campaign_runs       # run directories (checkpoints stay here)
+mkdir -p "$OUT" "$C" "$R"
+exec > >(tee -a "$OUT/campaign.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+PHASES=${*:-tests timing mfu}
+DATA=.carry/c4
+[ -d .carry/shared_data ] && export SHARED_DATA=$PWD/.carry/shared_data  # ../shared/data for the tests (carried copy)
+
+left() { echo $(( END - $(date +%s) )); }
+pack() { tar czf "$OUT/campaign.tgz.part" -C "$(dirname $C)" "$(basename $C)" && mv "$OUT/campaign.tgz.part" "$OUT/campaign.tgz"; }
+# step NAME SECONDS COMMAND...: run COMMAND under a time limit of SECONDS (less if less is left), log its status
+step() {
+    local name=$1 want=$2; shift 2
+    local have=$(( $(left) - 15 ))
+    if (( have < 20 )); then echo "== $name: SKIPPED ($have s left)"; echo "$name skipped" >> $C/status.txt; return; fi
+    local limit=$(( want < have ? want : have )) t0=$(date +%s)
+    echo "== $name (limit ${limit}s): $*"
+    timeout -s INT -k 20 "$limit" "$@"  # SIGINT: pytest and Lightning stop and report; local rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - t0 ))s"
+    echo "$name exit $rc $(( $(date +%s) - t0 ))s" >> $C/status.txt
+    pack
+}
+
+echo "== campaign $(date -u +%FT%TZ), phases: $PHASES, budget ${BUDGET_S}s"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| triton', triton.__version__, '| cuDNN', torch.backends.cudnn.version(), '|', torch.cuda.get_device_name(0))"
+    python3 -m pip list 2>/dev/null | grep -i -E "^(lightning|deepspeed|datasets|pytest|pytest-xdist|flash.attn|numpy|sentencepiece|omegaconf) "
+    nproc; free -g | head -2
+} > $C/environment.txt 2>&1
+cat $C/environment.txt
+
+# `make test` as on any machine; the GPU image has its own Python with torch: a stand-in .venv for make
+VENV=/tmp/gpu_venv
+mkdir -p $VENV/bin && printf '#!/bin/sh\nexec python3 "$@"\n' > $VENV/bin/python && chmod +x $VENV/bin/python && touch $VENV/.installed
+
+train() {  # train NAME CONFIG OVERRIDES...: train_lm.py into $R/NAME, keep its metrics, curve and log
+    local name=$1 config=$2; shift 2
+    [ -f $R/$name/metrics.json ] && { echo "$name: done in an earlier call"; return 0; }
+    python3 train_lm.py --config "$config" data.path=$DATA trainer.out_dir=$R/$name --overwrite "$@" > $C/$name.log 2>&1
+    local rc=$?
+    cp $R/$name/metrics.json $C/$name.metrics.json 2>/dev/null; cp $R/$name/val_curve.png $C/$name.png 2>/dev/null
+    tail -3 $C/$name.log
+    return $rc
+}
+export -f train; export DATA R C
+ISOFLOP_MOSA=("model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]")
+C4_RUN=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
+        trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2.5)
+RESUME=(data.batch_size=16 data.val_batches=4 optim.warmup_steps=10)
+
+background_checks() {
+    python3 -m bench.resume_check --config configs/tiny.yaml --steps 50 --work $R/resume_zero2 --out $C/resume_zero2.md \
+        data.path=$DATA trainer.strategy=deepspeed_stage_2 "${RESUME[@]}" > $C/resume_zero2.log 2>&1
+    echo "resume_check zero2 exit $?" >> $C/status.txt
+    python3 -m bench.resume_check --config configs/tiny.yaml --steps 50 --work $R/resume_ddp --out $C/resume_ddp.md \
+        data.path=$DATA trainer.strategy=ddp "${RESUME[@]}" > $C/resume_ddp.log 2>&1
+    echo "resume_check ddp exit $?" >> $C/status.txt
+    cp $R/resume_*/*.log $C/ 2>/dev/null
+}
+c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, curves against tokens
+    (train c4_dense configs/tiny.yaml "${C4_RUN[@]}"; echo "c4_dense exit $?" >> $C/status.txt) &
+    (train c4_mosa_isoflop configs/tiny.yaml "${ISOFLOP_MOSA[@]}" "${C4_RUN[@]}"; echo "c4_mosa exit $?" >> $C/status.txt) &
+    wait
+    python3 -m lm.plots $R/c4_dense $R/c4_mosa_isoflop --out $C/c4_dense_vs_mosa.png \
+        --title "C4, Tiny: dense 9 vs 4 + 276 MoSA (rho 32), equal FLOPs"
+}
+
+for phase in $PHASES; do case $phase in
+tests)
+    background_checks & checks=$!
+    c4_runs & c4=$!
+    XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+    export PYTEST_ADDOPTS="$XDIST --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
+    step make-test 240 make test VENV=$VENV > $C/tests.log 2>&1
+    unset PYTEST_ADDOPTS
+    tail -30 $C/tests.log
+    step wait-background 200 bash -c "while kill -0 $checks 2>/dev/null || kill -0 $c4 2>/dev/null; do sleep 1; done"
+    kill $checks $c4 2>/dev/null
+    cat $C/resume_zero2.md $C/resume_ddp.md 2>/dev/null; tail -2 $C/resume_*.log
+    ;;
+timing)
+    step table2 120 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
+        --rounds 2 --warmup 3 --steps 10 --out $C/gpu_table2.md
+    step isoflop 120 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
+        --rounds 2 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
+    step heads 150 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 9 \
+        --T 1024 4096 8192 --batch 4 --repeats 10 --out $C/gpu_heads.md
+    ;;
+mfu)
+    MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
+    step mfu_tiny_eager 60 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
+    step mfu_small_eager 80 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
+    step mfu_tiny_compiled 120 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
+    step mfu_small_compiled 150 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
+    python3 -m flops.mfu $R/mfu_* > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
+    ;;
+*) echo "unknown phase $phase (tests, timing, mfu)"; exit 2;;
+esac; pack; done
+echo "== done, $(left)s of the budget left"; cat $C/status.txt
+pack
