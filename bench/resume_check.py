@@ -23,23 +23,13 @@ from pathlib import Path
 import torch
 
 from flops.cli import ROOT, command_line, hardware, positive_int, script_parser
+from lm.run_logs import tb_scalars
 
 
 def command(config: str, out: Path, overrides: list[str], steps: int, *extra: str) -> list[str]:
     return [sys.executable, str(ROOT / "train_lm.py"), "--config", config, *overrides, f"trainer.out_dir={out}",
             f"trainer.max_steps={steps}", "trainer.log_every=1", f"trainer.val_every={steps}",
             f"trainer.ckpt_every={max(1, steps // 2)}", *extra]
-
-
-def losses(run: Path) -> dict[int, float]:
-    """train/loss by optimizer step from the run's TensorBoard events ({} before the first is written)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not (run / "tb").is_dir():
-        return {}
-    acc = EventAccumulator(str(run / "tb"))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss")} if "train/loss" in acc.Tags()["scalars"] else {}
 
 
 def train(cmd: list[str], run: Path, log: Path, stop_after: int | None = None, timeout: float = 1800) -> int:
@@ -89,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_line = (logs["B stopped"].read_text().strip().splitlines() or [""])[-1]
     match = re.search(r"stopped by SIGTERM at step (\d+)", stop_line)
     stopped = int(match.group(1)) if match else None
-    la, lb = losses(a), losses(b)
+    la, lb = tb_scalars(a, "train/loss"), tb_scalars(b, "train/loss")
     noise = largest_difference(la, lb, range(1, (stopped or 0) + 1))
     after = largest_difference(la, lb, range((stopped or args.steps) + 1, args.steps + 1))
     va, vb = final_val_loss(a), final_val_loss(b)
@@ -97,7 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.6g}"
 
-    ok = stopped is not None and status == {"A": 0, "B stopped": 128 + signal.SIGTERM, "B resumed": 0}
+
+    ran = (stopped is not None and status == {"A": 0, "B stopped": 128 + signal.SIGTERM, "B resumed": 0}
+           and len(la) == len(lb) == args.steps and None not in (va, vb))
+    val_diff = None if va is None or vb is None else abs(va - vb)
+    if not ran:
+        verdict = f"FAILED: a run did not do its part (exit statuses, steps logged); see the logs in {args.work}"
+    elif after == 0 and val_diff == 0:
+        verdict = "the resumed run equals the uninterrupted one, bit for bit"
+    else:
+        verdict = (f"the resumed run differs from the uninterrupted one by up to {num(after)} in train/loss after the "
+                   f"resume, against {num(noise)} of run-to-run noise before the stop")
     report = "\n".join([
         f"Device: {hardware('cuda' if torch.cuda.is_available() else 'cpu')}; torch {torch.__version__}  ",
         f"Command: `{command_line(['-m', 'bench.resume_check'], argv)}`",
@@ -109,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"B stopped at step {stopped if stopped is not None else '? (' + stop_line + ')'} of {args.steps}. "
         f"max |A - B| train/loss: {num(noise)} up to the stop (run-to-run noise), {num(after)} after the resume; "
-        f"final val loss |A - B| = {num(None if va is None or vb is None else abs(va - vb))}.",
+        f"final val loss |A - B| = {num(val_diff)}.",
         "",
-        "Resume " + ("ran" if ok else "FAILED: see the logs in " + str(args.work)) + ".",
+        f"Verdict: {verdict}.",
     ])
     print(report)
     if args.out:
         args.out.write_text(report + "\n")
-    return 0 if ok else 1
+    return 0 if ran else 1
 
 
 if __name__ == "__main__":

@@ -62,19 +62,6 @@ def run_overrides(data: Path, out: Path, **trainer: object) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def tb_scalars(run: Path, tag: str) -> dict[int, float]:
-    """{step: value} of one TensorBoard scalar a training run in `run` (trainer.out_dir) logged."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values: dict[int, float] = {}
-    for events in (run / "tb").glob("events.out.tfevents.*"):  # train and validation writers
-        acc = EventAccumulator(str(events))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values |= {e.step: e.value for e in acc.Scalars(tag)}
-    return values
-
-
 def wait_for_file(proc: subprocess.Popen, path: Path, timeout: float = 120) -> bool:
     """Poll until `path` exists (e.g. a training run's first checkpoint), `proc` ends or `timeout` seconds pass;
     whether it exists."""

@@ -13,8 +13,9 @@ from heads import ConfigError
 from lm.compressed_training import LayoutBatches, LayoutSampler, document_windows
 from lm.config import load_config
 from lm.data import TrainBatches, open_split
+from lm.run_logs import tb_scalars
 from lm.train import train
-from tests.synthetic import run_overrides, tb_scalars, write_prepared
+from tests.synthetic import run_overrides, write_prepared
 
 WEIGHT_RTOL = 1e-5  # max |w_A - w_1| / max |w_1| per tensor after 6 AdamW steps: fp32 summation order only
 

@@ -16,8 +16,9 @@ from lm.checkpoint import load_model
 from lm.config import load_config
 from lm.data import DataError, LMDataModule, TrainBatches, ValWindows, open_split
 from lm.module import LMModule
+from lm.run_logs import tb_scalars
 from lm.schedule import lr_factor
-from tests.synthetic import run_overrides, tb_scalars, write_prepared
+from tests.synthetic import run_overrides, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 

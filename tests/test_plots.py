@@ -1,0 +1,44 @@
+"""lm/plots.py: several runs' validation curves in one PNG (python -m lm.plots), and its one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lm import plots
+
+
+def _run(path: Path, ppl: list[float]) -> Path:
+    path.mkdir(parents=True)
+    history = [{"step": 10 * i, "tokens_seen": 1000 * i, "val_loss": 0.0, "val_ppl": p} for i, p in enumerate(ppl, 1)]
+    (path / "metrics.json").write_text(json.dumps({"history": history}))
+    return path
+
+
+def test_two_runs_in_one_png_labelled_by_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn = {}
+    real = plots.plot_val_curves
+
+    def spy(histories, path, title=""):
+        drawn.update(histories)
+        return real(histories, path, title)
+
+    monkeypatch.setattr(plots, "plot_val_curves", spy)
+    runs = [_run(tmp_path / "dense", [90.0, 60.0]), _run(tmp_path / "mosa", [80.0, 50.0, 40.0])]
+    out = tmp_path / "curves.png"
+    assert plots.main([*map(str, runs), "--out", str(out), "--title", "dense vs mosa"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(drawn) == ["dense", "mosa"] and [h["val_ppl"] for h in drawn["mosa"]] == [80.0, 50.0, 40.0]
+
+
+def test_a_run_with_one_validation_is_left_out_and_none_at_all_is_an_error(tmp_path: Path, capsys) -> None:
+    assert plots.plot_val_curves({"a": [{"tokens_seen": 1, "val_ppl": 9.0}]}, tmp_path / "x.png") is None
+    assert plots.main([str(_run(tmp_path / "short", [9.0])), "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == "error: no run has two validations to draw a curve through\n"
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_directory_without_metrics_is_named(tmp_path: Path, capsys) -> None:
+    assert plots.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing'}: no metrics.json (not a training run directory, or no validation yet)\n"
