@@ -42,7 +42,8 @@ step() {
     if (( have < 20 )); then echo "== $name: SKIPPED ($have s left)"; echo "$name skipped" >> $C/status.txt; return; fi
     local limit=$(( want < have ? want : have )) t0=$(date +%s)
     echo "== $name (limit ${limit}s): $*"
-    timeout -s INT -k 20 "$limit" "$@"  # SIGINT: pytest and Lightning stop and report; local rc=$?
+    # SIGINT at the limit: pytest and Lightning stop and still report what they did
+    timeout -s INT -k 30 "$limit" "$@"; local rc=$?
     echo "== $name: exit $rc after $(( $(date +%s) - t0 ))s"
     echo "$name exit $rc $(( $(date +%s) - t0 ))s" >> $C/status.txt
     pack
@@ -75,41 +76,43 @@ train() {  # train NAME CONFIG OVERRIDES...: train_lm.py into $R/NAME, keep its 
     tail -3 $C/$name.log
     return $rc
 }
-export -f train; export DATA R C
-ISOFLOP_MOSA=("model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]")
-C4_RUN=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
-        trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2.5)
-RESUME=(data.batch_size=16 data.val_batches=4 optim.warmup_steps=10)
-
-background_checks() {
-    python3 -m bench.resume_check --config configs/tiny.yaml --steps 50 --work $R/resume_zero2 --out $C/resume_zero2.md \
-        data.path=$DATA trainer.strategy=deepspeed_stage_2 "${RESUME[@]}" > $C/resume_zero2.log 2>&1
-    echo "resume_check zero2 exit $?" >> $C/status.txt
-    python3 -m bench.resume_check --config configs/tiny.yaml --steps 50 --work $R/resume_ddp --out $C/resume_ddp.md \
-        data.path=$DATA trainer.strategy=ddp "${RESUME[@]}" > $C/resume_ddp.log 2>&1
-    echo "resume_check ddp exit $?" >> $C/status.txt
-    cp $R/resume_*/*.log $C/ 2>/dev/null
+background_checks() {  # ZeRO-2, then DDP: stopped by SIGTERM half-way and resumed, vs uninterrupted
+    local strategy
+    for strategy in deepspeed_stage_2 ddp; do
+        python3 -m bench.resume_check --config configs/tiny.yaml --steps 50 --work $R/resume_$strategy \
+            --out $C/resume_$strategy.md data.path=$DATA trainer.strategy=$strategy data.batch_size=16 \
+            data.val_batches=4 optim.warmup_steps=10 > $C/resume_$strategy.log 2>&1
+        echo "resume_check $strategy exit $?" >> $C/status.txt
+        for f in $R/resume_$strategy/*.log; do cp "$f" "$C/resume_${strategy}_$(basename "$f")"; done 2>/dev/null
+    done
 }
 c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, curves against tokens
-    (train c4_dense configs/tiny.yaml "${C4_RUN[@]}"; echo "c4_dense exit $?" >> $C/status.txt) &
-    (train c4_mosa_isoflop configs/tiny.yaml "${ISOFLOP_MOSA[@]}" "${C4_RUN[@]}"; echo "c4_mosa exit $?" >> $C/status.txt) &
+    local run=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
+               trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2.5)
+    (train c4_dense configs/tiny.yaml "${run[@]}"; echo "c4_dense exit $?" >> $C/status.txt) &
+    (train c4_mosa_isoflop configs/tiny.yaml "${run[@]}" \
+        "model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]"
+     echo "c4_mosa_isoflop exit $?" >> $C/status.txt) &
     wait
     python3 -m lm.plots $R/c4_dense $R/c4_mosa_isoflop --out $C/c4_dense_vs_mosa.png \
         --title "C4, Tiny: dense 9 vs 4 + 276 MoSA (rho 32), equal FLOPs"
 }
+export -f train background_checks c4_runs; export DATA R C
 
 for phase in $PHASES; do case $phase in
 tests)
-    background_checks & checks=$!
-    c4_runs & c4=$!
+    setsid bash -c background_checks & checks=$!  # own process groups: killed whole if they overrun
+    setsid bash -c c4_runs & c4=$!
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-    export PYTEST_ADDOPTS="$XDIST --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
+    # pytest-timeout >= 2.3 ends the session between tests in time to print its summary and write the junit file
+    SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? $(left) - 55 : 200 ))")
+    export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
     step make-test 240 make test VENV=$VENV > $C/tests.log 2>&1
     unset PYTEST_ADDOPTS
     tail -30 $C/tests.log
     step wait-background 200 bash -c "while kill -0 $checks 2>/dev/null || kill -0 $c4 2>/dev/null; do sleep 1; done"
-    kill $checks $c4 2>/dev/null
-    cat $C/resume_zero2.md $C/resume_ddp.md 2>/dev/null; tail -2 $C/resume_*.log
+    kill -KILL -- -$checks -$c4 2>/dev/null  # overran: a training run defers SIGTERM to the end of its step
+    cat $C/resume_*.md 2>/dev/null
     ;;
 timing)
     step table2 120 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
