@@ -8,7 +8,7 @@
 # .whl/          wheels for the GPU image (Python 3.12, x86-64) of what it lacks: deepspeed (PyPI has only its
 #                source; built here as a pure-Python wheel, ops compiled on first use), datasets, omegaconf, and
 #                their dependencies missing there (dill, multiprocess, hjson, pydantic and its three), plus the
-#                versions this stack needs of protobuf and typing_extensions; versions as in .venv
+#                typing_extensions that pydantic needs; versions as in .venv
 # .carry/c4      C4 from SHARED_DATA/c4 prepared as for training (SentencePiece 8000, 5% validation)
 # .carry/shared_data   a copy of SHARED_DATA for the tests (../shared does not travel to the device)
 set -euo pipefail
@@ -20,8 +20,8 @@ PY=.venv/bin/python
 version() { $PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
 rm -rf .whl && mkdir .whl
-BINARY=(datasets dill multiprocess hjson pydantic pydantic_core annotated-types typing-inspection omegaconf protobuf
-        typing_extensions)
+BINARY=(datasets dill multiprocess hjson pydantic pydantic_core annotated-types typing-inspection omegaconf
+        typing_extensions)  # not protobuf: a newer runtime than the image's TensorBoard was built for could break it
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
