@@ -17,7 +17,8 @@
 # datasets, omegaconf and their missing dependencies, see bench/results/gpu_tests.md) and .carry/c4 (C4 from
 # ../shared/data/c4: python -m data_prep.prepare --source c4 --src ../shared/data/c4 --out .carry/c4
 # --val-fraction 0.05). Results go to $OUT/campaign.tgz (re-packed after every step, so a call stopped at its limit
-# still returns what finished) and the log to $OUT/campaign.log. BUDGET_S (default 560) is this call's time: a
+# still returns what finished) and the log to $OUT/campaign.log; `python -m bench.gpu_campaign_results
+# campaign.tgz` (with campaign.log beside it) turns them into bench/results/gpu_*.md. BUDGET_S (default 560) is this call's time: a
 # step that cannot finish in what is left is skipped, and says so.
 set -u
 cd "$(dirname "$0")/.."

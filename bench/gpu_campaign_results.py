@@ -1,0 +1,147 @@
+"""The GPU campaign's output (bench/gpu_campaign.sh: $OUT/campaign.tgz) as the committed result files.
+
+    python -m bench.gpu_campaign_results /work/.device/.../campaign.tgz [--results bench/results]
+
+Writes, each headed by the machine, the library versions and the campaign's own command lines for it:
+gpu_tests.md (the CUDA test run from pytest's junit file: counts, every failure and error with its message,
+skips grouped by reason, and whether the session ran to its end), gpu_table2.md (bench/resources.py, Tiny pair),
+gpu_isoflop_heads.md (the IsoFLOP pair and bench/heads.py), gpu_mfu.md (flops.mfu of the MFU runs),
+gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with gpu_c4_dense_vs_mosa.png (the short
+C4 run). A part the campaign did not produce is written as missing, with the step's status line, never left out.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+from flops.cli import ROOT, script_parser
+
+
+def read(path: Path) -> str | None:
+    return path.read_text(errors="replace") if path.is_file() else None
+
+
+def header(title: str, c: Path, steps: list[str]) -> list[str]:
+    """Title, environment.txt, and each step's command line (the campaign log) and status line (status.txt)."""
+    log = (read(c.parent / "campaign.log") or "") + (read(c / "tests.log") or "")  # make-test's lines go to tests.log
+    commands = {m.group(1): m.group(2) for m in re.finditer(r"^== (\S+) \(limit \d+s\): (.*)$", log, re.M)}
+    status = (read(c / "status.txt") or "").splitlines()
+    lines = [f"# {title}", "", "Machine and versions (environment.txt of `bash bench/gpu_campaign.sh`):", "", "```",
+             (read(c / "environment.txt") or "missing").strip(), "```", ""]
+    for step in steps:
+        command = f"`{commands[step]}`" if step in commands else "(bench/gpu_campaign.sh, not a timed step)"
+        done = [line for line in status if line.startswith(step + " ")]
+        lines.append(f"- {step}: {command}; status: {'; '.join(done) if done else 'not run'}")
+    return lines + [""]
+
+
+def tests_report(c: Path) -> list[str]:
+    lines = header("The test suite on a GPU (`make test`, Triton compiled, pytest-xdist)", c, ["make-test"])
+    xml, log = c / "tests.xml", read(c / "tests.log") or ""
+    if not xml.is_file():
+        return lines + ["**Missing**: no junit file; the end of the log:", "", "```", log[-3000:], "```"]
+    cases = ET.parse(xml).getroot().iter("testcase")
+    outcome: Counter[str] = Counter()
+    failures, skips = [], Counter()
+    for case in cases:
+        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        kind = kinds[0] if kinds else "passed"
+        outcome[kind] += 1
+        if kind in ("failure", "error"):
+            message = (case.find(kind).get("message") or "").strip().splitlines()
+            failures.append(f"- {kind}: `{name}`: {message[0][:300] if message else '(no message)'}")
+        elif kind == "skipped":
+            skips[(case.find("skipped").get("message") or "").strip()] += 1
+    ended = "session-timeout" not in log and "KeyboardInterrupt" not in log
+    lines += [f"passed {outcome['passed']}, failed {outcome['failure']}, errors {outcome['error']}, skipped "
+              f"{outcome['skipped']}" + ("" if ended else " (**the session was cut short**: the tests not listed did not run)"),
+              "", "## Failures and errors", "", *(failures or ["none"]), "", "## Skipped, by reason", ""]
+    lines += [f"- {n} x {reason}" for reason, n in skips.most_common()] or ["none"]
+    slowest = re.search(r"=+ slowest \d+ durations =+\n(.*?)(?:\n\n|\n=)", log, re.S)
+    if slowest:
+        lines += ["", "## Slowest", "", "```", slowest.group(1).strip(), "```"]
+    return lines
+
+
+def copied(title: str, c: Path, steps: list[str], files: list[str]) -> list[str]:
+    """A report made of benchmark outputs: each file of the campaign in `files`, or 'missing'."""
+    lines = header(title, c, steps)
+    for name in files:
+        text = read(c / name)
+        lines += [text.strip() if text else f"**Missing**: `{name}` was not written (see the status above).", ""]
+    return lines
+
+
+def c4_report(c: Path, results: Path) -> list[str]:
+    lines = header("Short C4 run: dense Tiny vs the IsoFLOP MoSA hybrid", c, ["c4_dense", "c4_mosa_isoflop"])
+    lines += ["Both trained side by side during the test run (the same GPU contention; 250 steps of batch 16 x 1024 "
+              "tokens, lr 1e-3, 30 warm-up steps, at most 2.5 minutes each), validated every 25 steps.", "",
+              "| run | steps | tokens | final val loss | val ppl | tokens/s (contended) | peak memory (GB) |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for run in ("c4_dense", "c4_mosa_isoflop"):
+        text = read(c / f"{run}.metrics.json")
+        if text is None:
+            lines.append(f"| {run} | missing: {((read(c / f'{run}.log') or 'no log').strip().splitlines() or [''])[-1][:200]} |||||")
+            continue
+        m = json.loads(text)
+        lines.append(f"| {run} | {m.get('step')} | {m.get('tokens_seen'):,} | {m.get('val_loss', float('nan')):.4f} | "
+                     f"{m.get('val_ppl', float('nan')):.1f} | {m.get('tokens_per_s', float('nan')):,.0f} | "
+                     f"{(m.get('peak_mem_bytes') or 0) / 1e9:.2f} |")
+    png = c / "c4_dense_vs_mosa.png"
+    if png.is_file():
+        shutil.copy(png, results / "gpu_c4_dense_vs_mosa.png")
+        lines += ["", "![validation curves](gpu_c4_dense_vs_mosa.png)"]
+    else:
+        lines += ["", "**Missing**: no curve PNG (a run had fewer than two validations, or did not run)."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = script_parser(__doc__)
+    parser.add_argument("campaign", type=Path, help="campaign.tgz, or the folder it unpacks to")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where the reports go")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.campaign.is_file():
+            with tarfile.open(args.campaign) as tar:
+                tar.extractall(tmp, filter="data")
+            c = Path(tmp) / "campaign"
+            log = args.campaign.parent / "campaign.log"
+            if log.is_file():
+                shutil.copy(log, Path(tmp) / "campaign.log")
+        else:
+            c = args.campaign
+        if not (c / "environment.txt").is_file():
+            print(f"error: {args.campaign}: not a campaign output (no campaign/environment.txt)", file=sys.stderr)
+            return 2
+        args.results.mkdir(parents=True, exist_ok=True)
+        mfu = [f"mfu_{size}_{mode}" for size in ("tiny", "small") for mode in ("eager", "compiled")]
+        reports = {
+            "gpu_tests.md": tests_report(c),
+            "gpu_table2.md": copied("MoSA Table 2, Tiny, T = 1024, batch 64, bf16: 9 dense vs 4 dense + 17 MoSA (rho 32)",
+                                    c, ["table2"], ["gpu_table2.md"]),
+            "gpu_isoflop_heads.md": copied("IsoFLOP Tiny (4 dense + 276 MoSA, rho 32) vs dense, and head groups at "
+                                           "T = 1k/4k/8k", c, ["isoflop", "heads"],
+                                           ["gpu_isoflop_resources.md", "gpu_heads.md"]),
+            "gpu_mfu.md": copied("Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", c, mfu,
+                                 ["gpu_mfu.md"]),
+            "gpu_deepspeed.md": copied("DeepSpeed ZeRO-2 and DDP on one GPU: stopped by SIGTERM, resumed, compared", c,
+                                       ["resume_check"], ["resume_deepspeed_stage_2.md", "resume_ddp.md"]),
+            "gpu_c4.md": c4_report(c, args.results),
+        }
+        for name, lines in reports.items():
+            (args.results / name).write_text("\n".join(lines).rstrip() + "\n")
+            print(f"wrote {args.results / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""bench/gpu_campaign_results.py: the campaign's output becomes the result files; what is missing says so."""
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+from bench import gpu_campaign_results as results
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="tests.test_a" name="test_ok" time="0.1" />
+<testcase classname="tests.test_a" name="test_bad[3]" time="0.2"><failure message="AssertionError: 2 != 3&#10;more">x</failure></testcase>
+<testcase classname="tests.test_b" name="test_gpu" time="0.0"><skipped message="no flash-attn here" /></testcase>
+<testcase classname="tests.test_c" name="test_gpu2" time="0.0"><skipped message="no flash-attn here" /></testcase>
+</testsuite></testsuites>"""
+
+
+def _campaign(tmp_path: Path) -> Path:
+    c = tmp_path / "campaign"
+    c.mkdir()
+    (c / "environment.txt").write_text("NVIDIA H100 80GB HBM3, 580.1\npython 3.12.3 | torch 2.11.0\n")
+    (c / "tests.xml").write_text(JUNIT)
+    (c / "tests.log").write_text("== make-test (limit 240s): make test VENV=/tmp/gpu_venv\n4 tests, 1 failed\n")
+    (c / "status.txt").write_text("make-test exit 1 80s\ntable2 exit 0 50s\nc4_dense exit 0\n")
+    (c / "gpu_table2.md").write_text("| Wall-time/step | 100 | 90 |\n")
+    (c / "resume_ddp.md").write_text("Verdict: the resumed run equals the uninterrupted one, bit for bit.\n")
+    (c / "c4_dense.metrics.json").write_text(json.dumps({"step": 250, "tokens_seen": 4_096_000, "val_loss": 5.0,
+                                                         "val_ppl": 148.4, "tokens_per_s": 1e5, "peak_mem_bytes": 3e9}))
+    (c / "c4_mosa_isoflop.log").write_text("loading\nRuntimeError: CUDA out of memory\n")
+    (tmp_path / "campaign.log").write_text("== table2 (limit 120s): python3 -m bench.resources --pair table2-tiny\n")
+    return c
+
+
+def test_reports_from_a_packed_campaign(tmp_path: Path) -> None:
+    c = _campaign(tmp_path)
+    with tarfile.open(tmp_path / "campaign.tgz", "w:gz") as tar:
+        tar.add(c, arcname="campaign")
+    out = tmp_path / "results"
+    assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(out)]) == 0
+
+    tests = (out / "gpu_tests.md").read_text()
+    assert "NVIDIA H100 80GB HBM3" in tests and "make-test: `make test VENV=/tmp/gpu_venv`; status: make-test exit 1 80s" in tests
+    assert "passed 1, failed 1, errors 0, skipped 2\n" in tests
+    assert "- failure: `tests/test_a.py::test_bad[3]`: AssertionError: 2 != 3\n" in tests
+    assert "- 2 x no flash-attn here" in tests
+
+    table2 = (out / "gpu_table2.md").read_text()
+    assert "table2: `python3 -m bench.resources --pair table2-tiny`; status: table2 exit 0 50s" in table2
+    assert "| Wall-time/step | 100 | 90 |" in table2
+
+    deepspeed = (out / "gpu_deepspeed.md").read_text()
+    assert "**Missing**: `resume_deepspeed_stage_2.md` was not written" in deepspeed and "bit for bit" in deepspeed
+    assert "**Missing**: `gpu_mfu.md`" in (out / "gpu_mfu.md").read_text()
+
+    c4 = (out / "gpu_c4.md").read_text()
+    assert "| c4_dense | 250 | 4,096,000 | 5.0000 | 148.4 | 100,000 | 3.00 |" in c4
+    assert "| c4_mosa_isoflop | missing: RuntimeError: CUDA out of memory |" in c4
+    assert "**Missing**: no curve PNG" in c4
+
+
+def test_a_cut_short_session_says_so(tmp_path: Path) -> None:
+    c = _campaign(tmp_path)
+    (c / "tests.log").write_text("!!!! session-timeout: 88.0 sec exceeded !!!!\n")
+    assert results.main([str(c), "--results", str(tmp_path / "r")]) == 0
+    assert "(**the session was cut short**: the tests not listed did not run)" in (tmp_path / "r" / "gpu_tests.md").read_text()
+
+
+def test_not_a_campaign_is_one_line(tmp_path: Path, capsys) -> None:
+    assert results.main([str(tmp_path), "--results", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: not a campaign output (no campaign/environment.txt)\n"
