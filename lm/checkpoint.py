@@ -206,6 +206,19 @@ def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tu
     return None
 
 
+def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> Path | None:
+    """The newest complete DeepSpeed checkpoint of a run: its `step<N>.ckpt` directories newest first, then
+    last.ckpt, the first holding the `latest` file that DeepSpeed writes after every shard; `skipped(path, why)`
+    for each incomplete one passed over. None if the run has none."""
+    for path in [*step_files(directory), directory / "last.ckpt"]:
+        if not path.is_dir():
+            continue
+        if (path / "latest").is_file():
+            return path
+        skipped(path, "an incomplete DeepSpeed checkpoint (no 'latest' file: its save was interrupted)")
+    return None
+
+
 def remove_temp_files(directory: Path) -> list[Path]:
     """Delete `.<name>.tmp<pid>` files that `atomic_write` leaves when the process is killed mid-write."""
     found = sorted(directory.glob(".*.tmp*")) if directory.is_dir() else []

@@ -25,8 +25,8 @@ from omegaconf import OmegaConf
 
 from heads import ConfigError
 from lm.accumulation import StepTimer
-from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_loadable, read_checkpoint,
-                           remove_temp_files, set_aside_after)
+from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed, newest_loadable,
+                           read_checkpoint, remove_temp_files, set_aside_after)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -205,16 +205,34 @@ class ResumePoint(NamedTuple):
     step: int | None  # its optimizer step (None: a DeepSpeed directory not named step<N>.ckpt)
 
 
+def step_number(path: Path) -> int | None:
+    """N of a checkpoint named step<N>.ckpt, else None (last.ckpt)."""
+    digits = path.name.removeprefix("step").removesuffix(".ckpt")
+    return int(digits) if digits.isdigit() else None
+
+
 def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
-    """`resume="last"` (--resume) -> the newest loadable checkpoint of this run, saying which damaged ones it
-    passed over (None, i.e. a fresh start, if there is none yet); a path (--resume-from PATH) -> that path,
+    """`resume="last"` (--resume) -> the newest loadable checkpoint of this run (under DeepSpeed: the newest
+    complete checkpoint directory), saying which damaged ones it passed over (None, i.e. a fresh start, if there is
+    none yet); a path (--resume-from PATH) -> that path,
     which must load. The checkpoint's model config and trainer.accumulate_grad_batches must equal this run's
     (checked for single-file checkpoints; DeepSpeed writes directories, the only ones accepted)."""
     if resume is None:
         return None
     flag = "--resume" if resume == "last" else "--resume-from"
+
+    def skipping(path: Path, why: str) -> None:
+        say(f"warning: --resume: skipping {path.name}: {why}")
+
+    if resume == "last" and cfg.trainer.strategy == "deepspeed_stage_2":  # DeepSpeed writes directories
+        newest = newest_deepspeed(ckpt_dir(cfg), skipping)
+        if newest is None:
+            say(f"--resume: no complete DeepSpeed checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
+            return None
+        say(f"--resume: continuing from {newest}")
+        return ResumePoint(str(newest), step_number(newest))
     if resume == "last":
-        found = newest_loadable(ckpt_dir(cfg), lambda p, why: say(f"warning: --resume: skipping {p.name}: {why}"))
+        found = newest_loadable(ckpt_dir(cfg), skipping)
         if found is None:
             say(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
@@ -226,8 +244,7 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
                 raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
                                   f"checkpoints as directories; this run's trainer.strategy is "
                                   f"{cfg.trainer.strategy}); give a .ckpt file")
-            digits = path.name.removeprefix("step").removesuffix(".ckpt")
-            return ResumePoint(str(path), int(digits) if digits.isdigit() else None)
+            return ResumePoint(str(path), step_number(path))
         try:
             ckpt = read_checkpoint(path)
         except CheckpointError as err:

@@ -379,6 +379,34 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
         resume_path(same, str(out / "checkpoints"))
 
 
+def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_path: Path, capsys) -> None:
+    """Under DeepSpeed, step<N>.ckpt and last.ckpt are directories (sharded states in checkpoint/, then the
+    `latest` file written after every shard): --resume takes the newest one holding `latest`, names any incomplete
+    one it passes over, and with none starts from scratch (it used to skip directories and always start afresh)."""
+    from lm.train import resume_path
+
+    cfg = load_config(None, f"trainer.out_dir={tmp_path / 'run'}", "trainer.strategy=deepspeed_stage_2")
+    ckpts = tmp_path / "run" / "checkpoints"
+
+    def deepspeed_dir(name: str, complete: bool) -> Path:
+        (ckpts / name / "checkpoint").mkdir(parents=True)
+        (ckpts / name / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        if complete:
+            (ckpts / name / "latest").write_text("checkpoint")
+        return ckpts / name
+
+    ckpts.mkdir(parents=True)
+    assert resume_path(cfg, "last") is None
+    assert "--resume: no complete DeepSpeed checkpoint in" in capsys.readouterr().err
+    deepspeed_dir("step0000010.ckpt", complete=True)
+    deepspeed_dir("step0000025.ckpt", complete=True)
+    deepspeed_dir("step0000030.ckpt", complete=False)  # killed while saving
+    assert resume_path(cfg, "last") == (str(ckpts / "step0000025.ckpt"), 25)
+    err = capsys.readouterr().err
+    assert "warning: --resume: skipping step0000030.ckpt: an incomplete DeepSpeed checkpoint (no 'latest' file" in err
+    assert f"--resume: continuing from {ckpts / 'step0000025.ckpt'}" in err
+
+
 def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path) -> None:
     """trainer.deterministic=true trains a MoSA hybrid under torch.use_deterministic_algorithms (which the fused
     kernels follow, heads/gathered_triton.py); two runs end with bitwise-equal weights."""
