@@ -19,12 +19,14 @@ two, in a process with the default allocator (the fixed threshold makes every la
 page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's
 parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many
 parameters as the dense group, so this is the activation memory the head's implementation is responsible for.
-The column "saved" counts exactly the bytes one forward pass keeps for backward (`saved_bytes`): no allocator,
-no noise, the same on any machine.
+Precision: fp32 on CPU, bf16 autocast on CUDA (as training's bf16-mixed: flash SDPA, the Triton kernels' bf16
+tiles). The column "saved" counts exactly the bytes one forward pass keeps for backward (`saved_bytes`): no allocator,
+no noise, the same on any machine at one precision.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -123,8 +125,14 @@ def worker(spec: dict) -> dict:
     pos = torch.arange(T, device=device).expand(spec["batch"], T)
     cot = torch.randn_like(x)  # a dense upstream gradient, as in training (not sum()'s broadcast ones)
 
+    def precision() -> contextlib.AbstractContextManager:
+        """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles)."""
+        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
     def step() -> None:
-        group(x, pos).backward(cot)
+        with precision():
+            y = group(x, pos)
+        y.backward(cot)
         x.grad = None
         group.zero_grad(set_to_none=True)
 
@@ -150,8 +158,10 @@ def worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
+    with precision():
+        saved = saved_bytes(group, x, pos)
     return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes,
-            "saved_bytes": saved_bytes(group, x, pos),
+            "saved_bytes": saved,
             "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
@@ -237,7 +247,8 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         "# Head groups vs dense heads at equal forward FLOPs (bench/heads.py)",
         "",
         f"Machine: {hardware(args.device)}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}; Python {platform.python_version()}.",
+        f"threads {torch.get_num_threads()}; Python {platform.python_version()}; "
+        + ("bf16 autocast (as training's bf16-mixed)." if args.device.startswith("cuda") else "fp32."),
         f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
         f"Time = median fwd+bwd of {args.repeats} steps after two, median over {args.rounds} alternating rounds "
