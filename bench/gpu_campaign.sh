@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # The GPU campaign (issue 14): the stack where its users run it, on one CUDA GPU, in one or two device calls.
 #
-#   bash bench/gpu_campaign.sh [PHASE ...]      PHASE: tests timing mfu (default: all three, in that order)
+#   bash bench/gpu_campaign.sh [PHASE ...]      PHASE: timing mfu tests (default: all three, in that order)
 #
+# A session's 15 device minutes hold two calls, the machine's starts included:
+#   run(command="BUDGET_S=440 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=470)
+#   run(command="BUDGET_S=<budget_left_s - 130> bash bench/gpu_campaign.sh tests", same carry)
+# (the second call finds the first's results on a machine still warm, or starts a fresh one: 4 minutes or more left).
+#
+#   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
+#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
+#   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
 #   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed), and beside it,
 #           runs that need correctness but no clean timing: DeepSpeed ZeRO-2 and DDP, each stopped by SIGTERM
 #           half-way and resumed (bench/resume_check.py), and a short C4 run of dense Tiny vs the IsoFLOP MoSA
 #           hybrid (4 dense + 276 MoSA heads, rho 32) with their validation curves in one PNG (lm/plots.py)
-#   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
-#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda)
-#   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
 #
-# A step whose run directory already has metrics.json (an earlier call on the same warm machine) is not rerun.
-# Inputs, made on a CPU machine first and carried (git-ignored): .carry/shared_data (a copy of ../shared/data,
-# which the tests read), .whl/ (what the GPU image lacks: deepspeed,
-# datasets, omegaconf and their missing dependencies, see bench/results/gpu_tests.md) and .carry/c4 (C4 from
-# ../shared/data/c4: python -m data_prep.prepare --source c4 --src ../shared/data/c4 --out .carry/c4
-# --val-fraction 0.05). Results go to $OUT/campaign.tgz (re-packed after every step, so a call stopped at its limit
-# still returns what finished) and the log to $OUT/campaign.log; `python -m bench.gpu_campaign_results
-# campaign.tgz` (with campaign.log beside it) turns them into bench/results/gpu_*.md. BUDGET_S (default 560) is this call's time: a
-# step that cannot finish in what is left is skipped, and says so.
+# A training run that finished in an earlier call on the same warm machine is not rerun.
+# Inputs, made on the CPU machine first by bench/gpu_campaign_inputs.sh and carried (git-ignored): .whl/ (wheels
+# of what the GPU image lacks: deepspeed, datasets, omegaconf and their missing dependencies), .carry/c4 (prepared
+# C4) and .carry/shared_data (a copy of ../shared/data, which the tests read). Results go to $OUT/campaign.tgz
+# (re-packed after every step, so a call stopped at its limit still returns what finished) and the log to
+# $OUT/campaign.log; back on the CPU machine `python -m bench.gpu_campaign_results <each call's campaign.tgz>` turns
+# them into bench/results/gpu_*.md. BUDGET_S (default 560) is this call's time: a step that cannot finish in what
+# is left is skipped, and says so.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_campaign_out}
@@ -30,7 +34,7 @@ R=/tmp/campaign_runs       # run directories (checkpoints stay here)
 mkdir -p "$OUT" "$C" "$R"
 exec > >(tee -a "$OUT/campaign.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-PHASES=${*:-tests timing mfu}
+PHASES=${*:-timing mfu tests}
 DATA=.carry/c4
 [ -d .carry/shared_data ] && export SHARED_DATA=$PWD/.carry/shared_data  # ../shared/data for the tests (carried copy)
 
@@ -70,9 +74,10 @@ mkdir -p $VENV/bin && printf '#!/bin/sh\nexec python3 "$@"\n' > $VENV/bin/python
 
 train() {  # train NAME CONFIG OVERRIDES...: train_lm.py into $R/NAME, keep its metrics, curve and log
     local name=$1 config=$2; shift 2
-    [ -f $R/$name/metrics.json ] && { echo "$name: done in an earlier call"; return 0; }
+    [ -f $R/$name/.campaign_done ] && { echo "$name: done in an earlier call"; return 0; }
     python3 train_lm.py --config "$config" data.path=$DATA trainer.out_dir=$R/$name --overwrite "$@" > $C/$name.log 2>&1
     local rc=$?
+    (( rc == 0 )) && touch $R/$name/.campaign_done  # metrics.json alone also marks a run stopped after a validation
     cp $R/$name/metrics.json $C/$name.metrics.json 2>/dev/null; cp $R/$name/val_curve.png $C/$name.png 2>/dev/null
     tail -3 $C/$name.log
     return $rc
@@ -120,22 +125,23 @@ tests)
     cat $C/resume_*.md 2>/dev/null
     ;;
 timing)
-    step table2 120 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
+    step table2 100 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_table2.md
-    step isoflop 120 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
+    step isoflop 100 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
-    step heads 150 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 9 \
+    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 9 \
         --T 1024 4096 8192 --batch 4 --repeats 10 --out $C/gpu_heads.md
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
-    step mfu_tiny_eager 60 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
-    step mfu_small_eager 80 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
-    step mfu_tiny_compiled 120 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
-    step mfu_small_compiled 150 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
-    python3 -m flops.mfu $R/mfu_* > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
+    step mfu_tiny_eager 50 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
+    step mfu_small_eager 60 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
+    step mfu_tiny_compiled 100 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
+    step mfu_small_compiled 110 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
+    done=$(for r in $R/mfu_*; do [ -f $r/.campaign_done ] && echo $r; done)  # one unfinished run would void the table
+    [ -n "$done" ] && python3 -m flops.mfu $done > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
     ;;
-*) echo "unknown phase $phase (tests, timing, mfu)"; exit 2;;
+*) echo "unknown phase $phase (timing, mfu, tests)"; exit 2;;
 esac; pack; done
 echo "== done, $(left)s of the budget left"; cat $C/status.txt
 pack

@@ -1,6 +1,6 @@
 """The GPU campaign's output (bench/gpu_campaign.sh: $OUT/campaign.tgz) as the committed result files.
 
-    python -m bench.gpu_campaign_results /work/.device/.../campaign.tgz [--results bench/results]
+    python -m bench.gpu_campaign_results CALL1/campaign.tgz [CALL2/campaign.tgz] [--results bench/results]
 
 Writes, each headed by the machine, the library versions and the campaign's own command lines for it:
 gpu_tests.md (the CUDA test run from pytest's junit file: counts, every failure and error with its message,
@@ -104,23 +104,54 @@ def c4_report(c: Path, results: Path) -> list[str]:
     return lines
 
 
+class NotACampaign(ValueError):
+    """A path given as a campaign output that is not one: the message is one line."""
+
+
+def gather(sources: list[Path], into: Path) -> Path:
+    """Each call's output (campaign.tgz with campaign.log beside it, or the unpacked campaign folder) merged into
+    `into`/campaign, later calls' files over earlier ones', status and environment lines once each; the folder."""
+    c = into / "campaign"
+    c.mkdir()
+    status, environments, logs = [], [], []
+    for source in sources:
+        with tempfile.TemporaryDirectory() as one:
+            folder = source
+            if source.is_file():
+                try:
+                    with tarfile.open(source) as tar:
+                        tar.extractall(one, filter="data")
+                except tarfile.TarError as err:
+                    raise NotACampaign(f"{source}: not a campaign.tgz ({str(err).splitlines()[0]})") from None
+                folder = Path(one) / "campaign"
+            if not (folder / "environment.txt").is_file():
+                raise NotACampaign(f"{source}: not a campaign output (no campaign/environment.txt)")
+            for path in folder.iterdir():
+                if path.name == "status.txt":
+                    status += path.read_text().splitlines()
+                elif path.name == "environment.txt":
+                    environments.append(path.read_text().strip())
+                elif path.is_file():
+                    shutil.copy(path, c / path.name)
+        log = source.parent / "campaign.log"
+        logs.append(log.read_text(errors="replace") if log.is_file() else "")
+    (c / "status.txt").write_text("".join(line + "\n" for line in dict.fromkeys(status)))
+    (c / "environment.txt").write_text("\n--- next call, another machine:\n".join(dict.fromkeys(environments)) + "\n")
+    (into / "campaign.log").write_text("".join(logs))
+    return c
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__)
-    parser.add_argument("campaign", type=Path, help="campaign.tgz, or the folder it unpacks to")
+    parser.add_argument("campaign", type=Path, nargs="+",
+                        help="each device call's campaign.tgz (campaign.log beside it), or the folder it unpacks to")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="where the reports go")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.campaign.is_file():
-            with tarfile.open(args.campaign) as tar:
-                tar.extractall(tmp, filter="data")
-            c = Path(tmp) / "campaign"
-            log = args.campaign.parent / "campaign.log"
-            if log.is_file():
-                shutil.copy(log, Path(tmp) / "campaign.log")
-        else:
-            c = args.campaign
-        if not (c / "environment.txt").is_file():
-            print(f"error: {args.campaign}: not a campaign output (no campaign/environment.txt)", file=sys.stderr)
+        try:
+            c = gather(args.campaign, Path(tmp))
+        except NotACampaign as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
         args.results.mkdir(parents=True, exist_ok=True)
         mfu = [f"mfu_{size}_{mode}" for size in ("tiny", "small") for mode in ("eager", "compiled")]

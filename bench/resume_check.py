@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (out, flag, stop_after) in run.items():
         logs[name] = args.work / f"{name.replace(' ', '_')}.log"
         status[name] = train(command(args.config, out, args.overrides, args.steps, flag), out, logs[name], stop_after)
-    stop_line = (logs["B stopped"].read_text().strip().splitlines() or [""])[-1]
-    match = re.search(r"stopped by SIGTERM at step (\d+)", stop_line)
-    stopped = int(match.group(1)) if match else None
+    stop_log = logs["B stopped"].read_text()
+    found = re.findall(r"stopped by SIGTERM at step (\d+)", stop_log)  # not only the last line: shutdown warnings follow
+    stopped = int(found[-1]) if found else None
+    stop_line = (stop_log.strip().splitlines() or [""])[-1]
     la, lb = tb_scalars(a, "train/loss"), tb_scalars(b, "train/loss")
     noise = largest_difference(la, lb, range(1, (stopped or 0) + 1))
     after = largest_difference(la, lb, range((stopped or args.steps) + 1, args.steps + 1))
@@ -88,11 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         return "-" if x is None else f"{x:.6g}"
 
 
+    from_scratch = "--resume: continuing from" not in logs["B resumed"].read_text()  # no checkpoint found: no resume
     ran = (stopped is not None and status == {"A": 0, "B stopped": 128 + signal.SIGTERM, "B resumed": 0}
-           and len(la) == len(lb) == args.steps and None not in (va, vb))
+           and not from_scratch and len(la) == len(lb) == args.steps and None not in (va, vb))
     val_diff = None if va is None or vb is None else abs(va - vb)
     if not ran:
-        verdict = f"FAILED: a run did not do its part (exit statuses, steps logged); see the logs in {args.work}"
+        verdict = ("FAILED: " + ("B's --resume did not continue from a checkpoint" if from_scratch else
+                                 "a run did not do its part (exit statuses, steps logged)") + f"; see the logs in {args.work}")
     elif after == 0 and val_diff == 0:
         verdict = "the resumed run equals the uninterrupted one, bit for bit"
     else:

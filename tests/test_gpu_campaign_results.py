@@ -17,7 +17,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 
 def _campaign(tmp_path: Path) -> Path:
     c = tmp_path / "campaign"
-    c.mkdir()
+    c.mkdir(parents=True)
     (c / "environment.txt").write_text("NVIDIA H100 80GB HBM3, 580.1\npython 3.12.3 | torch 2.11.0\n")
     (c / "tests.xml").write_text(JUNIT)
     (c / "tests.log").write_text("== make-test (limit 240s): make test VENV=/tmp/gpu_venv\n4 tests, 1 failed\n")
@@ -68,3 +68,34 @@ def test_a_cut_short_session_says_so(tmp_path: Path) -> None:
 def test_not_a_campaign_is_one_line(tmp_path: Path, capsys) -> None:
     assert results.main([str(tmp_path), "--results", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path}: not a campaign output (no campaign/environment.txt)\n"
+
+
+def test_two_calls_are_merged(tmp_path: Path) -> None:
+    """Call 1 (timing, mfu) and call 2 (tests, on the same warm machine: its status.txt repeats call 1's lines)."""
+    first = _campaign(tmp_path / "call1")
+    (first / "tests.xml").unlink()
+    (first / "status.txt").write_text("table2 exit 0 50s\n")
+    second = tmp_path / "call2" / "campaign"
+    second.mkdir(parents=True)
+    (second / "environment.txt").write_text((first / "environment.txt").read_text())
+    (second / "status.txt").write_text("table2 exit 0 50s\nmake-test exit 0 120s\n")
+    (second / "tests.xml").write_text(JUNIT)
+    packed = []
+    for call in (first, second):
+        with tarfile.open(call.parent / "campaign.tgz", "w:gz") as tar:
+            tar.add(call, arcname="campaign")
+        packed.append(str(call.parent / "campaign.tgz"))
+    out = tmp_path / "results"
+    assert results.main([*packed, "--results", str(out)]) == 0
+    tests = (out / "gpu_tests.md").read_text()
+    assert "passed 1, failed 1" in tests and "status: make-test exit 0 120s" in tests
+    assert tests.count("NVIDIA H100 80GB HBM3") == 1  # one machine, said once
+    table2 = (out / "gpu_table2.md").read_text()
+    assert "`python3 -m bench.resources --pair table2-tiny`; status: table2 exit 0 50s\n" in table2
+
+
+def test_a_damaged_archive_is_one_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "campaign.tgz").write_bytes(b"not a tar")
+    assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'campaign.tgz'}: not a campaign.tgz (") and err.count("\n") == 1
