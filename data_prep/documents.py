@@ -5,7 +5,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, ClassVar, Iterator, NamedTuple
 
 from data_prep.errors import DataError, warn
 
@@ -30,6 +30,7 @@ class Skips:
     files: dict[str, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
     _warned: set[str] = field(default_factory=set)
+    first_problem_stops: ClassVar[bool] = False  # StrictSkips: readers report each problem where they meet it
 
     def warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -74,6 +75,7 @@ class StrictSkips(Skips):
     lines, rows without text) is a DataError, its message ending in `consequence`."""
 
     consequence: str = "nothing was done"
+    first_problem_stops: ClassVar[bool] = True
 
     def skip_file(self, name: str, reason: str, detail: str = "") -> None:
         raise DataError(f"{name}: {reason}{f' ({detail})' if detail else ''}; {self.consequence}")

@@ -615,6 +615,21 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "warning: a.json.gz: 3 broken JSON line(s), first at line 11 (skipped)" in err
 
 
+def test_strict_reading_reports_the_first_problem_in_line_order(tmp_path: Path) -> None:
+    """Inputs read whole (StrictSkips: evaluation text, texts to exclude) stop at the first problem of a file: a
+    broken line 2 is reported before a row without text at line 4 (it used to be the other way round, as broken
+    lines were only reported at the end of the file)."""
+    from data_prep.documents import StrictSkips
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "fine"}\n{broken\n{"text": "also fine"}\n{"url": "no text"}\n')
+    with pytest.raises(DataError, match=r"^a\.jsonl: broken JSON line 2; nothing was done$"):
+        list(c4.numbered_documents(c4.file_rows(path, StrictSkips()), StrictSkips(), "a.jsonl: line"))
+    path.write_text('{"text": "fine"}\n{"url": "no text"}\n{broken\n')
+    with pytest.raises(DataError, match=r'^a\.jsonl: line 2 has no string "text" field; nothing was done$'):
+        list(c4.numbered_documents(c4.file_rows(path, StrictSkips()), StrictSkips(), "a.jsonl: line"))
+
+
 def test_unencodable_text_is_a_broken_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Valid JSON whose "text" has an escaped lone surrogate cannot be UTF-8 encoded: skipped and counted."""
     good = [json.dumps({"text": words(400 + i, 3)}) for i in range(8)]

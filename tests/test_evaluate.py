@@ -178,7 +178,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         # text left out of an input is an error, not a warning: the scores would be of part of it
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "cut.json.gz")], "cut.json.gz: EOFError: "),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "broken.jsonl")],
-         "broken.jsonl: 1 broken JSON line(s), first at line 5; nothing was evaluated"),
+         "broken.jsonl: broken JSON line 5; nothing was evaluated"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "notext.jsonl")],
          'notext.jsonl: line 203 has no string "text" field; nothing was evaluated'),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
