@@ -111,7 +111,7 @@ tests)
     setsid bash -c c4_runs & c4=$!
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
     # pytest-timeout >= 2.3 ends the session between tests in time to print its summary and write the junit file
-    SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? $(left) - 55 : 200 ))")
+    SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? ($(left) > 75 ? $(left) - 55 : 20) : 200 ))")
     export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
     if command -v make >/dev/null; then
         step make-test 240 make test VENV=$VENV > $C/tests.log 2>&1
