@@ -82,8 +82,8 @@ def copied(title: str, c: Path, steps: list[str], files: list[str]) -> list[str]
 
 def c4_report(c: Path, results: Path) -> list[str]:
     lines = header("Short C4 run: dense Tiny vs the IsoFLOP MoSA hybrid", c, ["c4_dense", "c4_mosa_isoflop"])
-    lines += ["Both trained side by side during the test run (the same GPU contention; 250 steps of batch 16 x 1024 "
-              "tokens, lr 1e-3, 30 warm-up steps, at most 2.5 minutes each), validated every 25 steps.", "",
+    lines += ["Both trained side by side during the test run (the same GPU contention), with the settings of "
+              "`c4_runs` in bench/gpu_campaign.sh.", "",
               "| run | steps | tokens | final val loss | val ppl | tokens/s (contended) | peak memory (GB) |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for run in ("c4_dense", "c4_mosa_isoflop"):

@@ -94,8 +94,7 @@ class StepCheckpoints(L.Callback):
             os.link(step_path, tmp)
             os.replace(tmp, last)
         if self.keep and trainer.is_global_zero:
-            steps = sorted(self.dirpath.glob("step*.ckpt"), key=lambda p: int(p.stem.removeprefix("step")))
-            for old in steps[: -self.keep]:  # last.ckpt is a link of its own (or a copy): unaffected
+            for old in step_files(self.dirpath)[self.keep:]:  # last.ckpt is a link of its own (or a copy): unaffected
                 shutil.rmtree(old) if old.is_dir() else old.unlink()
         self.saved_step = trainer.global_step
 
@@ -164,17 +163,23 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     return ckpt
 
 
+def step_number(path: Path) -> int | None:
+    """N of a checkpoint named step<N>.ckpt (a file, or a DeepSpeed directory), else None (last.ckpt)."""
+    digits = path.name.removeprefix("step").removesuffix(".ckpt")
+    return int(digits) if digits.isdigit() else None
+
+
 def step_files(directory: Path) -> list[Path]:
-    """The `step<N>.ckpt` files of a run, newest (largest N) first."""
-    steps = [p for p in directory.glob("step*.ckpt") if p.stem.removeprefix("step").isdigit()]
-    return sorted(steps, key=lambda p: int(p.stem.removeprefix("step")), reverse=True)
+    """The `step<N>.ckpt` checkpoints of a run, newest (largest N) first."""
+    steps = [p for p in directory.glob("step*.ckpt") if step_number(p) is not None]
+    return sorted(steps, key=step_number, reverse=True)  # type: ignore[arg-type]
 
 
 def set_aside_after(directory: Path, step: int) -> list[Path]:
     """Move the step checkpoints after `step` (and then last.ckpt, which is the newest of them) into
     `directory/abandoned-after-step<step>/`: a --resume-from that rewinds starts another timeline, whose --resume
     and keep_last_k pruning must not take the old one's later files for its own. Returns their new paths."""
-    newer = [p for p in step_files(directory) if int(p.stem.removeprefix("step")) > step]
+    newer = [p for p in step_files(directory) if step_number(p) > step]  # type: ignore[operator]
     if not newer:
         return []
     last = directory / "last.ckpt"  # the newest step's link, copy or (DeepSpeed) directory: the old timeline's

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from heads import ConfigError
 from lm.accumulation import StepTimer
 from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed, newest_loadable,
-                           read_checkpoint, remove_temp_files, set_aside_after)
+                           read_checkpoint, remove_temp_files, set_aside_after, step_number)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -203,12 +203,6 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
 class ResumePoint(NamedTuple):
     path: str  # the checkpoint file (or DeepSpeed directory)
     step: int | None  # its optimizer step (None: a DeepSpeed directory not named step<N>.ckpt)
-
-
-def step_number(path: Path) -> int | None:
-    """N of a checkpoint named step<N>.ckpt, else None (last.ckpt)."""
-    digits = path.name.removeprefix("step").removesuffix(".ckpt")
-    return int(digits) if digits.isdigit() else None
 
 
 def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
