@@ -19,6 +19,14 @@ SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that imports this repository: one torch thread (the same in every run), the
+    repository first on PYTHONPATH and what PYTHONPATH already held after it (e.g. packages installed with
+    `pip --target`, as on the GPU image), plus `extra`."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
 def tiny_config(heads: list[dict] | None = None, **model):
     """A small validated Config; `heads` is a list of {type, count, options} dicts."""
     import lm

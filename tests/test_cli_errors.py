@@ -8,7 +8,6 @@ Add a row for every new entry point and every new check.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch
 from pydoc_data.topics import topics
 
 from data_prep.prepare import prepare
-from tests.conftest import tiny_config
+from tests.conftest import child_env, tiny_config
 from tests.synthetic import run_overrides, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,8 +216,7 @@ def expand(argv: list[str], files: dict[str, str], case: str) -> list[str]:
                                                       for c in CASES])
 def test_bad_input_gives_one_line(files: dict[str, str], case: str, argv: list[str], status: int,
                                   message: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
+    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(expand(argv, files, case), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == status, f"{case}: exit {proc.returncode}\n{proc.stderr[-3000:]}"

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lm.config import load_config
+from tests.conftest import child_env
 from tests.synthetic import run_overrides, wait_for_file, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accum
     ran = subprocess.run(
         [sys.executable, str(ROOT / "train_lm.py"), "--config", str(config), *overrides,
          f"data.batch_size={4 // accumulate}", f"data.val_batches={2 * accumulate}"],  # 8 validation windows
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        env=child_env(), capture_output=True, text=True,
         timeout=300, cwd=ROOT,
     )
     assert ran.returncode == 0, ran.stderr[-2000:]
@@ -110,7 +111,7 @@ def test_sigterm_stops_every_rank_at_one_checkpointed_step_and_resumes(tmp_path:
                 *run_overrides(data, out, max_steps=steps, ckpt_every=10, val_every=25, devices=2, strategy="ddp"),
                 *extra]
 
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run_env = child_env()
     full, out = tmp_path / "full", tmp_path / "run"
     subprocess.run(command(full), env=run_env, check=True, capture_output=True, timeout=300, cwd=ROOT)
     proc = subprocess.Popen(command(out), env=run_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -170,7 +171,7 @@ def test_ddp_compression_training_with_full_memory_batches_matches_one_process(t
     ran = subprocess.run(
         [sys.executable, "-m", "lm.compressed_training", "--config", str(config), f"trainer.out_dir={tmp_path / 'ddp'}",
          "trainer.devices=2", "trainer.strategy=ddp"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        env=child_env(), capture_output=True, text=True,
         timeout=300, cwd=ROOT,
     )
     assert ran.returncode == 0, ran.stderr[-2000:]

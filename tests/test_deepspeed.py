@@ -7,7 +7,6 @@ ranks' statistics once per step (routing/distributed.py).
 Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter)."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import torch
 from heads import commit_states
 from lm.config import ConfigError
 from tests import zero2_worker as worker
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,7 @@ def _free_port() -> int:
 def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     out = tmp_path / "zero2.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = child_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "zero2_worker.py"), str(out)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

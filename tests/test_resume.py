@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lm.checkpoint import AtomicCheckpointIO
+from tests.conftest import child_env
 from tests.synthetic import run_overrides, wait_for_file, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +26,6 @@ def command(data: Path, out: Path, *extra: str) -> list[str]:
     config.write_text("{}\n")
     overrides = run_overrides(data, out, max_steps=STEPS, ckpt_every=10, val_every=20)
     return [sys.executable, str(ROOT / "train_lm.py"), "--config", str(config), *overrides, *extra]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # same threads in every run
 
 
 def load(path: Path) -> dict:
@@ -83,9 +80,9 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     """... and TensorBoard shows every step once: what the killed run logged after its checkpoint is purged."""
     data = write_prepared(tmp_path / "data")
     full, killed = tmp_path / "full", tmp_path / "killed"
-    uninterrupted = subprocess.Popen(command(data, full, "trainer.log_every=1"), env=env(), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)  # runs alongside, on the other core
-    proc = subprocess.Popen(command(data, killed, "trainer.log_every=1"), env=env(), stdout=subprocess.DEVNULL,
+    uninterrupted = subprocess.Popen(command(data, full, "trainer.log_every=1"), env=child_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # on the other core
+    proc = subprocess.Popen(command(data, killed, "trainer.log_every=1"), env=child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     wait_for_file(proc, killed / "checkpoints" / "step0000010.ckpt")
     kill_after_logging_past(proc, killed, 11)  # so that the killed run logged a step after its checkpoint
@@ -98,8 +95,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert 10 <= killed_at < STEPS
     print(f"killed after step {killed_at} ({len(saved)} checkpoint files)")
 
-    subprocess.run(command(data, killed, "trainer.log_every=1", "--resume"), env=env(), check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run(command(data, killed, "trainer.log_every=1", "--resume"), env=child_env(), check=True,
+                   capture_output=True, timeout=300)
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(killed / "checkpoints" / "last.ckpt"))
     assert logged_steps(killed) == logged_steps(full) == list(range(1, STEPS + 1))
@@ -118,9 +115,9 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     full, out = tmp_path / "full", tmp_path / "run"
     no_val = "trainer.val_every=1000"  # validation only at the end: the signal lands in training, not in a validation
     every = "trainer.log_every=1"  # the stopped step's training values are logged too (they used to be lost)
-    uninterrupted = subprocess.Popen(command(data, full, no_val, every), env=env(), stdout=subprocess.DEVNULL,
+    uninterrupted = subprocess.Popen(command(data, full, no_val, every), env=child_env(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen(command(data, out, no_val, every), env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(command(data, out, no_val, every), env=child_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     assert wait_for_file(proc, out / "checkpoints" / "step0000010.ckpt"), "the run wrote no checkpoint in time"
     time.sleep(0.1)  # into the middle of a checkpoint interval
@@ -134,7 +131,8 @@ def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupte
     stopped = int(match.group(1))
     assert 10 <= stopped < STEPS and load(out / "checkpoints" / f"step{stopped:07d}.ckpt")["global_step"] == stopped
 
-    subprocess.run(command(data, out, no_val, every, "--resume"), env=env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command(data, out, no_val, every, "--resume"), env=child_env(), check=True, capture_output=True,
+                   timeout=300)
     assert uninterrupted.wait(timeout=300) == 0, uninterrupted.stderr.read()[-2000:]
     assert_same_state(load(full / "checkpoints" / "last.ckpt"), load(out / "checkpoints" / "last.ckpt"))
     assert logged_steps(out) == logged_steps(full) == list(range(1, STEPS + 1))

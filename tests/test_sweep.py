@@ -19,6 +19,7 @@ from flops.aggregate import main as aggregate_main
 from flops.model import model_cost
 from flops.run_sweep import main as run_main
 from flops.sweep import main as sweep_main
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,7 +238,7 @@ def test_runner_forwards_sigterm_and_records_the_point_as_interrupted(tmp_path: 
                        f"data.path={data}", "model.vocab_size=64", "trainer.max_steps=100000",
                        "optim.warmup_steps=10", "trainer.val_every=1000", "trainer.accelerator=cpu"]) == 0
     runner = subprocess.Popen([sys.executable, "-m", "flops.run_sweep", str(tmp_path / "sw")], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+                              env=child_env(), stdout=subprocess.PIPE, text=True)
     status_file = tmp_path / "sw" / "status.json"
     deadline = time.monotonic() + 60
     while not status_file.is_file() and time.monotonic() < deadline:
