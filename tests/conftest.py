@@ -1,6 +1,7 @@
 """Shared test helpers: small models of any head mix, built through the public API."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -15,6 +16,9 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"))
+# lm-eval is installed by `make install` (dev extras), but not on an image with its own packages (the GPU campaign's)
+EVAL_EXTRA = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                reason="the eval extra (pip install -e '.[eval]') is not installed")
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT
+from conftest import EVAL_EXTRA, ROOT
 
 TINY_HEADS = ["--T", "64", "--d-model", "32", "--head-dim", "8", "--dense-heads", "1", "--repeats", "1"]
 DEVICE_SCRIPTS = [("bench.heads", TINY_HEADS), ("bench.decode", ["--lengths", "16", "--new-tokens", "1"]),
@@ -57,6 +57,7 @@ def test_heads_failed_worker_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys
     assert one_error_line(capsys).endswith("worker failed: heads.base.ConfigError: mita: head count must be >= 1, got 0")
 
 
+@EVAL_EXTRA
 def test_eval_quickstart_missing_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from bench.eval_quickstart import main
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import EVAL_EXTRA, ROOT
 
-SCRIPTS = ["bench.causal_routing", "bench.compression_experiment", "bench.decode", "bench.eval_quickstart",
+SCRIPTS = ["bench.causal_routing", "bench.compression_experiment", "bench.decode",
+           pytest.param("bench.eval_quickstart", marks=EVAL_EXTRA),
            "bench.generalisation", "bench.gutenberg_compare", "bench.heads", "bench.mita_varlen", "bench.resources",
            "bench.throughput", "bench.triton_aot", "flops.aggregate", "flops.isoflop", "flops.mfu", "flops.sweep",
            "quickstart"]
@@ -53,7 +54,7 @@ BAD = [
     ("bench.mita_varlen", ["--block", "0"], f"argument --block: {POSITIVE} '0'"),
     ("bench.throughput", ["--config", "configs/tiny.yaml", "--steps", "0"], f"argument --steps: {POSITIVE} '0'"),
     ("bench.generalisation", ["--ckpt", "none.ckpt", "--val-windows", "0"], f"argument --val-windows: {POSITIVE} '0'"),
-    ("bench.eval_quickstart", ["--items", "0"], f"argument --items: {POSITIVE} '0'"),
+    pytest.param("bench.eval_quickstart", ["--items", "0"], f"argument --items: {POSITIVE} '0'", marks=EVAL_EXTRA),
     ("bench.compression_experiment", ["--compressed", "a", "--baseline", "b", "--data", "c", "--tolerances", "0.1,inf"],
      "argument --tolerances: expected a finite number, got 'inf'"),
 ]

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import EVAL_EXTRA
 from eval_setup import prepared_corpus, save_checkpoint
+
+pytestmark = EVAL_EXTRA
 
 
 @pytest.mark.slow  # three whole books through a tiny model, and two small lm-eval tasks (~20 s)
