@@ -29,5 +29,6 @@ def prefix_quotas(k: int, capacity_factor: float, seq_len: int, capacity: int) -
 
 
 def token_choice_capacity(seq_len: int, sparsity: float, capacity_factor: float = 1.0) -> int:
-    """Slots per MoSAIC head, k = max(floor(capacity_factor * T / rho), 2) (MoSA App. E; App. F's minimum of 2)."""
+    """Slots per MoSAIC head, k = max(floor(capacity_factor * T / rho), 2): ours, as MoSA's k = T / rho times an MoE
+    capacity factor (App. E gives MoSAIC no capacity formula); App. F's minimum of 2."""
     return max(math.floor(decimal(capacity_factor) * seq_len / decimal(sparsity)), 2)

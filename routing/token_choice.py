@@ -46,7 +46,8 @@ def load_mismatch(count: int, top_s: int, sparsity: float, capacity_factor: floa
 
 
 def gate_weights(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, kind: str) -> torch.Tensor:
-    """Output weight of head i for token t [B, T, N]: "softmax" p_ti (App. E), "renorm" p_ti / sum of p
+    """Output weight of head i for token t [B, T, N]: "softmax" p_ti (the standard token-choice
+    MoE gate, MoSA §2.1), "renorm" p_ti / sum of p
     over the token's chosen heads, "sigmoid" σ(logit_ti) (MoSA's non-competitive score)."""
     if kind == "renorm":
         return probs / (probs * chosen).sum(-1, keepdim=True)
@@ -66,7 +67,11 @@ def choose(logits: torch.Tensor, top_s: int) -> tuple[torch.Tensor, torch.Tensor
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, alpha: float) -> torch.Tensor:
     """MoSA eq. 4 (GShard / Switch): alpha * N * sum_i f_i p_i, f_i = fraction of the token choices that
-    went to head i (before capacity), p_i = mean router probability of head i, over all B*T tokens."""
+    went to head i (before capacity), p_i = mean router probability of head i, over all B*T tokens.
+    Our reading for top_s = s > 1, which App. E.1 does not state: f sums to 1 (each token's s choices count 1/s
+    each), so the loss is alpha at uniform routing for any s and alpha keeps its meaning. Counting "the fraction of
+    tokens dispatched to head i" literally would sum to s and multiply the loss by s (our alpha = that alpha * s);
+    GShard counts only each token's first choice. With s = 1 all three agree."""
     n = probs.shape[-1]
     counts = chosen.flatten(0, -2).float().sum(0)  # [N] token choices per head
     f = counts / counts.sum()
