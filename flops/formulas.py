@@ -179,7 +179,7 @@ def local(h: int, hd: int, T: int, n: int, o: Options) -> Work:
 def topk(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Per-query top-k (Gupta et al. 2021, eq. 4) as implemented there and in heads/topk.py: all scores QK^T
     (2h'T^2, needed to select) and the k kept weights, scattered into a dense row, times all values (2h'T^2;
-    the paper's §2.2 says its implementation "does not leverage this sparsity"). So 8hh'T + 4h'T^2, dense's
+    the paper's §5 says its implementation "does not leverage this sparsity"). So 8hh'T + 4h'T^2, dense's
     App. C cost: the head saves activation memory (O(Tk) kept, not O(T^2)), not FLOPs; selection not counted.
     Params: dense's 4hh'."""
     return Work(flops=n * (8 * h * hd * T + 4 * hd * T * T), params=n * 4 * h * hd)
@@ -234,7 +234,8 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
 def compression(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Adaptive-attention compression layer (lm/compression.py), T = span length N compressed into
     t states: per head 2hh't (Q) + 4hh'N (K, V on the span) + 2h'th (O) + 4h'tN (scores and AV over
-    all N, the post's O(Nt)), plus a SwiGLU MLP on the t states, 3 * 2th*m with m = 2/3 * ffn_mult * h."""
+    all N, the post's O(Nt)), plus a SwiGLU MLP on the t states, 3 * 2th*m with m = 2/3 * ffn_mult * h.
+    Params: the projections and the MLP; the layer's three LayerNorms (6h parameters) are not counted."""
     t, m = int(o.require("t")), 2 * int(o.get("ffn_mult", 4)) * h // 3
     attn = n * (4 * h * hd * t + 4 * h * hd * T + 4 * hd * t * T)
     return Work(flops=attn + 6 * t * h * m, params=n * 4 * h * hd + 3 * h * m)
