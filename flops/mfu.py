@@ -8,9 +8,9 @@ FLOPs of one sequence / T (backward = 2 x forward), counted as everywhere in thi
 MoSA App. C: dense attention as the full T x T square, routers included) plus the vocabulary projection,
 which a GPU executes too (flops/model.py: `training_flops(..., include_lm_head=True)`). Activation
 checkpointing's replayed forward passes are not counted (model FLOPs, not hardware FLOPs). The peak is
-the device's dense peak at the run's precision (flops/model.py: PEAK_TFLOPS_BF16 for 16-bit runs,
-PEAK_TFLOPS_FP32 for 32-true, from the device name and precision in metrics.json), or --peak-tflops; on a
-CPU, or a GPU or precision missing from the tables, there is none, and MFU is left out.
+the device's dense peak at the run's precision (flops/model.py: PEAK_TFLOPS_BF16 for bf16 runs,
+PEAK_TFLOPS_FP16 for fp16, PEAK_TFLOPS_FP32 for 32-true, from the device name and precision in metrics.json), or
+--peak-tflops; on a CPU, or a GPU or precision missing from the tables, there is none, and MFU is left out.
 """
 from __future__ import annotations
 

@@ -104,8 +104,7 @@ def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = Fal
     return 3 * per_pass * batch_size
 
 
-# Dense 16-bit (bf16, or fp16 on Volta) tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data
-# sheets. Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is
+# Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets. Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is
 # not an L4, "NVIDIA GH200" not an H200), most specific first.
 PEAK_TFLOPS_BF16: dict[str, float] = {
     "H100 PCIe": 756.0,
@@ -124,8 +123,9 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
     "L4": 121.0,
     "A10G": 70.0,
     "A10": 125.0,
-    "V100": 125.0,  # fp16 (no bf16 on Volta)
 }
+# fp16 runs at the bf16 rate on all of those; Volta has fp16 tensor cores only (a bf16 run there has no peak here)
+PEAK_TFLOPS_FP16: dict[str, float] = {**PEAK_TFLOPS_BF16, "V100-PCIE": 112.0, "V100": 125.0}
 # Dense fp32 peaks without TF32 (the stack never enables it: torch's default "highest" matmul precision runs fp32
 # matmuls on the CUDA cores), same sources and matching; a GPU missing here needs --peak-tflops for 32-true runs.
 PEAK_TFLOPS_FP32: dict[str, float] = {
@@ -147,8 +147,8 @@ PEAK_TFLOPS_FP32: dict[str, float] = {
     "V100-PCIE": 14.0,
     "V100": 15.7,  # SXM2
 }
-PEAKS_BY_PRECISION = {"bf16-mixed": PEAK_TFLOPS_BF16, "bf16-true": PEAK_TFLOPS_BF16, "16-mixed": PEAK_TFLOPS_BF16,
-                      "16-true": PEAK_TFLOPS_BF16, "32-true": PEAK_TFLOPS_FP32}
+PEAKS_BY_PRECISION = {"bf16-mixed": PEAK_TFLOPS_BF16, "bf16-true": PEAK_TFLOPS_BF16, "16-mixed": PEAK_TFLOPS_FP16,
+                      "16-true": PEAK_TFLOPS_FP16, "32-true": PEAK_TFLOPS_FP32}
 
 
 def peak_flops(device_name: str, precision: str = "bf16-mixed") -> float:

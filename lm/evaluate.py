@@ -158,10 +158,10 @@ def plot_position_curve(losses: list[float | None], path: str | Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(i, v) for i, v in enumerate(losses) if v is not None]
+    points = [(i + 1, v) for i, v in enumerate(losses) if v is not None]  # position p predicts from p + 1 tokens
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(*zip(*points), lw=1)
-    ax.set_xlabel("position in the context window (tokens of history)")
+    ax.set_xlabel("tokens of history (window position + 1)")
     ax.set_ylabel("mean loss (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

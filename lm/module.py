@@ -52,6 +52,16 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def saved_tokens_seen(checkpoint: dict[str, Any]) -> int:
+    """Training tokens up to a checkpoint's step: as saved, or for a checkpoint written before tokens_seen was
+    saved (no gradient accumulation yet then), step x batch_size x seq_len x devices x nodes of its config."""
+    if "tokens_seen" in checkpoint:
+        return int(checkpoint["tokens_seen"])
+    saved = checkpoint["config"]
+    world = saved["trainer"].get("devices", 1) * saved["trainer"].get("num_nodes", 1)
+    return checkpoint["global_step"] * saved["data"]["batch_size"] * saved["model"]["seq_len"] * world
+
+
 class LMModule(L.LightningModule):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -272,8 +282,6 @@ class LMModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint["rng"]
         self.val_history = list(checkpoint["val_history"])
-        step, saved = checkpoint["global_step"], checkpoint["config"]
-        self._tokens_at = (step, checkpoint.get("tokens_seen",  # checkpoints written before it was saved
-                                                step * saved["data"]["batch_size"] * saved["model"]["seq_len"]))
+        self._tokens_at = (checkpoint["global_step"], saved_tokens_seen(checkpoint))
         for message in apply_changes(checkpoint, self.cfg):
             self.print(message)

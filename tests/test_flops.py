@@ -90,6 +90,11 @@ def test_training_flops_and_mfu() -> None:
     assert peak_flops("NVIDIA A100-SXM4-80GB", "32-true") == 19.5e12
     assert peak_flops("Tesla V100-PCIE-16GB", "32-true") == 14e12
     assert peak_flops("Tesla V100-SXM2-16GB", "32-true") == 15.7e12
+    # Volta: fp16 tensor cores (PCIe 112, SXM2 125), no bf16
+    assert peak_flops("Tesla V100-PCIE-16GB", "16-mixed") == 112e12
+    assert peak_flops("Tesla V100-SXM2-16GB", "16-mixed") == 125e12
+    with pytest.raises(ValueError, match="no bf16-mixed peak FLOP/s known for device 'Tesla V100-SXM2-16GB'"):
+        peak_flops("Tesla V100-SXM2-16GB", "bf16-mixed")
     assert peak_flops("NVIDIA A10G", "32-true") == 35e12 and peak_flops("NVIDIA A10", "32-true") == 31.2e12
     assert mfu(156e12, 1.0, 312e12) == pytest.approx(0.5)
     for unknown in ("Some CPU", "NVIDIA RTX A1000", "NVIDIA A1000X"):

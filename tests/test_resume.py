@@ -274,6 +274,15 @@ def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr
     assert metrics["tokens_seen"] == 4 * 8 * 32 + 6 * 4 * 32  # 4 steps of batch 8, then 6 of batch 4
 
 
+def test_tokens_seen_of_a_checkpoint_that_did_not_save_it() -> None:
+    """Checkpoints written before tokens_seen was saved: step x batch x seq_len x every device of every node."""
+    from lm.module import saved_tokens_seen
+
+    config = {"data": {"batch_size": 8}, "model": {"seq_len": 32}, "trainer": {"devices": 2, "num_nodes": 3}}
+    assert saved_tokens_seen({"global_step": 5, "config": config}) == 5 * 8 * 32 * 2 * 3
+    assert saved_tokens_seen({"global_step": 5, "config": config, "tokens_seen": 123}) == 123
+
+
 def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
     """warm-up 5 -> 20 at step 4: the next step runs at lr * 5 / 20 on the new schedule (the restored param group
     held the old schedule's rate for it, which the LambdaLR replaces only after that step), and the message says so."""
