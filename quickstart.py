@@ -7,7 +7,8 @@ Data: the first 14 books (by file name) of <shared>/gutenberg, SentencePiece voc
 model.vocab_size; two of them hash into validation (Treasure Island, A Modest Proposal). Without
 <shared>/gutenberg it runs offline on Python's own documentation, which ships with CPython
 (data_prep's `builtin` source; ~89k training tokens, so training stops at 90 steps; a fifth of the topics
-hash into validation, ~8k tokens, none of whose text is in training). Model and schedule:
+hash into validation, ~8k tokens, none of whose text is in training, and validation takes as many batches of windows
+as fit in them without overlap: 1 of the config's 8). Model and schedule:
 configs/quickstart.yaml (overrides as in train_lm.py). A rerun continues an interrupted run (or just
 reports a finished one); --fresh retrains (deleting only the run's own outputs, as train_lm.py --overwrite)
 and prepares the data again if its settings changed (e.g. model.vocab_size).
@@ -60,8 +61,10 @@ def prepare_data(cfg: Config, shared: Path, overwrite: bool) -> None:
         cfg.trainer.max_steps = min(cfg.trainer.max_steps, BUILTIN_STEPS)
         print(f"data: {gutenberg} not found, so training offline on Python's own documentation "
               f"(pydoc_data, shipped with CPython; small, so at most {BUILTIN_STEPS} steps) -> {cfg.data.path}")
-        prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=BUILTIN_VAL_FRACTION, overwrite=overwrite,
-                progress=False)
+        index = prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=BUILTIN_VAL_FRACTION,
+                        overwrite=overwrite, progress=False)
+        batch = cfg.data.batch_size * (cfg.model.seq_len + 1)  # tokens of one batch of validation windows
+        cfg.data.val_batches = max(1, min(cfg.data.val_batches, index["splits"]["val"]["tokens"] // batch))
 
 
 def main(argv: list[str] | None = None) -> int:

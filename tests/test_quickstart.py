@@ -46,3 +46,12 @@ def test_fresh_keeps_unrelated_files_and_errors_name_quickstarts_flags(tmp_path:
     assert (out / "notes.txt").read_text() == "mine"  # --fresh used to delete the whole directory
     assert yaml.safe_load((out / "config.yaml").read_text())["model"]["n_layers"] == 2
     assert json.loads((data / "index.json").read_text())["vocab_size"] == 400  # prepared again
+
+
+def test_offline_validation_takes_what_fits_without_overlap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The offline corpus has ~8k validation tokens: data.val_batches is lowered to the batches of windows they hold."""
+    assert run(tmp_path, "data.val_batches=100000") == 0
+    val_batches = yaml.safe_load((tmp_path / "run-builtin" / "config.yaml").read_text())["data"]["val_batches"]
+    val_tokens = json.loads((tmp_path / "data-builtin" / "index.json").read_text())["splits"]["val"]["tokens"]
+    assert val_batches == val_tokens // (2 * 33)  # data.batch_size=2 windows of seq_len + 1 = 33 tokens
+    assert "validation windows overlap" not in capsys.readouterr().err
