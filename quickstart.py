@@ -25,6 +25,7 @@ from pathlib import Path
 from heads import ConfigError
 from lm.cli import status_of
 from lm.config import Config, load_config
+from lm.sanity import val_batches_that_fit
 
 ROOT = Path(__file__).resolve().parent
 CONFIG = ROOT / "configs" / "quickstart.yaml"
@@ -63,8 +64,8 @@ def prepare_data(cfg: Config, shared: Path, overwrite: bool) -> None:
               f"(pydoc_data, shipped with CPython; small, so at most {BUILTIN_STEPS} steps) -> {cfg.data.path}")
         index = prepare("builtin", None, cfg.data.path, vocab_size=vocab, val_fraction=BUILTIN_VAL_FRACTION,
                         overwrite=overwrite, progress=False)
-        batch = cfg.data.batch_size * (cfg.model.seq_len + 1)  # tokens of one batch of validation windows
-        cfg.data.val_batches = max(1, min(cfg.data.val_batches, index["splits"]["val"]["tokens"] // batch))
+        fit = val_batches_that_fit(cfg.data, cfg.model, index["splits"]["val"]["tokens"])
+        cfg.data.val_batches = max(1, min(cfg.data.val_batches, fit))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,8 +37,8 @@ def parse_row(line: bytes) -> dict | None:
 
 def file_rows(path: Path, skips: Skips) -> Iterator[tuple[int, dict]]:
     """The JSON objects of one JSON-lines file (.gz or plain), each with its line number. Broken lines (see
-    `parse_row`) are skipped and counted (StrictSkips stops at the first); a corrupt gzip stream ends the file with a
-    warning."""
+    `parse_row`) are skipped and counted (`Skips.meet`: StrictSkips stops at the first); a corrupt gzip stream ends
+    the file with a warning."""
     broken = first_broken = rows = 0
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
@@ -48,8 +48,7 @@ def file_rows(path: Path, skips: Skips) -> Iterator[tuple[int, dict]]:
                     continue
                 row = parse_row(line)
                 if row is None:
-                    if skips.first_problem_stops:  # here, not after later rows' problems
-                        skips.lose(path.name, "broken_json_lines", 1, f"broken JSON line {line_no}", "")
+                    skips.meet(path.name, f"broken JSON line {line_no}")  # StrictSkips: here, not after later rows
                     broken, first_broken = broken + 1, first_broken or line_no
                     continue
                 rows += 1

@@ -5,7 +5,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, ClassVar, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from data_prep.errors import DataError, warn
 
@@ -30,7 +30,6 @@ class Skips:
     files: dict[str, str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
     _warned: set[str] = field(default_factory=set)
-    first_problem_stops: ClassVar[bool] = False  # StrictSkips: readers report each problem where they meet it
 
     def warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -51,6 +50,10 @@ class Skips:
         '<name>: <problem><kept>'."""
         self.count(what, n)
         self.warn_once(f"{name}: {problem}{kept}")
+
+    def meet(self, name: str, problem: str) -> None:
+        """A reader meets a problem mid-file (e.g. 'broken JSON line 2'): nothing yet, the reader counts it and
+        reports the file's total with `lose` at its end (StrictSkips stops here, at the first)."""
 
     def describe_counts(self) -> str:
         """The counted items for an error line, e.g. '; 100 rows without a string "text" field', or ''."""
@@ -75,13 +78,15 @@ class StrictSkips(Skips):
     lines, rows without text) is a DataError, its message ending in `consequence`."""
 
     consequence: str = "nothing was done"
-    first_problem_stops: ClassVar[bool] = True
 
     def skip_file(self, name: str, reason: str, detail: str = "") -> None:
         raise DataError(f"{name}: {reason}{f' ({detail})' if detail else ''}; {self.consequence}")
 
     def lose(self, name: str, what: str, n: int, problem: str, kept: str) -> None:
         raise DataError(f"{name}: {problem}; {self.consequence}")
+
+    def meet(self, name: str, problem: str) -> None:
+        self.lose(name, "", 1, problem, "")
 
     def count(self, what: str, n: int = 1, where: str = "") -> None:
         if what == "rows_without_text":

@@ -104,8 +104,9 @@ def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = Fal
     return 3 * per_pass * batch_size
 
 
-# Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets. Matched as whole words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is
-# not an L4, "NVIDIA GH200" not an H200), most specific first.
+# Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets. Matched as whole
+# words of torch.cuda.get_device_name() ("NVIDIA A100-SXM4-80GB" is an A100, "NVIDIA L40" is not an L4, "NVIDIA
+# GH200" not an H200), most specific first.
 PEAK_TFLOPS_BF16: dict[str, float] = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,

@@ -16,9 +16,9 @@ X^s W^V, M) with M_jl = 0 iff I_j >= I_l (and the padding rules above), output d
 scattered back to the members' positions (as MoSA eq. 3 and the line above it, with the token-choice
 probability p in place of MoSA's sigmoid score; option `gate`: "softmax" p, the standard token-choice MoE
 gate y = sum_i r_i E_i of MoSA §2.1 (App. E names "standard token-choice routing" but no gate), ≈ 1/N for a
-large group; "renorm" p renormalised over the token's s chosen heads; "sigmoid" σ(x_t W^r_i)). Load balancing (eq. 4): alpha * N * sum_i f_i p_i
-(f_i normalised to sum to 1 for any top_s: routing/token_choice.balance_loss), reported as aux loss "mosaic_balance"
-(already weighted).
+large group; "renorm" p renormalised over the token's s chosen heads; "sigmoid" σ(x_t W^r_i)). Load balancing
+(eq. 4): alpha * N * sum_i f_i p_i (f_i normalised to sum to 1 for any top_s: routing/token_choice.balance_loss),
+reported as aux loss "mosaic_balance" (already weighted).
 """
 from __future__ import annotations
 

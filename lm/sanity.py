@@ -58,6 +58,12 @@ def config_warnings(cfg: Config) -> list[str]:
     return out
 
 
+def val_batches_that_fit(data: DataConfig, model: ModelConfig, val_tokens: int) -> int:
+    """How many batches of validation windows (data.batch_size windows of seq_len + 1 tokens) a split of
+    `val_tokens` tokens holds without overlap (0 if not even one)."""
+    return val_tokens // (data.batch_size * (model.seq_len + 1))
+
+
 def validation_warnings(data: DataConfig, model: ModelConfig, val_tokens: int) -> list[str]:
     """Warnings about the validation windows on a split of `val_tokens` tokens (lm/data.py ValWindows)."""
     window = model.seq_len + 1
@@ -68,5 +74,5 @@ def validation_warnings(data: DataConfig, model: ModelConfig, val_tokens: int) -
     if val_tokens < windows * window:
         return [f"validation windows overlap: data.val_batches x data.batch_size = {windows} windows of {window} "
                 f"tokens need {windows * window} but the validation split has {val_tokens} "
-                f"(lower data.val_batches to {val_tokens // (data.batch_size * window)})"]
+                f"(lower data.val_batches to {val_batches_that_fit(data, model, val_tokens)})"]
     return []

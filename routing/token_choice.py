@@ -46,9 +46,9 @@ def load_mismatch(count: int, top_s: int, sparsity: float, capacity_factor: floa
 
 
 def gate_weights(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, kind: str) -> torch.Tensor:
-    """Output weight of head i for token t [B, T, N]: "softmax" p_ti (the standard token-choice
-    MoE gate, MoSA §2.1), "renorm" p_ti / sum of p
-    over the token's chosen heads, "sigmoid" σ(logit_ti) (MoSA's non-competitive score)."""
+    """Output weight of head i for token t [B, T, N]: "softmax" p_ti (the standard token-choice MoE gate, MoSA
+    §2.1), "renorm" p_ti / sum of p over the token's chosen heads, "sigmoid" σ(logit_ti) (MoSA's non-competitive
+    score)."""
     if kind == "renorm":
         return probs / (probs * chosen).sum(-1, keepdim=True)
     if kind == "sigmoid":
