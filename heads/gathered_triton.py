@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from heads.dot_precision import dot_precision
 from heads.gathered_lean import in_autocast_dtype
 from heads.rope import RotaryEmbedding
 
@@ -250,10 +251,8 @@ def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict
     B, T, h = x.shape
     H, c = idx.shape[1:]
     d = qkv_weight.shape[0] // (3 * H)
-    # fp32 inputs: exact fp32 dots unless torch allows TF32 (torch.set_float32_matmul_precision); bf16/fp16 inputs
-    # (autocast): TF32 on chip, finer than rounding the fp32 intermediates (Q, K, P, dS) back to 16 bits
-    exact = x.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-    consts = dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H, DOT="ieee" if exact else "tf32")
+    # bf16/fp16 inputs (autocast): TF32 dots of the fp32 intermediates (Q, K, P, dS), never rounded back to 16 bits
+    consts = dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H, DOT=dot_precision(x.dtype))
     return dict(B=B, T=T, h=h, H=H, c=c, d=d, consts=consts, warps=8 if c > 64 else 4)
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from heads.dot_precision import dot_precision
 from heads.varlen import Segments
 
 BLOCK = 32  # rows per query / key block (tl.dot needs >= 16)
@@ -41,15 +42,16 @@ def _store(X, idx, valid, d, D: tl.constexpr, tile):
 
 
 @triton.jit
-def _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale):
+def _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale, DOT: tl.constexpr):
     """One [M, N] tile of P = exp(Q K^T scale - lse) and dS = P (dO V^T - delta) (Alg. 2)."""
-    p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None]), 0.0)
-    return p, p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT) * scale
+    p = tl.where(rmask[:, None] & cmask[None, :], tl.exp(s - lse[:, None]), 0.0)
+    return p, p * (tl.dot(do, tl.trans(v), input_precision=DOT) - delta[:, None])
 
 
 @triton.jit
 def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-         BLOCK_N: tl.constexpr):
+         BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
@@ -63,12 +65,12 @@ def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.conste
             cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
             k, v = _load(K, cols, cmask, d, D), _load(V, cols, cmask, d, D)
-            s = tl.where(cmask[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [M, N]
+            s = tl.where(cmask[None, :], tl.dot(q, tl.trans(k), input_precision=DOT) * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
             m_i = m_new
         _store(O, rows, rmask, d, D, acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
         tl.store(LSE + rows, m_i + tl.log(l_i), mask=rmask)
@@ -76,7 +78,7 @@ def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.conste
 
 @triton.jit
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = k0 + tl.program_id(0) * BLOCK_N
     if start < k1:
@@ -90,16 +92,16 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexp
             rmask = rows < q1
             q, do = _load(Q, rows, rmask, d, D), _load(DO, rows, rmask, d, D)
             lse, delta = tl.load(LSE + rows, mask=rmask, other=0.0), tl.load(DELTA + rows, mask=rmask, other=0.0)
-            p, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale)
-            dv += tl.dot(tl.trans(p).to(do.dtype), do)
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q)
+            p, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale, DOT)
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT)
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT)
         _store(DK, cols, cmask, d, D, dk * scale)
         _store(DV, cols, cmask, d, D, dv)
 
 
 @triton.jit
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
     start = q0 + tl.program_id(0) * BLOCK_M
     if start < q1:
@@ -112,18 +114,23 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLO
             cols = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             cmask = cols < k1
             k, v = _load(K, cols, cmask, d, D), _load(V, cols, cmask, d, D)
-            _, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale)
-            dq += tl.dot(ds.to(k.dtype), k)
+            _, ds = _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale, DOT)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT)
         _store(DQ, rows, rmask, d, D, dq * scale)
 
 
 def _meta(q: Tensor) -> dict:
-    D = q.shape[-1]
-    return dict(D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=BLOCK, BLOCK_N=BLOCK)
+    """Sizes and launch options. Exact fp32 dots (no tensor cores) at h' > 64 take 8 warps: with 4 the backward's
+    dK/dV kernel spills 17 KB of registers per thread (ptxas, sm_80: bench/triton_aot.py), with 8 under 1 KB."""
+    D, dot = q.shape[-1], dot_precision(q.dtype)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    warps = 8 if dot == "ieee" and BLOCK_D > 64 else 4
+    return dict(D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, DOT=dot, num_warps=warps)
 
 
 class TritonVarlen:
-    """heads/varlen.VarlenBackend on the Triton kernels above (any float dtype; accumulation in fp32)."""
+    """heads/varlen.VarlenBackend on the Triton kernels above (any float dtype; accumulation in fp32; fp32 inputs get
+    exact fp32 dots unless torch allows TF32: heads/dot_precision.py)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float) -> tuple[Tensor, Tensor]:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -20,6 +20,12 @@ SHARED_DATA = Path(os.environ.get("SHARED_DATA", ROOT.parent / "shared" / "data"
 EVAL_EXTRA = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                 reason="the eval extra (pip install -e '.[eval]') is not installed")
 
+# Where the Triton kernels' tests run: CPU tensors in Triton's interpreter, else compiled on a GPU (the tests then
+# check the kernels that training runs, on CUDA tensors), else nowhere
+TRITON_DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda" if torch.cuda.is_available() else None
+TRITON_KERNELS = pytest.mark.skipif(TRITON_DEVICE is None, reason="compiled Triton kernels need a GPU, and "
+                                    "TRITON_INTERPRET=1 (which runs them on CPU) is not set")
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

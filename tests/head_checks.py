@@ -51,14 +51,14 @@ def make_group(head_type: str, options: dict, T: int, count: int = 3, d_model: i
 
 def fast_and_reference(group: HeadGroup, T: int, batch: int = 2, before: Callable[[HeadGroup], None] | None = None
                        ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """Run `group` with impl=reference and impl=fast on the same input (in the group's dtype); return
+    """Run `group` with impl=reference and impl=fast on the same input (in the group's dtype, on its device); return
     (name, reference, fast) for the output, d/dx and every parameter gradient (a random cotangent; the loss
     includes the group's auxiliary losses). `before(group)` runs before each pass (e.g. to reset state)."""
     gen = torch.Generator().manual_seed(1)
-    dtype = next(group.parameters()).dtype
-    x = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype, requires_grad=True)
-    positions = torch.arange(T).expand(batch, T)
-    cot = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype)
+    dtype, device = next(group.parameters()).dtype, next(group.parameters()).device  # the same draws on any device
+    x = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype).to(device).requires_grad_()
+    positions = torch.arange(T, device=device).expand(batch, T)
+    cot = torch.randn(batch, T, group.ctx.d_model, generator=gen, dtype=dtype).to(device)
     params = [p for p in group.parameters()]
     results = []
     for impl in ("reference", "fast"):

@@ -3,8 +3,6 @@ random selections (odd T, several ρ and head counts, chunked and unchunked), al
 the router scores; and what the lean path keeps in memory."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,22 +11,24 @@ from heads import gathered_lean
 from heads.gathered_lean import gathered_heads_lean, heads_per_chunk
 from heads.rope import RotaryEmbedding
 from routing.selection import Selection, earliest_first
+from tests.conftest import TRITON_DEVICE, TRITON_KERNELS
 from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
 
 D_MODEL, HEAD_DIM, BATCH = 32, 8, 2
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton on CPU tensors (conftest.py)
 
 
-def problem(T: int, sparsity: int, heads: int, seed: int = 0) -> dict:
+def problem(T: int, sparsity: int, heads: int, seed: int = 0, device: str = "cpu", head_dim: int = HEAD_DIM) -> dict:
     """Random x, weights, selection (about T/ρ candidates per head, capacity T/ρ: overflow and padding)
-    and raw router scores; every float tensor requires grad."""
+    and raw router scores, on `device` (the same draws on any device); every float tensor requires grad."""
     g = torch.Generator().manual_seed(seed)
     c = max(T // sparsity, 2)
     sel = earliest_first(torch.rand(BATCH, heads, T, generator=g) < 1.2 / sparsity, c)
-    leaf = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).requires_grad_()  # noqa: E731
-    return dict(x=leaf(BATCH, T, D_MODEL), r=torch.rand(BATCH, heads, c, generator=g).requires_grad_(),
-                w_qkv=leaf(3 * heads * HEAD_DIM, D_MODEL, std=0.3), w_o=leaf(D_MODEL, heads * HEAD_DIM, std=0.3),
-                sel=sel, positions=torch.arange(T).expand(BATCH, T) + 7, cot=torch.randn(BATCH, T, D_MODEL, generator=g))
+    leaf = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).to(device).requires_grad_()  # noqa: E731
+    return dict(x=leaf(BATCH, T, D_MODEL), r=torch.rand(BATCH, heads, c, generator=g).to(device).requires_grad_(),
+                w_qkv=leaf(3 * heads * head_dim, D_MODEL, std=0.3), w_o=leaf(D_MODEL, heads * head_dim, std=0.3),
+                sel=Selection(sel.idx.to(device), sel.valid.to(device)),
+                positions=torch.arange(T, device=device).expand(BATCH, T) + 7,
+                cot=torch.randn(BATCH, T, D_MODEL, generator=g).to(device))
 
 
 def run_lean(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
@@ -112,15 +112,18 @@ def test_saves_no_gathered_tensor() -> None:
     assert max(t.numel() for t in saved) < gathered / 3
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
-@pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42), (100, 2, 5), (257, 8, 3)])
-def test_triton_matches_reference(T: int, sparsity: int, heads: int) -> None:
-    """The fused kernels (interpreted, fp32) vs the reference: output and, through the fused backward, every
-    gradient including the router scores."""
-    from heads.gathered_triton import gathered_heads_triton
+@TRITON_KERNELS
+@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (100, 2, 5, 8), (257, 8, 3, 8),
+                                                       (256, 8, 2, 64)])
+def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int) -> None:
+    """The fused kernels (fp32: interpreted on CPU, compiled on a GPU) vs the reference: output and, through the fused
+    backward, every gradient including the router scores. 256 / 8 = 32 slots of h' = 64: the largest fp32 tile the
+    kernels take (heads/gathered_triton.fits)."""
+    from heads.gathered_triton import fits, gathered_heads_triton
 
-    p = problem(T, sparsity, heads)
-    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    p = problem(T, sparsity, heads, device=TRITON_DEVICE, head_dim=head_dim)
+    assert fits(p["sel"].idx.shape[-1], head_dim, torch.float32)
+    rope = RotaryEmbedding(head_dim, 0.5).to(TRITON_DEVICE)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     gate = p["r"] * p["sel"].valid
     results = []
@@ -134,18 +137,18 @@ def test_triton_matches_reference(T: int, sparsity: int, heads: int) -> None:
         assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@TRITON_KERNELS
 def test_triton_padding_masks_match_lean() -> None:
     """MoSAIC's padding rules (visible keys, self-only queries) in the kernels equal the lean path's, forward
     and every gradient."""
     from heads.gathered_triton import gathered_heads_triton
 
-    p = problem(100, 4, 5)
+    p = problem(100, 4, 5, device=TRITON_DEVICE)
     g = torch.Generator().manual_seed(3)
-    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7)
-    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5)
+    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7).to(TRITON_DEVICE)
+    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5).to(TRITON_DEVICE)
     assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
-    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     args = (p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope, visible, self_only)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     results = []
@@ -158,26 +161,30 @@ def test_triton_padding_masks_match_lean() -> None:
         assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+@pytest.mark.skipif(TRITON_DEVICE != "cuda",
                     reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
-@pytest.mark.parametrize("T,sparsity,heads", [(100, 8, 3), (257, 32, 42)])
-def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int) -> None:
-    """The CUDA dispatch (fused forward and backward kernels) under bf16 autocast vs the fp32 reference on the
-    same bf16-rounded inputs: output and every gradient rel-RMS <= 5e-3 (fp32 on chip; bf16 roundings of the
-    saved Q/K/V, of Y and of the weight gradients)."""
+@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (512, 8, 2, 64)])
+def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA dispatch (fused forward and backward kernels: checked taken) under bf16 autocast vs the fp32 reference
+    on the same bf16-rounded inputs: output and every gradient rel-RMS <= 5e-3 (fp32 on chip; bf16 roundings of the
+    saved Q/K/V, of Y and of the weight gradients). 512 / 8 = 64 slots of h' = 64: the largest 16-bit tile."""
+    import heads.gathered_triton as gt
     from heads.gathered import gathered_heads_fast
 
-    p = problem(T, sparsity, heads)
+    calls: list[int] = []
+    fused = gt.gathered_heads_triton
+    monkeypatch.setattr(gt, "gathered_heads_triton", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    p = problem(T, sparsity, heads, device="cuda", head_dim=head_dim)
     for key in ("x", "r", "w_qkv", "w_o"):
-        p[key] = p[key].detach().bfloat16().float().cuda().requires_grad_()
-    p["sel"] = Selection(p["sel"].idx.cuda(), p["sel"].valid.cuda())
-    p["positions"], p["cot"] = p["positions"].cuda(), p["cot"].cuda()
-    rope = RotaryEmbedding(HEAD_DIM, 0.5).cuda()
+        p[key] = p[key].detach().bfloat16().float().requires_grad_()
+    rope = RotaryEmbedding(head_dim, 0.5).cuda()
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     ref = run_reference(p, rope)
     ref_grads = torch.autograd.grad((ref * p["cot"]).sum(), leaves)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
+    assert calls, "the fused kernels were not taken"
     grads = torch.autograd.grad((y.float() * p["cot"]).sum(), leaves)
     rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
     assert rel(y, ref) <= 5e-3
@@ -202,7 +209,7 @@ def kernel_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@TRITON_KERNELS
 def test_triton_path_is_causal(kernel_path: list[int]) -> None:
     """A model of MoSA (causal threshold selection), fixed and MoSAIC heads on the kernel path: new tokens after
     position t change no logit at positions <= t."""
@@ -213,20 +220,22 @@ def test_triton_path_is_causal(kernel_path: list[int]) -> None:
     cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
                        {"type": "fixed", "count": 2, "options": {"sparsity": 4}},
                        {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], init_std=0.3, seq_len=48)
-    model = lm.build_model(cfg.model)
+    model = lm.build_model(cfg.model).to(TRITON_DEVICE)
     assert model.causal
-    assert future_leak(model, torch.randint(0, 97, (2, 48)), t=20, vocab_size=97) <= 1e-5
+    assert future_leak(model, torch.randint(0, 97, (2, 48), device=TRITON_DEVICE), t=20, vocab_size=97) <= 1e-5
     assert len(kernel_path) >= 3 * cfg.model.n_layers * 2  # every sparse group of both passes ran the kernels
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@TRITON_KERNELS
 def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torch.use_deterministic_algorithms(True) the scatter kernel runs one program per sequence walking
-    the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run."""
+    the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run (on a GPU,
+    where the default grid's atomics make the order vary, with cuBLAS's deterministic workspace, as Lightning sets)."""
     import heads.gathered_triton as gt
 
-    p = problem(257, 8, 7)
-    rope = RotaryEmbedding(HEAD_DIM, 0.5)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    p = problem(257, 8, 7, device=TRITON_DEVICE)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     args = (p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
     grids: list[tuple] = []
@@ -257,15 +266,16 @@ def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         assert ((a - ref).pow(2).mean() / ref.pow(2).mean()).sqrt() < REL_RMS_TOL
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@TRITON_KERNELS
 def test_fused_ops_pass_opcheck() -> None:
     """The kernels are torch.library custom ops: schema, fake (shape) implementations, autograd registration
     and AOT dispatch are consistent with the real ones (torch.library.opcheck), with and without MoSAIC masks."""
     from heads.gathered_triton import fused_forward
 
-    p = problem(37, 4, 3)
-    rope = RotaryEmbedding(HEAD_DIM, 0.5)
-    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=torch.Generator().manual_seed(5)) < 0.7)
+    p = problem(37, 4, 3, device=TRITON_DEVICE)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    draw = torch.rand(p["sel"].idx.shape, generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    visible = p["sel"].valid & (draw < 0.7)
     for masks in ((None, None), (visible, p["sel"].valid & ~visible)):
         args = (p["x"], (p["r"] * p["sel"].valid).detach().requires_grad_(), p["w_qkv"], p["w_o"], p["sel"].idx,
                 p["positions"], rope.inv_freq, rope.rot_dim, *masks)
@@ -273,7 +283,7 @@ def test_fused_ops_pass_opcheck() -> None:
 
 
 @pytest.mark.slow  # dynamo + AOT tracing of a 2-layer model, kernels interpreted (~20 s)
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors; TRITON_INTERPRET is off")
+@TRITON_KERNELS
 def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
     """trainer.compile with the fused kernels (what CUDA runs): the training loss of a dense + MoSA + MoSAIC model
     compiles with fullgraph=True (the ops are opaque to dynamo) and equals eager, loss and every gradient."""
@@ -282,8 +292,8 @@ def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
 
     cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
                        {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], n_layers=2, seq_len=32)
-    module = LMModule(cfg).train()
-    x, y = torch.randint(0, 97, (2, 32)), torch.randint(0, 97, (2, 32))
+    module = LMModule(cfg).to(TRITON_DEVICE).train()
+    x, y = (torch.randint(0, 97, (2, 32), device=TRITON_DEVICE) for _ in range(2))
     torch._dynamo.reset()
     results = []
     for fn in (module.losses, compiled(module.losses, backend="aot_eager")):
@@ -297,17 +307,20 @@ def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
 
 
 def test_kernel_dot_precision_follows_torch() -> None:
-    """fp32 inputs get exact fp32 dots unless torch allows TF32 (as torch.matmul); 16-bit inputs get TF32."""
+    """fp32 inputs get exact fp32 dots unless torch allows TF32 (as torch.matmul); 16-bit inputs get TF32: in the
+    gathered-head kernels and in the varlen kernels (heads/dot_precision.py)."""
     pytest.importorskip("triton")
     from heads.gathered_triton import _sizes
+    from heads.varlen_triton import _meta
 
     x, idx, w = torch.zeros(1, 8, 16), torch.zeros(1, 2, 4, dtype=torch.long), torch.zeros(3 * 2 * 4, 16)
-    assert _sizes(x, idx, w)["consts"]["DOT"] == "ieee"
-    assert _sizes(x.bfloat16(), idx, w)["consts"]["DOT"] == "tf32"
+    dots = lambda x: (_sizes(x, idx, w)["consts"]["DOT"], _meta(x[0])["DOT"])  # noqa: E731
+    assert dots(x) == ("ieee", "ieee")
+    assert dots(x.bfloat16()) == ("tf32", "tf32")
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        assert _sizes(x, idx, w)["consts"]["DOT"] == "tf32"
+        assert dots(x) == ("tf32", "tf32")
     finally:
         torch.set_float32_matmul_precision(previous)
 

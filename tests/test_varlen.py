@@ -15,7 +15,8 @@ import types
 
 import pytest
 import torch
-from tests.head_checks import assert_match, fast_vs_reference, make_group
+from tests.conftest import TRITON_DEVICE, TRITON_KERNELS
+from tests.head_checks import REL_RMS_TOL, assert_match, fast_vs_reference, make_group
 
 from heads import varlen
 from heads.varlen import Segments, TorchVarlen, flash_backend, merge_varlen
@@ -128,13 +129,13 @@ def test_mita_routed_varlen_matches_reference(T: int, options: dict, monkeypatch
     assert_match(errors, TOL, TOL)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="compiled Triton kernels need CUDA tensors: test_mita_on_cuda_matches_reference")
+@TRITON_KERNELS
 @pytest.mark.parametrize("T,options", MITA_CASES)
 def test_mita_routed_triton_matches_reference(T: int, options: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same through the Triton kernels (interpreted on CPU), float32: relative RMS < 1e-5 and max-abs
-    < 1e-4 (relative to the reference's max), as for every fp32 fast path (tests/head_checks.py)."""
+    """The same through the Triton kernels (interpreted on CPU, compiled on a GPU), float32: relative RMS < 1e-5 and
+    max-abs < 1e-4 (relative to the reference's max), as for every fp32 fast path (tests/head_checks.py)."""
     calls = _force_backend(monkeypatch, _triton())
-    errors = fast_vs_reference(make_group("mita", {**options, "s": 1}, T, std=None), T)
+    errors = fast_vs_reference(make_group("mita", {**options, "s": 1}, T, std=None).to(TRITON_DEVICE), T)
     assert calls, "the varlen path was not taken"
     assert_match(errors)
 
@@ -186,8 +187,8 @@ def _backend(name: str, dtype: torch.dtype, d: int) -> varlen.VarlenBackend:
     return backend
 
 
-# relative RMS error vs the float64 contract: bf16/fp16 operands; fp32 interpreted exactly, or tf32 dots on GPU
-KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-6 if INTERPRET else 2e-3}
+# relative RMS error vs the float64 contract: bf16/fp16 operands; fp32 with exact fp32 dots (heads/dot_precision.py)
+KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-6}
 
 
 @pytest.mark.parametrize("name,dtype,d", [("triton", torch.float32, 24), ("triton", torch.bfloat16, 64),
@@ -256,8 +257,8 @@ def test_varlen_and_grouped_paths_take_the_same_routing_in_bf16(monkeypatch: pyt
 def test_mita_on_cuda_matches_grouped_path_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """MiTA's CUDA path (routed experts through flash-attn, or the Triton kernels without it). bf16: against
     the grouped path (`varlen.disabled()`) on the same GPU, weights and inputs, relative RMS error < 2e-2 on
-    the output and all gradients (same routing, see the CPU test above). fp32 (Triton kernels, tf32 dots):
-    against the float64 reference on the CPU, < 5e-3 (fp32 routing agrees with float64's)."""
+    the output and all gradients (same routing, see the CPU test above). fp32 (Triton kernels, exact fp32 dots):
+    against the float64 reference on the CPU, < 1e-5 as every fp32 fast path (fp32 routing agrees with float64's)."""
     used = backend_spy(monkeypatch)
     (varlen_run,) = mita_runs("cuda", torch.bfloat16, [("fast", True)])
     (fp32_run,) = mita_runs("cuda", torch.float32, [("fast", True)])
@@ -267,4 +268,4 @@ def test_mita_on_cuda_matches_grouped_path_and_reference(monkeypatch: pytest.Mon
         assert _rel_rms(a, b) < 2e-2
     (reference,) = mita_runs("cpu", torch.float64, [("reference", False)])
     for a, b in zip(fp32_run, reference):
-        assert _rel_rms(a, b) < 5e-3
+        assert _rel_rms(a, b) < REL_RMS_TOL
