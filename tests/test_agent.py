@@ -86,6 +86,19 @@ def _per_query(group, x: torch.Tensor) -> torch.Tensor:
     return group.out(torch.cat(heads, -1))
 
 
+def test_distance_buckets_are_t5_buckets() -> None:
+    """routing.landmarks.distance_buckets against T5's relative-position buckets worked by hand (8 buckets, max
+    distance 64): exact below 8 // 2 = 4, then 4 + floor(log(d / 4) / log(64 / 4) * 4), the last bucket beyond;
+    distances away from bucket edges, so no rounding decides them."""
+    from routing.landmarks import distance_buckets
+
+    want = {-3: 0, 0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 7: 4, 9: 5, 15: 5, 17: 6, 31: 6, 33: 7, 63: 7, 64: 7, 1000: 7}
+    d = torch.tensor(list(want))
+    assert distance_buckets(d, 8, 64).tolist() == list(want.values())
+    assert distance_buckets(d, 1, 64).tolist() == [0] * len(want)  # one bucket: every distance shares one bias
+    assert distance_buckets(torch.arange(6), 3, 64).tolist() == [0, 1, 1, 1, 1, 1]  # 3 // 2 = 1 exact, then log
+
+
 @pytest.mark.parametrize("buckets", [1, 3, 6])
 @pytest.mark.parametrize("impl", ["fast", "reference"])
 def test_agent_biases_enter_both_softmaxes(impl: str, buckets: int) -> None:

@@ -123,27 +123,30 @@ def _counted_with(model: torch.nn.Module, *inputs: object) -> int:
 
 
 @pytest.mark.parametrize(
-    "heads,elementwise_per_head",
+    "heads,elementwise_per_head,tol",
     [
-        ([{"type": "dense", "count": 4}], 0),
+        ([{"type": "dense", "count": 4}], 0, 0),
         # MoSA's h'k (scaling the head output by the router scores) is element-wise: the flop counter
         # does not see it, so it is taken out of the analytic count explicitly.
         (
             [{"type": "dense", "count": 2}, {"type": "mosa", "count": 6, "options": {"sparsity": 4, "selection": "expert_choice"}}],
-            8 * (64 // 4),
+            8 * (64 // 4), 0,
         ),
-        ([{"type": "fixed", "count": 6, "options": {"sparsity": 4}}], 0),
-        ([{"type": "fixed", "count": 6, "options": {"sparsity": 5}}], 0),  # rho does not divide T: 13 tokens
-        ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0),
+        ([{"type": "fixed", "count": 6, "options": {"sparsity": 4}}], 0, 0),
+        ([{"type": "fixed", "count": 6, "options": {"sparsity": 5}}], 0, 0),  # rho does not divide T: 13 tokens
+        # Routing: the formula counts every cluster full (k slots) and the paper's 2h'T cluster selection; the
+        # reference attends over each cluster's actual members (some clusters turn tokens away, some stay short)
+        # and finds the nearest of rho centroids (2h'T*rho): data-dependent, -0.34% here
+        ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0, 0.01),
         # top-k multiplies its scattered weights by all values, as Gupta et al.'s code: a dense head's FLOPs
-        ([{"type": "dense", "count": 2}, {"type": "topk", "count": 2, "options": {"k": 8}}], 0),
+        ([{"type": "dense", "count": 2}, {"type": "topk", "count": 2, "options": {"k": 8}}], 0, 0),
     ],
     ids=["dense", "mosa", "fixed", "fixed-uneven", "routing", "topk"],
 )
-def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int) -> None:
+def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int, tol: float) -> None:
     """Reference implementation, CPU: matmul FLOPs (linear, bmm, SDPA) of one forward pass equal the
-    analytic count + the vocabulary projection 2hVT (not in Table 4's totals) - element-wise terms.
-    Gathers and scatters cost no FLOPs in either count."""
+    analytic count + the vocabulary projection 2hVT (not in Table 4's totals) - element-wise terms, exactly
+    (to `tol` where the executed work depends on the routing). Gathers and scatters cost no FLOPs in either count."""
     torch.manual_seed(0)
     for g in heads:
         g.setdefault("options", {})["impl"] = "reference"
@@ -154,7 +157,7 @@ def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: 
     cost = model_cost(cfg)
     n_sparse = sum(g["count"] for g in heads if g["type"] != "dense") * cfg.n_layers
     expected = B * (cost.flops_per_pass + cost.lm_head_flops - n_sparse * elementwise_per_head)
-    assert abs(counted - expected) / expected < 0.02, (counted, expected)
+    assert abs(counted - expected) <= tol * expected, (counted, expected)
     assert cost.params == model.num_params()
     assert cost.kv_total == model.kv_total()
 
@@ -177,7 +180,7 @@ def test_compressed_model_matches_flop_counter(mode: str, spans: tuple[int, ...]
     counted = _counted_with(CompressedLM(cfg, comp).eval(), torch.randint(0, cfg.vocab_size, (B, layout.window)), layout)
     analytic = compressed_flops(cfg, comp, layout)
     expected = B * (analytic + 2 * cfg.d_model * cfg.vocab_size * layout.suffix)
-    assert abs(counted - expected) / expected < 0.02, (counted, expected)
+    assert counted == expected
 
 
 @pytest.mark.parametrize("options", [{"sparsity": 4, "selection": "threshold"}, {"sparsity": 4, "selection": "quota"}])
