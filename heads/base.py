@@ -198,8 +198,9 @@ class HeadGroup(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> Any:
-        """An empty decoding cache for up to max_len tokens; it has `nbytes()` (allocated bytes),
-        `entries()` (key/value entries stored) and `capacity()` (slots allocated)."""
+        """An empty decoding cache for `batch` sequences of up to max_len tokens; it has `fresh` (nothing written
+        yet), `batch`, `nbytes()` (allocated bytes), `entries()` (key/value entries stored) and `capacity()` (slots
+        allocated)."""
         raise NotImplementedError(f"head type {self.type_name!r} does not support KV-cached decoding")
 
 

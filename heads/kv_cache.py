@@ -48,6 +48,11 @@ class SlotKV:
         pos = torch.full((batch, heads, slots), -1, dtype=torch.int32, device=device)
         return cls(k, v, pos, torch.zeros(batch, heads, dtype=torch.long, device=device), ring)
 
+    @property
+    def batch(self) -> int:
+        """Sequences the cache is for."""
+        return self.k.shape[0]
+
     def nbytes(self) -> int:
         """Bytes allocated for keys, values, their positions and the fill counters."""
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos, self.fill))
@@ -150,6 +155,14 @@ class BlockKV:
                    if topk is not None else None)
         return cls(SlotKV.empty(batch, heads, max_len, dim, device, dtype),
                    torch.zeros(batch, heads, block, dim, device=device, dtype=dtype), landmarks, values, experts)
+
+    @property
+    def fresh(self) -> bool:
+        return self.kv.fresh
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
 
     @property
     def topk(self) -> int | None:

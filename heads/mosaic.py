@@ -104,6 +104,14 @@ class MosaicCache:
     kv: SlotKV
     members: torch.Tensor  # [B, N]
 
+    @property
+    def fresh(self) -> bool:
+        return self.kv.fresh
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
     def nbytes(self) -> int:
         return self.kv.nbytes() + self.members.numel() * self.members.element_size()
 

@@ -134,6 +134,15 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float, flags: bool = False) -> None:
+    """One-line ValueError unless temperature is finite and >= 0, top_k >= 0 and 0 < top_p <= 1 (`flags`: name
+    them as the command line does, --top-k)."""
+    for ok, name, rule, value in ((0 <= temperature < math.inf, "temperature", "finite and >= 0", temperature),
+                                  (top_k >= 0, "top_k", ">= 0", top_k), (0 < top_p <= 1, "top_p", "in (0, 1]", top_p)):
+        if not ok:
+            raise ValueError(f"{'--' + name.replace('_', '-') if flags else name} must be {rule}, got {value}")
+
+
 def fed_tokens(prompt_len: int, max_new_tokens: int) -> int:
     """Tokens `generate` runs through the model (and caches): the prompt and every new token but the last."""
     return prompt_len + max(max_new_tokens - 1, 0)
@@ -148,13 +157,18 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     produced stop_id, and a sequence that has is padded with stop_id after it. `cache`: an empty one for
     `fed_tokens(T0, max_new_tokens)` tokens, to read its fill afterwards; `step`: what decodes each new token
     (default the model; `decode_step(model)` compiles it); `vocab`: only ids below it are generated (`sample`).
-    Runs the model in eval mode and leaves it in the mode it found. One-line ValueError for an empty prompt or
-    max_new_tokens < 0."""
+    Runs the model in eval mode and leaves it in the mode it found. Warns when the tokens it feeds go past the
+    training length. One-line ValueError for an empty prompt, max_new_tokens < 0, sampling settings out of range
+    (`check_sampling`) or a `cache` that is not new or not for B sequences."""
     B, T0 = prompt.shape
     if T0 == 0 or max_new_tokens < 0:
         raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
                          f"got {T0} tokens and {max_new_tokens}")
-    if T0 + max_new_tokens > model.cfg.seq_len:
+    check_sampling(temperature, top_k, top_p)
+    if cache is not None and not all(c.fresh and c.batch == B for layer in cache for c in layer):
+        raise ValueError(f"generate: `cache` must be new and for the prompt's {B} sequences "
+                         f"(new_cache(model, {B}, fed_tokens({T0}, {max_new_tokens})))")
+    if fed_tokens(T0, max_new_tokens) > model.cfg.seq_len:  # the last new token is sampled, never fed
         warn(beyond_training(model, T0 + max_new_tokens))
     was_training = model.training
     model.eval()
@@ -305,11 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
     try:
-        for ok, option, rule in ((args.max_new_tokens >= 1, "max-new-tokens", ">= 1"),
-                                 (0 <= args.temperature < math.inf, "temperature", "finite and >= 0"),
-                                 (args.top_k >= 0, "top-k", ">= 0"), (0 < args.top_p <= 1, "top-p", "in (0, 1]")):
-            if not ok:
-                raise ValueError(f"--{option} must be {rule}, got {getattr(args, option.replace('-', '_'))}")
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        check_sampling(args.temperature, args.top_k, args.top_p, flags=True)
         check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)

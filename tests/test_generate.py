@@ -245,6 +245,25 @@ def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() ->
     for bad_prompt, n in ((prompt[:, :0], 3), (prompt, -1)):
         with pytest.raises(ValueError, match="^generate: need a prompt of at least one token and max_new_tokens >= 0"):
             generate(model, bad_prompt, n)
+    for setting, message in (({"top_p": 0.0}, "top_p must be in"), ({"top_p": -1.0}, "top_p must be in"),
+                             ({"temperature": -1.0}, "temperature must be finite"),
+                             ({"temperature": float("nan")}, "temperature must be finite"),
+                             ({"top_k": -3}, "top_k must be >= 0")):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            generate(model, prompt, 3, **setting)
+
+
+@pytest.mark.parametrize("name", ["dense", "topk", "mosa", "mita", "mosaic_include_rho2"])
+def test_generate_takes_only_a_new_cache_for_its_batch(name: str) -> None:
+    """A cache that already holds a generation would be read as the prompt's past (dense and top-k accept several
+    tokens per call, so nothing else would notice); one for another batch size fails deep inside a head."""
+    model = model_for(CAUSAL_TYPES[name])
+    prompt = torch.randint(0, 97, (2, 5))
+    cache = new_cache(model, 2, 20)
+    generate(model, prompt, 3, cache=cache)
+    for used in (cache, new_cache(model, 1, 20)):
+        with pytest.raises(ValueError, match=r"^generate: `cache` must be new and for the prompt's 2 sequences"):
+            generate(model, prompt, 3, cache=used)
 
 
 def test_cli_reports_a_full_dense_cache(tmp_path, capsys) -> None:
@@ -391,8 +410,8 @@ def test_cache_fill_counts_the_entries_stored() -> None:
 
 def test_generating_past_the_training_length_warns_once(capsys: pytest.CaptureFixture[str]) -> None:
     model = model_for(CAUSAL_TYPES["mosa"])
-    generate(model, torch.randint(0, 97, (1, 5)), max_new_tokens=T - 5, temperature=0)
-    assert capsys.readouterr().err == ""  # up to the training length: silent
+    generate(model, torch.randint(0, 97, (1, 5)), max_new_tokens=T - 4, temperature=0)
+    assert capsys.readouterr().err == ""  # T + 1 tokens, T fed (the last is sampled, never fed): silent
     generate(model, torch.randint(0, 97, (1, 5)), max_new_tokens=T, temperature=0)
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"warning: generating {T + 5} tokens, past the training length {T}: dense attends to every "

@@ -449,10 +449,11 @@ def test_profiler_reports(data: Path, tmp_path: Path, profiler: str) -> None:
         return
     steps = next(line for line in report.splitlines() if line.strip().startswith("ProfilerStep*"))
     assert steps.split()[-1] == "3", steps  # recorded steps
-    assert "aten::mm" in report and "DenseHeads" in report  # operators and module names
+    # the table holds the top 20 rows by CPU time, which on a loaded machine may not include one given operator
+    assert "aten::" in report and "[pl][module]" in report  # operators and module names
     (trace,) = (tmp_path / "profile").glob("fit-pytorch-*training_step*.pt.trace.json")
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("name") == "aten::mm" for e in events)
+    names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}  # the trace holds every event
+    assert "aten::mm" in names and any(n.startswith("[pl][module]heads.dense.DenseHeads: model.blocks.1") for n in names)
 
 
 def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(trained: tuple[Path, dict], data: Path,
