@@ -16,7 +16,7 @@ Parameters are the learned weights of the group as the paper describes it. KV en
 whose key and value a head must keep for decoding; dense T, MoSA/fixed k) are not restated here: group_cost
 takes them from the head type's own `Options.kv_per_head` (heads/), as the built model and its cache do.
 
-Adding a head type: write ONE function below the marker at the end of this file,
+Adding a head type: write ONE function below the marker line that precedes the later types (topk ... mita),
     @formula("name")
     def name(h: int, hd: int, T: int, n: int, o: Options) -> Work: ...
 stating FLOPs and parameters, reading its options with `o.get("field", default)` / `o.require("field")`, and

@@ -77,7 +77,7 @@ def solve(
     if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
         raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
     given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
-    make_options(head, {**options, **given}, base.group_context(0))
+    make_options(head, {**options, **given}, base.group_context(0)).validate_length(head, base.seq_len)
     if sparsity is None:  # the head type's own option or default, e.g. mosa's sparsity 8
         sparsity = Options(head, options).get("sparsity")
     k = None

@@ -213,11 +213,28 @@ def register(name: str):
     def wrap(cls: type[HeadGroup]) -> type[HeadGroup]:
         if name in REGISTRY:
             raise RuntimeError(f"head type {name!r} registered twice")
+        _check_decoding(name, cls)
         cls.type_name = name
         REGISTRY[name] = cls
         return cls
 
     return wrap
+
+
+def _check_decoding(name: str, cls: type[HeadGroup]) -> None:
+    """A class with attention of its own must not decode with a parent's: a subclass of DenseHeads that defines
+    forward_reference / forward_fast but inherits DenseHeads' forward_cached would decode as dense attention, silently
+    unlike its forward. It defines forward_cached, or refuses to decode with HeadGroup's forward_cached and
+    new_cache. RuntimeError (a programming error, at import) otherwise."""
+    own = sorted({"forward_reference", "forward_fast"} & vars(cls).keys())
+    decoder = next(c for c in cls.__mro__ if "forward_cached" in vars(c))
+    if own and decoder not in (cls, HeadGroup):
+        raise RuntimeError(f"head type {name!r}: {cls.__name__} defines {' and '.join(own)} but would decode with "
+                           f"{decoder.__name__}.forward_cached; define forward_cached (and new_cache for another cache), "
+                           f"or set both to HeadGroup's to refuse decoding")
+    if (cls.forward_cached is HeadGroup.forward_cached) != (cls.new_cache is HeadGroup.new_cache):
+        raise RuntimeError(f"head type {name!r}: {cls.__name__} must both decode (forward_cached and new_cache) or "
+                           f"refuse to (neither)")
 
 
 def head_class(name: str) -> type[HeadGroup]:

@@ -284,6 +284,8 @@ def _check_list_items(merged: DictConfig, key: str) -> None:
 def _apply(merged: DictConfig, update: str) -> None:
     """One dotted update. Sections and mappings merge (`model.layer_heads.N=...` keeps the other layers), except
     a whole `model.layer_heads=...`, which replaces the YAML's per-layer mixes (`model.layer_heads={}` clears them)."""
+    if "=" not in update:
+        raise ConfigError(f"override {update!r} is not key=value (e.g. model.n_layers=4)")
     _check_list_items(merged, update.split("=", 1)[0])
     if update.startswith("model.layer_heads="):
         OmegaConf.update(merged, "model.layer_heads", OmegaConf.from_dotlist([update]).model.layer_heads, merge=False)
@@ -314,10 +316,14 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"config file not found: {p}")
         try:
             layer = OmegaConf.load(p)
-        except Exception as err:  # yaml.YAMLError has multi-line messages
-            raise ConfigError(f"{p}: not valid YAML ({type(err).__name__})") from None
+        except Exception as err:  # yaml.YAMLError has multi-line messages: the problem and its line
+            where = getattr(err, "problem_mark", None)
+            what = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(f"{p}: not valid YAML: {what}" + (f" (line {where.line + 1})" if where else "")) from None
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
+        if not layer:  # an empty or comment-only file would train the defaults unasked
+            raise ConfigError(f"{p}: the file sets nothing (empty, or only comments)")
         layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)

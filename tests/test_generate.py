@@ -438,3 +438,31 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_nan() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 10
     for temperature in (1e-30, 1e-45):
         assert torch.equal(sample(logits, temperature, generator=torch.Generator().manual_seed(1)), logits.argmax(-1))
+
+
+def test_register_refuses_a_head_that_would_decode_with_its_parents_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DenseHeads subclass with attention of its own (here an unimplemented stand-in) that inherited dense decoding
+    would generate with dense attention, unlike its forward: @register refuses it, and a class that decodes halfway
+    (forward_cached refused, dense's new_cache kept). Refusing both registers."""
+    import heads.base
+    from heads import HeadGroup
+    from heads.dense import DenseHeads
+
+    monkeypatch.setattr(heads.base, "REGISTRY", {})  # the real registry stays as it is
+
+    class Biased(DenseHeads):
+        def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            raise NotImplementedError
+
+    class HalfDecoding(Biased):
+        forward_cached = HeadGroup.forward_cached
+
+    class Refusing(HalfDecoding):
+        new_cache = HeadGroup.new_cache
+
+    with pytest.raises(RuntimeError, match=r"^head type 'biased': Biased defines forward_reference but would decode "
+                                           r"with DenseHeads\.forward_cached; define forward_cached"):
+        heads.base.register("biased")(Biased)
+    with pytest.raises(RuntimeError, match=r"^head type 'half': HalfDecoding must both decode"):
+        heads.base.register("half")(HalfDecoding)
+    assert heads.base.register("refusing")(Refusing) is Refusing and list(heads.base.REGISTRY) == ["refusing"]

@@ -150,6 +150,9 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--layers", "0"], "n_layers must be >= 1"),
         (["--size", "tiny", "--head", "local", "--option", "window=64", "--sparsity", "8"],
          "--sparsity does not apply to local heads (their options: impl, window)"),
+        # sizes past the training length, refused as training refuses them (the mix printed was never trainable)
+        (["--size", "tiny", "--head", "topk", "--option", "k=5000"], "topk: options.k = 5000 > model.seq_len 1024"),
+        (["--size", "tiny", "--head", "local", "--option", "window=5000"], "local: options.window = 5000 > model.seq_len"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

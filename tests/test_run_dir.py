@@ -173,3 +173,19 @@ def test_checkpoint_carries_its_tokenizer(run: tuple[Path, Path], tmp_path: Path
     finally:
         hidden.rename(data)
     assert sp.get_piece_size() == 64 and sp.encode("the cat")
+
+
+def test_data_without_a_tokenizer_warns_that_checkpoints_carry_none(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Shards made elsewhere (no tokenizer.model beside them) train, with one warning at the start: decoding and
+    evaluating the checkpoints will need --tokenizer. With the tokenizer: silent."""
+    from lm.run_dir import check_tokenizer
+
+    data = write_prepared(tmp_path / "data")
+    check_tokenizer(data)
+    assert capsys.readouterr().err == (f"warning: data.path {data} has no tokenizer.model: checkpoints will carry no "
+                                       "tokenizer, so decoding and evaluating them (lm.generate, lm.evaluate) will "
+                                       "need --tokenizer\n")
+    tokenizer(data)
+    check_tokenizer(data)
+    assert capsys.readouterr().err == ""
