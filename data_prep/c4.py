@@ -73,17 +73,24 @@ def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
 
 def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: str) -> Iterator[Document]:
     """One document per (number, row) with a non-empty string "text" (newlines normalised); others are counted
-    (`where` and the number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7")."""
+    (`where` and the number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7"),
+    and rows without text are reported once per file or stream, like broken JSON lines: a misnamed field is no
+    empty document."""
+    missing, first = 0, 0
     for n, row in rows:
         text = row.get("text")
         if not isinstance(text, str):
             skips.count("rows_without_text", where=f"{where} {n}")
+            missing, first = missing + 1, first or n
             continue
         text = normalize_newlines(text)
         if not text.strip():
             skips.count("empty_documents")
             continue
         yield Document(text_id(text), text)
+    if missing:
+        name, unit = where.split(": ", 1)
+        skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} (skipped)")
 
 
 def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:

@@ -83,7 +83,10 @@ def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
     """One document per hub row {"id", "text"} (manu/project_gutenberg); ids become "pg-hub:<id>"."""
     for i, row in enumerate(rows):
         text, row_id = row.get("text"), row.get("id", i)
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            skips.count("rows_without_text", where=f"rows: row {i + 1}")
+            continue
+        if not text.strip():
             skips.count("empty_documents")
             continue
         if (doc := _book(f"pg-hub:{row_id}", f"row {row_id}", text, skips)) is not None:

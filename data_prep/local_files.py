@@ -13,16 +13,19 @@ NUL_SHARE = 0.1  # more NUL characters than this share of a file: UTF-16 without
 # a stray NUL in text is kept, like any other character (the tokenizer is lossless)
 
 
-def find_files(src: str | Path, suffixes: tuple[str, ...], what: str) -> list[Path]:
-    """`src` itself if it is a matching file, else every matching file under it (recursive),
-    sorted by relative path so the document order never depends on the file system."""
+def find_files(src: str | Path, suffixes: tuple[str, ...], what: str, exclude: Path | None = None) -> list[Path]:
+    """`src` itself if it is a matching file, else every matching file under it (recursive) but outside `exclude`
+    (a preparation's own output folder inside its --src: its index.json is no C4 input), sorted by relative path
+    so the document order never depends on the file system."""
     root = Path(src).expanduser()
     if not root.exists():
         raise DataError(f"{root}: no such file or directory")
     if root.is_file():
         files = [root] if root.name.endswith(suffixes) else []
     else:
-        files = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffixes)),
+        skip = exclude.expanduser().resolve() if exclude is not None else None
+        files = sorted((p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffixes)
+                        and not (skip is not None and p.resolve().is_relative_to(skip))),
                        key=lambda p: p.relative_to(root).as_posix())
     if not files:
         raise DataError(f"{root}: no {what} files ({', '.join('*' + s for s in suffixes)}) found")

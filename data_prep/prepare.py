@@ -277,7 +277,7 @@ def prepare(
     if threads is None:
         threads = min(4, len(os.sched_getaffinity(0)))
     clock, times = time.perf_counter(), {}
-    corpus = open_source(source, src, hub_split, data_files, hub_config)
+    corpus = open_source(source, src, hub_split, data_files, hub_config, exclude=Path(out))  # --out may be in --src
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
     if hub_config is not None:  # recorded only when given, so that earlier preparations keep their settings

@@ -25,9 +25,10 @@ def text_documents(files: list[Path], names: list[str], skips: Skips) -> Iterato
 
 
 def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
-                data_files: str | list[str] | None = None, hub_config: str | None = None) -> Corpus:
+                data_files: str | list[str] | None = None, hub_config: str | None = None,
+                exclude: Path | None = None) -> Corpus:
     """Check the input exists (DataError otherwise) and return its Corpus.
-    Local sources read --src (a directory, searched recursively, or one file); hub sources stream
+    Local sources read --src (a directory, searched recursively but outside `exclude`, or one file); hub sources stream
     the dataset id in --src (default per source, see hub.HUB_DATASETS) with its config `hub_config` (default:
     the default dataset's, e.g. allenai/c4's "en"; none for another id, such as a generic "json"); builtin
     ignores --src."""
@@ -39,7 +40,7 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
         root = Path(src).expanduser()
         suffixes, what = {"gutenberg": (gutenberg.SUFFIXES, "Gutenberg book"), "c4": (c4.SUFFIXES, "C4 JSON-lines"),
                           "text": (TEXT_SUFFIXES, "text")}[kind]
-        files = find_files(root, suffixes, what)
+        files = find_files(root, suffixes, what, exclude)
         names = [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files]  # ids of books/texts
         if kind == "gutenberg":
             read = partial(gutenberg.file_documents, files, names)

@@ -613,6 +613,8 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
     assert "warning: a.json.gz: 3 broken JSON line(s), first at line 11 (skipped)" in err
+    # a row without "text" (a misnamed field?) is reported too, once although both passes read it
+    assert err.count('warning: a.json.gz: 1 row(s) without a string "text" field, first at line 34 (skipped)') == 1
 
 
 def test_strict_reading_reports_the_first_problem_in_line_order(tmp_path: Path) -> None:
@@ -699,3 +701,17 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
         prepare("text", str(src), out, **kw)
     assert set(prepare("text", str(src), out, overwrite=True, **kw)["inputs"]) == \
         {f"d{i:02d}.txt" for i in range(12) if i != 3} | {"new.txt"}
+
+
+def test_out_inside_src_is_not_read_as_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--out inside --src (C4 reads *.json, so the preparation's own index.json matched): a rerun finds the same
+    inputs and the same preparation, with and without --overwrite."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text("".join(json.dumps({"text": words(i, 30)}) + "\n" for i in range(20)))
+    kw = dict(vocab_size=500, val_fraction=0.2, **QUIET)
+    index = prepare("c4", str(src), src / "prepared", **kw)
+    assert list(index["inputs"]) == ["a.jsonl"]
+    assert prepare("c4", str(src), src / "prepared", **kw) == index
+    assert prepare("c4", str(src), src / "prepared", overwrite=True, **kw) == index
+    assert "warning" not in capsys.readouterr().err
