@@ -8,11 +8,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from data_prep.documents import Document, Skips
+from data_prep.errors import warn
 from data_prep.local_files import normalize_newlines
 
 SUFFIXES = (".json.gz", ".jsonl.gz", ".json", ".jsonl")
@@ -91,6 +93,15 @@ def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: st
     if missing:
         name, unit = where.split(": ", 1)
         skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} (skipped)")
+
+
+def check_splits(names: list[str]) -> None:
+    """Warn when the input files hold more than one of allenai/c4's splits (c4-train.* and c4-validation.*, e.g.
+    --src at a whole checkout): they all become one corpus, which this preparation splits by document hash."""
+    splits = sorted({m[1] for name in names if (m := re.search(r"c4-(train|validation)\.", name))})
+    if len(splits) > 1:
+        warn(f"--src holds allenai/c4's {' and '.join(splits)} files: both are read as one corpus and split by "
+             "document hash, so the official validation documents are trained on; point --src at one split's folder")
 
 
 def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:

@@ -45,6 +45,7 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
         if kind == "gutenberg":
             read = partial(gutenberg.file_documents, files, names)
         elif kind == "c4":
+            c4.check_splits(names)
             read = partial(c4.file_documents, files)
         else:
             read = partial(text_documents, files, names)

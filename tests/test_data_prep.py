@@ -715,3 +715,21 @@ def test_out_inside_src_is_not_read_as_input(tmp_path: Path, capsys: pytest.Capt
     assert prepare("c4", str(src), src / "prepared", **kw) == index
     assert prepare("c4", str(src), src / "prepared", overwrite=True, **kw) == index
     assert "warning" not in capsys.readouterr().err
+
+
+def test_c4_checkout_with_both_splits_warns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--src at an allenai/c4 checkout (en/c4-train.*, en/c4-validation.*): one warning that the official
+    validation documents join the corpus; one split's folder alone: silent."""
+    from data_prep.sources import open_source
+
+    for split in ("train", "validation"):
+        (tmp_path / "en").mkdir(exist_ok=True)
+        (tmp_path / "en" / f"c4-{split}.00000-of-00008.json.gz").write_bytes(
+            gzip.compress((json.dumps({"text": words(7, 20)}) + "\n").encode()))
+    open_source("c4", str(tmp_path))
+    assert capsys.readouterr().err == ("warning: --src holds allenai/c4's train and validation files: both are read "
+                                       "as one corpus and split by document hash, so the official validation "
+                                       "documents are trained on; point --src at one split's folder\n")
+    (tmp_path / "en" / "c4-validation.00000-of-00008.json.gz").unlink()
+    open_source("c4", str(tmp_path))
+    assert capsys.readouterr().err == ""
