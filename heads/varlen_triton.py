@@ -20,7 +20,7 @@ from torch import Tensor
 from heads.dot_precision import dot_precision
 from heads.varlen import Segments
 
-BLOCK = 32  # rows per query / key block (tl.dot needs >= 16)
+BLOCK = 32  # rows per query / key block (tl.dot needs >= 16; `_meta` may take 16)
 
 
 @triton.jit
@@ -120,12 +120,14 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLO
 
 
 def _meta(q: Tensor) -> dict:
-    """Sizes and launch options. Exact fp32 dots (no tensor cores) at h' > 64 take 8 warps: with 4 the backward's
-    dK/dV kernel spills 17 KB of registers per thread (ptxas, sm_80: bench/triton_aot.py), with 8 under 1 KB."""
+    """Sizes and launch options. Exact fp32 dots (no tensor cores) at h' > 64 take blocks of 16 rows and 8 warps: with
+    32 rows and 4 warps the backward's dK/dV kernel spilled 17 KB of registers per thread, and with 8 warps it needed
+    104 KB of shared memory, over the 99 KB of sm_89 (ptxas: bench/triton_aot.py); 16 rows: 51 KB, no spills."""
     D, dot = q.shape[-1], dot_precision(q.dtype)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    warps = 8 if dot == "ieee" and BLOCK_D > 64 else 4
-    return dict(D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, DOT=dot, num_warps=warps)
+    wide_exact = dot == "ieee" and BLOCK_D > 64
+    block = 16 if wide_exact else BLOCK
+    return dict(D=D, BLOCK_D=BLOCK_D, BLOCK_M=block, BLOCK_N=block, DOT=dot, num_warps=8 if wide_exact else 4)
 
 
 class TritonVarlen:
@@ -138,7 +140,8 @@ class TritonVarlen:
         lse = torch.full(q.shape[:1], float("-inf"), dtype=torch.float32, device=q.device)
         S = seg.cu_q.numel() - 1
         if S and seg.max_q:
-            _fwd[(triton.cdiv(seg.max_q, BLOCK), S)](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **_meta(q))
+            meta = _meta(q)
+            _fwd[(triton.cdiv(seg.max_q, meta["BLOCK_M"]), S)](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **meta)
         return out, lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
@@ -147,11 +150,11 @@ class TritonVarlen:
         delta = (dout.float() * out.float()).sum(-1)  # [Nq] rowsum(dO * O)
         lse = lse.float().contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        S = seg.cu_q.numel() - 1
+        S, meta = seg.cu_q.numel() - 1, _meta(q)
         if S and seg.max_k:
-            _bwd_dkdv[(triton.cdiv(seg.max_k, BLOCK), S)](q, k, v, dout, lse, delta, dk, dv, seg.cu_q, seg.cu_k, scale,
-                                                          **_meta(q))
+            _bwd_dkdv[(triton.cdiv(seg.max_k, meta["BLOCK_N"]), S)](q, k, v, dout, lse, delta, dk, dv, seg.cu_q,
+                                                                    seg.cu_k, scale, **meta)
         if S and seg.max_q:
-            _bwd_dq[(triton.cdiv(seg.max_q, BLOCK), S)](q, k, v, dout, lse, delta, dq, seg.cu_q, seg.cu_k, scale,
-                                                        **_meta(q))
+            _bwd_dq[(triton.cdiv(seg.max_q, meta["BLOCK_M"]), S)](q, k, v, dout, lse, delta, dq, seg.cu_q, seg.cu_k,
+                                                                  scale, **meta)
         return dq, dk, dv

@@ -191,12 +191,18 @@ def _backend(name: str, dtype: torch.dtype, d: int) -> varlen.VarlenBackend:
 KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-6}
 
 
-@pytest.mark.parametrize("name,dtype,d", [("triton", torch.float32, 24), ("triton", torch.bfloat16, 64),
+@pytest.mark.parametrize("name,dtype,d", [("triton", torch.float32, 24), ("triton", torch.float32, 72),
+                                          ("triton", torch.bfloat16, 64),
                                           ("flash", torch.bfloat16, 64), ("flash", torch.float16, 64)])
 def test_kernels_match_torch_varlen(name: str, dtype: torch.dtype, d: int) -> None:
     """A backend's kernels against the float64 contract: forward out and lse, and the backward given the
-    same (out, lse); empty, one-row and multi-block segments, head dims padded inside the kernel (24)."""
+    same (out, lse); empty, one-row and multi-block segments, head dims padded inside the kernel (24, 72); fp32 at
+    h' = 72 (padded to 128) takes the kernels' 16-row blocks (heads/varlen_triton._meta)."""
     backend = _backend(name, dtype, d)
+    if name == "triton":
+        from heads.varlen_triton import _meta
+
+        assert _meta(torch.zeros(1, d, dtype=dtype))["BLOCK_M"] == (16 if (dtype, d) == (torch.float32, 72) else 32)
     q_counts, k_counts = [130, 0, 57, 1, 64, 3], [70, 9, 100, 1, 128, 40]
     q, k, v, seg = _packed(q_counts, k_counts, d, dtype, "cuda" if CUDA and not (name == "triton" and INTERPRET) else "cpu")
     q, k, v, scale, ref = q.detach(), k.detach(), v.detach(), d**-0.5, TorchVarlen()
