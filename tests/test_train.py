@@ -407,9 +407,14 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     assert f"--resume: continuing from {ckpts / 'step0000025.ckpt'}" in err
 
 
-def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels' deterministic mode needs a GPU; no GPU here"))])
+def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path,
+                                                                         accelerator: str) -> None:
     """trainer.deterministic=true trains a MoSA hybrid under torch.use_deterministic_algorithms (which the fused
-    kernels follow, heads/gathered_triton.py); two runs end with bitwise-equal weights."""
+    kernels follow, heads/gathered_triton.py); two runs end with bitwise-equal weights. On CPU that only checks the
+    flag (CPU runs repeat anyway); on a GPU (bf16, the fused kernels, whose default grid adds with atomics in any
+    order) it checks the repetition."""
     from lm.train import train
 
     seen: list[bool] = []
@@ -424,7 +429,8 @@ def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data:
     try:
         LMModule.training_step = spy  # type: ignore[method-assign]
         for name in ("a", "b"):
-            overrides = [*run_overrides(data, tmp_path / name, max_steps=4, deterministic="true"), heads]
+            overrides = [*run_overrides(data, tmp_path / name, max_steps=4, deterministic="true",
+                                        accelerator=accelerator), heads]
             train(load_config(None, *overrides))
             weights.append(load_model(tmp_path / name / "checkpoints" / "last.ckpt")[0].state_dict())
     finally:
