@@ -129,8 +129,22 @@ def when(pred: torch.Tensor, then: Callable[..., tuple], otherwise: Callable[...
     return then(*operands) if bool(pred) else otherwise(*operands)
 
 
+class AroundSlots:
+    """A cache built around the SlotKV `kv` of the tokens it keeps: nothing written yet and the batch are kv's."""
+
+    kv: SlotKV
+
+    @property
+    def fresh(self) -> bool:
+        return self.kv.fresh
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
+
 @dataclass
-class BlockKV:
+class BlockKV(AroundSlots):
     """Decoding cache of the causal block-landmark heads (heads/agent.py, heads/mita.py): every
     token's key/value (`kv`, as dense), the rotated queries of the current incomplete block, and per
     completed block j its landmark / agent query q~_j = mean of the block's queries, its value
@@ -155,14 +169,6 @@ class BlockKV:
                    if topk is not None else None)
         return cls(SlotKV.empty(batch, heads, max_len, dim, device, dtype),
                    torch.zeros(batch, heads, block, dim, device=device, dtype=dtype), landmarks, values, experts)
-
-    @property
-    def fresh(self) -> bool:
-        return self.kv.fresh
-
-    @property
-    def batch(self) -> int:
-        return self.kv.batch
 
     @property
     def topk(self) -> int | None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast
-from heads.kv_cache import SlotKV, gathered_prefill, one_token
+from heads.kv_cache import AroundSlots, SlotKV, gathered_prefill, one_token
 from routing.selection import Selection
 from routing.capacity import token_choice_capacity
 from routing.token_choice import (GATES, assign_random, assign_recency, assign_reference, balance_loss, choose,
@@ -97,20 +97,12 @@ class MosaicOptions(HeadOptions):
 
 
 @dataclass
-class MosaicCache:
+class MosaicCache(AroundSlots):
     """Decoding state: K/V of the tokens other tokens can see (SlotKV with k slots per head) and the
     number of slots each head has filled (padding under identity/ignore uses a slot but no K/V)."""
 
     kv: SlotKV
     members: torch.Tensor  # [B, N]
-
-    @property
-    def fresh(self) -> bool:
-        return self.kv.fresh
-
-    @property
-    def batch(self) -> int:
-        return self.kv.batch
 
     def nbytes(self) -> int:
         return self.kv.nbytes() + self.members.numel() * self.members.element_size()
