@@ -102,7 +102,9 @@ class Corpus:
     sources: list[str]  # file names or hub dataset ids, recorded in index.json
     read: Callable[[Skips], Iterator[Document]]
     size_hint: int | None = None  # number of documents or files, for progress bars (None = unknown)
-    files: list[Path] = field(default_factory=list)  # local sources: the input files, in `sources` order
+    files: list[Path] = field(default_factory=list)  # input files on disk, hashed into index.json: a local source's
+    # (in `sources` order), or a hub source's local --data-files
+    input_names: list[str] | None = None  # their names in index.json's inputs (None: `sources`)
 
     def first(self, n: int | None) -> Corpus:
         """The first `n` documents of every pass (all of them for None): --max-docs."""

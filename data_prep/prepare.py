@@ -291,7 +291,7 @@ def prepare(
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    inputs = input_manifest(corpus.files, corpus.sources, progress)
+    inputs = input_manifest(corpus.files, corpus.input_names or corpus.sources, progress)
     done, state = _previous_run(out, settings, inputs, overwrite)
     if done is not None:
         print(f"{out} is already prepared with these settings; nothing to do")

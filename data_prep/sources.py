@@ -60,4 +60,7 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
     rows = partial(stream_rows, path, name, split, data_files)
     to_documents = c4.row_documents if kind == "c4-hub" else gutenberg.row_documents
     label = f"{path}{'/' + name if name else ''}:{split}" + (f" data_files={data_files}" if data_files else "")
-    return Corpus(kind, [label], lambda skips: to_documents(rows(), skips))
+    given = [Path(f).expanduser() for f in ([data_files] if isinstance(data_files, str) else data_files or [])]
+    local = given if given and all(p.is_file() for p in given) else []  # patterns, URLs: nothing to hash here
+    return Corpus(kind, [label], lambda skips: to_documents(rows(), skips), files=local,
+                  input_names=[str(p) for p in local])

@@ -733,3 +733,17 @@ def test_c4_checkout_with_both_splits_warns(tmp_path: Path, capsys: pytest.Captu
     (tmp_path / "en" / "c4-validation.00000-of-00008.json.gz").unlink()
     open_source("c4", str(tmp_path))
     assert capsys.readouterr().err == ""
+
+
+def test_hub_route_hashes_local_data_files(tmp_path: Path) -> None:
+    """--data-files on disk are inputs like a local source's files: a rerun after one was replaced is refused (it said
+    'already prepared', and a resumed run mixed shards of both versions)."""
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": words(i, 30)}) + "\n" for i in range(20)))
+    kw = dict(data_files=str(path), vocab_size=500, val_fraction=0.2, **QUIET)
+    index = prepare("c4-hub", "json", tmp_path / "out", **kw)
+    assert index["inputs"] == {str(path): {"bytes": path.stat().st_size,
+                                           "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+    path.write_text("".join(json.dumps({"text": words(i, 30)}) + "\n" for i in range(20, 40)))
+    with pytest.raises(DataError, match=rf"^--out .* holds a preparation with other inputs \(1 changed \({re.escape(str(path))}\)\)"):
+        prepare("c4-hub", "json", tmp_path / "out", **kw)
