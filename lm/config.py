@@ -322,8 +322,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"{p}: not valid YAML: {what}" + (f" (line {where.line + 1})" if where else "")) from None
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
-        if not layer:  # an empty or comment-only file would train the defaults unasked
-            raise ConfigError(f"{p}: the file sets nothing (empty, or only comments)")
+        if yaml.safe_load(p.read_text()) is None:  # empty or only comments: would train the defaults unasked ({}: asked)
+            raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)

@@ -28,7 +28,6 @@ from lm.checkpoint import atomic_write
 from lm.config import Config, from_dict, to_yaml
 from lm.errors import DataError
 from lm.resume_settings import reported_here
-from lm.sanity import warn
 
 CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
 CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
@@ -87,14 +86,18 @@ def read_provenance(data: Path) -> dict[str, Any]:
     }
 
 
+def missing_tokenizer(data: Path) -> str | None:
+    """The warning for a data directory without its tokenizer file (shards made elsewhere), or None: then the
+    checkpoints carry no tokenizer either."""
+    _, model = _index_and_tokenizer(data)
+    return None if model.is_file() else (f"data.path {data} has no {model.name}: checkpoints will carry no tokenizer, "
+                                         f"so decoding and evaluating them (lm.generate, lm.evaluate) will need --tokenizer")
+
+
 def check_tokenizer(data: Path) -> None:
     """A one-line DataError if the data directory's tokenizer.model is not the one its index.json records (the
-    shards were made with that one; checkpoints carry the file's bytes); a warning if it has none (shards made
-    elsewhere): then the checkpoints carry none either."""
+    shards were made with that one; checkpoints carry the file's bytes)."""
     index, model = _index_and_tokenizer(data)
-    if not model.is_file():
-        warn(f"data.path {data} has no {model.name}: checkpoints will carry no tokenizer, so decoding and evaluating "
-             f"them (lm.generate, lm.evaluate) will need --tokenizer")
     sha, recorded = _sha256(model), index.get("tokenizer_sha256")
     if sha is not None and recorded is not None and sha != recorded:
         raise DataError(f"data.path: {model} is not the tokenizer {data} was prepared with (SHA-256 {sha[:12]}, "

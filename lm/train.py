@@ -36,7 +36,7 @@ from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curves
 from lm.preemption import Preemption, received_sigterm
-from lm.run_dir import claim
+from lm.run_dir import claim, missing_tokenizer
 from lm.step_logger import StepLogger
 
 
@@ -299,6 +299,8 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     module = make_module(cfg)
     say(model_line(cfg, module))
+    if (note := missing_tokenizer(Path(cfg.data.path).resolve())) is not None:  # after every check that can refuse
+        say(f"warning: {note}")
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
                                   keep=t.keep_last_k)

@@ -100,7 +100,9 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     assert error_of(write(tmp_path, "model:\n  n_layers: 2\nmodel:\n  n_layers: 3\n")).endswith(
         "c.yaml: not valid YAML: found duplicate key model (line 3)")  # the problem and where, not the error's type
     for nothing in ("", "# model: {n_layers: 2}\n"):  # would have trained the default model unasked
-        assert error_of(write(tmp_path, nothing)).endswith("c.yaml: the file sets nothing (empty, or only comments)")
+        assert error_of(write(tmp_path, nothing)).endswith(
+            "c.yaml: the file sets nothing (empty, or only comments; {} to mean the defaults)")
+    assert load_config(write(tmp_path, "{}\n")) == load_config()  # the defaults, asked for
     assert "model.heads" in error_of(None, "model.heads=[{type: dense")  # a bad YAML value on the command line
     assert error_of(None, "model.n_layers") == "override 'model.n_layers' is not key=value (e.g. model.n_layers=4)"
 
