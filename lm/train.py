@@ -109,12 +109,18 @@ def last_finite(cfg: Config) -> Path | None:
 
 
 def check_devices(t: TrainerConfig) -> None:
-    """The devices asked for exist on this machine (a one-line ConfigError, not Lightning's traceback)."""
+    """The devices asked for exist on this machine (a one-line ConfigError, not Lightning's traceback); more CPU
+    processes than cores get a warning."""
     if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
     if t.accelerator == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
+    cores = len(os.sched_getaffinity(0))
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    if on_cpu and t.devices > cores:
+        say(f"warning: trainer.devices={t.devices} on CPU starts {t.devices} training processes on {cores} core(s): "
+            f"each gets less than a core, and the run is slower than with trainer.devices={cores}")
 
 
 def check_host_memory(cfg: Config) -> None:

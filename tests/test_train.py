@@ -497,3 +497,19 @@ def test_out_dir_below_a_file_and_empty_rope_buffers(data: Path, tmp_path: Path)
             train(load_config(None, *run_overrides(data, out)))
     metrics = train(load_config(None, *run_overrides(data, tmp_path / "norope", max_steps=3), "model.rope_fraction=0"))
     assert metrics["step"] == 3 and math.isfinite(metrics["val_loss"])
+
+
+def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str]) -> None:
+    """trainer.devices on CPU starts that many DDP processes: more than the cores is slower, said once at the start."""
+    import os
+
+    from lm.config import TrainerConfig
+    from lm.train import check_devices
+
+    cores = len(os.sched_getaffinity(0))
+    check_devices(TrainerConfig(accelerator="cpu", devices=cores))
+    assert capsys.readouterr().err == ""
+    check_devices(TrainerConfig(accelerator="cpu", devices=cores + 2))
+    assert capsys.readouterr().err == (f"warning: trainer.devices={cores + 2} on CPU starts {cores + 2} training "
+                                       f"processes on {cores} core(s): each gets less than a core, and the run is "
+                                       f"slower than with trainer.devices={cores}\n")
