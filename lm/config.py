@@ -316,13 +316,14 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"config file not found: {p}")
         try:
             layer = OmegaConf.load(p)
+            nothing = yaml.safe_load(p.read_text()) is None  # empty or only comments ({} asks for the defaults)
         except Exception as err:  # yaml.YAMLError has multi-line messages: the problem and its line
             where = getattr(err, "problem_mark", None)
             what = getattr(err, "problem", None) or type(err).__name__
             raise ConfigError(f"{p}: not valid YAML: {what}" + (f" (line {where.line + 1})" if where else "")) from None
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
-        if yaml.safe_load(p.read_text()) is None:  # empty or only comments: would train the defaults unasked ({}: asked)
+        if nothing:  # would train the defaults unasked
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         layers.append(layer)
     try:
