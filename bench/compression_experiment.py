@@ -70,11 +70,10 @@ def perplexity_table(models: dict[str, CompressedLM], windows: list[torch.Tensor
             ppl = perplexity(loss)
             if name == "baseline":
                 base_ppl[k] = ppl
-            H, n, L = heads_per_layer(model), model.cfg.n_layers, model.layer
-            kv = H * (L * S + (n - L) * (layout.memory + S))
+            kv, full_kv = model.kv_total(S, layout.memory), model.lm.kv_total(k * P + S)
             rel = f"{ppl / base_ppl[k]:.3f}" if k in base_ppl and name != "baseline" else "1"
             rows.append(f"| {name} | {k} | {k * P + S} | {loss:.4f} | {ppl:.2f} | {rel} | "
-                        f"{forward_flops(model, layout) / 1e9:.3f} | {kv} / {H * n * (k * P + S)} |")
+                        f"{forward_flops(model, layout) / 1e9:.3f} | {kv} / {full_kv} |")
     return rows
 
 
@@ -184,16 +183,16 @@ def main(argv: list[str] | None = None) -> int:
             models[name], cfgs[name] = load_compressed(Path(run) / "checkpoints" / "last.ckpt")
         cfg = cfgs["compressed"]
         val_docs, train_docs = document_windows(args.data, "val", cfg), document_windows(args.data, "train", cfg)
+        P, S = cfg.compression.prefix_len, cfg.model.seq_len
+        val = fixed_windows(val_docs, args.batches, args.batch, 3 * P + S + 1, seed=0)  # (documents too short)
+        train = fixed_windows(train_docs, args.predictor_batches, 16, P + S + 1, seed=1)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    P, S = cfg.compression.prefix_len, cfg.model.seq_len
     t = tokens_for(cfg.compression.ratio, P)
-    val = fixed_windows(val_docs, args.batches, args.batch, 3 * P + S + 1, seed=0)
     started = time.time()
     table = perplexity_table(models, val, P, t, S, full=(MIXED,) if args.mixed else ())
     online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
-    train = fixed_windows(train_docs, args.predictor_batches, 16, P + S + 1, seed=1)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
     chooser = MIXED if args.mixed else "compressed"
     pred, adaptive = predictor_section(models[chooser], train, held, P, cfg.compression.ratio, args.tolerances)

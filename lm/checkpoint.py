@@ -138,25 +138,33 @@ def check_weights(trainer: L.Trainer) -> None:
                              "not checkpointed (lower optim.lr)")
 
 
-def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = True) -> dict[str, Any]:
-    """Load a train_lm.py checkpoint (tensors only, no pickled code), or raise a one-line CheckpointError
-    for a missing, empty, truncated, garbled (zip CRC mismatch) or foreign file."""
+def read_torch_file(path: str | Path, what: str, map_location: str | torch.device = "cpu",
+                    mmap: bool = False) -> Any:
+    """Load a file written by torch.save (tensors and plain containers only, no pickled code), or raise a
+    one-line CheckpointError naming `what` and the file: missing, empty, truncated, garbled (zip CRC
+    mismatch) or foreign."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} not found")
+        raise CheckpointError(f"{what} {path} not found")
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty")
+        raise CheckpointError(f"{what} {path} is empty")
     try:
         with zipfile.ZipFile(path) as archive:
             damaged = archive.testzip()  # reads every record and checks its CRC-32
     except (zipfile.BadZipFile, OSError, EOFError) as err:
-        raise CheckpointError(f"checkpoint {path} is truncated or not a torch file ({err})") from None
+        raise CheckpointError(f"{what} {path} is truncated or not a torch file ({err})") from None
     if damaged is not None:
-        raise CheckpointError(f"checkpoint {path} is damaged (CRC mismatch in {damaged})")
+        raise CheckpointError(f"{what} {path} is damaged (CRC mismatch in {damaged})")
     try:
-        ckpt = torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
+        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded ({(str(err).splitlines() or [''])[0]})") from None
+        raise CheckpointError(f"{what} {path} cannot be loaded ({(str(err).splitlines() or [''])[0]})") from None
+
+
+def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = True) -> dict[str, Any]:
+    """Load a train_lm.py checkpoint (`read_torch_file`), or raise a one-line CheckpointError for an unreadable
+    or foreign file."""
+    ckpt = read_torch_file(path, "checkpoint", map_location, mmap)
     missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no {', '.join(missing)})")

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lm.compression import CompressedLM
+from lm.compression import CompressedLM, tokens_for
 from lm.generate import sample
 from lm.ratio_predictor import AdaptiveRatio
 
@@ -66,7 +66,7 @@ class CompressedGenerator:
         comp = model.comp
         self.model, self.adaptive = model, adaptive
         self.window = comp.prefix_len if window is None else window
-        self.t = max(1, round(comp.ratio * self.window)) if t is None else t
+        self.t = tokens_for(comp.ratio, self.window) if t is None else t
         if self.window < 1 or not 1 <= self.t <= self.window:
             raise ValueError(f"need window >= 1 and t in [1, window], got window {self.window} and t {self.t}")
         for g in model.lm.head_groups():

@@ -152,13 +152,25 @@ class CompressedDataModule(LMDataModule):
         self.sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
 
     def check(self) -> None:
-        super().check()
         self.train_windows = document_windows(self.cfg.path, "train", self.full)
         self.val_windows = document_windows(self.cfg.path, "val", self.full)
         for name, w, need in (("train", self.train_windows, self.sampler.longest()),
                               ("val", self.val_windows, self.val_layout().window)):  # validation has one layout
             if w.lengths.max(initial=0) < need:
                 raise DataError(f"data.path: no {name} document has the {need} tokens compression windows need")
+        super().check()  # opens the splits again (checked above) and warns about the validation windows
+
+    def validation_warnings(self) -> list[str]:
+        """Validation draws val_batches x batch_size windows of P + S + 1 tokens at random inside the validation
+        documents: warn when the documents do not hold that many disjoint ones."""
+        window = self.val_layout().window
+        wanted = self.cfg.val_batches * self.cfg.batch_size
+        disjoint = int((self.val_windows.lengths // window).sum())
+        if disjoint >= wanted:
+            return []
+        return [f"validation windows overlap: data.val_batches x data.batch_size = {wanted} windows of {window} tokens "
+                f"(prefix_len + seq_len + 1) are drawn inside validation documents that hold {disjoint} disjoint ones "
+                f"(lower data.val_batches to {max(1, disjoint // self.cfg.batch_size)})"]
 
     def val_layout(self) -> Layout:
         c = self.full.compression

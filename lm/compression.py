@@ -81,6 +81,11 @@ def tokens_for(ratio: float, span: int) -> int:
     return max(1, min(span, round(ratio * span)))
 
 
+def token_nll(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """logits[B, S, V], target[B, S] -> next-token cross-entropy per token [B, S], computed in fp32 (under bf16 too)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view_as(target)
+
+
 class SwiGLU(nn.Module):
     """W_2 (silu(x W_g) * x W_u) (Shazeer 2020)."""
 
@@ -210,18 +215,19 @@ class CompressedLM(nn.Module):
         """Next-token cross-entropy on the suffix only: logits at suffix position i predict
         tokens[P + i + 1]. tokens[B, >= layout.window]. reduce=False -> per-sample mean [B]."""
         P, S = layout.prefix, layout.suffix
-        logits = self(tokens, layout)
-        target = tokens[:, P + 1 : P + S + 1]
-        logits = logits.flatten(0, 1).float()  # the cross-entropy in fp32 under bf16
-        loss = F.cross_entropy(logits, target.flatten(), reduction="none").view_as(target)
+        if tokens.shape[1] < layout.window:
+            raise ValueError(f"CompressedLM.suffix_loss: need {layout.window} tokens for {layout} (the last suffix "
+                             f"position's target too), got {tokens.shape[1]}")
+        loss = token_nll(self(tokens, layout), tokens[:, P + 1 : P + S + 1])
         return loss.mean() if reduce else loss.mean(1)
 
-    def kv_total(self, seq_len: int | None = None) -> int:
-        """KV entries while decoding a window of T tokens with a memory of t = ratio * prefix_len
-        states: blocks [0, L) keep T per head, blocks [L, n) keep t + T (lm/compressed_generate.py)."""
-        T = seq_len or self.cfg.seq_len
-        t = tokens_for(self.comp.ratio, self.comp.prefix_len)
-        return sum(g.kv_entries(T if i < self.layer else t + T) for i, b in enumerate(self.lm.blocks) for g in b.attn.groups)
+    def kv_total(self, window: int | None = None, memory: int | None = None) -> int:
+        """KV entries while decoding a window of W tokens (default prefix_len, the decoder's window) after a memory
+        of t states (default round(ratio * prefix_len)): blocks [0, L) keep W per head, blocks [L, n) keep
+        t + W (lm/compressed_generate.py)."""
+        W = self.comp.prefix_len if window is None else window
+        t = tokens_for(self.comp.ratio, self.comp.prefix_len) if memory is None else memory
+        return sum(g.kv_entries(W if i < self.layer else t + W) for i, b in enumerate(self.lm.blocks) for g in b.attn.groups)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -183,8 +183,13 @@ class LMDataModule(L.LightningDataModule):
         cheap, so entry points call it up front."""
         self.train_stream = open_split(self.cfg.path, "train", self.model_cfg)
         self.val_stream = open_split(self.cfg.path, "val", self.model_cfg)
-        for message in validation_warnings(self.cfg, self.model_cfg, len(self.val_stream)):
+        for message in self.validation_warnings():
             warn(message)
+
+    def validation_warnings(self) -> list[str]:
+        """Warnings about the validation windows this module draws (lm/sanity.py), once the splits are open."""
+        assert self.val_stream is not None
+        return validation_warnings(self.cfg, self.model_cfg, len(self.val_stream))
 
     def setup(self, stage: str) -> None:
         if self.train_stream is None:

@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from lm.compression import CompressedLM, tokens_for
+from lm.compression import CompressedLM, token_nll, tokens_for
 
 DEFAULT_RATIOS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
 
@@ -35,8 +34,7 @@ def measure(model: CompressedLM, windows: torch.Tensor, P: int, ratios: list[flo
     prefix, suffix, target = windows[:, :P], windows[:, P:-1], windows[:, P + 1 :]
 
     def nll(mem: torch.Tensor) -> torch.Tensor:
-        logits = model.lm.lm_head(model.upper(x, mem))
-        return F.cross_entropy(logits.transpose(1, 2), target, reduction="none").mean(1)
+        return token_nll(model.lm.lm_head(model.upper(x, mem)), target).mean(1)
 
     h, x = model.lower(prefix), model.lower(suffix)
     full = nll(h)
@@ -78,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [float(r) for r in args.ratios.split(",")]
         if not all(0 < r <= 1 for r in ratios):
             raise ValueError(f"--ratios must be in (0, 1], got {args.ratios}")
-        if args.prompts < 1 or args.batch < 1 or (args.prefix_len is not None and args.prefix_len < 1):
-            raise ValueError(f"need --prompts >= 1, --batch >= 1 and --prefix-len >= 1, got {args.prompts}, {args.batch} "
-                             f"and {args.prefix_len}")
+        if args.prompts < 2 or args.batch < 1 or (args.prefix_len is not None and args.prefix_len < 1):
+            raise ValueError(f"need --prompts >= 2 (the predictor holds out every 5th prompt), --batch >= 1 and "
+                             f"--prefix-len >= 1, got {args.prompts}, {args.batch} and {args.prefix_len}")
         if args.probe_ratio is not None and not 0 < args.probe_ratio <= 1:
             raise ValueError(f"--probe-ratio must be in (0, 1], got {args.probe_ratio}")
         if not Path(args.ckpt).is_file():

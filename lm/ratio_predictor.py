@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.checkpoint import CheckpointError, read_torch_file
 from lm.compression import CompressedLM, tokens_for
 
 
@@ -38,6 +39,9 @@ def sinusoidal(delta: torch.Tensor, dim: int, min_period: float = 0.05, max_peri
     periods = torch.logspace(math.log10(min_period), math.log10(max_period), dim // 2, device=delta.device)
     angles = delta[:, None].float() * (2 * math.pi / periods)
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+RATIO_DATA_KEYS = ("states", "prompt", "delta", "ratio", "probe_ratio", "prefix_len", "ratios")
 
 
 class RatioPredictor(nn.Module):
@@ -61,8 +65,14 @@ class RatioPredictor(nn.Module):
         torch.save({"hparams": self.hparams, "state_dict": self.state_dict(), **extra}, path)
 
     @classmethod
-    def load(cls, path: str | Path) -> tuple["RatioPredictor", dict]:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+    def load(cls, path: str | Path, needs: Sequence[str] = ()) -> tuple["RatioPredictor", dict]:
+        """The predictor a `save` wrote (on CPU) and the file's other entries, of which `needs` must be there; a
+        one-line CheckpointError for an unreadable file or one `python -m lm.ratio_predictor train` did not write."""
+        blob = read_torch_file(path, "predictor")
+        missing = [k for k in ("hparams", "state_dict", *needs) if not isinstance(blob, dict) or k not in blob]
+        if missing:
+            raise CheckpointError(f"predictor {path} was not written by `python -m lm.ratio_predictor train` "
+                                  f"(no {', '.join(missing)})")
         model = cls(**blob["hparams"])
         model.load_state_dict(blob["state_dict"])
         return model.eval(), blob
@@ -95,7 +105,7 @@ def fit(
 def choose_ratio(predictor: RatioPredictor, states: torch.Tensor, tolerance: float, ratios: Sequence[float]) -> torch.Tensor:
     """r* = f(states, Delta*) for each prompt, clamped to [min, max] of the ratios its training data measured
     (outside them the predictor, and the Delta it was fit on, would be extrapolated)."""
-    delta = torch.full((states.shape[0],), float(tolerance))
+    delta = torch.full((states.shape[0],), float(tolerance), device=states.device)
     measured = [float(r) for r in ratios]
     return predictor(states, delta).clamp(min(measured), max(measured))
 
@@ -112,10 +122,14 @@ class AdaptiveRatio:
     probe_ratio: float
     ratios: Sequence[float]  # the ratios the predictor's data measured (r* is clamped to them)
 
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.tolerance):
+            raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {self.tolerance}")
+
     @classmethod
     def load(cls, path: str | Path, tolerance: float) -> "AdaptiveRatio":
         """A predictor file written by `python -m lm.ratio_predictor train` (it holds probe_ratio and ratios)."""
-        predictor, blob = RatioPredictor.load(path)
+        predictor, blob = RatioPredictor.load(path, needs=("probe_ratio", "ratios"))
         return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"])
 
     @torch.no_grad()
@@ -123,12 +137,20 @@ class AdaptiveRatio:
         """span[B, N, d] (depth-L states of the N tokens to compress) -> t in [1, N]."""
         N = span.shape[1]
         states = model.compress(span, tokens_for(self.probe_ratio, N))
-        return tokens_for(float(choose_ratio(self.predictor, states, self.tolerance, self.ratios).max()), N)
+        self.predictor.to(span.device)  # (a module moves in place; a no-op once it is there)
+        ratio = choose_ratio(self.predictor, states.float(), self.tolerance, self.ratios)
+        return tokens_for(float(ratio.max()), N)
 
 
 def _train(args: argparse.Namespace) -> dict:
-    data = torch.load(args.data, map_location="cpu", weights_only=False)
+    data = read_torch_file(args.data, "--data")
+    missing = [k for k in RATIO_DATA_KEYS if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ValueError(f"--data {args.data} was not written by `python -m lm.ratio_data` (no {', '.join(missing)})")
     n = len(data["states"])
+    if n < 2:
+        raise ValueError(f"--data {args.data} measured {n} prompt(s); the predictor holds out every 5th prompt "
+                         "(prompt 0 first), so it needs at least 2 (python -m lm.ratio_data --prompts)")
     held = torch.arange(n) % 5 == 0  # every 5th prompt is held out
     rows_tr, rows_te = ~held[data["prompt"]], held[data["prompt"]]
     predictor = RatioPredictor(data["states"].shape[-1], args.latent)
@@ -149,7 +171,7 @@ def _choose(args: argparse.Namespace) -> dict:
     from lm.compressed_training import document_windows, fixed_windows, load_compressed
     from lm.ratio_data import measure
 
-    predictor, blob = RatioPredictor.load(args.predictor)
+    predictor, blob = RatioPredictor.load(args.predictor, needs=("probe_ratio", "prefix_len", "ratios"))
     model, cfg = load_compressed(args.ckpt)
     if predictor.hparams["d_model"] != cfg.model.d_model:
         raise ValueError(f"--predictor {args.predictor} reads states of width {predictor.hparams['d_model']}, "

@@ -217,6 +217,27 @@ def test_adaptive_generation_keeps_the_chosen_t_per_window():
     assert cache.kv_entries() == 2 * 4 * 5 + 2 * 4 * (script[-1] + 5)  # 2 layers below L, 2 above, 4 heads
 
 
+def test_kv_total_is_the_decoders_largest_cache():
+    """kv_total() counts the cache CompressedGenerator reaches with its default window W = prefix_len (here 12, not
+    seq_len 16): W entries per head below L and t + W above, as the W-th token of a window is fed after a memory of
+    t states (the window is compressed right after)."""
+    model = make()  # 4 dense heads, L = 2 of 4 blocks, P = 12, r = 0.25: t = 3
+    gen = CompressedGenerator(model)
+    cache = gen.new_cache(1)
+    gen.feed(cache, tokens(12 + 11, batch=1))  # one window compressed, 11 tokens of the next
+    assert cache.kv_entries() == model.kv_total(11) == 2 * 4 * 11 + 2 * 4 * (3 + 11)
+    assert gen.window == 12 and model.kv_total() == model.kv_total(12) == 2 * 4 * 12 + 2 * 4 * (3 + 12)
+    assert model.kv_total(11, 0) == 4 * 4 * 11  # no memory: every block keeps the window
+
+
+def test_suffix_loss_needs_the_last_target():
+    model = make()
+    layout = Layout((12,), 3, 16)
+    assert model.suffix_loss(tokens(29), layout).isfinite()
+    with pytest.raises(ValueError, match="suffix_loss: need 29 tokens .* \\(the last suffix position's target too\\), got 28"):
+        model.suffix_loss(tokens(28), layout)
+
+
 def test_adaptive_ratio_clamps_to_the_measured_ratios(tmp_path):
     """AdaptiveRatio.tokens: t = round(r* N), r* the predictor's choice for the span clamped to the ratios its
     data measured; loaded from a predictor file (probe ratio and ratios travel with it)."""
@@ -290,7 +311,9 @@ def test_document_windows_stay_inside_one_document():
         assert (row != eos).all() and len(set((row // 100).tolist())) == 1
         assert torch.equal(row[1:] - row[:-1], torch.ones(19, dtype=row.dtype))
         seen.add(int(row[0] // 100))
-    assert seen == {1, 3} or seen == {1}  # docs 1 (40) and, if unsplit by the shard cut, 3 (25)
+    assert seen == {1}  # doc 3 (25 tokens) is cut at the shard end into 9 + 16, both shorter than 20
+    whole = DocumentWindows([flat], eos_id=eos, seed=0)  # without the cut, doc 3 holds windows of 20
+    assert {int(row[0] // 100) for row in whole.sample(200, 20)} == {1, 3}
     with pytest.raises(ValueError, match="no document has 41 tokens"):
         w.sample(1, 41)
 
@@ -326,6 +349,28 @@ def test_validation_documents_need_the_validation_window_only(tmp_path, val_len:
     else:
         with pytest.raises(ValueError, match=error):
             data.check()
+
+
+def test_compressed_validation_overlap_warning_counts_its_own_windows(tmp_path, capsys):
+    """Validation windows are prefix_len + seq_len + 1 = 21 tokens drawn inside documents, not the plain model's
+    seq_len + 1 = 9: four validation documents of 30 tokens hold 4 disjoint ones (the plain count, 120 // 9 = 13
+    windows, would not warn)."""
+    from lm.compressed_training import CompressedDataModule
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, V, 60) for _ in range(6)] + [rng.integers(1, V, 30) for _ in range(4)]
+    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=12, ratio=0.25)
+    cfg.data.path, cfg.data.batch_size = _prepared(tmp_path, docs), 2
+    for val_batches, warns in ((2, False), (3, True)):
+        cfg.data.val_batches = val_batches
+        validate(cfg)
+        CompressedDataModule(cfg).check()
+        err = capsys.readouterr().err
+        expected = ("warning: validation windows overlap: data.val_batches x data.batch_size = 6 windows of 21 tokens "
+                    "(prefix_len + seq_len + 1) are drawn inside validation documents that hold 4 disjoint ones "
+                    "(lower data.val_batches to 2)\n")
+        assert err == (expected if warns else ""), err
 
 
 def test_training_regimes_lower_the_suffix_loss(tmp_path):

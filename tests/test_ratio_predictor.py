@@ -112,7 +112,7 @@ def test_clis_data_train_choose(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("cli, args, message", [
-    ("data", ["--prompts", "0"], "need --prompts >= 1"), ("data", ["--batch", "0"], "need --prompts >= 1"),
+    ("data", ["--prompts", "1"], "need --prompts >= 2"), ("data", ["--batch", "0"], "need --prompts >= 2"),
     ("data", ["--prefix-len", "-4"], "--prefix-len >= 1"), ("data", ["--probe-ratio", "3"], "--probe-ratio must be in"),
     ("train", ["--steps", "0"], "need --steps >= 1"), ("train", ["--lr", "nan"], "finite --lr > 0"),
     ("choose", ["--prompts", "0"], "need --prompts >= 1"), ("choose", ["--delta", "nan"], "finite --delta"),
@@ -134,3 +134,36 @@ def test_cli_bad_arguments_are_one_line(tmp_path, capsys, cli: str, args: list[s
                                      "--delta", "0.05", *args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_train_refuses_unusable_data_files_in_one_line(tmp_path, capsys):
+    """An empty or foreign --data file, or one of a single prompt (prompt 0 is held out, nothing would be left to
+    fit), is one line; files are read as tensors only (weights_only), never as pickled code."""
+    one = {"states": torch.randn(1, 3, 32), "prompt": torch.zeros(5, dtype=torch.long), "ratio": RATIOS,
+           "delta": torch.randn(5), "ratios": RATIOS.tolist(), "probe_ratio": 0.125, "prefix_len": 12}
+    cases = {"empty.pt": (None, "is empty"), "foreign.pt": ({"weights": torch.ones(2)}, "not written by"),
+             "one.pt": (one, "measured 1 prompt(s)"), "text.pt": (b"not torch", "not a torch file")}
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        if content is None:
+            path.write_bytes(b"")
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        assert ratio_predictor.main(["train", "--data", str(path), "--out", str(tmp_path / "p.pt"), "--steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    torch.save({"hparams": {"d_model": 8}}, tmp_path / "half.pt")
+    with pytest.raises(ValueError, match="^predictor .*half.pt was not written by .* \\(no state_dict, probe_ratio, ratios\\)$"):
+        ratio_predictor.AdaptiveRatio.load(tmp_path / "half.pt", tolerance=0.1)
+
+
+def test_chosen_ratio_stays_on_the_states_device():
+    """choose_ratio builds Delta* on the states' device (the meta device stands in for a GPU here), and
+    AdaptiveRatio refuses a tolerance that is not a finite number."""
+    predictor = RatioPredictor(16).to("meta")
+    ratio = choose_ratio(predictor, torch.empty(3, 4, 16, device="meta"), 0.05, RATIOS.tolist())
+    assert ratio.device.type == "meta" and ratio.shape == (3,)
+    with pytest.raises(ValueError, match="finite number of nats/token, got nan"):
+        ratio_predictor.AdaptiveRatio(predictor, float("nan"), 0.25, [0.25])
