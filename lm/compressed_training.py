@@ -78,28 +78,40 @@ class DocumentWindows:
 
     def __init__(self, shards: list[np.ndarray], eos_id: int, seed: int = 0) -> None:
         self.shards = shards
-        self.docs: list[tuple[int, int, int]] = []  # (shard, start, length), EOS excluded
+        shard, start, length = [], [], []  # per document, EOS excluded
         for s, arr in enumerate(shards):
             cuts = np.flatnonzero(arr == eos_id)
             starts = np.concatenate([[0], cuts + 1])
-            ends = np.concatenate([cuts, [len(arr)]])
-            self.docs += [(s, int(a), int(b - a)) for a, b in zip(starts, ends) if b > a]
-        self.lengths = np.array([d[2] for d in self.docs], dtype=np.int64)
+            lengths = np.concatenate([cuts, [len(arr)]]) - starts
+            starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+            shard.append(np.full(len(starts), s, dtype=np.int64))
+            start.append(starts.astype(np.int64))
+            length.append(lengths.astype(np.int64))
+        self.shard, self.start, self.lengths = (np.concatenate(a) if a else np.zeros(0, np.int64)
+                                                for a in (shard, start, length))
         self.rng = np.random.default_rng(seed)
+        self._cdf: tuple[int, np.ndarray, np.ndarray] | None = None  # (n, starts, cdf) of the last window length
 
-    def sample(self, batch: int, n: int, rng: np.random.Generator | None = None) -> torch.Tensor:
-        """[batch, n] int64 windows, each inside one document (drawn with `rng`, default own)."""
+    def _window_cdf(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each document's number of length-n windows and their normalised cumulative sum, kept for the last n
+        (O(documents) to build; the fixed regime draws one n throughout)."""
+        if self._cdf is None or self._cdf[0] != n:
+            starts = np.maximum(self.lengths - n + 1, 0)
+            if starts.sum() == 0:
+                raise ValueError(f"no document has {n} tokens (longest: {self.lengths.max(initial=0)})")
+            cdf = (starts / starts.sum()).cumsum()
+            self._cdf = (n, starts, cdf / cdf[-1])
+        return self._cdf[1], self._cdf[2]
+
+    def sample(self, batch: int, n: int, rng: np.random.Generator | None = None, keep: slice = slice(None)) -> torch.Tensor:
+        """[batch, n] int64 windows, each inside one document (drawn with `rng`, default own): a document with
+        probability proportional to its windows (inverse CDF, as Generator.choice with p draws), then a start.
+        Only the rows `keep` selects are read (all are drawn, so the draws do not depend on `keep`)."""
         rng = self.rng if rng is None else rng
-        starts = np.maximum(self.lengths - n + 1, 0)
-        if starts.sum() == 0:
-            raise ValueError(f"no document has {n} tokens (longest: {self.lengths.max(initial=0)})")
-        docs = rng.choice(len(self.docs), size=batch, p=starts / starts.sum())
-        rows = []
-        for i in docs:
-            s, a, _ = self.docs[i]
-            off = a + int(rng.integers(0, starts[i]))
-            rows.append(torch.from_numpy(self.shards[s][off : off + n].astype(np.int64)))
-        return torch.stack(rows)
+        starts, cdf = self._window_cdf(n)
+        docs = cdf.searchsorted(rng.random(batch), side="right")
+        picks = [(int(self.shard[i]), int(self.start[i]) + int(rng.integers(0, starts[i]))) for i in docs]
+        return torch.stack([torch.from_numpy(self.shards[s][off : off + n].astype(np.int64)) for s, off in picks[keep]])
 
 
 def document_windows(path: str | Path, split: str, cfg: Config) -> DocumentWindows:
@@ -133,9 +145,9 @@ class LayoutBatches(IterableDataset):
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
         layout = self.sampler.sample(step, rng)
-        tokens = self.windows.sample(self.batch_size * self.world_size * self.accumulate, layout.window, rng)
         first = (micro * self.world_size + self.rank) * self.batch_size
-        return tokens[first : first + self.batch_size], encode(layout)
+        mine = slice(first, first + self.batch_size)
+        return self.windows.sample(self.batch_size * self.world_size * self.accumulate, layout.window, rng, mine), encode(layout)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for step, micro in step_order(self.start_step, self.accumulate):
