@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.json_files import read_json
+from flops.json_files import read_json, read_status
 from heads.base import ConfigError
 
 COLUMNS = [
@@ -39,7 +39,11 @@ def max_steps(entry: dict[str, Any]) -> int | None:
 
     for path in (Path(entry["out_dir"]) / "config.yaml", Path(entry["config"])):
         if path.is_file():
-            return int(yaml.safe_load(path.read_text())["trainer"]["max_steps"])
+            try:
+                return int(yaml.safe_load(path.read_text())["trainer"]["max_steps"])
+            except (yaml.YAMLError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
+                raise ConfigError(f"{path} is damaged (no trainer.max_steps: {type(err).__name__}: "
+                                  f"{' '.join(str(err).split())}); restore or delete it") from None
     return None
 
 
@@ -63,7 +67,7 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
     leakfree_ppl otherwise (None if missing)."""
     manifest = read_json(sweep / "sweep.json", keys=("points", "size"))
-    status = read_json(sweep / "status.json", {})
+    status = read_status(sweep / "status.json")
     rows = []
     for e in manifest["points"]:
         out = Path(e["out_dir"])

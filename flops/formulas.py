@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from heads.base import REGISTRY, ConfigError, GroupContext, make_options
 from routing.capacity import slot_capacity, token_choice_capacity
+from routing.expert_choice import tokens_per_head
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def sparse_k(seq_len: int, sparsity: float) -> int:
     """Tokens per sparse head, k = max(floor(T / rho), 2) (MoSA App. F; k = T / rho when rho | T), <= T."""
     if sparsity < 1:
         raise ConfigError(f"sparsity must be >= 1, got {sparsity}")
-    return min(seq_len, max(int(seq_len // sparsity), 2))
+    return int(tokens_per_head(seq_len, sparsity))
 
 
 @formula("dense")

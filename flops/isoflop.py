@@ -104,7 +104,14 @@ def solve(
             raise ConfigError(f"not even one {head} head fits in the baseline's FLOP budget next to "
                               f"{dense_heads} dense heads")
     got = cost(dense_heads, n)
-    warning = make_options(head, options, base.group_context(0)).advice(n) if n else None
+    warning = None
+    if n:  # (n = 0: the dense baseline of sparsity 1)
+        made = make_options(head, options, base.group_context(0))
+        try:  # options that need a head count (MoSAIC's top_s): training's check, on the count found
+            made.validate_count(n)
+        except ConfigError as err:
+            raise ConfigError(f"{err}: {n} {head} heads fit the FLOP budget, a mix training would refuse") from None
+        warning = made.advice(n)
     return IsoFlopResult(
         head=head,
         sparsity=sparsity,

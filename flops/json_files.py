@@ -28,3 +28,14 @@ def read_json(path: Path, default: Any = MISSING, keys: tuple[str, ...] = ()) ->
         raise ConfigError(f"{path} is damaged (not a JSON object{' with ' + ', '.join(missing) if missing else ''}); "
                           "restore or delete it")
     return value
+
+
+def read_status(path: Path) -> dict[str, dict[str, Any]]:
+    """A sweep's status.json (flops/run_sweep.py): point name -> {"status": ..., ...}; {} if it does not exist; a
+    one-line ConfigError if it is damaged or an entry is not such an object."""
+    status = read_json(path, {})
+    bad = [name for name, entry in status.items() if not isinstance(entry, dict) or "status" not in entry]
+    if bad:
+        raise ConfigError(f"{path} is damaged (the entry of {bad[0]!r} is not an object with a status); "
+                          "restore or delete it")
+    return status

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from flops.cli import script_parser
 from flops.json_files import read_json
-from flops.model import model_cost, peak_flops, training_flops
+from flops.model import mfu, model_cost, peak_flops, training_flops
 from lm.config import from_dict
 
 
@@ -55,7 +55,7 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
     return {"run": str(run), "device": device, "devices": devices, "precision": precision,
             "compile": cfg.trainer.compile, "params": m.get("params"), "tokens_per_s": tokens_per_s,
             "flops_per_token": per_token, "achieved": achieved, "peak": peak,
-            "mfu": None if peak is None else achieved / (peak * devices)}
+            "mfu": None if peak is None else mfu(per_token, 1 / tokens_per_s, peak, devices)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -63,11 +63,11 @@ def table(rows: list[dict[str, Any]]) -> str:
              "| peak TFLOP/s per device | MFU |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peak = "-" if r["peak"] is None else f"{r['peak'] / 1e12:.4g}"
-        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        util = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}"
         lines.append(f"| {r['run']} | {r['devices']} x {r['device']} | {r['precision']} | {r['compile']} | {params} "
                      f"| {r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.3f} | {r['achieved'] / 1e12:.3f} "
-                     f"| {peak} | {mfu} |")
+                     f"| {peak} | {util} |")
     return "\n".join(lines) + "\n"
 
 

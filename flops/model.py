@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from flops.formulas import Options, group_cost
+from flops.formulas import Options, group_cost, sparse_k
 from heads.base import ConfigError
 from lm.compression import Layout
 from lm.config import CompressionConfig, HeadGroupConfig, ModelConfig
+from routing.capacity import prefix_quotas, slot_capacity
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,20 @@ def slots_set_by_training_length(g: HeadGroupConfig, window: int, seq_len: int) 
     per expert) on any other length (4.3x too few for MoSA at a quarter of the length; too many on a longer
     window, e.g. above a compression layer, which sees t + S positions); MoSA's quota and predictor selections,
     whose prefix quota follows the window up to model.seq_len and is capped at the capacity after it, on longer
-    windows."""
+    windows, and on shorter ones whose quota, ceil(capacity_factor * k(seq_len) * window / seq_len), is not the
+    formula's ceil(capacity_factor * k(window)) (rho does not divide the window, or window < 2 rho)."""
     o = Options(g.type, g.options)
     selection = o.get("selection") if g.type == "mosa" else None
     if g.type == "mosaic" or selection == "threshold" or (g.type == "routing" and o.get("assignment") == "nearest"):
         return window != seq_len
-    return selection in ("quota", "predictor") and window > seq_len
+    if selection not in ("quota", "predictor") or window == seq_len:
+        return False
+    if window > seq_len:
+        return True
+    sparsity, factor = o.require("sparsity"), o.get("capacity_factor", 1.0)
+    k = sparse_k(seq_len, sparsity)
+    used = prefix_quotas(k, factor, seq_len, slot_capacity(k, factor))[window - 1]  # heads/mosa.py MosaHeads.quota
+    return used != min(window, slot_capacity(sparse_k(window, sparsity), factor))
 
 
 def layer_flops(cfg: ModelConfig, layer: int, seq_len: int) -> int:

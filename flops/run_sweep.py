@@ -15,7 +15,7 @@ forwarded to the training process, the point is recorded as interrupted and the 
 of the points trained so far). For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
 evaluated leak-free (lm/leakfree.py: every prediction from its own prefix) on `--leakfree-windows`
 validation windows (default: the same windows as training's validation), written to
-`<out_dir>/leakfree.json`; a point trained but not yet evaluated is only evaluated. Exit status 1 if any point failed.
+`<out_dir>/leakfree.json`; a point trained but not yet evaluated is only evaluated. Exit status 1 if any point this run handled (all, or --only's) failed.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flops.json_files import read_json
+from flops.cli import script_parser
+from flops.json_files import read_json, read_status
 from heads.base import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +127,12 @@ def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int |
         return {**status, "status": "failed", "error": f"leak-free evaluation: {type(err).__name__}: {err}"}
 
 
+def finished(previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The status of a point whose training had already finished: what an earlier "done" recorded (its seconds,
+    its leak-free perplexity), nothing of an earlier failure or run (rc, error, pid)."""
+    return {**(previous if previous and previous.get("status") == "done" else {}), "status": "done"}
+
+
 @contextlib.contextmanager
 def locked(path: str | Path | None) -> Iterator[None]:
     """Exclusive flock on `path` (shared heavy-job queue) for the duration of the block; no-op if None."""
@@ -141,7 +148,7 @@ def locked(path: str | Path | None) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flops.run_sweep", description=__doc__.split("\n")[0])
+    p = script_parser(__doc__, "python -m flops.run_sweep")
     p.add_argument("sweep", type=Path, help="directory written by python -m flops.sweep")
     p.add_argument("--only", help="comma-separated point names (default: all)")
     p.add_argument("--leakfree-windows", type=int, help="validation windows for the leak-free evaluation "
@@ -170,7 +177,7 @@ def run(a: argparse.Namespace) -> int:
             return 2
         points = [e for e in points if e["name"] in wanted]
     status_file = a.sweep / "status.json"
-    status = read_json(status_file, {})
+    status = read_status(status_file)
 
     def save() -> None:
         status_file.write_text(json.dumps(status, indent=1))
@@ -182,7 +189,7 @@ def run(a: argparse.Namespace) -> int:
         head = f"[{i + 1}/{len(points)}] {name}"
         if trained(entry, a.overrides) and not needs_leak_free(entry):
             print(f"{head}: finished, skipped", flush=True)
-            status[name] = {**status.get(name, {}), "status": "done"}
+            status[name] = finished(status.get(name))
             continue
         with locked(a.lock):
             if not trained(entry, a.overrides):
@@ -195,7 +202,7 @@ def run(a: argparse.Namespace) -> int:
                 status[name] = train_point(entry, a.overrides, running)
                 times.append(status[name]["seconds"])
             else:
-                status[name] = {**status.get(name, {}), "status": "done"}
+                status[name] = finished(status.get(name))
             if status[name]["status"] == "interrupted":
                 save()
                 print(f"{head}: interrupted by {status[name]['signal']}; rerun to resume it", file=sys.stderr)
@@ -206,7 +213,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"{head}: {describe(status[name])}", flush=True)
         save()
     save()
-    failed = [name for name, s in status.items() if s["status"] == "failed"]
+    failed = [e["name"] for e in points if status[e["name"]]["status"] == "failed"]  # this run's points only
     if failed:
         print(f"failed points: {', '.join(failed)} (see {status_file})", file=sys.stderr)
     return 1 if failed else 0

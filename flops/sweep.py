@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import yaml
 
-from flops.cli import comma_list, positive_int, script_parser
-from flops.isoflop import _parse_option, solve
+from flops.cli import comma_list, command_line, positive_int, script_parser
+from flops.isoflop import parse_options, solve
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
@@ -99,15 +99,15 @@ def stale_run(point: Config, out: Path) -> None:
 
 
 def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
-    """['mosa.selection=expert_choice'] -> {'mosa': {'selection': 'expert_choice'}}."""
-    out: dict[str, dict[str, Any]] = {}
+    """['mosa.selection=expert_choice'] -> {'mosa': {'selection': 'expert_choice'}} (flops.isoflop.parse_options per
+    head: JSON values, a key given twice with different values refused)."""
+    grouped: dict[str, list[str]] = {}
     for text in texts:
-        key, value = _parse_option(text)
-        if "." not in key:
+        if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"--option expects head.key=value, got {text!r}")
-        head, name = key.split(".", 1)
-        out.setdefault(head, {})[name] = value
-    return out
+        head, option = text.split(".", 1)
+        grouped.setdefault(head, []).append(option)
+    return {head: parse_options(options) for head, options in grouped.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         if size in SIZES:
             preset_conflicts(size, cfg.model, a.base, a.overrides)
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
+        if a.out.exists() and not a.out.is_dir():
+            raise ConfigError(f"--out {a.out} is a file, not a directory")
         a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config and run paths
         points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
         for point, entry in points:
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for point, entry in points:
         Path(entry["config"]).write_text(to_yaml(point))
-    manifest = {"size": a.size, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": " ".join(["python -m flops.sweep", *(argv or sys.argv[1:])]),
+    manifest = {"size": a.size, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
                 "points": [entry for _, entry in points]}
     (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
     for e in manifest["points"]:

@@ -10,7 +10,7 @@ import torch
 from routing.selection import Selection
 
 
-def tokens_per_head(seq_len: int, sparsity: int) -> int:
+def tokens_per_head(seq_len: int, sparsity: float) -> int:
     """k = T / ρ; for sequences shorter than training, k = max(floor(T/ρ), 2) (MoSA App. F), at most T."""
     return min(seq_len, max(seq_len // sparsity, 2))
 

@@ -140,8 +140,10 @@ def _counted_with(model: torch.nn.Module, *inputs: object) -> int:
         ([{"type": "dense", "count": 2}, {"type": "routing", "count": 2, "options": {"sparsity": 4}}], 0, 0.01),
         # top-k multiplies its scattered weights by all values, as Gupta et al.'s code: a dense head's FLOPs
         ([{"type": "dense", "count": 2}, {"type": "topk", "count": 2, "options": {"k": 8}}], 0, 0),
+        # MoSAIC: every expert computes on its k = T / rho slots, filled or not, with MoSA's element-wise h'k
+        ([{"type": "dense", "count": 2}, {"type": "mosaic", "count": 6, "options": {"sparsity": 4}}], 8 * (64 // 4), 0),
     ],
-    ids=["dense", "mosa", "fixed", "fixed-uneven", "routing", "topk"],
+    ids=["dense", "mosa", "fixed", "fixed-uneven", "routing", "topk", "mosaic"],
 )
 def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: int, tol: float) -> None:
     """Reference implementation, CPU: matmul FLOPs (linear, bmm, SDPA) of one forward pass equal the
@@ -230,6 +232,23 @@ def test_layer_flops_refuse_quota_heads_on_longer_windows(selection: str) -> Non
     assert layer_flops(cfg, 0, 16) > 0
     with pytest.raises(ConfigError, match="no FLOP count of mosa heads .* on 48-token windows"):
         layer_flops(cfg, 0, 48)
+
+
+@pytest.mark.parametrize("window, slots", [(16, 4), (20, 5), (6, 2), (18, None), (4, None)])
+def test_layer_flops_count_quota_heads_on_shorter_windows_only_where_the_formula_holds(window: int, slots: int | None) -> None:
+    """On a window W < model.seq_len = 32 a quota head computes on its prefix quota, ceil(k(32) W / 32) slots (rho = 4):
+    where that is the formula's k(W) = max(floor(W / 4), 2) it is counted exactly (less App. C's element-wise h'k):
+    4 slots at W = 16, 5 at 20, 2 at 6; elsewhere it is refused: 5 slots at W = 18 (formula 4), 1 at 4 (formula 2)."""
+    heads = [{"type": "mosa", "count": 3, "options": {"sparsity": 4, "selection": "quota"}}]
+    cfg = tiny_config(heads, n_layers=1, d_model=32, head_dim=8, seq_len=32).model
+    if slots is None:
+        with pytest.raises(ConfigError, match=f"no FLOP count of mosa heads .* on {window}-token windows"):
+            layer_flops(cfg, 0, window)
+        return
+    torch.manual_seed(0)
+    counted = _counted(lm.build_model(cfg).eval(), torch.randint(0, cfg.vocab_size, (1, window)))
+    lm_head, elementwise = 2 * cfg.d_model * cfg.vocab_size * window, 3 * cfg.head_dim * slots
+    assert counted == layer_flops(cfg, 0, window) + lm_head - elementwise
 
 
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:

@@ -153,6 +153,9 @@ def test_cli_json() -> None:
         # sizes past the training length, refused as training refuses them (the mix printed was never trainable)
         (["--size", "tiny", "--head", "topk", "--option", "k=5000"], "topk: options.k = 5000 > model.seq_len 1024"),
         (["--size", "tiny", "--head", "local", "--option", "window=5000"], "local: options.window = 5000 > model.seq_len"),
+        # options that need the head count the solver finds: training's check, on that count
+        (["--size", "tiny", "--head", "mosaic", "--sparsity", "8", "--option", "top_s=100"],
+         "mosaic: top_s (100) must be <= the group's head count (69): 69 mosaic heads fit the FLOP budget"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -1,6 +1,7 @@
 """Sweep config generation, the resumable runner's bookkeeping, and aggregation on fake metrics."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -50,6 +51,20 @@ def test_sweep_marks_non_causal_points(tmp_path: Path) -> None:
     manifest = _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
     causal = {e["name"]: e["causal"] for e in manifest["points"]}
     assert causal == {"dense_s1": True, "mosa_s4": False, "mosa_s16": False, "fixed_s4": True, "fixed_s16": True}
+
+
+def test_sweep_options_are_parsed_as_flops_isoflop_parses_them(tmp_path: Path, capsys) -> None:
+    """A head's option given twice with different values is refused, as flops.isoflop refuses it (the last one
+    silently won, e.g. turning a causal point into expert choice); the manifest's command reruns as written."""
+    args = ["--size", "micro", "--heads", "mosa", "--sparsity", "4", "--out", str(tmp_path / "sw")]
+    assert sweep_main([*args, "--option", "mosa.selection=quota", "--option", "mosa.selection=expert_choice"]) == 2
+    assert capsys.readouterr().err == "error: --option selection given twice: 'quota' and 'expert_choice'\n"
+    assert sweep_main([*args, "--option", "selection=quota"]) == 2
+    assert "--option expects head.key=value, got 'selection=quota'" in capsys.readouterr().err
+    override = "model.heads=[{type: dense, count: 6}]"
+    assert sweep_main([*args, "--option", "mosa.selection=quota", override]) == 0
+    command = json.loads((tmp_path / "sw" / "sweep.json").read_text())["command"]
+    assert command.endswith(f"python -m flops.sweep {' '.join(args)} --option mosa.selection=quota '{override}'")
 
 
 def test_sweep_rejects_bad_sparsity(tmp_path: Path, capsys) -> None:
@@ -131,6 +146,13 @@ def test_runner_skips_finished_and_records_failures(tmp_path: Path, capsys: pyte
     assert lines[0] == "[1/2] dense_s1: finished, skipped"
     # a readable line, not the status dict: the exit code, the time and the training log's last line
     assert re.fullmatch(r"\[2/2\] mosa_s4: failed \(rc 2\) in \d+\.\d s: error: .*nodata does not exist.*", lines[-1])
+    # mosa_s4 finished since (e.g. trained by hand): a run of another point exits 0 despite its failed entry, and a
+    # run of mosa_s4 records it done, without the failure's rc and error
+    _fake_metrics(points["mosa_s4"], 40.0)
+    assert run_main([str(tmp_path / "sw"), "--only", "dense_s1"]) == 0
+    assert "failed points" not in capsys.readouterr().err
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4"]) == 0
+    assert json.loads((tmp_path / "sw" / "status.json").read_text())["mosa_s4"] == {"status": "done"}
 
 
 def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -167,6 +189,30 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     md = out.with_suffix(".md").read_text()
     assert "| mosa | 30.00 | 28.00 | 27.00 |" in md and "| fixed | 30.00 | 33.00 | - |" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_damaged_sweep_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run's config.yaml without trainer.max_steps and a status.json entry that is no object stop flops.aggregate
+    and flops.run_sweep with one line naming the file; so do a --out that is a file and a bad runner argument."""
+    manifest = _sweep(tmp_path)
+    capsys.readouterr()
+    point = manifest["points"][0]
+    _fake_metrics(point, 30.0)
+    (Path(point["out_dir"]) / "config.yaml").write_text("trainer: [unclosed")
+    status = tmp_path / "sw" / "status.json"
+    cases = [(aggregate_main, [str(tmp_path / "sw")], "config.yaml is damaged (no trainer.max_steps: ")]
+    cases += [(aggregate_main, [str(tmp_path / "sw")], "status.json is damaged (the entry of 'dense_s1' is not an object"),
+              (run_main, [str(tmp_path / "sw")], "status.json is damaged (the entry of 'dense_s1' is not an object"),
+              (run_main, [str(tmp_path / "sw"), "--leakfree-windows", "x"], "--leakfree-windows: invalid int value"),
+              (sweep_main, ["--heads", "mosa", "--sparsity", "4", "--out", str(status)], "is a file, not a directory")]
+    for i, (main, args, message) in enumerate(cases):
+        if i == 1:
+            (Path(point["out_dir"]) / "config.yaml").unlink()
+            status.write_text(json.dumps({"dense_s1": "done"}))
+        with pytest.raises(SystemExit) if "--leakfree-windows" in args else contextlib.nullcontext():
+            assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
 
 
 def test_aggregate_of_a_sweep_with_no_finished_run_warns_nothing(tmp_path: Path) -> None:
