@@ -18,7 +18,7 @@ from torch import nn
 from heads.base import ConfigError, GroupContext, HeadGroup, HeadOptions, register
 from heads.gathered import gathered_heads_fast, gathered_heads_reference
 from heads.kv_cache import SlotKV, gathered_prefill, gathered_step, one_token
-from routing.selection import Selection
+from routing.selection import Selection, earliest_first
 
 
 @dataclass
@@ -53,22 +53,24 @@ class FixedHeads(HeadGroup):
         self.qkv = nn.Linear(ctx.d_model, 3 * count * ctx.head_dim, bias=False)
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
 
-    def indices(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """I = [0, ρ, 2ρ, ...] below T."""
-        return torch.arange(0, seq_len, self.options.sparsity, device=device)
+    def select(self, positions: torch.Tensor) -> Selection:
+        """positions[B, T] -> the tokens whose position is a multiple of ρ, ascending, the same for every head:
+        [B, H, ceil(T/ρ)] (I = [0, ρ, 2ρ, ...] for positions 0..T-1; a window starting elsewhere holds fewer,
+        padded), so the full pass and decoding (which tests each new position) agree on any positions."""
+        B, T = positions.shape
+        sel = earliest_first((positions % self.options.sparsity == 0)[:, None], self.options.kv_per_head(T))
+        return Selection(sel.idx.expand(B, self.count, -1), sel.valid.expand(B, self.count, -1))
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        I = self.indices(x.shape[1], x.device)
-        ones = torch.ones(len(I), device=x.device, dtype=x.dtype)  # r = 1
-        index_sets = [[I] * self.count for _ in range(x.shape[0])]
-        gates = [[ones] * self.count for _ in range(x.shape[0])]
+        B = x.shape[0]
+        I = [torch.nonzero(positions[b] % self.options.sparsity == 0).flatten() for b in range(B)]
+        index_sets = [[I[b]] * self.count for b in range(B)]
+        gates = [[torch.ones(len(I[b]), device=x.device, dtype=x.dtype)] * self.count for b in range(B)]  # r = 1
         return gathered_heads_reference(x, positions, index_sets, gates, self.qkv.weight, self.out.weight, self.rope)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B = x.shape[0]
-        I = self.indices(x.shape[1], x.device).expand(B, self.count, -1)  # [B, H, k]
-        sel = Selection(I, torch.ones_like(I, dtype=torch.bool))
-        gate = torch.ones(I.shape, device=x.device, dtype=x.dtype)
+        sel = self.select(positions)
+        gate = sel.valid.to(x.dtype)  # r = 1, 0 on padding
         return gathered_heads_fast(x, positions, sel, gate, self.qkv.weight, self.out.weight, self.rope)
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
@@ -81,8 +83,8 @@ class FixedHeads(HeadGroup):
         token, which joins every head iff its position is a multiple of ρ."""
         B = x.shape[0]
         if cache.fresh:
-            I = self.indices(x.shape[1], x.device).expand(B, self.count, -1)
-            gathered_prefill(cache, x, positions, I, torch.ones_like(I, dtype=torch.bool), self.qkv.weight, self.rope)
+            sel = self.select(positions)
+            gathered_prefill(cache, x, positions, sel.idx, sel.valid, self.qkv.weight, self.rope)
             return self.forward_fast(x, positions)
         one_token("fixed", x)
         member = (positions[:, :1] % self.options.sparsity == 0).expand(B, self.count)

@@ -74,6 +74,9 @@ class MosaicOptions(HeadOptions):
             raise ConfigError(f"mosaic: gate must be one of {', '.join(GATES)}, got {self.gate!r}")
         if self.capacity_factor <= 0:
             raise ConfigError(f"mosaic: capacity_factor must be > 0, got {self.capacity_factor}")
+        if token_choice_capacity(ctx.seq_len, self.sparsity, self.capacity_factor) >= 2**62:
+            raise ConfigError(f"mosaic: capacity_factor {self.capacity_factor} gives more than 2^62 slots per head "
+                              f"(capacity_factor * seq_len / sparsity), past what int64 positions can count")
         if self.alpha < 0:
             raise ConfigError(f"mosaic: alpha must be >= 0, got {self.alpha}")
         if self.priority not in PRIORITIES:
@@ -82,6 +85,10 @@ class MosaicOptions(HeadOptions):
             raise ConfigError(f"mosaic: padded must be one of {', '.join(PADDED)}, got {self.padded!r}")
 
     def validate_count(self, count: int) -> None:
+        if count == 1 and self.gate != "sigmoid":
+            raise ConfigError(f"mosaic: one head with gate {self.gate!r} is weighted 1 whatever the router says (a "
+                              "normalisation over one head), so the router gets no gradient; use gate 'sigmoid' or "
+                              "more heads")
         if self.top_s > count:
             raise ConfigError(f"mosaic: top_s ({self.top_s}) must be <= the group's head count ({count})")
         if self.gate == "renorm" and resolve_top_s(count, self.top_s, self.sparsity) == 1:
@@ -195,7 +202,7 @@ class MosaicHeads(HeadGroup):
         return y
 
     # ---- fast path: all heads at once (the memory-lean gathered core, heads/gathered.py) ---------
-    def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Selection, torch.Tensor]:
+    def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Selection, torch.Tensor, torch.Tensor]:
         """Returns y[B, T, h], the slots (idx, valid [B, N, K]), the slots other tokens may see [B, N, K]
         and members per head [B, N] (the last three for the decoding cache)."""
         o = self.options

@@ -56,3 +56,24 @@ def test_causal() -> None:
     model = lm.build_model(cfg.model)
     assert model.causal
     assert future_leak(model, torch.randint(0, 97, (2, 64)), t=30, vocab_size=97) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_selection_follows_positions_not_indices(impl: str) -> None:
+    """The pattern is a function of position: with positions 0..T-1 in one row and 3..T+2 in the other (a window
+    that starts mid-sequence), exactly the tokens at multiples of ρ get an output, the two paths agree, and
+    decoding token by token (which tests each position) gives the full pass's output (fp64)."""
+    T, rho, B = 21, 4, 2
+    group = make_group("fixed", dict(sparsity=rho, impl=impl), T, dtype=torch.float64)
+    x = torch.randn(B, T, 32, dtype=torch.float64)
+    pos = torch.stack([torch.arange(T), torch.arange(T) + 3])
+    y = group(x, pos)
+    for b in range(B):
+        assert torch.equal((y[b].abs().sum(-1) > 0).nonzero()[:, 0], (pos[b] % rho == 0).nonzero()[:, 0])
+    other = make_group("fixed", dict(sparsity=rho, impl="fast" if impl == "reference" else "reference"), T,
+                       dtype=torch.float64)
+    other.load_state_dict(group.state_dict())
+    torch.testing.assert_close(other(x, pos), y, rtol=0, atol=1e-12)
+    cache = group.new_cache(B, T + 3, dtype=torch.float64)
+    steps = [group(x[:, :5], pos[:, :5], cache)] + [group(x[:, t : t + 1], pos[:, t : t + 1], cache) for t in range(5, T)]
+    torch.testing.assert_close(torch.cat(steps, 1), y, rtol=0, atol=1e-12)
