@@ -42,7 +42,7 @@ from heads.layer_norm import layer_norm
 from heads.rows import gather_rows
 from routing.capacity import slot_capacity
 from routing.expert_choice import expert_choice, tokens_per_head
-from routing.kmeans import OnlineKMeans
+from routing.kmeans import UPDATES, OnlineKMeans
 from routing.selection import Selection, earliest_first
 
 ASSIGNMENTS = ("nearest", "topk")
@@ -62,6 +62,7 @@ class RoutingOptions(HeadOptions):
     decay: float = 0.999  # EMA decay of the centroids
     commitment: float = 1e-4  # weight of the commitment loss
     layer_norm: bool = True  # RT Alg. 1: LayerNorm (no scale, bias) on the shared Q = K; false = raw projections
+    centroids: str = "unit_mean"  # k-means update: "unit_mean" (ours) | "ema_counts" (RT's code; routing/kmeans.py)
 
     @classmethod
     def example(cls) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class RoutingOptions(HeadOptions):
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
         return {"sparsity": [1, 2, 3, 4, 8], "assignment": ["nearest", "topk"], "capacity_factor": [0.5, 1.0, 2.0],
-                "layer_norm": [True, False]}
+                "layer_norm": [True, False], "centroids": list(UPDATES)}
 
     @property
     def causal(self) -> bool:
@@ -92,6 +93,8 @@ class RoutingOptions(HeadOptions):
             raise ConfigError(f"routing: assignment must be one of {', '.join(ASSIGNMENTS)}, got {self.assignment!r}")
         if self.capacity_factor <= 0 or not 0 <= self.decay < 1 or self.commitment < 0:
             raise ConfigError("routing: need capacity_factor > 0, decay in [0, 1), commitment >= 0")
+        if self.centroids not in UPDATES:
+            raise ConfigError(f"routing: centroids must be one of {', '.join(UPDATES)}, got {self.centroids!r}")
 
 
 @register("routing")
@@ -104,7 +107,7 @@ class RoutingHeads(HeadGroup):
         super().__init__(ctx, count, options)
         self.qv = nn.Linear(ctx.d_model, 2 * count * ctx.head_dim, bias=False)  # W^Q = W^K, and W^V
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
-        self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay)
+        self.kmeans = OnlineKMeans(count, options.sparsity, ctx.head_dim, options.decay, options.centroids)
         self.capacity = slot_capacity(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor)
         self.scale = 1.0 if options.layer_norm else ctx.head_dim**-0.5  # logit = scale * q·k (see the docstring)
 
@@ -139,11 +142,11 @@ class RoutingHeads(HeadGroup):
         """a_sum[B, H, T, h'] summed cluster outputs, counts[B, H, T] memberships -> y[B, T, h]; aux loss, EMA."""
         B, H, T, d = a_sum.shape
         a = a_sum / counts.clamp(min=1)[..., None]  # mean over the clusters a token belongs to
-        sums = self.kmeans.cluster_sums(u, nearest)
-        self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(sums, B * H * T)}
+        sums, sizes = self.kmeans.cluster_sums(u, nearest), self.kmeans.cluster_counts(nearest)
+        self.aux_losses = {"routing_commitment": self.options.commitment * self.kmeans.commitment(sums, sizes, B * H * T)}
         self.stats = {"routed_frac": (counts > 0).float().mean().detach()}
         if self.updates_state:
-            self.kmeans.stage(sums, nearest)  # applied after the optimizer step: commit_states
+            self.kmeans.stage(sums, sizes)  # applied after the optimizer step: commit_states
         return self.out(a.transpose(1, 2).reshape(B, T, H * d))
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

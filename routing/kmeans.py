@@ -1,9 +1,20 @@
 """Online k-means with EMA centroids (Routing Transformer, Roy et al. 2021, §4.1; MoSA App. A).
 
-Per head, `clusters` unit-norm centroids mu [H, C, d]. Vectors are unit-normalised and compared by dot
-product. After each optimizer step every centroid moves toward the mean of the vectors whose nearest centroid
-it was in that step's forward passes: mu <- normalize(decay * mu + (1 - decay) * mean), a state update that uses
-no gradient. The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
+Per head, `clusters` centroids mu [H, C, d], initialised as random unit vectors. Vectors are unit-normalised and
+compared by dot product. After each optimizer step the centroids move toward the vectors whose nearest centroid
+they were in that step's forward passes, a state update that uses no gradient, by one of two rules (`update`):
+
+- "unit_mean" (ours, the default): every centroid with members takes one step toward their mean, renormalised:
+  mu <- normalize(decay * mu + (1 - decay) * mean). A cluster that one token joined moves as far as one that a
+  thousand joined; the centroids stay unit vectors.
+- "ema_counts" (RT's released code, google-research routing_transformer/utils.py `online_kmeans`, the VQ-VAE
+  EMA): exponential moving averages of each cluster's member count N and member sum S, N <- decay N + (1 - decay)
+  n, S <- decay S + (1 - decay) sum (S starts at the initial centroids, N at 0), and mu = S / N~ with N~ Laplace-
+  smoothed, N~ = (N + eps) / (sum_c N + C eps) * sum_c N, eps = 1e-5; no renormalisation. Busy clusters move
+  slowly, rarely joined ones jump toward their few members. The paper (§4.1) writes the same update with the
+  sums of a cluster's queries and keys, without the division.
+
+The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
 
 The update is staged, not applied, in the forward pass (`stage` adds the step's cluster sums and counts to the
 `pending` buffer) and applied by `commit` after the optimizer step (routing/staged.py), outside any compiled graph,
@@ -23,13 +34,21 @@ import torch.nn.functional as F
 from routing.staged import StagedStatistics
 
 
-class OnlineKMeans(StagedStatistics):
-    """means[H, C, d]: the centroids, an fp32 buffer even in a bf16 model."""
+UPDATES = ("unit_mean", "ema_counts")
+EPSILON = 1e-5  # RT's Laplace smoothing of the EMA counts
 
-    def __init__(self, heads: int, clusters: int, dim: int, decay: float) -> None:
+
+class OnlineKMeans(StagedStatistics):
+    """means[H, C, d]: the centroids, an fp32 buffer even in a bf16 model (and, for "ema_counts", the EMA counts
+    ema_count[H, C] and sums ema_sum[H, C, d])."""
+
+    def __init__(self, heads: int, clusters: int, dim: int, decay: float, update: str = "unit_mean") -> None:
         super().__init__()
-        self.decay = decay
+        self.decay, self.rule = decay, update
         self.register_buffer("means", F.normalize(torch.randn(heads, clusters, dim), dim=-1))
+        if update == "ema_counts":
+            self.register_buffer("ema_count", torch.zeros(heads, clusters))
+            self.register_buffer("ema_sum", self.means.clone())
         self.stage_into(heads, clusters, dim + 1)  # this step's cluster sums [..., :dim] and counts [..., dim]
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
@@ -44,26 +63,39 @@ class OnlineKMeans(StagedStatistics):
         src = u.to(torch.promote_types(u.dtype, torch.float32))
         return src.new_zeros(B, H, self.means.shape[1], d).scatter_add(2, nearest[..., None].expand_as(u), src)
 
-    def commitment(self, sums: torch.Tensor, tokens: int) -> torch.Tensor:
+    def cluster_counts(self, nearest: torch.Tensor) -> torch.Tensor:
+        """nearest[B, H, T] -> how many vectors each cluster is nearest to, over the batch [H, C] (fp32)."""
+        H, C, _ = self.means.shape
+        clusters = (torch.arange(H, device=nearest.device)[:, None] * C + nearest).flatten()
+        return torch.bincount(clusters, minlength=H * C).view(H, C).float()
+
+    def commitment(self, sums: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
         """Mean squared distance of the `tokens` unit vectors u to their nearest centroids, from their cluster
-        sums [B, H, C, d]: ||u - mu||^2 = 2 - 2 u·mu, and the sum of u·mu over tokens is that of each cluster's sum
-        of u dotted with its centroid. Backward so keeps the indices and the sums, not a [B, H, T, d] tensor like
-        (u - mu)^2; its gradient in u differs from 2 (u - mu) by 2u, which the normalisation that made u removes."""
+        sums [B, H, C, d] and counts [H, C]: ||u - mu||^2 = 1 - 2 u·mu + ||mu||^2, and the sum of u·mu over tokens
+        is that of each cluster's sum of u dotted with its centroid. Backward so keeps the indices and the sums,
+        not a [B, H, T, d] tensor like (u - mu)^2; its gradient in u differs from 2 (u - mu) by 2u, which the
+        normalisation that made u removes."""
         means = self.means.to(sums.dtype)  # backward reads it: `commit` moves it only after the step (module doc)
-        return 2 - 2 * (sums * means).sum() / tokens
+        spread = (counts.to(sums.dtype) * means.pow(2).sum(-1)).sum()  # sum over tokens of ||mu_nearest||^2
+        return 1 + (spread - 2 * (sums * means).sum()) / tokens
 
     @torch.no_grad()
-    def stage(self, sums: torch.Tensor, nearest: torch.Tensor) -> None:
-        """Add a forward pass's cluster sums [B, H, C, d] and its nearest[B, H, T] counts to `pending`."""
-        H, C, d = self.means.shape
-        clusters = (torch.arange(H, device=nearest.device)[:, None] * C + nearest).flatten()
+    def stage(self, sums: torch.Tensor, counts: torch.Tensor) -> None:
+        """Add a forward pass's cluster sums [B, H, C, d] and counts [H, C] to `pending`."""
+        d = self.means.shape[-1]
         self.pending[..., :d] += sums.detach().sum(0).to(self.pending.dtype)
-        self.pending[..., d] += torch.bincount(clusters, minlength=H * C).view(H, C).to(self.pending.dtype)
+        self.pending[..., d] += counts.to(self.pending.dtype)
 
     def update(self, staged: torch.Tensor) -> None:
-        """EMA step of every centroid toward the mean of the vectors the step staged for it on every rank. A
-        centroid nothing joined stays."""
+        """Move the centroids by the step's cluster sums and counts, staged on every rank (module doc)."""
         d = self.means.shape[-1]
         sums, counts = staged[..., :d], staged[..., d:]
-        moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
-        self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))
+        if self.rule == "unit_mean":  # a centroid nothing joined stays
+            moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
+            self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))
+            return
+        self.ema_count.mul_(self.decay).add_(counts[..., 0], alpha=1 - self.decay)
+        self.ema_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
+        total = self.ema_count.sum(-1, keepdim=True)
+        smoothed = (self.ema_count + EPSILON) / (total + EPSILON * self.ema_count.shape[-1]) * total
+        self.means.copy_(self.ema_sum / smoothed[..., None])

@@ -49,7 +49,7 @@ def test_kmeans_centroids_move_in_a_bf16_model() -> None:
     before = kmeans.means[0, 0] @ target
     for _ in range(1000):
         nearest = torch.zeros(1, 1, 4, dtype=torch.long)
-        kmeans.stage(kmeans.cluster_sums(u, nearest), nearest)
+        kmeans.stage(kmeans.cluster_sums(u, nearest), kmeans.cluster_counts(nearest))
         kmeans.commit()
     after = kmeans.means[0, 0] @ target
     assert kmeans.similarity(u).dtype == torch.bfloat16

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lm
-from heads import commit_states
+from heads import ConfigError, commit_states
 from heads.routing_attn import RoutingHeads
 from lm.causality import future_leak
 from tests.conftest import tiny_config
@@ -77,24 +77,32 @@ def test_commitment_loss_and_centroid_updates() -> None:
     assert not group.kmeans.pending.any()  # nothing staged in eval mode
 
 
-def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors() -> None:
+@pytest.mark.parametrize("update", ["unit_mean", "ema_counts"])
+def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors(update: str) -> None:
     """kmeans.commitment = mean ||u - mu_nearest||^2 with the gradient in q (through u = normalize(q)) of that
-    formula (float64, 1e-12), while what backward keeps holds no [B, H, T, d] tensor, only indices and per-cluster
-    sums (the direct formula keeps u - mu: 1 MiB a head at T = 4096, h' = 64)."""
+    formula (float64, 1e-12), also for centroids that are no unit vectors ("ema_counts" after a step), while what
+    backward keeps holds no [B, H, T, d] tensor, only indices and per-cluster sums (the direct formula keeps u - mu:
+    1 MiB a head at T = 4096, h' = 64)."""
     import torch.nn.functional as F
 
     from routing.kmeans import OnlineKMeans
 
     torch.manual_seed(0)
     B, H, T, C, d = 2, 3, 50, 4, 8
-    kmeans = OnlineKMeans(H, C, d, 0.99).double()
+    kmeans = OnlineKMeans(H, C, d, 0.99, update).double()
+    if update == "ema_counts":  # one step: centroids of norm far from 1
+        w = F.normalize(torch.randn(B, H, T, d, dtype=torch.float64), dim=-1)
+        near = kmeans.similarity(w).argmax(2)
+        kmeans.stage(kmeans.cluster_sums(w, near), kmeans.cluster_counts(near))
+        kmeans.commit()
+        assert (kmeans.means.norm(dim=-1) - 1).abs().max() > 0.5
     q = torch.randn(B, H, T, d, dtype=torch.float64, requires_grad=True)
     kept: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         u = F.normalize(q, dim=-1)
         nearest = kmeans.similarity(u.detach()).argmax(2)
         kept.clear()  # what the commitment adds
-        loss = kmeans.commitment(kmeans.cluster_sums(u, nearest), B * T * H)
+        loss = kmeans.commitment(kmeans.cluster_sums(u, nearest), kmeans.cluster_counts(nearest), B * T * H)
     assert not [t for t in kept if t.is_floating_point() and t.numel() >= B * H * T * d], [t.shape for t in kept]
     mu = kmeans.means[torch.arange(H)[None, :, None], nearest]
     direct = (F.normalize(q, dim=-1) - mu).pow(2).sum(-1).mean()
@@ -104,7 +112,7 @@ def test_commitment_is_the_squared_distance_and_keeps_no_per_token_vectors() -> 
 
 def test_centroid_update_is_the_ema_of_each_clusters_mean() -> None:
     """mu <- normalize(decay * mu + (1 - decay) * mean of the vectors nearest to mu) for every cluster with members
-    (RT §4.1), per head and over everything staged since the last commit (here two forward passes of one sequence
+    (the default "unit_mean" rule, routing/kmeans.py), per head and over everything staged since the last commit (here two forward passes of one sequence
     each: one step of a batch of 2); a cluster nothing joined keeps its centroid (float64, 1e-12)."""
     import torch.nn.functional as F
 
@@ -116,14 +124,52 @@ def test_centroid_update_is_the_ema_of_each_clusters_mean() -> None:
     u = F.normalize(torch.randn(B, H, T, d, dtype=torch.float64), dim=-1)
     nearest = torch.randint(0, C - 1, (B, H, T))  # cluster C - 1 stays empty
     before = kmeans.means.clone()
-    kmeans.stage(kmeans.cluster_sums(u[:1], nearest[:1]), nearest[:1])  # two forward passes, one step
-    kmeans.stage(kmeans.cluster_sums(u[1:], nearest[1:]), nearest[1:])
+    for b in range(B):  # two forward passes, one step
+        kmeans.stage(kmeans.cluster_sums(u[b : b + 1], nearest[b : b + 1]), kmeans.cluster_counts(nearest[b : b + 1]))
     kmeans.commit()
     for h in range(H):
         for c in range(C):
             members = u[:, h][nearest[:, h] == c]  # [n, d] over both batch rows
             expected = F.normalize(0.9 * before[h, c] + 0.1 * members.mean(0), dim=0) if len(members) else before[h, c]
             assert torch.allclose(kmeans.means[h, c], expected, atol=1e-12), (h, c)
+
+
+def test_ema_counts_update_is_rt_released_codes() -> None:
+    """centroids="ema_counts" follows RT's online_kmeans over three steps: N <- decay N + (1 - decay) n,
+    S <- decay S + (1 - decay) sum (N from 0, S from the initial centroids), mu = S / N~ with
+    N~ = (N + 1e-5) / (sum N + C 1e-5) * sum N, unnormalised; counts and sums over everything staged in the step
+    (two forward passes here); an empty cluster's centroid grows as S / N~ (float64, 1e-12)."""
+    import torch.nn.functional as F
+
+    from routing.kmeans import OnlineKMeans
+
+    torch.manual_seed(0)
+    B, H, T, C, d, decay = 2, 3, 20, 5, 8, 0.9
+    kmeans = OnlineKMeans(H, C, d, decay, "ema_counts").double()
+    N, S = torch.zeros(H, C, dtype=torch.float64), kmeans.means.clone()
+    for step in range(3):
+        u = F.normalize(torch.randn(B, H, T, d, dtype=torch.float64), dim=-1)
+        nearest = torch.randint(0, C - 1, (B, H, T))  # cluster C - 1 stays empty
+        for b in range(B):
+            kmeans.stage(kmeans.cluster_sums(u[b : b + 1], nearest[b : b + 1]), kmeans.cluster_counts(nearest[b : b + 1]))
+        kmeans.commit()
+        hot = F.one_hot(nearest, C).double()  # [B, H, T, C]
+        N = decay * N + (1 - decay) * hot.sum((0, 2))
+        S = decay * S + (1 - decay) * torch.einsum("bhtc,bhtd->hcd", hot, u)
+        n = N.sum(-1, keepdim=True)
+        expected = S / ((N + 1e-5) / (n + C * 1e-5) * n)[..., None]
+        torch.testing.assert_close(kmeans.means, expected, rtol=0, atol=1e-12)
+    assert kmeans.means[:, C - 1].norm(dim=-1).min() > 1e3  # RT's code: an empty cluster's S / N~ is huge
+
+
+def test_centroid_rule_is_an_option_and_its_state_is_saved() -> None:
+    """routing.centroids picks the rule; "ema_counts" keeps its EMA counts and sums in the state dict (a resumed
+    run continues them); an unknown rule is one line."""
+    group = make_group("routing", dict(sparsity=4, centroids="ema_counts"), 32)
+    assert {"kmeans.ema_count", "kmeans.ema_sum"} <= set(group.state_dict())
+    assert "kmeans.ema_count" not in make_group("routing", dict(sparsity=4), 32).state_dict()
+    with pytest.raises(ConfigError, match="routing: centroids must be one of unit_mean, ema_counts, got 'rt'"):
+        make_group("routing", dict(sparsity=4, centroids="rt"), 32)
 
 
 def _leak(assignment: str) -> float:
