@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,7 +34,7 @@ from flops.cli import command_line, comma_list, finite_float, hardware, positive
 from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
-from lm.compression import CompressedLM, Layout, tokens_for  # noqa: E402
+from lm.compression import CompressedLM, Layout, token_nll, tokens_for  # noqa: E402
 from lm.perplexity import perplexity  # noqa: E402
 from lm.ratio_data import generate, measure  # noqa: E402
 from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit  # noqa: E402
@@ -108,7 +107,7 @@ def adaptive_generation(model: CompressedLM, window: torch.Tensor, P: int, t: in
     def run(gen: CompressedGenerator, row: torch.Tensor) -> tuple[float, list[int], int]:
         cache = gen.new_cache(1)
         logits = gen.feed(cache, row[None, :-1])[:, P - 1 :]
-        return F.cross_entropy(logits.transpose(1, 2), row[None, P:]).item(), cache.kept, cache.kv_entries()
+        return token_nll(logits, row[None, P:]).mean().item(), cache.kept, cache.kv_entries()
 
     fixed = [run(CompressedGenerator(model, window=P, t=t), row) for row in window]
     chosen = [run(CompressedGenerator(model, window=P, adaptive=adaptive), row) for row in window]

@@ -62,8 +62,9 @@ def slots_set_by_training_length(g: HeadGroupConfig, window: int, seq_len: int) 
     per expert) on any other length (4.3x too few for MoSA at a quarter of the length; too many on a longer
     window, e.g. above a compression layer, which sees t + S positions); MoSA's quota and predictor selections,
     whose prefix quota follows the window up to model.seq_len and is capped at the capacity after it, on longer
-    windows, and on shorter ones whose quota, ceil(capacity_factor * k(seq_len) * window / seq_len), is not the
-    formula's ceil(capacity_factor * k(window)) (rho does not divide the window, or window < 2 rho)."""
+    windows, and on shorter ones whose quota, min(capacity, ceil(capacity_factor * k(seq_len) * window / seq_len)),
+    is not the formula's min(window, ceil(capacity_factor * k(window))) (e.g. 5 slots against 4 at window 18,
+    seq_len 32, rho 4; 1 against 2 at window 4)."""
     o = Options(g.type, g.options)
     selection = o.get("selection") if g.type == "mosa" else None
     if g.type == "mosaic" or selection == "threshold" or (g.type == "routing" and o.get("assignment") == "nearest"):

@@ -129,8 +129,14 @@ def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int |
 
 def finished(previous: dict[str, Any] | None) -> dict[str, Any]:
     """The status of a point whose training had already finished: what an earlier "done" recorded (its seconds,
-    its leak-free perplexity), nothing of an earlier failure or run (rc, error, pid)."""
-    return {**(previous if previous and previous.get("status") == "done" else {}), "status": "done"}
+    its leak-free perplexity), the training's rc and seconds of a failure after it (the leak-free evaluation's,
+    rc 0), nothing of another failure or run (rc, error, pid)."""
+    previous = previous or {}
+    if previous.get("status") == "done":
+        return dict(previous)
+    if previous.get("status") == "failed" and previous.get("rc") == 0:
+        return {k: previous[k] for k in ("rc", "seconds") if k in previous} | {"status": "done"}
+    return {"status": "done"}
 
 
 @contextlib.contextmanager

@@ -54,9 +54,10 @@ class FixedHeads(HeadGroup):
         self.out = nn.Linear(count * ctx.head_dim, ctx.d_model, bias=False)
 
     def select(self, positions: torch.Tensor) -> Selection:
-        """positions[B, T] -> the tokens whose position is a multiple of ρ, ascending, the same for every head:
-        [B, H, ceil(T/ρ)] (I = [0, ρ, 2ρ, ...] for positions 0..T-1; a window starting elsewhere holds fewer,
-        padded), so the full pass and decoding (which tests each new position) agree on any positions."""
+        """positions[B, T] (consecutive in each row, as every caller passes them) -> the tokens whose position is a
+        multiple of ρ, ascending, the same for every head: [B, H, ceil(T/ρ)] (I = [0, ρ, 2ρ, ...] for positions
+        0..T-1; a window starting elsewhere holds fewer, padded), so the full pass and decoding (which tests each
+        new position) agree wherever the window starts."""
         B, T = positions.shape
         sel = earliest_first((positions % self.options.sparsity == 0)[:, None], self.options.kv_per_head(T))
         return Selection(sel.idx.expand(B, self.count, -1), sel.valid.expand(B, self.count, -1))

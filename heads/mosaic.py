@@ -85,10 +85,6 @@ class MosaicOptions(HeadOptions):
             raise ConfigError(f"mosaic: padded must be one of {', '.join(PADDED)}, got {self.padded!r}")
 
     def validate_count(self, count: int) -> None:
-        if count == 1 and self.gate != "sigmoid":
-            raise ConfigError(f"mosaic: one head with gate {self.gate!r} is weighted 1 whatever the router says (a "
-                              "normalisation over one head), so the router gets no gradient; use gate 'sigmoid' or "
-                              "more heads")
         if self.top_s > count:
             raise ConfigError(f"mosaic: top_s ({self.top_s}) must be <= the group's head count ({count})")
         if self.gate == "renorm" and resolve_top_s(count, self.top_s, self.sparsity) == 1:
@@ -100,6 +96,11 @@ class MosaicOptions(HeadOptions):
         return min(token_choice_capacity(seq_len, self.sparsity, self.capacity_factor), seq_len)
 
     def advice(self, count: int) -> str | None:
+        """A router over one head under a normalising gate (warned, not refused: such checkpoints still load), else
+        a load / capacity mismatch."""
+        if count == 1 and self.gate != "sigmoid":
+            return (f"mosaic: one head with gate {self.gate!r} is weighted 1 whatever the router says (a normalisation "
+                    "over one head), so the router gets no gradient; use gate 'sigmoid' or more heads")
         return load_mismatch(count, self.top_s, self.sparsity, self.capacity_factor)
 
 

@@ -180,9 +180,13 @@ class CompressedDataModule(LMDataModule):
         disjoint = int((self.val_windows.lengths // window).sum())
         if disjoint >= wanted:
             return []
+        if disjoint < self.cfg.batch_size:
+            return [f"the validation documents hold {disjoint} disjoint windows of {window} tokens (prefix_len + seq_len "
+                    f"+ 1), fewer than one batch (data.batch_size={self.cfg.batch_size}): every validation window "
+                    f"overlaps others"]
         return [f"validation windows overlap: data.val_batches x data.batch_size = {wanted} windows of {window} tokens "
                 f"(prefix_len + seq_len + 1) are drawn inside validation documents that hold {disjoint} disjoint ones "
-                f"(lower data.val_batches to {max(1, disjoint // self.cfg.batch_size)})"]
+                f"(lower data.val_batches to {disjoint // self.cfg.batch_size})"]
 
     def val_layout(self) -> Layout:
         c = self.full.compression

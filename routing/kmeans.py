@@ -11,8 +11,11 @@ they were in that step's forward passes, a state update that uses no gradient, b
   EMA): exponential moving averages of each cluster's member count N and member sum S, N <- decay N + (1 - decay)
   n, S <- decay S + (1 - decay) sum (S starts at the initial centroids, N at 0), and mu = S / N~ with N~ Laplace-
   smoothed, N~ = (N + eps) / (sum_c N + C eps) * sum_c N, eps = 1e-5; no renormalisation. Busy clusters move
-  slowly, rarely joined ones jump toward their few members. The paper (§4.1) writes the same update with the
-  sums of a cluster's queries and keys, without the division.
+  slowly, rarely joined ones jump toward their few members. A cluster nothing has joined yet keeps its direction
+  and grows to norm ~1/eps, so at the next step it is nearest to every vector on its side (about half of them):
+  with `nearest` clusters of bounded capacity most of those get no output that step (RT trained balanced top-k
+  clusters, where this cannot happen). Its similarities are computed in fp32 (fp16 overflows at 1e5). The paper
+  (§4.1) writes the same update with the sums of a cluster's queries and keys, without the division.
 
 The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
 
@@ -44,6 +47,8 @@ class OnlineKMeans(StagedStatistics):
 
     def __init__(self, heads: int, clusters: int, dim: int, decay: float, update: str = "unit_mean") -> None:
         super().__init__()
+        if update not in UPDATES:
+            raise ValueError(f"OnlineKMeans: update must be one of {', '.join(UPDATES)}, got {update!r}")
         self.decay, self.rule = decay, update
         self.register_buffer("means", F.normalize(torch.randn(heads, clusters, dim), dim=-1))
         if update == "ema_counts":
@@ -52,8 +57,10 @@ class OnlineKMeans(StagedStatistics):
         self.stage_into(heads, clusters, dim + 1)  # this step's cluster sums [..., :dim] and counts [..., dim]
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
-        """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T]."""
-        return torch.einsum("bhtd,hcd->bhct", u, self.means.to(u.dtype))
+        """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T], in u's dtype for unit
+        centroids, in at least fp32 for "ema_counts" ones (norms up to 1/eps)."""
+        dtype = u.dtype if self.rule == "unit_mean" else torch.promote_types(u.dtype, torch.float32)
+        return torch.einsum("bhtd,hcd->bhct", u.to(dtype), self.means.to(dtype))
 
     def cluster_sums(self, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
         """Each cluster's sum of the vectors u[B, H, T, d] nearest to it (nearest[B, H, T]) -> [B, H, C, d], in at

@@ -371,6 +371,12 @@ def test_compressed_validation_overlap_warning_counts_its_own_windows(tmp_path, 
                     "(prefix_len + seq_len + 1) are drawn inside validation documents that hold 4 disjoint ones "
                     "(lower data.val_batches to 2)\n")
         assert err == (expected if warns else ""), err
+    cfg.data.batch_size, cfg.data.val_batches = 8, 1  # not even one batch: no data.val_batches helps
+    validate(cfg)
+    CompressedDataModule(cfg).check()
+    assert capsys.readouterr().err == ("warning: the validation documents hold 4 disjoint windows of 21 tokens "
+                                       "(prefix_len + seq_len + 1), fewer than one batch (data.batch_size=8): every "
+                                       "validation window overlaps others\n")
 
 
 def test_training_regimes_lower_the_suffix_loss(tmp_path):

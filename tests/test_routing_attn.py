@@ -162,6 +162,27 @@ def test_ema_counts_update_is_rt_released_codes() -> None:
     assert kmeans.means[:, C - 1].norm(dim=-1).min() > 1e3  # RT's code: an empty cluster's S / N~ is huge
 
 
+def test_ema_count_centroids_of_an_empty_cluster_do_not_overflow_fp16_similarities() -> None:
+    """An empty cluster's "ema_counts" centroid grows to ~1e5, past fp16's 65504: its similarities are computed in
+    fp32 (unit-mean ones stay in the vectors' dtype); an unknown rule is refused when the module is built."""
+    import torch.nn.functional as F
+
+    from routing.kmeans import OnlineKMeans
+
+    torch.manual_seed(0)
+    kmeans = OnlineKMeans(1, 4, 16, 0.999, "ema_counts")
+    u = F.normalize(torch.randn(1, 1, 256, 16), dim=-1)
+    nearest = torch.randint(0, 3, (1, 1, 256))  # cluster 3 stays empty
+    kmeans.stage(kmeans.cluster_sums(u, nearest), kmeans.cluster_counts(nearest))
+    kmeans.commit()
+    assert kmeans.means[0, 3].norm() > 6e4
+    sim = kmeans.similarity(u.half())
+    assert sim.dtype == torch.float32 and sim.isfinite().all()
+    assert OnlineKMeans(1, 4, 16, 0.999).similarity(u.half()).dtype == torch.float16
+    with pytest.raises(ValueError, match="update must be one of unit_mean, ema_counts, got 'rt'"):
+        OnlineKMeans(1, 4, 16, 0.999, "rt")
+
+
 def test_centroid_rule_is_an_option_and_its_state_is_saved() -> None:
     """routing.centroids picks the rule; "ema_counts" keeps its EMA counts and sums in the state dict (a resumed
     run continues them); an unknown rule is one line."""

@@ -155,6 +155,20 @@ def test_runner_skips_finished_and_records_failures(tmp_path: Path, capsys: pyte
     assert json.loads((tmp_path / "sw" / "status.json").read_text())["mosa_s4"] == {"status": "done"}
 
 
+def test_a_finished_points_status_keeps_only_what_its_training_recorded() -> None:
+    """A point found finished keeps a "done" entry whole, the training's rc and seconds of a failure after training
+    (the leak-free evaluation's), and nothing of a failed or interrupted training."""
+    from flops.run_sweep import finished
+
+    done = {"status": "done", "rc": 0, "seconds": 3.0, "leakfree_ppl": 9.0}
+    assert finished(done) == done and finished(None) == {"status": "done"}
+    leakfree = {"status": "failed", "rc": 0, "seconds": 3.0, "error": "leak-free evaluation: KeyError: 'x'"}
+    assert finished(leakfree) == {"rc": 0, "seconds": 3.0, "status": "done"}
+    for other in ({"status": "failed", "rc": 2, "seconds": 1.0, "error": "e"},
+                  {"status": "interrupted", "signal": "SIGTERM", "rc": -15, "seconds": 1.0}, {"status": "running", "pid": 7}):
+        assert finished(other) == {"status": "done"}
+
+
 def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """run_sweep runs `train_lm.py --config <point> --resume <overrides>`: the overrides reach the run (a
     `--resume [PATH]` option took the first one for a checkpoint path and every point failed)."""
