@@ -216,17 +216,18 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Causal MiTA (eqs. 5-12, Alg. 1) with m = T // b landmarks: 8hh'T + 2h'mT (landmark scores
     S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, the same product as the shared expert's scores) + if
     shared: 2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
-    experts) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
+    experts; s at most the landmarks a query can route to, min(m, (T - 1) // b - L + 1): none when the local
+    blocks cover every block) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
     gathers not counted. Params: dense's 4hh'. An algorithmic count: with the shared expert heads/mita.py takes
     the routing decisions from S and Q Q~^T computed once more without autograd (+4h'mT); its grouped layout pads
     each expert's queries to multiples of b (on CPU the groups this routing needs, 1.04x this at h = 512,
     b = k = 64, s = 1; on CUDA where the varlen path is not taken, s > 1 or torch.compile, a static
     ceil(T s / b) + m groups, up to about twice the routed pairs)."""
-    b, k = int(o.require("block")), int(o.require("k"))
+    b, k, L = int(o.require("block")), int(o.require("k")), int(o.get("local_blocks", 1))
     m = T // b
-    s = min(int(o.require("s")), m)  # a query can route to at most the m landmarks
+    s = min(int(o.require("s")), max(min(m, (T - 1) // b - L + 1), 0))  # the landmarks before the local blocks
     shared = 4 * hd * m * T if o.get("shared", True) else 0
-    local = min(int(o.get("local_blocks", 1)) * b, T)
+    local = min(L * b, T)
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local
     return Work(flops=n * (8 * h * hd * T + attend), params=n * 4 * h * hd)
 

@@ -122,7 +122,7 @@ class MiTAHeads(DenseHeads):
             R = logits.masked_fill(~eligible, NEG_INF)
             chosen = torch.zeros_like(R, dtype=torch.bool)  # e_1(q) .. e_s(q)
             if n:
-                chosen.scatter_(-1, R.topk(min(s, n), dim=-1).indices, True)
+                chosen.scatter_(-1, R.sort(dim=-1, descending=True, stable=True).indices[..., : min(s, n)], True)
             chosen &= eligible
             routed = (chosen.double() @ expert.double()) > 0  # [B, T, T] union of chosen experts' keys
             keys_ok = routed | local

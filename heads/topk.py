@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
+from heads.gathered_lean import in_autocast_dtype
 from heads.kv_cache import SlotKV
 
 
@@ -102,6 +103,14 @@ class ChunkedTopKAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def chunked_topk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk: int, chunk: int) -> torch.Tensor:
+    """ChunkedTopKAttention in the autocast dtype with autocast off inside, so that its in-place scatters see one
+    dtype whatever the device's autocast policy (CUDA's returns softmax in fp32, CPU's in bf16)."""
+    q, k, v = in_autocast_dtype(q, k, v)
+    with torch.autocast(q.device.type, enabled=False):
+        return ChunkedTopKAttention.apply(q, k, v, topk, chunk)
+
+
 @register("topk")
 class TopKHeads(DenseHeads):
     """Dense heads (same weights) whose softmax keeps only each query's k best causal keys."""
@@ -124,7 +133,7 @@ class TopKHeads(DenseHeads):
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._qkv(x, positions)
-        a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
+        a = chunked_topk(q, k, v, self.options.k, self.options.chunk)
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
@@ -135,11 +144,12 @@ class TopKHeads(DenseHeads):
         prefill = cache.fresh
         cache.write(torch.ones(k.shape[:3], dtype=torch.bool, device=x.device), k, v, positions[:, None].expand(-1, self.count, -1))
         if prefill:
-            a = ChunkedTopKAttention.apply(q, k, v, self.options.k, self.options.chunk)
+            a = chunked_topk(q, k, v, self.options.k, self.options.chunk)
         else:
             kpos = cache.pos[:, :, None, :]  # [B, H, 1, S]: every slot, empty ones (pos -1) masked
             visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, S]
             scores = (q @ cache.k.transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))
             top, idx = scores.topk(min(self.options.k, scores.shape[-1]), dim=-1)  # masked keys get weight 0
-            a = torch.zeros_like(scores).scatter_add_(-1, idx, top.softmax(-1)) @ cache.v
+            weights = top.softmax(-1).to(scores.dtype)  # (CUDA autocast's softmax returns fp32)
+            a = torch.zeros_like(scores).scatter_add_(-1, idx, weights) @ cache.v
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))

@@ -63,7 +63,10 @@ def landmark_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 def route(logits: torch.Tensor, eligible: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MiTA's e_1(q) .. e_s(q): each query's top-s landmarks among the eligible ones.
     logits[B, H, T, n] (q . q~_j), eligible[T, n] -> sel[B, H, T, s'] landmark indices and
-    valid[B, H, T, s'] (False where a query has fewer than s eligible landmarks), s' = min(s, n)."""
+    valid[B, H, T, s'] (False where a query has fewer than s eligible landmarks), s' = min(s, n). Equal logits
+    go to the earliest landmark (a stable sort; topk breaks ties by the kernel's layout, so the one-token decoding
+    step, whose logits row has another shape, could route differently from the full pass)."""
     masked = logits.masked_fill(~eligible, float("-inf"))
-    top, sel = masked.topk(min(s, logits.shape[-1]), dim=-1)
+    ranked = masked.sort(dim=-1, descending=True, stable=True)
+    top, sel = ranked.values[..., : min(s, logits.shape[-1])], ranked.indices[..., : min(s, logits.shape[-1])]
     return sel, top > float("-inf")

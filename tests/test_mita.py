@@ -177,3 +177,16 @@ def test_routed_groups_hold_any_routing(routing: str, exact_groups: bool) -> Non
                 scores = keys @ q[bi, h, t] * d**-0.5
                 torch.testing.assert_close(out[bi, h, t, 0], scores.softmax(-1) @ values, rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(lse[bi, h, t, 0], scores.logsumexp(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_tied_routing_logits_go_to_the_earliest_landmark() -> None:
+    """route() breaks equal logits by landmark index, for a logits row of any shape (the decoding step's [1, n_max]
+    row and the full pass's [T, n] rows choose alike; topk's choice among ties depended on the shape)."""
+    from routing.landmarks import route
+
+    logits = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0, 2.0]]).expand(1, 1, 3, 6)  # [B, H, T, n]
+    eligible = torch.tensor([[True] * 6, [True] * 6, [False, False, True, True, True, True]])
+    sel, valid = route(logits, eligible, 2)
+    assert sel[0, 0].tolist() == [[1, 2], [1, 2], [2, 4]] and valid.all()
+    wide = torch.cat([logits[:, :, :1], torch.full((1, 1, 1, 3), float("-inf"))], -1)  # n_max slots, 3 empty
+    assert route(wide, torch.ones(1, 9, dtype=torch.bool), 3)[0][0, 0, 0].tolist() == [1, 2, 4]

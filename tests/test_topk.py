@@ -103,3 +103,30 @@ def test_cached_decoding_matches_full_forward() -> None:
     tokens = torch.randint(0, 97, (2, 40))
     logits, _ = cached_logits(model, tokens, prefill=13)  # 13-token prompt, then one token at a time
     assert (logits - model(tokens)).abs().max().item() < TOL
+
+
+class _CudaSoftmaxPolicy(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's policy for softmax (its fp32 list) on top of CPU autocast, which keeps softmax in bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "softmax" and torch.is_autocast_enabled("cpu") and args[0].dtype == torch.bfloat16:
+            args = (args[0].float(), *args[1:])
+        return func(*args, **kwargs)
+
+
+def test_fast_path_runs_under_a_cuda_like_autocast_policy() -> None:
+    """Under bf16 autocast with CUDA's fp32 softmax, the chunked path's in-place scatter of fp32 weights into a bf16
+    tensor failed (scatter(): Expected self.dtype to be equal to src.dtype) at the first training step; now forward
+    and backward run, within bf16 rounding of fp32 (relative RMS < 2e-2). (Decoding runs without autocast.)"""
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}],
+                      seq_len=40)
+    model = lm.build_model(cfg.model).eval()
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CudaSoftmaxPolicy():
+        logits = model(tokens)
+        logits.float().sum().backward()
+    assert ((logits.float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt() < 2e-2
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
