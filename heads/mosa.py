@@ -112,6 +112,7 @@ class MoSAHeads(HeadGroup):
             quotas = prefix_quotas(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor,
                                    ctx.seq_len, self.capacity)
             self.register_buffer("quotas", torch.tensor(quotas), persistent=False)
+            self.quota_list = quotas  # the same in Python ints: a selection's width is known when tracing
 
     def kv_entries(self, seq_len: int) -> int:
         if self.causal:
@@ -151,7 +152,9 @@ class MoSAHeads(HeadGroup):
             k = tokens_per_head(scores.shape[-1], self.options.sparsity)
             return expert_choice(scores, k, self.options.keep_first)
         if self.options.selection in QUOTA_SELECTIONS:
-            return prefix_quota(self.candidates(scores), self.quota(torch.arange(scores.shape[-1], device=scores.device)))
+            T = scores.shape[-1]
+            quota = self.quota(torch.arange(T, device=scores.device))
+            return prefix_quota(self.candidates(scores), quota, self.quota_list[min(T, self.ctx.seq_len) - 1] if T else 1)
         return earliest_first(self.candidates(scores), self.capacity)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

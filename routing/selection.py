@@ -27,8 +27,10 @@ def earliest_first(mask: torch.Tensor, capacity: int) -> Selection:
     return pack(mask & (m <= c), m.clamp(max=c), c)  # the first c candidates; kept so far = min(m, c)
 
 
-def prefix_quota(mask: torch.Tensor, quota: torch.Tensor) -> Selection:
-    """Keep candidate t of each row of mask[..., T] iff fewer than quota[t] earlier tokens were kept.
+def prefix_quota(mask: torch.Tensor, quota: torch.Tensor, slots: int) -> Selection:
+    """Keep candidate t of each row of mask[..., T] iff fewer than quota[t] earlier tokens were kept; `slots` =
+    quota[-1] as a Python int (the selection's width: read out of the tensor it would be a data-dependent size,
+    which torch.compile cannot trace into the gathered core's chunking).
 
     quota[T] is non-decreasing and >= 1 (capacity spread over positions), so the kept count obeys
     c_t = min(c_{t-1} + m_t, q_t) (c_{t-1} <= q_{t-1} <= q_t), whose closed form
@@ -38,7 +40,7 @@ def prefix_quota(mask: torch.Tensor, quota: torch.Tensor) -> Selection:
     slack = (quota.to(m) - m).cummin(-1).values.clamp(max=0)
     count = m + slack
     kept = mask & (count > torch.nn.functional.pad(count, (1, 0))[..., :-1])
-    return pack(kept, count, int(quota[-1]) if quota.numel() else 1)
+    return pack(kept, count, slots)
 
 
 def pack(keep: torch.Tensor, count: torch.Tensor, capacity: int) -> Selection:

@@ -47,16 +47,20 @@ class RunningQuantileThreshold(StagedStatistics):
     @torch.no_grad()
     def stage(self, logits: torch.Tensor) -> None:
         """Add this micro-batch's (1 - fraction)-quantile of each head's logits[B, H, T] to `pending`: the midpoint
-        between the order statistic of that rank and the next larger logit (the statistic itself when none is
-        larger). `> tau` then keeps the same tokens of the batch as `> statistic`, but tau equals none of the logits
-        it came from: after a commit that sets tau (the first, or momentum 1) no token's decision hinges on the last
-        bit of its logit, which a one-token decoding step computes in another order than the full pass."""
+        between the order statistic of that rank and the next larger logit. `> tau` then keeps the same tokens of the
+        batch as `> statistic`, but tau equals none of the logits it came from: after a commit that sets tau (the
+        first, or momentum 1) no token's decision hinges on the last bit of its logit, which a one-token decoding
+        step computes in another order than the full pass. When no logit is larger (the statistic is the maximum:
+        tied top logits, e.g. a frequent token type's in the first layer), the midpoint with the next smaller one,
+        so that the tied tokens pass (capacity caps them) instead of none; statistic - 1 when all are equal."""
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
         n = per_head.shape[1]
         rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
         stat = per_head.kthvalue(rank, dim=1).values  # [H]
         larger = per_head.masked_fill(per_head <= stat[:, None], math.inf).amin(1)  # [H], inf: none larger
-        cut = torch.where(larger.isfinite(), stat + (larger - stat) / 2, stat)
+        smaller = per_head.masked_fill(per_head >= stat[:, None], -math.inf).amax(1)  # [H], -inf: none smaller
+        below = torch.where(smaller.isfinite(), smaller + (stat - smaller) / 2, stat - 1)
+        cut = torch.where(larger.isfinite(), stat + (larger - stat) / 2, below)
         self.pending[:-1] += cut.to(self.pending.dtype)
         self.pending[-1] += 1
 

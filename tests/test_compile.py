@@ -16,13 +16,20 @@ from tests.head_checks import tiny_options
 T = 32
 
 
-@pytest.mark.slow  # ~5-10 s per head type (dynamo + AOT tracing), ~1 min in all
-@pytest.mark.parametrize("head_type", sorted(REGISTRY))
-def test_training_step_compiles_fullgraph(head_type: str) -> None:
+# every head type with its example options, and MoSA's other selections (quota and predictor size their slots from
+# a per-position quota, which once made a data-dependent size that fullgraph tracing refused)
+COMPILED = [(t, tiny_options(t)) for t in sorted(REGISTRY)] + [
+    ("mosa", {"sparsity": 4, "selection": s}) for s in ("quota", "predictor", "expert_choice")]
+
+
+@pytest.mark.slow  # ~5-10 s per case (dynamo + AOT tracing), ~1.5 min in all
+@pytest.mark.parametrize("head_type, options", COMPILED,
+                         ids=[t + "".join(f"-{v}" for k, v in o.items() if k == "selection") for t, o in COMPILED])
+def test_training_step_compiles_fullgraph(head_type: str, options: dict) -> None:
     """A 1-layer model (1 dense + 2 heads of the type): the step compiles with fullgraph=True (a graph
     break raises) under aot_eager, which traces forward and backward exactly as inductor receives them
     (inductor's C++ code generation itself is not rerun here), and matches eager: loss and all grads."""
-    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": head_type, "count": 2, "options": tiny_options(head_type)}],
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": head_type, "count": 2, "options": options}],
                       n_layers=1, seq_len=T)
     module = LMModule(cfg).train()
     x, y = torch.randint(0, 97, (2, T)), torch.randint(0, 97, (2, T))

@@ -170,6 +170,23 @@ def test_threshold_moves_once_per_step_toward_the_mean_micro_batch_quantile() ->
     assert torch.equal(group.threshold.tau, moved)
 
 
+def test_tied_top_logits_pass_the_threshold() -> None:
+    """When the quantile's logit is also the largest (5% of the logits tied at the top, rho = 32: a frequent token
+    type in the first layer), tau is cut below the tie, so the tied tokens pass (capacity caps them; tau at the
+    tied value passed none, and the router of a head with no tokens gets no gradient); all logits equal: all pass."""
+    from routing.threshold import RunningQuantileThreshold
+
+    threshold = RunningQuantileThreshold(2, 1 / 32, 1.0)
+    logits = torch.randn(2, 2, 2048, generator=torch.Generator().manual_seed(0))
+    logits[:, 0, ::20] = 10.0  # head 0: 5% tied at the top
+    logits[:, 1] = 3.0  # head 1: all equal
+    threshold.stage(logits)
+    threshold.commit()
+    passed = threshold.above(logits).float().mean(-1).mean(0)
+    assert passed[0] == (logits[:, 0] == 10.0).float().mean() and passed[1] == 1.0  # 103 of 2048 tied
+    assert 3.0 < threshold.tau[0] < 10.0 and threshold.tau[1] == 2.0
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 15])
 @pytest.mark.parametrize("selection", ["expert_choice", "threshold", "quota", "predictor"])
 def test_short_sequences(T: int, selection: str) -> None:

@@ -32,7 +32,7 @@ def test_prefix_quota_closed_form_equals_the_loop() -> None:
         mask = torch.rand(4, T, generator=gen) < torch.rand((), generator=gen)
         rate = 1.5 * float(torch.rand((), generator=gen))
         quota = torch.ceil(torch.arange(1, T + 1) * rate).long().clamp(min=1)
-        sel = prefix_quota(mask, quota)
+        sel = prefix_quota(mask, quota, int(quota[-1]))
         assert sel.idx.shape[-1] == int(quota[-1])
         for r in range(4):
             assert sel.idx[r][sel.valid[r]].tolist() == quota_loop(mask[r], quota.tolist())
