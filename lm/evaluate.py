@@ -118,6 +118,8 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
         if max_docs is not None and i >= max_docs:
             break
         body = tokens[a:b].tolist()
+        if len(body) == 1:  # two EOS in a row: an empty document, no bytes to score (data_prep writes none)
+            continue
         text = sp_codec.decode(sp, body)[0]  # the prepared text itself: the tokenizer is lossless
         docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], text))
     return docs

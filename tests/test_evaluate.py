@@ -128,6 +128,31 @@ def test_cli_prepared_split_per_document_and_curve(corpus: Path, tmp_path: Path,
     assert res["leak_free"] is False and res["causal"] is True
 
 
+def test_an_empty_prepared_document_is_skipped(corpus: Path, tmp_path: Path) -> None:
+    """Two EOS in a row in a prepared split (an empty document: 0 bytes, whose bits per byte divided by zero) are
+    skipped; the other documents read as before."""
+    import shutil
+
+    import numpy as np
+    import sentencepiece as spm
+
+    from lm.evaluate import _prepared_documents
+
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus, copy)
+    index = json.loads((copy / "index.json").read_text())
+    shard = index["splits"]["val"]["shards"][0]
+    tokens = np.fromfile(copy / shard["file"], dtype=np.uint16)
+    eos = int(index["eos_id"])
+    np.concatenate([[eos], tokens]).astype(np.uint16).tofile(copy / shard["file"])  # an empty first document
+    shard["tokens"] += 1
+    index["splits"]["val"]["tokens"] += 1
+    (copy / "index.json").write_text(json.dumps(index))
+    sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
+    before, after = _prepared_documents(corpus, "val", sp, None), _prepared_documents(copy, "val", sp, None)
+    assert [d.text for d in after] == [d.text for d in before] and all(d.text for d in after)
+
+
 def test_leak_free_auto_is_on_for_a_non_causal_checkpoint(corpus: Path, tmp_path: Path, capsys) -> None:
     """--leak-free auto (the default) scores a non-causal checkpoint (MoSA expert choice) leak-free: the totals of
     --leak-free on, not those of teacher forcing."""
