@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from routing.selection import Selection
+from routing.selection import Selection, earliest_topk
 
 
 def tokens_per_head(seq_len: int, sparsity: float) -> int:
@@ -25,5 +25,5 @@ def expert_choice(scores: torch.Tensor, k: int, keep_first: bool = False) -> Sel
     if keep_first:
         scores = scores.detach().clone()
         scores[..., 0] = float("inf")
-    idx = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k].sort(dim=-1).values
+    idx = earliest_topk(scores, k)[1].sort(dim=-1).values
     return Selection(idx, torch.ones_like(idx, dtype=torch.bool))

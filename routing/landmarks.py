@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from routing.selection import earliest_topk
+
 
 def block_pool(x: torch.Tensor, block: int) -> torch.Tensor:
     """x[B, H, T, d] -> [B, H, T // block, d], the mean of each completed block (MiTA Alg. 1 line 2)."""
@@ -64,9 +66,7 @@ def route(logits: torch.Tensor, eligible: torch.Tensor, s: int) -> tuple[torch.T
     """MiTA's e_1(q) .. e_s(q): each query's top-s landmarks among the eligible ones.
     logits[B, H, T, n] (q . q~_j), eligible[T, n] -> sel[B, H, T, s'] landmark indices and
     valid[B, H, T, s'] (False where a query has fewer than s eligible landmarks), s' = min(s, n). Equal logits
-    go to the earliest landmark (a stable sort; topk breaks ties by the kernel's layout, so the one-token decoding
-    step, whose logits row has another shape, could route differently from the full pass)."""
-    masked = logits.masked_fill(~eligible, float("-inf"))
-    ranked = masked.sort(dim=-1, descending=True, stable=True)
-    top, sel = ranked.values[..., : min(s, logits.shape[-1])], ranked.indices[..., : min(s, logits.shape[-1])]
+    go to the earliest landmark (`earliest_topk`), so the one-token decoding step, whose logits row has another
+    shape, routes as the full pass does."""
+    top, sel = earliest_topk(logits.masked_fill(~eligible, float("-inf")), s)
     return sel, top > float("-inf")

@@ -17,6 +17,14 @@ class Selection(NamedTuple):
     valid: torch.Tensor  # [..., c] bool, True on the valid slots (a prefix of the row)
 
 
+def earliest_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest scores of each row of scores[..., n], largest first, equal scores to the
+    earliest index (a stable sort: topk breaks ties by its kernel's layout, which depends on the tensor's shape and
+    on the rows batched beside it)."""
+    ranked = scores.sort(dim=-1, descending=True, stable=True)
+    return ranked.values[..., :k], ranked.indices[..., :k]
+
+
 def earliest_first(mask: torch.Tensor, capacity: int) -> Selection:
     """Keep the earliest `capacity` candidates of each row of mask[..., T] (overflow drops the latest).
 
