@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lm.compression import CompressedLM, tokens_for
-from lm.generate import sample
+from lm.generate import check_prompt, check_sampling, sample
 from lm.ratio_predictor import AdaptiveRatio
 
 
@@ -140,10 +140,10 @@ class CompressedGenerator:
     ) -> tuple[torch.Tensor, CompressedCache]:
         """prompt[B, n] -> (prompt + new tokens [B, n + max_new_tokens], final cache). temperature 0
         = greedy, else sampling from softmax(logits / temperature) (lm.generate.sample). One-line ValueError
-        for an empty prompt, max_new_tokens < 0 or a negative temperature."""
-        if prompt.shape[1] == 0 or max_new_tokens < 0 or not 0 <= temperature < float("inf"):
-            raise ValueError(f"need a prompt of at least one token, max_new_tokens >= 0 and a finite temperature "
-                             f">= 0, got {prompt.shape[1]} tokens, {max_new_tokens} and {temperature}")
+        for a prompt that is not [B, n >= 1] ids in the vocabulary (`check_prompt`), max_new_tokens < 0 or a
+        temperature that is not finite and >= 0."""
+        check_prompt(prompt, self.model.lm.cfg.vocab_size, max_new_tokens)
+        check_sampling(temperature, 0, 1.0)
         was = self.model.training
         self.model.eval()
         try:

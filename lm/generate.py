@@ -143,6 +143,21 @@ def check_sampling(temperature: float, top_k: int, top_p: float, flags: bool = F
             raise ValueError(f"{'--' + name.replace('_', '-') if flags else name} must be {rule}, got {value}")
 
 
+def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> None:
+    """One-line ValueError unless prompt is a [B, T0] tensor of token ids in [0, vocab_size) with T0 >= 1, and
+    max_new_tokens >= 0 (an id out of range would fail deep in the embedding, or as a device-side assert)."""
+    if prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+        raise ValueError(f"generate: the prompt must be a [batch, tokens] tensor of integer token ids, "
+                         f"got shape {list(prompt.shape)} of {prompt.dtype}")
+    if prompt.shape[1] == 0 or max_new_tokens < 0:
+        raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
+                         f"got {prompt.shape[1]} tokens and {max_new_tokens}")
+    lo, hi = int(prompt.min()), int(prompt.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"generate: prompt token id {lo if lo < 0 else hi} is outside the model's vocabulary "
+                         f"[0, {vocab_size})")
+
+
 def fed_tokens(prompt_len: int, max_new_tokens: int) -> int:
     """Tokens `generate` runs through the model (and caches): the prompt and every new token but the last."""
     return prompt_len + max(max_new_tokens - 1, 0)
@@ -158,16 +173,19 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     `fed_tokens(T0, max_new_tokens)` tokens, to read its fill afterwards; `step`: what decodes each new token
     (default the model; `decode_step(model)` compiles it); `vocab`: only ids below it are generated (`sample`).
     Runs the model in eval mode and leaves it in the mode it found. Warns when the tokens it feeds go past the
-    training length. One-line ValueError for an empty prompt, max_new_tokens < 0, sampling settings out of range
-    (`check_sampling`) or a `cache` that is not new or not for B sequences."""
+    training length. One-line ValueError for a prompt that is not [B, T0 >= 1] ids in the vocabulary
+    (`check_prompt`), max_new_tokens < 0, sampling settings out of range (`check_sampling`) or a `cache` that is
+    not new, not for B sequences or smaller than the tokens fed need (a short cache would drop or overwrite keys)."""
+    check_prompt(prompt, model.cfg.vocab_size, max_new_tokens)
     B, T0 = prompt.shape
-    if T0 == 0 or max_new_tokens < 0:
-        raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
-                         f"got {T0} tokens and {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
-    if cache is not None and not all(c.fresh and c.batch == B for layer in cache for c in layer):
-        raise ValueError(f"generate: `cache` must be new and for the prompt's {B} sequences "
-                         f"(new_cache(model, {B}, fed_tokens({T0}, {max_new_tokens})))")
+    if cache is not None:
+        need = new_cache(model, B, fed_tokens(T0, max_new_tokens), device="meta")
+        if not all(c.fresh and c.batch == B and c.capacity() >= n.capacity()
+                   for layer, needed in zip(cache, need, strict=True) for c, n in zip(layer, needed, strict=True)):
+            raise ValueError(f"generate: `cache` must be new, for the prompt's {B} sequences and for "
+                             f"{fed_tokens(T0, max_new_tokens)} tokens "
+                             f"(new_cache(model, {B}, fed_tokens({T0}, {max_new_tokens})))")
     if fed_tokens(T0, max_new_tokens) > model.cfg.seq_len:  # the last new token is sampled, never fed
         warn(beyond_training(model, T0 + max_new_tokens))
     was_training = model.training

@@ -267,8 +267,12 @@ def test_generator_arguments_are_checked():
     with pytest.raises(ValueError, match="^need window >= 1 and t in \\[1, window\\], got window 12 and t 0$"):
         CompressedGenerator(model, t=0)
     gen = CompressedGenerator(model)
-    for prompt, n, temperature in ((tokens(0), 3, 0.0), (tokens(4), -1, 0.0), (tokens(4), 3, -1.0)):
-        with pytest.raises(ValueError, match="^need a prompt of at least one token, max_new_tokens >= 0"):
+    for prompt, n, temperature, message in (
+            (tokens(0), 3, 0.0, "generate: need a prompt of at least one token and max_new_tokens >= 0"),
+            (tokens(4), -1, 0.0, "generate: need a prompt of at least one token and max_new_tokens >= 0"),
+            (tokens(4), 3, -1.0, "temperature must be finite and >= 0"),
+            (tokens(4) + model.cfg.vocab_size, 3, 0.0, "generate: prompt token id .* is outside the model's vocab")):
+        with pytest.raises(ValueError, match=f"^{message}"):
             gen.generate(prompt, n, temperature)
     model.train()
     assert gen.generate(tokens(4), 3, temperature=1.0)[0].shape == (2, 7) and model.training

@@ -245,6 +245,14 @@ def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() ->
     for bad_prompt, n in ((prompt[:, :0], 3), (prompt, -1)):
         with pytest.raises(ValueError, match="^generate: need a prompt of at least one token and max_new_tokens >= 0"):
             generate(model, bad_prompt, n)
+    for bad_prompt, message in ((prompt[0], r"the prompt must be a \[batch, tokens\] tensor of integer token ids, "
+                                            r"got shape \[5\]"),
+                                (prompt.float(), "the prompt must be .* got shape \\[3, 5\\] of torch.float32$"),
+                                (prompt.masked_fill(prompt == prompt[1, 2], 97),
+                                 r"prompt token id 97 is outside the model's vocabulary \[0, 97\)$"),
+                                (prompt - 100, r"prompt token id -\d+ is outside")):
+        with pytest.raises(ValueError, match=f"^generate: {message}"):
+            generate(model, bad_prompt, 3)
     for setting, message in (({"top_p": 0.0}, "top_p must be in"), ({"top_p": -1.0}, "top_p must be in"),
                              ({"temperature": -1.0}, "temperature must be finite"),
                              ({"temperature": float("nan")}, "temperature must be finite"),
@@ -262,8 +270,20 @@ def test_generate_takes_only_a_new_cache_for_its_batch(name: str) -> None:
     cache = new_cache(model, 2, 20)
     generate(model, prompt, 3, cache=cache)
     for used in (cache, new_cache(model, 1, 20)):
-        with pytest.raises(ValueError, match=r"^generate: `cache` must be new and for the prompt's 2 sequences"):
+        with pytest.raises(ValueError, match=r"^generate: `cache` must be new, for the prompt's 2 sequences"):
             generate(model, prompt, 3, cache=used)
+
+
+@pytest.mark.parametrize("name", ["dense", "local", "mosa", "routing", "mosaic_include_rho2", "mita"])
+def test_generate_refuses_a_cache_too_short_for_the_tokens_fed(name: str) -> None:
+    """A short cache was taken: local heads' ring buffer overwrote keys inside the window, MoSA and Routing
+    heads stopped admitting tokens, so the generation changed without a word. A longer cache is fine."""
+    model = model_for(CAUSAL_TYPES[name])
+    prompt = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^generate: `cache` must be new, .* and for 33 tokens"):
+        generate(model, prompt, 30, temperature=0, cache=new_cache(model, 2, 5))
+    assert torch.equal(generate(model, prompt, 30, temperature=0, cache=new_cache(model, 2, 40)),
+                       generate(model, prompt, 30, temperature=0))
 
 
 def test_cli_reports_a_full_dense_cache(tmp_path, capsys) -> None:
