@@ -106,7 +106,8 @@ class FlashVarlen:
             q[:, None], k[:, None], v[:, None], seg.cu_q, seg.cu_k, seg.max_q, seg.max_k,
             dropout_p=0.0, softmax_scale=scale, causal=False,
         )
-        return out[:, 0], lse[0]  # lse is [heads, Nq]
+        lse = lse[0]  # [heads, Nq] -> [Nq]; a row whose key segment is empty gets +inf from flash-attn, -inf here
+        return out[:, 0], lse.masked_fill(lse == float("inf"), float("-inf"))
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
                  scale: float) -> tuple[Tensor, Tensor, Tensor]:

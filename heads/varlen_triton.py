@@ -1,7 +1,7 @@
 """The varlen contract of heads/varlen.py as Triton kernels (FlashAttention-2's algorithm over packed
 segments), for CUDA machines without flash-attn. On CPU they run under TRITON_INTERPRET=1 (tests).
 
-Forward (one program per BLOCK_M query rows of one segment): online softmax over the segment's key
+Forward (one program per segment and BLOCK_M query rows of it): online softmax over the segment's key
 blocks, out = acc / l, lse = m + log l (FlashAttention-2 Alg. 1). Backward, given out and lse (which
 may be those of a larger merged softmax, see heads/varlen.py): delta = rowsum(dO * O);
 one program per key block accumulates dK, dV over the segment's query blocks, one per query block
@@ -25,8 +25,9 @@ BLOCK = 32  # rows per query / key block (tl.dot needs >= 16; `_meta` may take 1
 
 @triton.jit
 def _segment(CU_Q, CU_K):
-    """Row ranges [q0, q1) and [k0, k1) of this program's segment (grid axis 1)."""
-    seg = tl.program_id(1)
+    """Row ranges [q0, q1) and [k0, k1) of this program's segment (grid axis 0: up to 2^31 - 1 segments, where
+    axis 1 stops at 65535 and MiTA makes B * H * T / block of them)."""
+    seg = tl.program_id(0)
     return tl.load(CU_Q + seg), tl.load(CU_Q + seg + 1), tl.load(CU_K + seg), tl.load(CU_K + seg + 1)
 
 
@@ -53,7 +54,7 @@ def _p_ds(q, k, v, do, lse, delta, rmask, cmask, scale, DOT: tl.constexpr):
 def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
          BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
-    start = q0 + tl.program_id(0) * BLOCK_M
+    start = q0 + tl.program_id(1) * BLOCK_M
     if start < q1:
         rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
         rmask = rows < q1
@@ -80,7 +81,7 @@ def _fwd(Q, K, V, O, LSE, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.conste
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
-    start = k0 + tl.program_id(0) * BLOCK_N
+    start = k0 + tl.program_id(1) * BLOCK_N
     if start < k1:
         cols, d = start + tl.arange(0, BLOCK_N).to(tl.int64), tl.arange(0, BLOCK_D)
         cmask = cols < k1
@@ -103,7 +104,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, scale, D: tl.constexp
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     q0, q1, k0, k1 = _segment(CU_Q, CU_K)
-    start = q0 + tl.program_id(0) * BLOCK_M
+    start = q0 + tl.program_id(1) * BLOCK_M
     if start < q1:
         rows, d = start + tl.arange(0, BLOCK_M).to(tl.int64), tl.arange(0, BLOCK_D)
         rmask = rows < q1
@@ -141,7 +142,7 @@ class TritonVarlen:
         S = seg.cu_q.numel() - 1
         if S and seg.max_q:
             meta = _meta(q)
-            _fwd[(triton.cdiv(seg.max_q, meta["BLOCK_M"]), S)](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **meta)
+            _fwd[(S, triton.cdiv(seg.max_q, meta["BLOCK_M"]))](q, k, v, out, lse, seg.cu_q, seg.cu_k, scale, **meta)
         return out, lse
 
     def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
@@ -152,9 +153,9 @@ class TritonVarlen:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         S, meta = seg.cu_q.numel() - 1, _meta(q)
         if S and seg.max_k:
-            _bwd_dkdv[(triton.cdiv(seg.max_k, meta["BLOCK_N"]), S)](q, k, v, dout, lse, delta, dk, dv, seg.cu_q,
+            _bwd_dkdv[(S, triton.cdiv(seg.max_k, meta["BLOCK_N"]))](q, k, v, dout, lse, delta, dk, dv, seg.cu_q,
                                                                     seg.cu_k, scale, **meta)
         if S and seg.max_q:
-            _bwd_dq[(triton.cdiv(seg.max_q, meta["BLOCK_M"]), S)](q, k, v, dout, lse, delta, dq, seg.cu_q, seg.cu_k,
+            _bwd_dq[(S, triton.cdiv(seg.max_q, meta["BLOCK_M"]))](q, k, v, dout, lse, delta, dq, seg.cu_q, seg.cu_k,
                                                                   scale, **meta)
         return dq, dk, dv

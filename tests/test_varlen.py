@@ -152,10 +152,28 @@ def test_flash_attn_before_2_7_is_not_used(monkeypatch: pytest.MonkeyPatch) -> N
     assert varlen.flash_version(None) == (0, 0)
 
 
-def test_cuda_backend_is_only_offered_where_it_can_run(capsys: pytest.CaptureFixture) -> None:
+def _flash_installed(monkeypatch: pytest.MonkeyPatch, forward: object = None) -> types.ModuleType:
+    """A stand-in flash-attn 2.8 interface (its varlen forward: `forward`) that heads/varlen.py sees as installed."""
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_varlen_forward = forward
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.8.3"))
+    monkeypatch.setattr(varlen, "flash_attn_interface", lambda: interface)
+    return interface
+
+
+def test_cuda_backend_is_only_offered_where_it_can_run(capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     assert varlen.cuda_backend(torch.zeros(4, 8)) is None  # CPU: MiTA keeps its padded PyTorch path
     assert flash_backend(torch.zeros(4, 8)) is None  # CPU, fp32
-    assert flash_backend(torch.zeros(4, 12, dtype=torch.bfloat16)) is None  # head dim not a multiple of 8
+    _flash_installed(monkeypatch)
+
+    def cuda_like(d: int, dtype: torch.dtype = torch.bfloat16) -> types.SimpleNamespace:
+        return types.SimpleNamespace(is_cuda=True, dtype=dtype, shape=(4, d))
+
+    assert isinstance(flash_backend(cuda_like(64)), varlen.FlashVarlen)
+    for q in (cuda_like(12), cuda_like(264), cuda_like(64, torch.float32)):  # head dim not a multiple of 8, > 256; fp32
+        assert flash_backend(q) is None, q
+    assert flash_backend(torch.zeros(4, 64, dtype=torch.bfloat16)) is None  # installed, but a CPU tensor
     if not CUDA:
         from bench.mita_varlen import main
 
@@ -214,6 +232,45 @@ def test_kernels_match_torch_varlen(name: str, dtype: torch.dtype, d: int) -> No
     for label, a, b in zip(["out", "lse", "dq", "dk", "dv"], [out, lse, *grads], [ref_out, ref_lse, *ref_grads]):
         assert a.dtype == (torch.float32 if label == "lse" else dtype), label
         assert _rel_rms(a.double(), b) < KERNEL_TOL[dtype], (label, _rel_rms(a.double(), b))
+
+
+def test_flash_lse_of_a_row_without_keys_is_minus_inf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn writes lse = +inf for a query row whose key segment is empty (its kernel's early exit); the merge
+    would then give that row exp(inf - inf) = NaN. FlashVarlen returns the contract's -inf, so the row keeps part A."""
+    def flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, **_):  # TorchVarlen's results, laid out as flash-attn's
+        out, lse = TorchVarlen().forward(q[:, 0], k[:, 0], v[:, 0], Segments(cu_q, cu_k, max_q, max_k), _["softmax_scale"])
+        return out[:, None], lse.masked_fill(lse == float("-inf"), float("inf"))[None], None, None
+
+    backend = varlen.FlashVarlen(_flash_installed(monkeypatch, flash_forward))
+    q, k, v, seg = _packed([2, 3], [0, 4], 8)
+    out_a, lse_a = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    merged = merge_varlen(out_a, lse_a, q.detach(), k.detach(), v.detach(), torch.arange(5), seg, 0.5, backend)
+    assert torch.equal(backend.forward(q, k, v, seg, 0.5)[1][:2], torch.full((2,), float("-inf"), dtype=torch.float64))
+    assert torch.equal(merged[:2], out_a[:2]) and merged.isfinite().all()
+
+
+def test_triton_launch_grid_takes_more_segments_than_cuda_grid_axis_1() -> None:
+    """MiTA packs B * H * T / block segments (65,536 at B = 64, H = 16, T = 4096, block 64); CUDA refuses a
+    launch grid over 65,535 on axes 1 and 2, so the segments go on axis 0 (recorded here, not launched)."""
+    from heads import varlen_triton
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple) -> object:
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    S = 70_000
+    q = k = v = torch.zeros(S, 16)
+    seg = Segments.from_counts(torch.ones(S, dtype=torch.long), torch.ones(S, dtype=torch.long))
+    with pytest.MonkeyPatch.context() as mp:
+        for kernel in ("_fwd", "_bwd_dkdv", "_bwd_dq"):
+            mp.setattr(varlen_triton, kernel, Recorder())
+        backend = varlen_triton.TritonVarlen()
+        out, lse = backend.forward(q, k, v, seg, 1.0)
+        backend.backward(q, q, k, v, out, lse, seg, 1.0)
+    assert grids == [(S, 1)] * 3
 
 
 def mita_runs(device: str, dtype: torch.dtype, cases: list[tuple[str, bool]]) -> list[list[torch.Tensor]]:
