@@ -39,8 +39,8 @@ def parse_row(line: bytes) -> dict | None:
 
 def file_rows(path: Path, skips: Skips) -> Iterator[tuple[int, dict]]:
     """The JSON objects of one JSON-lines file (.gz or plain), each with its line number. Broken lines (see
-    `parse_row`) are skipped and counted (`Skips.meet`: StrictSkips stops at the first); a corrupt gzip stream ends
-    the file with a warning."""
+    `parse_row`) are skipped and counted (`Skips.meet`: StrictSkips stops at the first), also in the part read when
+    the reader stops early (--max-docs closes it); a corrupt gzip stream ends the file with a warning."""
     broken = first_broken = rows = 0
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
@@ -61,9 +61,10 @@ def file_rows(path: Path, skips: Skips) -> Iterator[tuple[int, dict]]:
         else:
             skips.lose(path.name, "truncated_files", 1, f"{type(err).__name__}: {err}",
                        f"; kept the {rows} rows before it")
-    if broken:
-        skips.lose(path.name, "broken_json_lines", broken,
-                   f"{broken} broken JSON line(s), first at line {first_broken}", " (skipped)")
+    finally:
+        if broken:
+            skips.lose(path.name, "broken_json_lines", broken,
+                       f"{broken} broken JSON line(s), first at line {first_broken}", " (skipped)")
     if rows == 0 and path.name not in skips.files:
         skips.skip_file(path.name, "empty" if not broken else "no valid JSON lines")
 
@@ -77,22 +78,25 @@ def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: st
     """One document per (number, row) with a non-empty string "text" (newlines normalised); others are counted
     (`where` and the number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7"),
     and rows without text are reported once per file or stream, like broken JSON lines: a misnamed field is no
-    empty document."""
+    empty document (also when the reader stops early)."""
     missing, first = 0, 0
-    for n, row in rows:
-        text = row.get("text")
-        if not isinstance(text, str):
-            skips.count("rows_without_text", where=f"{where} {n}")
-            missing, first = missing + 1, first or n
-            continue
-        text = normalize_newlines(text)
-        if not text.strip():
-            skips.count("empty_documents")
-            continue
-        yield Document(text_id(text), text)
-    if missing:
-        name, unit = where.split(": ", 1)
-        skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} (skipped)")
+    try:
+        for n, row in rows:
+            text = row.get("text")
+            if not isinstance(text, str):
+                skips.count("rows_without_text", where=f"{where} {n}")
+                missing, first = missing + 1, first or n
+                continue
+            text = normalize_newlines(text)
+            if not text.strip():
+                skips.count("empty_documents")
+                continue
+            yield Document(text_id(text), text)
+    finally:
+        if missing:
+            name, unit = where.split(": ", 1)
+            skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} "
+                            "(skipped)")
 
 
 def check_splits(names: list[str]) -> None:

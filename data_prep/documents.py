@@ -107,8 +107,16 @@ class Corpus:
     input_names: list[str] | None = None  # their names in index.json's inputs (None: `sources`)
 
     def first(self, n: int | None) -> Corpus:
-        """The first `n` documents of every pass (all of them for None): --max-docs."""
+        """The first `n` documents of every pass (all of them for None): --max-docs. The source's reader is closed
+        after them, so what it reports at its end (broken lines, rows without text) covers the part it read."""
         if n is None:
             return self
-        return replace(self, read=lambda skips: itertools.islice(self.read(skips), n),
-                       size_hint=min(self.size_hint, n) if self.size_hint else n)
+
+        def read(skips: Skips) -> Iterator[Document]:
+            docs = self.read(skips)
+            try:
+                yield from itertools.islice(docs, n)
+            finally:
+                getattr(docs, "close", lambda: None)()
+
+        return replace(self, read=read, size_hint=min(self.size_hint, n) if self.size_hint else n)

@@ -290,7 +290,10 @@ def prepare(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file on the way, no permission, a read-only file system
+        raise DataError(f"--out {out}: cannot create it ({err.strerror or err})") from None
     inputs = input_manifest(corpus.files, corpus.input_names or corpus.sources, progress)
     done, state = _previous_run(out, settings, inputs, overwrite)
     if done is not None:

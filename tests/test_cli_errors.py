@@ -127,6 +127,9 @@ CASES = [
     ("prepare-changed-inputs", [sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", "{texts}",
                                 "--out", "{prepared}", "--vocab-size", "400", "--no-progress"], 2,
      r"holds a preparation with other inputs \(1 removed \(b\.txt\)\); pass --overwrite"),
+    ("prepare-out-under-a-file", [sys.executable, "-m", "data_prep.prepare", "--source", "text", "--src", "{texts}",
+                                  "--out", "{texts}/a.txt/prep", "--vocab-size", "400", "--no-progress"], 2,
+     r"error: --out \S*a\.txt/prep: cannot create it \(Not a directory\)$"),
 ]
 
 

@@ -617,6 +617,22 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert err.count('warning: a.json.gz: 1 row(s) without a string "text" field, first at line 34 (skipped)') == 1
 
 
+def test_max_docs_reports_the_problems_of_the_part_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--max-docs stops in the middle of a file: its broken lines and rows without text up to there are still
+    counted and warned about (the readers reported them only at the end of a file, which they never reached)."""
+    good = [json.dumps({"text": words(300 + i, 3)}) for i in range(40)]
+    lines = good[:5] + ["{broken", "not json", json.dumps({"content": "x"})] + good[5:]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    index = prepare("c4", str(tmp_path / "src"), tmp_path / "out", max_docs=20, vocab_size=400, val_fraction=0.2,
+                    **QUIET)
+    assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 20
+    assert index["skipped"]["broken_json_lines"] == 2 and index["skipped"]["rows_without_text"] == 1
+    err = capsys.readouterr().err
+    assert err.count("warning: a.jsonl: 2 broken JSON line(s), first at line 6 (skipped)") == 1
+    assert err.count('warning: a.jsonl: 1 row(s) without a string "text" field, first at line 8 (skipped)') == 1
+
+
 def test_strict_reading_reports_the_first_problem_in_line_order(tmp_path: Path) -> None:
     """Inputs read whole (StrictSkips: evaluation text, texts to exclude) stop at the first problem of a file: a
     broken line 2 is reported before a row without text at line 4 (it used to be the other way round, as broken
