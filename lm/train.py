@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import lightning as L
 import torch
+from lightning.pytorch.plugins.precision import DeepSpeedPrecision
 from lightning.pytorch.profilers import Profiler, PyTorchProfiler, SimpleProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -60,6 +61,16 @@ def deepspeed_config(cfg: Config) -> dict[str, Any]:
     }
 
 
+class LossDividedOnce(DeepSpeedPrecision):
+    """Lightning's DeepSpeed precision plugin, with a backward that leaves the loss as Lightning gives it. Lightning
+    already divides each micro-batch's loss by accumulate_grad_batches, and DeepSpeed's engine.backward divides by
+    its gradient_accumulation_steps (the same number) again unless told not to (scale_wrt_gas): the gradients came
+    out A times too small, and clipping at optim.grad_clip clipped a norm A times too small."""
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, model, optimizer, *args, scale_wrt_gas=False, **kwargs)
+
+
 def build_strategy(cfg: Config) -> Any:
     t = cfg.trainer
     if t.strategy != "deepspeed_stage_2":
@@ -79,7 +90,8 @@ def build_strategy(cfg: Config) -> Any:
                           "CPU); use strategy=ddp on CPU")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    return DeepSpeedStrategy(config=deepspeed_config(cfg))
+    precision = LossDividedOnce(resolve_precision(t))  # type: ignore[arg-type]
+    return DeepSpeedStrategy(config=deepspeed_config(cfg), precision_plugin=precision)
 
 
 @rank_zero_only

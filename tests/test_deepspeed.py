@@ -1,7 +1,9 @@
 """DeepSpeed ZeRO-2 (trainer.strategy=deepspeed_stage_2) on CPU: Lightning's DeepSpeedStrategy refuses
 CPU, so two gloo ranks run raw `deepspeed.initialize` with the same config, optimizer and loss
 (tests/zero2_worker.py), and must equal one plain process accumulating the ranks' micro-batches: AdamW,
-global-norm clipping at optim.grad_clip, warmup + cosine; the model has MoSA and Routing heads, whose running
+global-norm clipping at optim.grad_clip (the gradient norms are compared too: each rank accumulates two micro-batches,
+and DeepSpeed must not divide Lightning's already divided loss again), warmup + cosine; the model has MoSA and
+Routing heads, whose running
 threshold and k-means centroids (buffers, compared too, and checked to have moved) must be updated from both
 ranks' statistics once per step (routing/distributed.py).
 Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter)."""
@@ -51,16 +53,19 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
     opt = module.configure_optimizers()
     optimizer, schedule = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
     start = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    parts, norms = 2 * worker.MICRO, []
     for step in range(worker.STEPS):
-        for tokens in worker.global_batch(step, cfg).chunk(2):  # the ranks' micro-batches, one after the other
+        for tokens in worker.global_batch(step, cfg).chunk(parts):  # the ranks' micro-batches, one after the other
             loss, _, _ = module.losses(tokens[:, :-1], tokens[:, 1:])
-            (loss / 2).backward()
-        torch.nn.utils.clip_grad_norm_(module.model.parameters(), cfg.optim.grad_clip)
+            (loss / parts).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.model.parameters(), cfg.optim.grad_clip)))
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
         commit_states(module.model)
-    zero2 = torch.load(out, weights_only=True)
+    saved = torch.load(out, weights_only=True)
+    zero2 = saved["state"]
+    assert saved["grad_norms"] == pytest.approx(norms, rel=1e-5)
     for name, w in module.model.named_parameters():
         assert not torch.equal(w, start[name]), f"{name} did not train"
         rel = ((zero2[name] - w).norm() / w.norm()).item()
@@ -88,3 +93,21 @@ def test_deepspeed_on_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg.trainer.accelerator = "cpu"
     with pytest.raises(ConfigError, match="needs CUDA GPUs.*strategy=ddp"):
         build_strategy(cfg)
+
+
+def test_deepspeed_strategy_takes_the_loss_as_lightning_divides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_strategy's DeepSpeedStrategy carries lm.train.LossDividedOnce (checked by the ZeRO-2 test above) and
+    the Trainer keeps it, with the run's precision: Lightning's default plugin divides by the accumulation twice."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    import lightning as L
+
+    from lm.train import LossDividedOnce, build_strategy
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config()
+    cfg.trainer.strategy, cfg.trainer.precision = "deepspeed_stage_2", "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    strategy = build_strategy(cfg)
+    trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-mixed", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False)
+    assert type(trainer.strategy.precision_plugin) is LossDividedOnce and trainer.precision == "bf16-mixed"

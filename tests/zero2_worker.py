@@ -1,9 +1,11 @@
 """One rank of the ZeRO-2 check in tests/test_deepspeed.py (run as a script, RANK / WORLD_SIZE set).
 
 Raw `deepspeed.initialize` with lm.train.deepspeed_config (plus the gradient_accumulation_steps that
-Lightning adds), the LMModule's own AdamW groups and schedule, and its loss; `steps` steps on this
-rank's share of each global batch (`global_batch`), the staged head state committed after each step; rank 0
-saves the weights and buffers to `out`."""
+Lightning adds: MICRO), the LMModule's own AdamW groups and schedule, and its loss; `steps` steps on this
+rank's share of each global batch (`global_batch`) in MICRO micro-batches, each loss divided by MICRO and passed to
+the backward of lm.train's DeepSpeed precision plugin, and the engine stepped after each, as Lightning does; the
+staged head state committed after each step; rank 0 saves the weights, buffers and the engine's gradient norms
+to `out`."""
 from __future__ import annotations
 
 import os
@@ -19,7 +21,7 @@ HEADS = [{"type": "dense", "count": 2}, {"type": "fixed", "count": 3, "options":
          # state moved by batch statistics, fast, so that a per-rank update would show (routing/distributed.py)
          {"type": "mosa", "count": 2, "options": {"sparsity": 4, "threshold_momentum": 0.5}},
          {"type": "routing", "count": 2, "options": {"sparsity": 4, "decay": 0.5}}]
-GLOBAL_BATCH, STEPS = 8, 5
+GLOBAL_BATCH, STEPS, MICRO = 8, 5, 2
 
 
 def config():
@@ -37,12 +39,19 @@ def global_batch(step: int, cfg) -> torch.Tensor:
     return torch.randint(0, cfg.model.vocab_size, (GLOBAL_BATCH, cfg.model.seq_len + 1), generator=gen)
 
 
+class Trainer:
+    """The one attribute of Lightning's Trainer that DeepSpeedPrecision.backward uses."""
+
+    def __init__(self, engine: object) -> None:
+        self.model = engine
+
+
 def main(out: str) -> None:
     import deepspeed
 
     from heads import commit_states
     from lm.module import LMModule
-    from lm.train import deepspeed_config
+    from lm.train import LossDividedOnce, deepspeed_config
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = config()
@@ -53,16 +62,19 @@ def main(out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     engine, *_ = deepspeed.initialize(model=module.model, optimizer=opt["optimizer"],
                                       lr_scheduler=opt["lr_scheduler"]["scheduler"],
-                                      config={**deepspeed_config(cfg), "gradient_accumulation_steps": 1})
+                                      config={**deepspeed_config(cfg), "gradient_accumulation_steps": MICRO})
     assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer" and engine.zero_optimization_stage() == 2
+    module.trainer = Trainer(engine)  # what the precision plugin's backward reads: trainer.model, the engine
+    precision, norms = LossDividedOnce("32-true"), []
     for step in range(STEPS):
-        tokens = global_batch(step, cfg).chunk(world)[rank]
-        loss, _, _ = module.losses(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
+        for tokens in global_batch(step, cfg).chunk(world)[rank].chunk(MICRO):
+            loss, _, _ = module.losses(tokens[:, :-1], tokens[:, 1:])
+            precision.backward(loss / MICRO, module, None)  # Lightning's closure divides by accumulate_grad_batches
+            engine.step()  # Lightning steps the engine after every micro-batch; it updates at the last one
+        norms.append(float(engine.get_global_grad_norm()))
         commit_states(module.model)  # the staged head state, as LMModule.optimizer_step does
     if rank == 0:
-        torch.save(module.model.state_dict(), out)
+        torch.save({"state": module.model.state_dict(), "grad_norms": norms}, out)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # a clean exit: no communication thread left behind
 
