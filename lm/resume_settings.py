@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from heads import ConfigError
 from lm.config import Config
 from lm.schedule import lr_factor
 
@@ -22,6 +23,18 @@ def _plain(value: Any) -> Any:
 
 
 OTHER_SETTINGS = (("trainer", "max_steps"), ("data", "batch_size"))  # besides every optim.* field
+# held in the optimizer's param groups, which a DeepSpeed checkpoint keeps in its own shards (Lightning's file has
+# no optimizer_states for apply_changes to rewrite), and in the schedule's base rates
+OPTIMIZER_GROUP_SETTINGS = ("optim.lr", "optim.betas", "optim.weight_decay")
+
+
+def check_deepspeed_changes(changes: list[str]) -> None:
+    """One-line ConfigError if a resume under DeepSpeed changes a setting it would restore from its shards and
+    silently keep (`changes`: lm/run_dir.config_changes' 'section.key: old -> new' lines)."""
+    kept = [c for c in changes if c.split(":")[0] in OPTIMIZER_GROUP_SETTINGS]
+    if kept:
+        raise ConfigError(f"--resume under trainer.strategy=deepspeed_stage_2 cannot change {'; '.join(kept)}: DeepSpeed "
+                          "restores the optimizer's settings from its checkpoint; resume with the saved values")
 
 
 def reported_here(key: str) -> bool:
