@@ -183,15 +183,17 @@ def step_files(directory: Path) -> list[Path]:
     return sorted(steps, key=step_number, reverse=True)  # type: ignore[arg-type]
 
 
-def set_aside_after(directory: Path, step: int) -> list[Path]:
+def set_aside_after(directory: Path, step: int, source: Path) -> list[Path]:
     """Move the step checkpoints after `step` (and then last.ckpt, which is the newest of them) into
     `directory/abandoned-after-step<step>/`: a --resume-from that rewinds starts another timeline, whose --resume
-    and keep_last_k pruning must not take the old one's later files for its own. Returns their new paths."""
+    and keep_last_k pruning must not take the old one's later files for its own. last.ckpt stays when it is the
+    resumed checkpoint `source` (a kill between writing a step file and linking it leaves it older). Returns their
+    new paths."""
     newer = [p for p in step_files(directory) if step_number(p) > step]  # type: ignore[operator]
     if not newer:
         return []
     last = directory / "last.ckpt"  # the newest step's link, copy or (DeepSpeed) directory: the old timeline's
-    if last.exists():
+    if last.exists() and not (source.exists() and os.path.samefile(last, source)):
         newer.append(last)
     dest = directory / f"abandoned-after-step{step:07d}"
     dest.mkdir(exist_ok=True)

@@ -49,6 +49,9 @@ def config_warnings(cfg: Config) -> list[str]:
                    f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")
     if t.val_every > t.max_steps:
         out.append(f"trainer.val_every={t.val_every} > trainer.max_steps={t.max_steps}: validation runs only at the end")
+    if t.log_every > t.max_steps:
+        out.append(f"trainer.log_every={t.log_every} > trainer.max_steps={t.max_steps}: the training scalars "
+                   f"(train/loss, train/lr, ...) are never logged")
     c = cfg.compression
     if c is not None and c.prefix_len != m.seq_len:
         out.append(f"compression.prefix_len={c.prefix_len} != model.seq_len={m.seq_len}: generation "

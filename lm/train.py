@@ -107,7 +107,7 @@ def ckpt_dir(cfg: Config) -> Path:
 def tensorboard_logger(cfg: Config, resumed_step: int | None = None) -> StepLogger:
     """`<out_dir>/tb`, whose hparams.yaml holds the resolved run config; x = optimizer steps (lm/step_logger.py).
     Resumed from step S, TensorBoard purges the values an interrupted run logged at x > S (after its checkpoint),
-    which the resumed run logs again."""
+    which the resumed run logs again (S = -1: a --resume that found no checkpoint and starts again purges all)."""
     purge = {} if resumed_step is None else {"purge_step": resumed_step + 1}
     logger = StepLogger(cfg.trainer.out_dir, name="tb", version="", default_hp_metric=False, **purge)
     logger.log_hyperparams(OmegaConf.to_container(OmegaConf.structured(cfg)))  # type: ignore[arg-type]
@@ -310,7 +310,7 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
             say(f"warning: removed {path}, left by an interrupted write")
     point = resume_path(cfg, resume)
     if point is not None and point.step is not None and resume != "last" and rank_zero_only.rank == 0:
-        moved = set_aside_after(ckpt_dir(cfg), point.step)
+        moved = set_aside_after(ckpt_dir(cfg), point.step, Path(point.path))
         if moved:
             say(f"--resume-from: moved the checkpoints of steps after {point.step} ({', '.join(p.name for p in moved)}), "
                 f"a timeline this run abandons, to {moved[0].parent}")
@@ -322,7 +322,9 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
                                   keep=t.keep_last_k)
-    trainer = build_trainer(cfg, checkpoints, strategy, None if point is None else point.step)
+    # --resume without a checkpoint yet starts again: TensorBoard drops everything the killed run logged (step >= 0)
+    resumed = point.step if point is not None else (-1 if resume is not None else None)
+    trainer = build_trainer(cfg, checkpoints, strategy, resumed)
     return module, trainer, checkpoints, None if point is None else point.path
 
 

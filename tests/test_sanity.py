@@ -17,26 +17,28 @@ def warnings_of(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("warning: ")]
 
 
-def test_shrunk_run_warns_about_warmup_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
+def test_shrunk_run_warns_about_warmup_validation_and_logging(capsys: pytest.CaptureFixture[str]) -> None:
     load_config("configs/tiny.yaml", "trainer.max_steps=30")
     lines = warnings_of(capsys.readouterr().err)
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert "optim.warmup_steps=4000 >= trainer.max_steps=30" in lines[0]
     assert "trainer.val_every=1000 > trainer.max_steps=30" in lines[1]
+    assert "trainer.log_every=50 > trainer.max_steps=30: the training scalars (train/loss" in lines[2]
 
 
 def test_sensible_config_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
-    load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10")
+    load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10",
+                "trainer.log_every=10")
     assert warnings_of(capsys.readouterr().err) == []
 
 
 def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixture[str]) -> None:
     load_config("configs/experiments/mosa_hybrid_faithful.yaml", "trainer.max_steps=30", "optim.warmup_steps=3",
-                "trainer.val_every=10")
+                "trainer.val_every=10", "trainer.log_every=10")
     (line,) = warnings_of(capsys.readouterr().err)
     assert "model.heads: mosa not causal" in line and "leak-free" in line
     load_config("configs/experiments/mosa_hybrid.yaml", "trainer.max_steps=30", "optim.warmup_steps=3",
-                "trainer.val_every=10")  # the causal selection: silent
+                "trainer.val_every=10", "trainer.log_every=10")  # the causal selection: silent
     assert warnings_of(capsys.readouterr().err) == []
 
 
@@ -44,7 +46,7 @@ def test_a_compression_prefix_other_than_the_suffix_length_warns(capsys: pytest.
     """Generation decodes windows of prefix_len tokens that are first a suffix, then a compressed span: the post
     trains both at seq_len. The shipped compression configs (P = S = 128) and the default (P = model.seq_len) are
     silent."""
-    sensible = ("trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10")
+    sensible = ("trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10", "trainer.log_every=10")
     load_config("configs/experiments/compression.yaml", *sensible)
     load_config("configs/tiny.yaml", *sensible, "compression.ratio=0.25")
     assert warnings_of(capsys.readouterr().err) == []
@@ -56,7 +58,7 @@ def test_a_compression_prefix_other_than_the_suffix_length_warns(capsys: pytest.
 def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
     """Training accepts it (k is rounded, App. F), the IsoFLOP solver refuses it: say so instead of silently
     differing."""
-    shrunk = ["trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10"]
+    shrunk = ["trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10", "trainer.log_every=10"]
     load_config("configs/experiments/mosa_hybrid.yaml", *shrunk, "model.heads.1.options.sparsity=3")
     (line,) = warnings_of(capsys.readouterr().err)
     assert line.startswith("warning: model.heads: mosa sparsity 3 does not divide model.seq_len 1024") and "refuse" in line

@@ -486,6 +486,45 @@ def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(traine
     assert path.name == "step0000010.ckpt" and ckpt["global_step"] == 10
 
 
+def test_resume_from_a_last_ckpt_older_than_the_newest_step_keeps_it(trained: tuple[Path, dict], data: Path,
+                                                                       tmp_path: Path) -> None:
+    """A kill between writing step 30 and linking last.ckpt leaves last.ckpt at step 20. --resume-from last.ckpt
+    rewinds to 20: step 30 is set aside, but last.ckpt, the checkpoint it resumes from, stays (it was moved away
+    and the run crashed: checkpoint file not found)."""
+    import os
+    import shutil
+
+    from lm.train import train
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    ckpts = out / "checkpoints"
+    (ckpts / "last.ckpt").unlink()
+    os.link(ckpts / "step0000020.ckpt", ckpts / "last.ckpt")
+    metrics = train(load_config(None, *run_overrides(data, out, max_steps=22)), resume=str(ckpts / "last.ckpt"))
+    assert metrics["step"] == 22
+    aside = ckpts / "abandoned-after-step0000020"
+    assert sorted(p.name for p in aside.iterdir()) == ["step0000030.ckpt"]
+
+
+def test_resume_without_a_checkpoint_starts_again_and_logs_each_step_once(data: Path, tmp_path: Path, capsys) -> None:
+    """A run killed before its first checkpoint, then --resume: it starts from scratch, and TensorBoard drops what
+    the killed run logged (every step showed twice)."""
+    import shutil
+
+    from lm.train import train
+    from tests.test_resume import logged_steps
+
+    out = tmp_path / "run"
+    train(load_config(None, *run_overrides(data, out, max_steps=4, log_every=1, ckpt_every=100, val_every=100)))
+    shutil.rmtree(out / "checkpoints")  # as if killed before its first checkpoint
+    capsys.readouterr()
+    train(load_config(None, *run_overrides(data, out, max_steps=6, log_every=1, ckpt_every=100, val_every=100)),
+          resume="last")
+    assert "no loadable checkpoint" in capsys.readouterr().err
+    assert logged_steps(out) == list(range(1, 7))
+
+
 def test_out_dir_below_a_file_and_empty_rope_buffers(data: Path, tmp_path: Path) -> None:
     """trainer.out_dir that is (or lies below) a file: one ConfigError line, not FileExistsError; a model with
     model.rope_fraction=0 (an empty RoPE frequency buffer) trains (the non-finite check used to crash on it)."""
