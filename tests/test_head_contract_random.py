@@ -7,7 +7,8 @@ difference is a bug, not rounding:
   theory, e.g. the router of a one-head MoSAIC group, whose softmax over one logit is 1, and both paths give
   1e-16 noise);
 - causal groups: resampling the inputs after a random row t leaves the outputs at rows <= t unchanged, in eval mode
-  and in training mode (state frozen, the same random draws in both passes);
+  and in training mode (state frozen, the same random draws in both passes), and so does cutting the input after
+  row t (to 1e-10: another length may block the sums differently);
 - decodable groups: a prefill of p rows then one row per call == the full forward.
 The values drawn are each type's `Options.grid()` (heads/), which every type with options of its own declares.
 Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones, and fails
@@ -93,6 +94,9 @@ def check_contract(group: HeadGroup, T: int, batch: int, what: str, rng: random.
             x2[:, t + 1 :] = torch.randn_like(x2[:, t + 1 :])
             leak = (group(x2, pos)[:, : t + 1] - y[:, : t + 1]).abs().max().item()
             assert leak < 1e-12, f"rows <= {t} moved by {leak:.1e} when later rows changed: {what}"
+            # ... nor on how many rows follow (a rule read off the input's length, which resampling keeps)
+            cut = (group(x[:, : t + 1], pos[:, : t + 1]) - y[:, : t + 1]).abs().max().item()
+            assert cut < 1e-10, f"rows <= {t} moved by {cut:.1e} when the input was cut after row {t}: {what}"
             group.train()  # the training-time paths, state frozen and the same random draws in both passes
             with frozen_state():
                 torch.manual_seed(0)

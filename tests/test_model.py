@@ -91,6 +91,30 @@ def test_causality_check_detects_a_leak() -> None:
     assert leak > 1e-3
 
 
+class OneLeakHeads(DenseHeads):
+    """Causal dense heads, except that row `dst` also receives the input of the later row `src`."""
+
+    def __init__(self, *args, dst: int, src: int) -> None:
+        super().__init__(*args)
+        self.dst, self.src = dst, src
+
+    def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        y = super().forward_fast(x, positions)
+        return y.index_add(1, torch.tensor([self.dst]), x[:, self.src : self.src + 1])
+
+
+@pytest.mark.parametrize("dst,src,t", [(20, 22, 20), (62, 63, None)])
+def test_causality_check_finds_a_leak_between_two_rows(dst: int, src: int, t: int | None) -> None:
+    """A leak from one later row only: row 22 into row 20 shows at t = 20 only if every token after t is resampled
+    (not just t + 1); the last row into row 62 shows only at t = 62, which t = None must reach."""
+    model = build()
+    group = model.blocks[0].attn.groups[0]
+    model.blocks[0].attn.groups[0] = OneLeakHeads(group.ctx, group.count, group.options, dst=dst, src=src)
+    tokens = torch.randint(0, 97, (2, 64))
+    assert future_leak(model, tokens, t, 97) > 1e-3
+    assert future_leak(model, tokens, dst - 1, 97) == 0.0  # rows before dst see no later token
+
+
 class ToyAuxHeads(DenseHeads):
     """Dense heads that report a fixed auxiliary loss, to check how the model aggregates them."""
 

@@ -109,3 +109,23 @@ def test_scores_depend_only_on_relative_position() -> None:
     near = (rope(q[None], torch.tensor([10])) * rope(k[None], torch.tensor([9]))).sum()
     far = (rope(q[None], torch.tensor([10])) * rope(k[None], torch.tensor([2]))).sum()
     assert (near - far).abs() > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_head_groups_see_positions_only_relatively(impl: str) -> None:
+    """RoPE makes q_i . k_j depend on pos_i - pos_j only: every head type's output is unchanged when all positions
+    move by 960 (a multiple of every block, stride and window the tiny options use), and changes when the gaps do
+    (positions doubled), so the check can fail. A path that rotated only its keys, or its queries at other
+    positions, breaks the first. MoSAIC is left out: its random priorities are drawn per absolute position."""
+    from heads import REGISTRY
+    from tests.head_checks import make_group, tiny_options
+
+    T = 32
+    for name in sorted(set(REGISTRY) - {"mosaic"}):
+        group = make_group(name, tiny_options(name), T, dtype=torch.float64, rope_fraction=1.0)
+        group.options.impl = impl
+        x, pos = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
+        with torch.no_grad():
+            y, shifted, stretched = group(x, pos), group(x, pos + 960), group(x, pos * 2)
+        assert (shifted - y).abs().max() < 1e-10, name
+        assert (stretched - y).abs().max() > 1e-3, name

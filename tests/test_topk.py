@@ -21,6 +21,32 @@ def test_fast_matches_reference(T: int, k: int, chunk: int) -> None:
     assert_match(errors, TOL, TOL)
 
 
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+@pytest.mark.parametrize("k,chunk", [(1, 4), (3, 5), (8, 256)])
+def test_each_query_attends_to_exactly_its_k_best_causal_keys(impl: str, k: int, chunk: int) -> None:
+    """Query i's output depends on the values of exactly min(k, i + 1) keys (each kept key has a positive softmax
+    weight), those with the k highest causal scores. A rule both paths shared (k + 1 keys, say) would pass the fast
+    vs reference and causality tests."""
+    T = 20
+    group = make_group("topk", {"k": k, "chunk": chunk}, T, count=1, dtype=torch.float64)
+    group.options.impl = impl
+    qkv, seen = group._qkv, {}
+
+    def values_as_leaf(x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, key, v = qkv(x, positions)
+        seen.update(q=q, k=key, v=v.detach().requires_grad_())
+        return q, key, seen["v"]
+
+    group._qkv = values_as_leaf
+    x = torch.randn(1, T, 32, dtype=torch.float64)
+    y = group(x, torch.arange(T)[None])
+    scores = (seen["q"] @ seen["k"].transpose(-1, -2))[0, 0].masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    for i in range(T):
+        (grad,) = torch.autograd.grad(y[0, i].sum(), seen["v"], retain_graph=True)
+        used = grad[0, 0].abs().sum(-1).nonzero().flatten()
+        assert used.tolist() == sorted(scores[i].topk(min(k, i + 1)).indices.tolist()), (i, used)
+
+
 def _qkv(T: int, d: int = 8, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(2, 3, T, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
