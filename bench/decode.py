@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from flops.cli import command_line, hardware, positive_int, script_parser, torch_device
+from flops.cli import command_line, hardware, positive_int, script_parser, torch_device, use_device
 from heads import commit_states
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
     ap.add_argument("--out", default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
+    use_device(args.device)
     torch.manual_seed(0)
     rows = []
     modes = ["eager", "compiled"] if args.compile else ["eager"]
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = {(name, "eager"): None for name in models}
         for name, model in models.items() if args.compile else ():
             steps[name, "compiled"] = decode_step(model)
-            decode(model, prompt, args.new_tokens, steps[name, "compiled"])  # compiles (untimed)
+        for name, mode in steps:  # one untimed decode each: the compiled steps compile, the eager ones warm up too
+            decode(models[name], prompt, args.new_tokens, steps[name, mode])
         timed: dict[tuple[str, str], list] = {key: [] for key in steps}
         for _ in range(args.repeats):  # models and modes alternate, so drift on a shared machine hits all alike
             for name, mode in steps:

@@ -129,8 +129,8 @@ timing)
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_table2.md
     step isoflop 100 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
-    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 9 \
-        --T 1024 4096 8192 --batch 4 --repeats 10 --out $C/gpu_heads.md
+    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+        --T 1024 4096 8192 --batch 4 --repeats 10 --out $C/gpu_heads.md  # the 5 dense heads the IsoFLOP model replaces
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)

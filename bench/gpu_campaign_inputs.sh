@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Inputs of bench/gpu_campaign.sh, made on the CPU machine before the device call (about a minute), in
-# git-ignored folders that the call carries: run(command="BUDGET_S=575 bash bench/gpu_campaign.sh",
-# carry=[".whl", ".carry"], timeout_s=600).
+# Inputs of bench/gpu_campaign.sh, made on the CPU machine before the device calls (about a minute), in
+# git-ignored folders that both calls carry (carry=[".whl", ".carry"]; the two calls: gpu_campaign.sh's header).
 #
 #   bash bench/gpu_campaign_inputs.sh [SHARED_DATA]      (default ../shared/data)
 #

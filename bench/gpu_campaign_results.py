@@ -42,6 +42,16 @@ def header(title: str, c: Path, steps: list[str]) -> list[str]:
     return lines + [""]
 
 
+def pytest_id(classname: str, name: str) -> str:
+    """pytest's id of a junit test case: classname "tests.test_a" or "tests.test_a.TestK" (a test class, its name
+    capitalised as pytest requires of collected classes) -> tests/test_a.py[::TestK]::name."""
+    parts = classname.split(".")
+    classes = []
+    while parts and parts[-1][:1].isupper():
+        classes.insert(0, parts.pop())
+    return "::".join(["/".join(parts) + ".py", *classes, name])
+
+
 def tests_report(c: Path) -> list[str]:
     lines = header("The test suite on a GPU (`make test`, Triton compiled, pytest-xdist)", c, ["make-test"])
     xml, log = c / "tests.xml", read(c / "tests.log") or ""
@@ -51,7 +61,7 @@ def tests_report(c: Path) -> list[str]:
     outcome: Counter[str] = Counter()
     failures, skips = [], Counter()
     for case in cases:
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        name = pytest_id(case.get("classname", ""), case.get("name", ""))
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
         kind = kinds[0] if kinds else "passed"
         outcome[kind] += 1

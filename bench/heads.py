@@ -17,11 +17,13 @@ allocations (with glibc's default a MiTA step read 850 MiB against ~550 MiB live
 max_memory_allocated minus allocated before the step. Time: median of `--repeats` fwd+bwd steps after those
 two, in a process with the default allocator (the fixed threshold makes every large allocation
 page-fault afresh, ~1.5x the time). The column "peak − param grads" subtracts the bytes of the group's
-parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has ~T/(ρ·5)x as many
-parameters as the dense group, so this is the activation memory the head's implementation is responsible for.
+parameter gradients (alive at the end of backward): a MoSA group at equal FLOPs has many times the dense group's
+parameters (dense-head FLOPs over MoSA-head FLOPs: 276 / 5 = 55x at h = 512, h' = 64, T = 1024, rho = 32), so
+this is the activation memory the head's implementation is responsible for; on CUDA it still holds autocast's bf16
+copies of the weights (2 bytes per parameter, saved for backward as training's bf16-mixed saves them).
 Precision: fp32 on CPU, bf16 autocast on CUDA (as training's bf16-mixed: flash SDPA, the Triton kernels' bf16
-tiles). The column "saved" counts exactly the bytes one forward pass keeps for backward (`saved_bytes`): no allocator,
-no noise, the same on any machine at one precision.
+tiles). The column "saved" counts exactly the bytes one forward pass keeps for backward (`saved_bytes`, parameters
+and their autocast copies left out): no allocator, no noise, the same on any machine at one precision.
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ import statistics
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, positive_int, run_in_worker, script_parser,
-                       torch_device)
+                       torch_device, use_device)
 
 VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
     "dense": ("dense", {}),
@@ -77,10 +80,23 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
 
 
+def is_cast_of(t: torch.Tensor, params: tuple[torch.Tensor, ...]) -> bool:
+    """Whether t's storage holds a lower-precision copy of one of `params` (autocast casts each weight once per
+    forward pass and saves the copy for backward), in any layout: the same values, in some order."""
+    storage = t.untyped_storage()
+    for p in params:
+        if t.dtype != p.dtype and t.is_floating_point() and storage.nbytes() == p.numel() * t.element_size():
+            flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage)
+            if torch.equal(flat.sort().values, p.detach().to(t.dtype).flatten().sort().values):
+                return True
+    return False
+
+
 def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
                    exclude: tuple[torch.Tensor, ...] = ()) -> list[int]:
     """Sizes in bytes of the distinct storages that one forward pass of `group` leaves saved for backward
-    (torch.autograd.graph.saved_tensors_hooks), except those of `exclude`. Counted once the pass is over, among the
+    (torch.autograd.graph.saved_tensors_hooks), except those of `exclude` and their lower-precision copies
+    (`is_cast_of`: under autocast, the bf16 weights). Counted once the pass is over, among the
     saved tensors still alive: a tensor saved by a branch the pass dropped is freed, and its memory may be reused by
     a later one, so counting at save time would be neither exact nor repeatable. (Under the hooks, a dropped node
     that saved its own output, e.g. exp's, keeps it through a reference cycle the collector cannot see: still
@@ -97,16 +113,20 @@ def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Ten
     sizes = {}
     for ref in saved:
         t = ref()
-        if t is not None and t.untyped_storage().data_ptr() not in skip:
-            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t is None or (ptr := t.untyped_storage().data_ptr()) in skip or ptr in sizes:
+            continue
+        if is_cast_of(t, exclude):
+            skip.add(ptr)
+        else:
+            sizes[ptr] = t.untyped_storage().nbytes()
     del y  # frees the graph and what it saved
     return list(sizes.values())
 
 
 def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> int:
     """Bytes of the tensors one forward pass saves for backward, distinct storages, not counting the parameters
-    and the input: what the implementation keeps alive between forward and backward, exactly and independently of
-    the allocator."""
+    (in any precision) and the input: what the implementation keeps alive between forward and backward, exactly and
+    independently of the allocator."""
     return sum(saved_storages(group, x, positions, (x, *group.parameters())))
 
 
@@ -115,7 +135,7 @@ def worker(spec: dict) -> dict:
     from heads import GroupContext, head_class, make_options
 
     torch.manual_seed(0)
-    device = torch.device(spec["device"])
+    device = use_device(spec["device"])
     T, h = spec["T"], spec["d_model"]
     ctx = GroupContext(h, spec["head_dim"], T)
     group = head_class(spec["type"])(ctx, spec["count"], make_options(spec["type"], spec["options"], ctx)).to(device)
@@ -202,21 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
+    command = command_line(["-m", "bench.heads"], argv)
+
+    def write(rows: list[dict]) -> None:  # after each T: a run stopped at a time limit keeps the lengths it finished
+        if args.out:
+            Path(args.out).write_text(format_table(rows, args, command))
+
     try:
-        rows = measure_all(args)
+        rows = measure_all(args, write)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    table = format_table(rows, args, command_line(["-m", "bench.heads"], argv))
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table)
+    print(format_table(rows, args, command))
     return 0
 
 
-def measure_all(args: argparse.Namespace) -> list[dict]:
-    """One row per (T, variant): the medians over the rounds. ValueError before any work if a variant gets no head;
-    RuntimeError if a worker fails."""
+def measure_all(args: argparse.Namespace, done: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """One row per (T, variant): the medians over the rounds, passed to `done` after each T. ValueError before any
+    work if a variant gets no head; RuntimeError if a worker fails."""
     matched = {(T, v): matched_count(v, T, args) for T in args.T for v in args.variants}
     rows = []
     for T in args.T:
@@ -238,6 +261,7 @@ def measure_all(args: argparse.Namespace) -> list[dict]:
             keys = ("seconds", "peak_bytes", "grad_bytes", "saved_bytes")
             median = {key: statistics.median(r[key] for r in results) for key in keys}
             rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
+        done(rows)
     return rows
 
 

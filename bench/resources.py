@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, positive_int, run_in_worker,
-                       script_parser, torch_device)
+                       script_parser, torch_device, use_device)
 from flops.model import model_cost
 from flops.presets import baseline
 from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
@@ -70,6 +70,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
     from lm.model import build_model, checkpoint_blocks
 
     torch.set_num_threads(threads)
+    use_device(device)
     rss_after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + heads + lm + dynamo loaded
     torch.manual_seed(0)
     model = build_model(cfg).to(device)

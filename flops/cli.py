@@ -97,6 +97,17 @@ def torch_device(text: str) -> str:
     return text
 
 
+def use_device(text: str) -> Any:
+    """torch.device(text), made the current CUDA device when it is one: torch.cuda.synchronize and the memory
+    counters act on the current device, which is cuda:0 unless set."""
+    import torch
+
+    device = torch.device(text)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
 # A CPU worker whose RSS follows its live tensors, like CUDA's allocated-memory counter: glibc maps (and unmaps on
 # free) every block of 128 KiB or more, instead of keeping freed blocks under a threshold that moves with the history
 # of allocations (with it, one config's peak RSS varied by ~200 MB, 8 %, between runs).

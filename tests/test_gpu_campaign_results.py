@@ -99,3 +99,9 @@ def test_a_damaged_archive_is_one_line(tmp_path: Path, capsys) -> None:
     assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'campaign.tgz'}: not a campaign.tgz (") and err.count("\n") == 1
+
+
+def test_junit_cases_get_pytest_ids() -> None:
+    """A test in a class keeps its class after the file (it was read as a directory: tests/test_a/TestK.py)."""
+    assert results.pytest_id("tests.test_a", "test_ok[3]") == "tests/test_a.py::test_ok[3]"
+    assert results.pytest_id("tests.test_a.TestK", "test_y") == "tests/test_a.py::TestK::test_y"
