@@ -189,7 +189,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     point = {"name": "mosa_s4", "head": "mosa", "causal": True, "out_dir": out_dir, "config": str(tmp / "none.yaml")}
     return {
         "tmp": str(tmp), "texts": str(texts), "readme": str(ROOT / "README.md"), "prepared": str(tmp / "prepared"), "list_yaml": str(tmp / "list.yaml"), "empty_yaml": str(tmp / "empty.yaml"),
-        "run": json.dumps([*run_overrides(data, tmp / "run", max_steps=4, val_every=4), "optim.warmup_steps=1"]), "bad_tokens": str(bad),
+        "run": json.dumps([*run_overrides(data, tmp / "run", max_steps=4, val_every=4, log_every=4), "optim.warmup_steps=1"]), "bad_tokens": str(bad),
         "empty_ckpt": str(tmp / "empty.ckpt"), "garbled_ckpt": str(tmp / "garbled.ckpt"),
         "dense_ckpt": str(_checkpoint(tmp / "dense.ckpt", tmp, [{"type": "dense", "count": 2}])),
         "routing_ckpt": str(_checkpoint(tmp / "routing.ckpt", tmp, [{"type": "routing", "count": 2,
