@@ -93,10 +93,10 @@ def is_cast_of(t: torch.Tensor, params: tuple[torch.Tensor, ...]) -> bool:
 
 
 def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor,
-                   exclude: tuple[torch.Tensor, ...] = ()) -> list[int]:
+                   exclude: tuple[torch.Tensor, ...] = (), casts_of: tuple[torch.Tensor, ...] = ()) -> list[int]:
     """Sizes in bytes of the distinct storages that one forward pass of `group` leaves saved for backward
-    (torch.autograd.graph.saved_tensors_hooks), except those of `exclude` and their lower-precision copies
-    (`is_cast_of`: under autocast, the bf16 weights). Counted once the pass is over, among the
+    (torch.autograd.graph.saved_tensors_hooks), except those of `exclude` and the lower-precision copies of
+    `casts_of` (`is_cast_of`: under autocast, the bf16 weights). Counted once the pass is over, among the
     saved tensors still alive: a tensor saved by a branch the pass dropped is freed, and its memory may be reused by
     a later one, so counting at save time would be neither exact nor repeatable. (Under the hooks, a dropped node
     that saved its own output, e.g. exp's, keeps it through a reference cycle the collector cannot see: still
@@ -115,7 +115,7 @@ def saved_storages(group: torch.nn.Module, x: torch.Tensor, positions: torch.Ten
         t = ref()
         if t is None or (ptr := t.untyped_storage().data_ptr()) in skip or ptr in sizes:
             continue
-        if is_cast_of(t, exclude):
+        if is_cast_of(t, casts_of):
             skip.add(ptr)
         else:
             sizes[ptr] = t.untyped_storage().nbytes()
@@ -127,7 +127,8 @@ def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
     """Bytes of the tensors one forward pass saves for backward, distinct storages, not counting the parameters
     (in any precision) and the input: what the implementation keeps alive between forward and backward, exactly and
     independently of the allocator."""
-    return sum(saved_storages(group, x, positions, (x, *group.parameters())))
+    params = tuple(group.parameters())
+    return sum(saved_storages(group, x, positions, (x, *params), casts_of=params))
 
 
 def worker(spec: dict) -> dict:
@@ -284,7 +285,7 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"Command: `{command}`",
         "",
         "Saved = bytes of the tensors a forward pass saves for backward (saved_tensors_hooks; distinct storages, "
-        "parameters and input excluded): exact, allocator-independent.",
+        "parameters, their autocast copies and the input excluded): exact, allocator-independent.",
         "",
         "| T | variant | heads | fwd GFLOP | fwd+bwd ms | time / dense | peak MiB | memory / dense "
         "| peak − param grads MiB | that / dense | saved MiB | saved / dense |",

@@ -144,11 +144,13 @@ def check_sampling(temperature: float, top_k: int, top_p: float, flags: bool = F
 
 
 def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> None:
-    """One-line ValueError unless prompt is a [B, T0] tensor of token ids in [0, vocab_size) with T0 >= 1, and
+    """One-line ValueError unless prompt is a [B, T0] tensor of token ids in [0, vocab_size) with B, T0 >= 1, and
     max_new_tokens >= 0 (an id out of range would fail deep in the embedding, or as a device-side assert)."""
     if prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
         raise ValueError(f"generate: the prompt must be a [batch, tokens] tensor of integer token ids, "
                          f"got shape {list(prompt.shape)} of {prompt.dtype}")
+    if prompt.shape[0] == 0:
+        raise ValueError("generate: the prompt holds no sequences (batch size 0)")
     if prompt.shape[1] == 0 or max_new_tokens < 0:
         raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
                          f"got {prompt.shape[1]} tokens and {max_new_tokens}")

@@ -23,18 +23,9 @@ def _plain(value: Any) -> Any:
 
 
 OTHER_SETTINGS = (("trainer", "max_steps"), ("data", "batch_size"))  # besides every optim.* field
-# held in the optimizer's param groups, which a DeepSpeed checkpoint keeps in its own shards (Lightning's file has
-# no optimizer_states for apply_changes to rewrite), and in the schedule's base rates
+# held in the optimizer's param groups, which a DeepSpeed checkpoint keeps in its own shards: Lightning's part of it
+# has no optimizer_states for apply_changes to rewrite
 OPTIMIZER_GROUP_SETTINGS = ("optim.lr", "optim.betas", "optim.weight_decay")
-
-
-def check_deepspeed_changes(changes: list[str]) -> None:
-    """One-line ConfigError if a resume under DeepSpeed changes a setting it would restore from its shards and
-    silently keep (`changes`: lm/run_dir.config_changes' 'section.key: old -> new' lines)."""
-    kept = [c for c in changes if c.split(":")[0] in OPTIMIZER_GROUP_SETTINGS]
-    if kept:
-        raise ConfigError(f"--resume under trainer.strategy=deepspeed_stage_2 cannot change {'; '.join(kept)}: DeepSpeed "
-                          "restores the optimizer's settings from its checkpoint; resume with the saved values")
 
 
 def reported_here(key: str) -> bool:
@@ -66,8 +57,14 @@ def learning_rate(step: int, optim: dict[str, Any], max_steps: int) -> float:
 
 def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
     """Rewrite the checkpoint's optimizer/scheduler state for the current optim settings; one message per
-    changed setting, saying what happens to it."""
+    changed setting, saying what happens to it. One-line ConfigError for a changed lr, betas or weight decay in a
+    checkpoint without optimizer_states (DeepSpeed's, checked only once a checkpoint is loaded: a --resume that
+    finds none starts again with the new settings)."""
     changes = changed_settings(checkpoint["config"], cfg)
+    kept = [f"{key}: {old} -> {new}" for key, (old, new) in changes.items() if key in OPTIMIZER_GROUP_SETTINGS]
+    if kept and "optimizer_states" not in checkpoint:  # DeepSpeed's: it would restore the old groups, silently
+        raise ConfigError(f"--resume under trainer.strategy=deepspeed_stage_2 cannot change {'; '.join(kept)}: DeepSpeed "
+                          "restores the optimizer's settings from its checkpoint; resume with the saved values")
     o, step = cfg.optim, checkpoint.get("global_step", 0)
     optim = OmegaConf.to_container(OmegaConf.structured(o))
     for opt_state, sched in zip(checkpoint.get("optimizer_states", []), checkpoint.get("lr_schedulers", [])):

@@ -68,7 +68,8 @@ class LossDividedOnce(DeepSpeedPrecision):
     out A times too small, and clipping at optim.grad_clip clipped a norm A times too small."""
 
     def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
-        super().backward(tensor, model, optimizer, *args, scale_wrt_gas=False, **kwargs)
+        kwargs.setdefault("scale_wrt_gas", False)
+        super().backward(tensor, model, optimizer, *args, **kwargs)
 
 
 def build_strategy(cfg: Config) -> Any:

@@ -253,6 +253,8 @@ def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() ->
                                 (prompt - 100, r"prompt token id -\d+ is outside")):
         with pytest.raises(ValueError, match=f"^generate: {message}"):
             generate(model, bad_prompt, 3)
+    with pytest.raises(ValueError, match=r"^generate: the prompt holds no sequences \(batch size 0\)$"):
+        generate(model, prompt[:0], 3)  # (its range check crashed on the empty tensor)
     for setting, message in (({"top_p": 0.0}, "top_p must be in"), ({"top_p": -1.0}, "top_p must be in"),
                              ({"temperature": -1.0}, "temperature must be finite"),
                              ({"temperature": float("nan")}, "temperature must be finite"),

@@ -302,6 +302,27 @@ def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
                          "follow the new settings)")
 
 
+def test_a_deepspeed_checkpoint_refuses_new_optimizer_group_settings() -> None:
+    """Lightning's part of a DeepSpeed checkpoint has no optimizer_states: DeepSpeed restores AdamW's param groups from
+    its shards, so a changed lr, betas or weight decay would be reported as applied and silently kept. One line; a
+    changed schedule shape still resumes."""
+    from omegaconf import OmegaConf
+
+    from heads import ConfigError
+    from lm.config import load_config
+    from lm.resume_settings import apply_changes
+
+    saved = load_config(None, "optim.lr=3e-3", "trainer.strategy=deepspeed_stage_2")
+    checkpoint = {"config": OmegaConf.to_container(OmegaConf.structured(saved)), "global_step": 4,
+                  "lr_schedulers": [{"base_lrs": [3e-3, 3e-3]}]}
+    new = load_config(None, "optim.lr=1e-3", "optim.betas=[0.9,0.95]", "trainer.strategy=deepspeed_stage_2")
+    with pytest.raises(ConfigError, match=r"^--resume under trainer.strategy=deepspeed_stage_2 cannot change optim.lr: "
+                                          r"0.003 -> 0.001; optim.betas: \[0.9, 0.999\] -> \[0.9, 0.95\]: DeepSpeed"):
+        apply_changes(checkpoint, new)
+    schedule = load_config(None, "optim.lr=3e-3", "optim.warmup_steps=9", "trainer.strategy=deepspeed_stage_2")
+    assert apply_changes(checkpoint, schedule)[0].startswith("--resume: optim.warmup_steps changed")
+
+
 def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> None:
     """max_steps 4 with ckpt_every 2 and val_every 3: step 4's checkpoint is due before the end-of-run validation;
     it is written again after it, so a run resumed from it (e.g. to train longer) keeps that validation."""
