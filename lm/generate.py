@@ -154,7 +154,7 @@ def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> 
     if prompt.shape[1] == 0 or max_new_tokens < 0:
         raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
                          f"got {prompt.shape[1]} tokens and {max_new_tokens}")
-    lo, hi = int(prompt.min()), int(prompt.max())
+    lo, hi = (int(v) for v in torch.aminmax(prompt))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"generate: prompt token id {lo if lo < 0 else hi} is outside the model's vocabulary "
                          f"[0, {vocab_size})")
@@ -181,19 +181,19 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     check_prompt(prompt, model.cfg.vocab_size, max_new_tokens)
     B, T0 = prompt.shape
     check_sampling(temperature, top_k, top_p)
+    fed = fed_tokens(T0, max_new_tokens)
     if cache is not None:
-        need = new_cache(model, B, fed_tokens(T0, max_new_tokens), device="meta")
+        need = new_cache(model, B, fed, device="meta")
         if not all(c.fresh and c.batch == B and c.capacity() >= n.capacity()
                    for layer, needed in zip(cache, need, strict=True) for c, n in zip(layer, needed, strict=True)):
-            raise ValueError(f"generate: `cache` must be new, for the prompt's {B} sequences and for "
-                             f"{fed_tokens(T0, max_new_tokens)} tokens "
+            raise ValueError(f"generate: `cache` must be new, for the prompt's {B} sequences and for {fed} tokens "
                              f"(new_cache(model, {B}, fed_tokens({T0}, {max_new_tokens})))")
-    if fed_tokens(T0, max_new_tokens) > model.cfg.seq_len:  # the last new token is sampled, never fed
+    if fed > model.cfg.seq_len:  # the last new token is sampled, never fed
         warn(beyond_training(model, T0 + max_new_tokens))
     was_training = model.training
     model.eval()
     try:
-        cache = new_cache(model, B, fed_tokens(T0, max_new_tokens)) if cache is None else cache
+        cache = new_cache(model, B, fed) if cache is None else cache
         step = model if step is None else step
         logits = model(prompt, _positions(0, T0, B, prompt.device), cache)[:, -1]
         tokens = [prompt]
