@@ -212,9 +212,8 @@ class CompressedDataModule(LMDataModule):
 class CompressedModule(LMModule):
     """LMModule training a CompressedLM on the suffix loss (logging, schedule, checkpoints reused)."""
 
-    def __init__(self, cfg: Config) -> None:
-        super().__init__(cfg)
-        self.model = CompressedLM(cfg.model, cfg.compression)  # replaces the plain DecoderLM
+    def build(self, cfg: Config) -> CompressedLM:
+        return CompressedLM(cfg.model, cfg.compression)
 
     def losses(self, tokens: torch.Tensor, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         ce = self.model.suffix_loss(tokens, decode(meta))

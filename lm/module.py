@@ -66,7 +66,7 @@ class LMModule(L.LightningModule):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = build_model(cfg.model)
+        self.model = self.build(cfg)
         self.val_history: list[dict[str, float]] = []  # one entry per validation, kept across resumes
         self._resume_rng: dict[str, Any] | None = None
         self._last_time: float | None = None  # end of the previous timed training step
@@ -78,6 +78,10 @@ class LMModule(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
         self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
+
+    def build(self, cfg: Config) -> torch.nn.Module:
+        """The model this module trains (a subclass trains another, e.g. lm/compressed_training.py)."""
+        return build_model(cfg.model)
 
     def setup(self, stage: str) -> None:
         if self.cfg.trainer.activation_checkpointing:

@@ -16,7 +16,7 @@ from heads.base import HeadGroup, HeadOptions
 from lm.causality import future_leak
 from lm.compressed_generate import CompressedGenerator
 from lm.compressed_training import (
-    DocumentWindows, LayoutSampler, decode, document_windows, encode, evaluate, fixed_windows, load_compressed,
+    CompressedModule, DocumentWindows, LayoutSampler, decode, document_windows, encode, evaluate, fixed_windows, load_compressed,
     train_compressed,
 )
 from lm.compression import CompressedLM, Layout, tokens_for
@@ -505,3 +505,17 @@ def test_compression_training_final_checkpoint_carries_the_final_validation(tmp_
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert [h["step"] for h in saved["val_history"]] == [h["step"] for h in metrics["history"]] == [3, 4]
     assert saved["val_history"] == metrics["history"]
+
+
+def test_compressed_module_builds_only_the_compressed_model():
+    """CompressedModule's weights are those of a CompressedLM built from the same seed: no plain DecoderLM is
+    built first and thrown away (which drew from the RNG and held a second copy of the weights meanwhile)."""
+    cfg = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=16, vocab_size=V)
+    cfg.compression = make().comp
+    torch.manual_seed(3)
+    module = CompressedModule(cfg)
+    torch.manual_seed(3)
+    alone = CompressedLM(cfg.model, cfg.compression)
+    assert module.model.state_dict().keys() == alone.state_dict().keys()
+    for name, w in alone.state_dict().items():
+        assert torch.equal(module.model.state_dict()[name], w), name
