@@ -265,7 +265,9 @@ def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Te
 def gathered_prefill(cache: SlotKV, x: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor, keep: torch.Tensor,
                      qkv_weight: torch.Tensor, rope: torch.nn.Module) -> None:
     """Cache the keys/values of heads that each process their own tokens (heads/gathered.py layout:
-    W^QKV [3*H*h', h]): idx[B, H, c] token indices per head, keep[B, H, c] the slots to store."""
+    W^QKV [3*H*h', h]): idx[B, H, c] token indices per head, keep[B, H, c] the slots to store. The prefill's
+    attention (heads/gathered.gathered_heads_fast) projects these tokens again: its fused kernels return no K/V,
+    and the second projection costs 2/3 of the gathered tokens' W^QKV matmul, once per prompt."""
     B, T, h = x.shape
     H, c = idx.shape[1:]
     w = qkv_weight.view(3, H, -1, h)

@@ -168,13 +168,21 @@ class RoutingHeads(HeadGroup):
         return self._finish(a_sum, counts, u, nearest)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._fast(x, positions)
+
+    def _fast(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV | None = None) -> torch.Tensor:
+        """The batched path; with `cache` (prefill) it also stores every cluster's members, their rotated keys
+        being the rotated shared queries it attends with."""
         q, v, u, nearest, sel = self._route(x)
         B, H, C, c = sel.idx.shape
         T, d = x.shape[1], self.ctx.head_dim
         flat = sel.idx.reshape(B, H, C * c)  # every slot of every cluster
-        qs, vs = gather_rows(q, flat), gather_rows(v, flat)  # [B, H, C*c, d]; nothing kept for backward
-        qs = self.rope(qs, positions[:, None, :].expand(B, H, T).gather(2, flat)).view(B, H * C, c, d)
-        a = attend(qs, qs, vs.view(B, H * C, c, d), causal=True, scale=self.scale)  # slots ascending, padding last
+        pos = positions[:, None, :].expand(B, H, T).gather(2, flat)
+        qs, vs = self.rope(gather_rows(q, flat), pos), gather_rows(v, flat)  # [B, H, C*c, d]; nothing kept for backward
+        if cache is not None:
+            cache.write(sel.valid.reshape(B, H * C, c), qs.view(B, H * C, c, d), vs.view(B, H * C, c, d), pos.view(B, H * C, c))
+        a = attend(qs.view(B, H * C, c, d), qs.view(B, H * C, c, d), vs.view(B, H * C, c, d), causal=True,
+                   scale=self.scale)  # slots ascending, padding last
         a = a.view(B, H, C * c, d) * sel.valid.reshape(B, H, C * c, 1)
         a_sum = a.new_zeros(B, H, T, d).scatter_add(2, flat[..., None].expand(-1, -1, -1, d), a)
         counts = a.new_zeros(B, H, T).scatter_add(2, flat, sel.valid.reshape(B, H, C * c).to(a.dtype))
@@ -193,14 +201,7 @@ class RoutingHeads(HeadGroup):
         """Prefill (empty cache): the fast path, caching every cluster's members; later: one token, which joins
         its nearest cluster if that holds fewer than `capacity` members, and attends to the members so far."""
         if cache.fresh:
-            q, v, _, _, sel = self._route(x)
-            B, H, C, c = sel.idx.shape
-            flat = sel.idx.reshape(B, H, C * c)
-            pos = positions[:, None, :].expand(B, H, x.shape[1]).gather(2, flat)
-            k = self.rope(gather_rows(q, flat), pos)
-            cache.write(sel.valid.reshape(B, H * C, c), k.view(B, H * C, c, -1), gather_rows(v, flat).view(B, H * C, c, -1),
-                        pos.view(B, H * C, c))
-            return self.forward_fast(x, positions)
+            return self._fast(x, positions, cache)
         one_token("routing", x)
         q, v, _, sim = self._project(x)  # [B, H, 1, d], sim [B, H, C, 1]
         B, H, _, d = q.shape

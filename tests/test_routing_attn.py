@@ -211,3 +211,18 @@ def test_balanced_topk_assignment_is_flagged() -> None:
     print(f"Routing attention, balanced top-k clusters: future leak = {leak:.3e}")
     assert leak > 1e-2
     assert not lm.build_model(tiny_config([{"type": "routing", "count": 2, "options": {"assignment": "topk"}}]).model).causal
+
+
+def test_prefill_routes_and_projects_once() -> None:
+    """Prefill stores the clusters' members from the same routing pass it attends with (one projection, one
+    k-means assignment), and its output is the full pass's."""
+    T = 37
+    group: RoutingHeads = make_group("routing", dict(sparsity=4), T)
+    x, positions = torch.randn(2, T, 32), torch.arange(T).expand(2, T)
+    calls = []
+    group.qv.register_forward_hook(lambda *_: calls.append(1))
+    cache = group.new_cache(2, T + 3)
+    y = group(x, positions, cache)
+    assert len(calls) == 1
+    torch.testing.assert_close(y, group.forward_fast(x, positions), rtol=0, atol=0)
+    assert cache.entries() == int(group._route(x)[4].valid.sum())  # every admitted member of both sequences
