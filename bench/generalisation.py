@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flops.cli import positive_int, script_parser
+from flops.cli import hardware, positive_int, script_parser
 from heads import ConfigError
 from lm.checkpoint import load_model
 from lm.config import HeadGroupConfig, ModelConfig
@@ -151,7 +151,7 @@ def _markdown(rows: list[tuple[str, dict[str, Any], float, float]], m: ModelConf
         "",
         f"Command: `{cmd}`",
         "",
-        f"Machine: {platform.machine()} CPU, {torch.get_num_threads()} thread(s); Python {platform.python_version()}, "
+        f"Machine: {hardware()}, {torch.get_num_threads()} thread(s); Python {platform.python_version()}, "
         f"torch {torch.__version__}; fp32.",
         "",
     ])
