@@ -41,18 +41,20 @@ def _fail(action: str, err: Exception, hint: str | None) -> DataError:
     return DataError(f"{action} failed ({type(err).__name__}: {first_line})" + (f"; {hint}" if hint else ""))
 
 
-def stream_rows(path: str, name: str | None, split: str, data_files: str | list[str] | None = None) -> Iterator[dict]:
-    """Rows of `datasets.load_dataset(path, name, split=split, data_files=..., streaming=True)`, one pass.
-    Any failure, at load time or mid-stream, becomes one DataError line."""
+def stream_rows(path: str, name: str | None, split: str, data_files: str | list[str] | None = None,
+                revision: str | None = None) -> Iterator[dict]:
+    """Rows of `datasets.load_dataset(path, name, split=split, data_files=..., revision=..., streaming=True)`, one
+    pass; `revision` (a commit sha, branch or tag of the dataset repository) pins what is streamed, None = its
+    newest. Any failure, at load time or mid-stream, becomes one DataError line."""
     try:
         import datasets
     except ImportError:
         raise DataError("hub sources need the `datasets` package: pip install datasets") from None
-    what = f"streaming {path}{'/' + name if name else ''} split {split!r}"
+    what = f"streaming {path}{'/' + name if name else ''}{'@' + revision if revision else ''} split {split!r}"
     try:
-        stream = datasets.load_dataset(path, name, split=split, data_files=data_files, streaming=True)
+        stream = datasets.load_dataset(path, name, split=split, data_files=data_files, revision=revision, streaming=True)
     except Exception as err:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
-        raise _fail(what, err, "check the dataset id (--src), --hub-split and --data-files") from None
+        raise _fail(what, err, "check the dataset id (--src), --hub-split, --hub-revision and --data-files") from None
     try:
         yield from stream
     except Exception as err:

@@ -263,7 +263,7 @@ def prepare(
     val_fraction: float = 0.01, shard_tokens: int = 50_000_000, sample_chars: int = 20_000_000,
     hub_split: str | None = None, data_files: str | list[str] | None = None, overwrite: bool = False,
     threads: int | None = None, progress: bool = True, exclude_overlap: list[str] | None = None,
-    hub_config: str | None = None,
+    hub_config: str | None = None, hub_revision: str | None = None,
 ) -> dict:
     """Prepare `source` into `out` (see the module doc) and return the index; DataError on bad input.
     `exclude_overlap`: files or directories of texts whose 13-word sequences are cut out of every document
@@ -277,11 +277,13 @@ def prepare(
     if threads is None:
         threads = min(4, len(os.sched_getaffinity(0)))
     clock, times = time.perf_counter(), {}
-    corpus = open_source(source, src, hub_split, data_files, hub_config, exclude=Path(out))  # --out may be in --src
+    corpus = open_source(source, src, hub_split, data_files, hub_config, exclude=Path(out),  # --out may be in --src
+                         hub_revision=hub_revision)
     settings = _settings(corpus, src, hub_split, data_files, vocab_size, max_docs, val_fraction, shard_tokens,
                          sample_chars)
-    if hub_config is not None:  # recorded only when given, so that earlier preparations keep their settings
-        settings["hub_config"] = hub_config
+    for key, value in (("hub_config", hub_config), ("hub_revision", hub_revision)):
+        if value is not None:  # recorded only when given, so that earlier preparations keep their settings
+            settings[key] = value
     corpus = corpus.first(max_docs)  # source documents: before the decontamination cuts them into pieces
     if exclude_overlap:  # recorded only when given, so that earlier preparations keep their settings
         sequences = decontaminate.excluded_sequences(exclude_overlap)
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub-split", help="hub split (default: train for c4-hub, en for gutenberg-hub)")
     parser.add_argument("--hub-config", help="hub dataset config (default: 'en' for allenai/c4; give it for a "
                                              "mirror or a local copy in that layout, e.g. --src DIR --hub-config en)")
+    parser.add_argument("--hub-revision", help="hub sources: the dataset repository's commit sha, branch or tag to "
+                                               "stream (default: its newest), recorded with the settings")
     parser.add_argument("--data-files", nargs="+", help="hub sources: data_files for datasets.load_dataset "
                                                         "(e.g. --src json --data-files URL_OR_GLOB ...)")
     parser.add_argument("--threads", type=int, help="tokenizer threads, >= 1 (default: min(4, CPUs)); "
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 hub_split=args.hub_split, data_files=args.data_files, overwrite=args.overwrite,
                 threads=args.threads, progress=not args.no_progress and sys.stderr.isatty(),
                 exclude_overlap=args.exclude_overlap,
-                hub_config=args.hub_config)
+                hub_config=args.hub_config, hub_revision=args.hub_revision)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -26,14 +26,19 @@ def text_documents(files: list[Path], names: list[str], skips: Skips) -> Iterato
 
 def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
                 data_files: str | list[str] | None = None, hub_config: str | None = None,
-                exclude: Path | None = None) -> Corpus:
+                exclude: Path | None = None, hub_revision: str | None = None) -> Corpus:
     """Check the input exists (DataError otherwise) and return its Corpus.
     Local sources read --src (a directory, searched recursively but outside `exclude`, or one file); hub sources stream
     the dataset id in --src (default per source, see hub.HUB_DATASETS) with its config `hub_config` (default:
-    the default dataset's, e.g. allenai/c4's "en"; none for another id, such as a generic "json"); builtin
-    ignores --src."""
+    the default dataset's, e.g. allenai/c4's "en"; none for another id, such as a generic "json") at `hub_revision`
+    (None: the newest); builtin ignores --src."""
     if kind not in SOURCES:
         raise DataError(f"--source {kind!r}: choose one of {', '.join(SOURCES)}")
+    if kind not in HUB_DATASETS:
+        given = [flag for flag, value in (("--hub-split", hub_split), ("--data-files", data_files),
+                                          ("--hub-config", hub_config), ("--hub-revision", hub_revision)) if value]
+        if given:
+            raise DataError(f"{', '.join(given)}: only for hub sources ({', '.join(HUB_DATASETS)}), not --source {kind}")
     if kind in LOCAL:
         if not src:
             raise DataError(f"--source {kind} needs --src DIR (a directory of input files)")
@@ -57,9 +62,10 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
     path = src or default_path
     name = hub_config if hub_config is not None else (default_name if path == default_path else None)
     split = hub_split or default_split
-    rows = partial(stream_rows, path, name, split, data_files)
+    rows = partial(stream_rows, path, name, split, data_files, hub_revision)
     to_documents = c4.row_documents if kind == "c4-hub" else gutenberg.row_documents
-    label = f"{path}{'/' + name if name else ''}:{split}" + (f" data_files={data_files}" if data_files else "")
+    label = (f"{path}{'/' + name if name else ''}{'@' + hub_revision if hub_revision else ''}:{split}"
+             + (f" data_files={data_files}" if data_files else ""))
     given = [Path(f).expanduser() for f in ([data_files] if isinstance(data_files, str) else data_files or [])]
     local = given if given and all(p.is_file() for p in given) else []  # patterns, URLs: nothing to hash here
     return Corpus(kind, [label], lambda skips: to_documents(rows(), skips), files=local,

@@ -200,6 +200,27 @@ def test_gutenberg_hub_route_on_local_json(tmp_path: Path) -> None:
     assert index["skipped"]["empty_documents"] == 1
 
 
+def test_hub_revision_pins_the_stream_and_is_recorded(shared_data: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """--hub-revision reaches datasets.load_dataset(revision=...), names the source and joins the settings (another
+    revision is another preparation); hub-only options with a local source are refused in one line."""
+    import datasets
+
+    seen, load = [], datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: seen.append(kw["revision"]) or load(*a, **kw))
+    path = str(shared_data / "c4" / "c4-en.llamafactory-demo.textonly.json.gz")
+    kw = dict(data_files=path, vocab_size=800, max_docs=60, val_fraction=0.1, **QUIET)
+    index = prepare("c4-hub", "json", tmp_path / "out", hub_revision="v1", **kw)
+    assert set(seen) == {"v1"} and index["sources"] == [f"json@v1:train data_files={path}"]
+    with pytest.raises(DataError, match="other settings"):
+        prepare("c4-hub", "json", tmp_path / "out", hub_revision="v2", **kw)
+    assert prepare("c4-hub", "json", tmp_path / "out", **kw, overwrite=True)["sources"] == [f"json:train data_files={path}"]
+    assert seen[-1] is None
+    with pytest.raises(DataError, match=r"^--hub-split, --hub-revision: only for hub sources \(c4-hub, gutenberg-hub\), "
+                                        r"not --source c4$"):
+        prepare("c4", str(shared_data / "c4"), tmp_path / "local", hub_split="train", hub_revision="v1", **QUIET)
+
+
 def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
@@ -216,7 +237,7 @@ def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_hub_errors_blame_the_network_only_when_it_is_one(tmp_path: Path) -> None:
     """A missing data file or an unparsable row is not a network problem: no network/offline hint."""
     with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(FileNotFoundError: .*\); "
-                                        r"check the dataset id \(--src\), --hub-split and --data-files$"):
+                                        r"check the dataset id \(--src\), --hub-split, --hub-revision and --data-files$"):
         prepare("c4-hub", "json", tmp_path / "out", data_files=str(tmp_path / "missing.jsonl"), **QUIET)
     (tmp_path / "a.jsonl").write_text('{"text": "lone \\ud83d surrogate"}\n')
     with pytest.raises(DataError, match=r"^streaming json split 'train' failed \(ArrowInvalid: [^;]*$"):
