@@ -177,7 +177,9 @@ class HeadGroup(nn.Module):
         return self.count * self.options.kv_per_head(seq_len)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        """x[B, T, h], positions[B, T] (original token positions) -> y[B, T, h]."""
+        """x[B, T, h], positions[B, T] (original token positions) -> y[B, T, h], T >= 1."""
+        if x.shape[1] == 0:  # routers reduce over T, blocked paths divide it: refused for every type alike
+            raise ValueError(f"{self.type_name}: empty sequence (T = 0); give at least one token")
         if cache is not None:
             return self.forward_cached(x, positions, cache)
         if self.options.impl == "reference":

@@ -124,6 +124,16 @@ def test_random_configurations_keep_the_contract(head_type: str) -> None:
 
 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_an_empty_sequence_is_refused_in_one_line(head_type: str, impl: str) -> None:
+    """T = 0 is refused alike by every type and path (MoSAIC's, local's and agent's fast paths crashed deep inside
+    torch, the others returned an empty output)."""
+    group = make_group(head_type, {**REGISTRY[head_type].Options.example(), "impl": impl}, 16, count=2)
+    with pytest.raises(ValueError, match=rf"^{head_type}: empty sequence \(T = 0\); give at least one token$"):
+        group(torch.randn(1, 0, 32), torch.zeros(1, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_causal_in_training_mode(head_type: str) -> None:
     """The training-time paths (MoSAIC's training priorities, batch statistics) leak no future token either; a
     non-causal option is flagged as such (the faithful expert choice), and leaks in training mode as in eval."""
