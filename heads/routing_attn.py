@@ -194,12 +194,15 @@ class RoutingHeads(HeadGroup):
         min(capacity, max_len) slots, keys rotated (the shared Q = K)."""
         if not self.causal:
             raise ValueError("routing: assignment 'topk' is not causal and cannot be decoded incrementally")
-        return SlotKV.empty(batch, self.count * self.options.sparsity, min(self.capacity, max_len), self.ctx.head_dim,
-                            device, dtype)
+        cache = SlotKV.empty(batch, self.count * self.options.sparsity, min(self.capacity, max_len), self.ctx.head_dim,
+                             device, dtype)
+        cache.max_tokens = max_len if max_len < self.capacity else None  # else a full cluster is at its capacity
+        return cache
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
         """Prefill (empty cache): the fast path, caching every cluster's members; later: one token, which joins
         its nearest cluster if that holds fewer than `capacity` members, and attends to the members so far."""
+        cache.take(x.shape[1])
         if cache.fresh:
             return self._fast(x, positions, cache)
         one_token("routing", x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from heads.base import HeadGroup
 from heads.kv_cache import SlotKV
 from tests.head_checks import make_group
 
@@ -78,3 +79,33 @@ def test_stepwise_heads_refuse_a_multi_token_step(head: str) -> None:
     with pytest.raises(ValueError, match=f"^{head}: decoding takes one token per call after the prefill, got 2$"):
         group(x[:, 6:8], positions[:, 6:8], cache=cache)
     assert group(x[:, 6:7], positions[:, 6:7], cache=cache).shape == (2, 1, 32)
+
+
+def _decodable() -> list[str]:
+    from heads import REGISTRY
+
+    return sorted(name for name, cls in REGISTRY.items() if cls.forward_cached is not HeadGroup.forward_cached)
+
+
+@pytest.mark.parametrize("head", _decodable())
+def test_a_cache_sized_for_fewer_tokens_refuses_or_stays_exact(head: str) -> None:
+    """A cache built for 6 tokens and fed 20 (a prefill of 2, then one at a time) either goes on exactly as the full
+    pass (a ring as long as the window) or stops with 'KV cache full'; every output before that is the full pass's.
+    (A local head's ring shorter than its window overwrote keys inside the window, a Routing cluster shorter than its
+    capacity turned members away, both without a word.)"""
+    from heads import REGISTRY
+
+    options = {**REGISTRY[head].Options.example(), **{"local": {"window": 8}, "routing": {"capacity_factor": 2.0}}.get(head, {})}
+    group = make_group(head, options, 20, dtype=torch.float64)
+    assert group.causal  # every decodable type's example options are causal ones
+    x, positions = torch.randn(1, 20, 32, dtype=torch.float64), torch.arange(20)[None]
+    full = group(x, positions)
+    cache = group.new_cache(1, 6, dtype=torch.float64)
+    outputs, t = [group(x[:, :2], positions[:, :2], cache)], 2
+    try:
+        for t in range(2, 20):
+            outputs.append(group(x[:, t : t + 1], positions[:, t : t + 1], cache))
+        t = 20
+    except RuntimeError as err:
+        assert str(err).startswith("KV cache full"), err
+    torch.testing.assert_close(torch.cat(outputs, 1), full[:, :t], rtol=1e-9, atol=1e-9)
