@@ -60,7 +60,8 @@ class RoutingOptions(HeadOptions):
     assignment: str = "nearest"  # "nearest" (causal) | "topk" (balanced, as published, non-causal)
     capacity_factor: float = 1.0  # nearest: slots per cluster = ceil(capacity_factor * k)
     decay: float = 0.999  # EMA decay of the centroids
-    commitment: float = 1e-4  # weight of the commitment loss
+    commitment: float = 1e-4  # weight of the commitment loss: RT's beta. RT's released code (utils.py,
+    # clustered_local_attention_helper) adds the shared Q = K's loss once as q's and once as k's: 2e-4 matches it
     layer_norm: bool = True  # RT Alg. 1: LayerNorm (no scale, bias) on the shared Q = K; false = raw projections
     centroids: str = "unit_mean"  # k-means update: "unit_mean" (ours) | "ema_counts" (RT's code; routing/kmeans.py)
 

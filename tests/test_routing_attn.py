@@ -30,12 +30,21 @@ def test_balanced_topk_clusters_have_k_tokens() -> None:
     assert (sel.idx.diff(dim=-1) > 0).all()
 
 
-def test_nearest_clusters_partition_up_to_capacity() -> None:
+@pytest.mark.parametrize("capacity_factor", [100.0, 0.5])
+def test_nearest_clusters_partition_up_to_capacity(capacity_factor: float) -> None:
+    """Each cluster holds the earliest `capacity` tokens whose nearest centroid it is (all of them when nothing
+    overflows), in ascending order: the clusters are disjoint, and a token past its cluster's capacity is in none."""
     T, rho = 96, 4
-    group: RoutingHeads = make_group("routing", dict(sparsity=rho, capacity_factor=100.0), T)
-    _, _, _, _, sel = group._route(torch.randn(2, T, 32))
-    members = sel.idx[sel.valid].numel()
-    assert members == 2 * 3 * T  # every token in exactly one cluster when nothing overflows
+    group: RoutingHeads = make_group("routing", dict(sparsity=rho, capacity_factor=capacity_factor), T)
+    _, _, _, nearest, sel = group._route(torch.randn(2, T, 32))
+    overflowed = 0
+    for b in range(2):
+        for i in range(3):
+            for c in range(rho):
+                routed = (nearest[b, i] == c).nonzero().flatten()
+                assert torch.equal(sel.idx[b, i, c][sel.valid[b, i, c]], routed[: group.capacity])
+                overflowed += max(0, len(routed) - group.capacity)
+    assert (overflowed > 0) == (capacity_factor < 1)  # 0.5: the overflow case is exercised
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
@@ -64,9 +73,12 @@ def test_commitment_loss_and_centroid_updates() -> None:
     x = torch.randn(2, T, 32)
     y = group(x, torch.arange(T).expand(2, T))
     loss = group.aux_losses["routing_commitment"]
-    assert loss > 0
+    _, _, u, sim = group._project(x)  # the commitment loss is `commitment` x mean ||u - mu_nearest||^2
+    mu = group.kmeans.means[torch.arange(3)[None, :, None], sim.argmax(2)]
+    torch.testing.assert_close(loss, group.options.commitment * (u - mu).pow(2).sum(-1).mean(), rtol=1e-5, atol=0)
+    (loss_grad,) = torch.autograd.grad(loss, group.qv.weight, retain_graph=True)
+    assert loss_grad[: 3 * 8].abs().sum() > 0 and not loss_grad[3 * 8 :].any()  # it trains W^Q only, not W^V
     (y.sum() + loss).backward()
-    assert group.qv.weight.grad.abs().sum() > 0
     assert torch.equal(before, group.kmeans.means)  # staged in the forward pass, not applied
     assert group.kmeans.pending[..., -1].sum() == 2 * T * 3  # every token of every head counted once
     commit_states(group)  # after the optimizer step
