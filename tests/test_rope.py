@@ -116,13 +116,15 @@ def test_head_groups_see_positions_only_relatively(impl: str) -> None:
     """RoPE makes q_i . k_j depend on pos_i - pos_j only: every head type's output is unchanged when all positions
     move by 960 (a multiple of every block, stride and window the tiny options use), and changes when the gaps do
     (positions doubled), so the check can fail. A path that rotated only its keys, or its queries at other
-    positions, breaks the first. MoSAIC is left out: its random priorities are drawn per absolute position."""
+    positions, breaks the first. MoSAIC is built for a training length of 4096: its recency rule pads free slots with
+    the last tokens of that frame (frame - position matters), none of which the 32 rows then reach."""
     from heads import REGISTRY
     from tests.head_checks import make_group, tiny_options
 
     T = 32
-    for name in sorted(set(REGISTRY) - {"mosaic"}):
-        group = make_group(name, tiny_options(name), T, dtype=torch.float64, rope_fraction=1.0)
+    for name in sorted(REGISTRY):
+        group = make_group(name, tiny_options(name), 4096 if name == "mosaic" else T, dtype=torch.float64,
+                           rope_fraction=1.0)
         group.options.impl = impl
         x, pos = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
         with torch.no_grad():
