@@ -14,9 +14,15 @@ TRITON_INTERPRET ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 0 || echo 1)
 export HF_DATASETS_OFFLINE ?= 1
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install quickstart test clean
+.PHONY: install quickstart test clean FORCE
 
-$(STAMP): pyproject.toml
+# The install settings, rewritten only when they change: a new TORCH, TRITON or TORCH_INDEX reinstalls.
+SETTINGS := $(VENV)/.install-settings
+$(SETTINGS): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH) $(TRITON) $(strip $(TORCH_INDEX))' | cmp -s - $@ || echo '$(TORCH) $(TRITON) $(strip $(TORCH_INDEX))' > $@
+
+$(STAMP): pyproject.toml $(SETTINGS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" $(if $(strip $(TORCH_INDEX)),--index-url $(strip $(TORCH_INDEX)))  # pinned, first

@@ -1,7 +1,7 @@
 """IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity).
 
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
-        --out sweeps/tiny [--base configs/base.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \\
+        --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \\
         [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
