@@ -26,8 +26,8 @@ class RotaryEmbedding(Float32Buffers):
         rot_dim = math.floor(decimal(fraction) * head_dim) // 2 * 2  # 0.58 x 100 is 58, not float's 57.99...
         if not 0 <= rot_dim <= head_dim:
             raise ValueError(f"rope fraction {fraction} gives rot_dim {rot_dim} outside [0, {head_dim}]")
-        if not base > 1.0:
-            raise ValueError(f"rope base must be > 1, got {base}")
+        if not 1.0 < base < math.inf:
+            raise ValueError(f"rope base must be finite and > 1, got {base}")
         self.head_dim, self.rot_dim = head_dim, rot_dim
         inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / max(rot_dim, 1))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [r/2]

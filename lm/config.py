@@ -156,8 +156,8 @@ def validate(cfg: Config) -> Config:
     _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len", "init_std")
     if not 0.0 <= m.rope_fraction <= 1.0:
         raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
-    if not m.rope_base > 1.0:  # theta_j = base^(-2j/r): base <= 1 gives constant, infinite or NaN frequencies
-        raise ConfigError(f"model.rope_base must be > 1, got {m.rope_base}")
+    if not 1.0 < m.rope_base < math.inf:  # theta_j = base^(-2j/r): base <= 1 gives constant, infinite or NaN
+        raise ConfigError(f"model.rope_base must be finite and > 1, got {m.rope_base}")  # frequencies, inf all 0 but one
     if m.vocab_size > 2**16:
         raise ConfigError(f"model.vocab_size must be <= 65536 (ids in uint16 token shards), got {m.vocab_size}")
     for layer in m.layer_heads:
@@ -257,6 +257,31 @@ def _one_line(err: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
+def _wrong_shape(schema: DictConfig, layer: DictConfig, prefix: str = "") -> str | None:
+    """The first key of a YAML layer whose value is a mapping where the schema has a list or a value, or a list or
+    a value where it has a mapping or a list of sections (e.g. `heads: {type: dense}`), as a one-line message; None
+    if none. (A list or a value where the schema has a value, e.g. a tuple, is OmegaConf's to check.)"""
+    def kind(node: Any) -> str:
+        return "a mapping" if isinstance(node, DictConfig) else "a list" if isinstance(node, ListConfig) else "a value"
+
+    for key in layer.keys():
+        if key not in schema or OmegaConf.is_missing(layer, key) or OmegaConf.is_missing(schema, key):
+            continue  # unknown keys get OmegaConf's message, which names them
+        want, got = schema._get_node(key), layer._get_node(key)
+        if want is None or got is None or (not isinstance(want, (DictConfig, ListConfig)) and kind(got) != "a mapping"):
+            continue
+        if want._is_none() or got._is_none():
+            continue
+        if kind(want) != kind(got):
+            value = "" if kind(got) != "a value" else f" ({OmegaConf.to_container(layer)[key]!r})"  # type: ignore[index]
+            return (f"{prefix}{key} must be {kind(want)}, got {kind(got)}{value}" if kind(want) != "a value"
+                    else f"{prefix}{key} must not be a mapping")
+        if isinstance(want, DictConfig) and want._metadata.object_type is not dict:  # a section, not a free mapping
+            if deeper := _wrong_shape(want, got, f"{prefix}{key}."):  # type: ignore[arg-type]
+                return deeper
+    return None
+
+
 def _whole_layer(update: str) -> str:
     """`model.layer_heads.N=[...]` as `model.layer_heads={N: [...]}`: OmegaConf's dotted path cannot add the
     int key N (it would be the string "N"); the merge keeps the other layers' mixes."""
@@ -325,6 +350,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
         if nothing:  # would train the defaults unasked
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
+        if wrong := _wrong_shape(schema, layer):  # OmegaConf's merge says neither the key nor the file
+            raise ConfigError(f"{p}: {wrong}")
         layers.append(layer)
     try:
         merged = OmegaConf.merge(schema, *layers)

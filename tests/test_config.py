@@ -40,11 +40,24 @@ def test_wrong_type(tmp_path: Path) -> None:
     assert "optim.lr" in error_of(None, "optim.lr=fast")
 
 
+def test_a_section_or_list_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
+    """A mapping where the schema has a list or a value, or the reverse, names the key and the file (OmegaConf's
+    merge raised a TypeError, or named neither); a list for a tuple field stays valid."""
+    cases = {"model:\n  heads: {type: dense, count: 2}\n": "model.heads must be a list, got a mapping",
+             "model:\n  layer_heads: [1]\n": "model.layer_heads must be a mapping, got a list",
+             "optim:\n  betas: {a: 1}\n": "optim.betas must not be a mapping",
+             "model: 3\n": "model must be a mapping, got a value (3)"}
+    for text, message in cases.items():
+        path = write(tmp_path, text)
+        assert error_of(path) == f"{path}: {message}"
+    assert load_config(write(tmp_path, "optim:\n  betas: [0.9, 0.95]\n")).optim.betas == (0.9, 0.95)
+
+
 def test_bad_value() -> None:
     assert "n_layers" in error_of(None, "model.n_layers=0")
     assert "rope_fraction" in error_of(None, "model.rope_fraction=1.5")
-    for base in ("0", "-10000", "1"):  # zero / negative: infinite or NaN frequencies; 1: all frequencies 1
-        assert "rope_base" in error_of(None, f"model.rope_base={base}")
+    for base in ("0", "-10000", "1", ".inf"):  # zero / negative: infinite or NaN frequencies; 1: all frequencies 1;
+        assert "rope_base" in error_of(None, f"model.rope_base={base}")  # inf: all 0 but the first (no positions)
     assert "trainer.strategy" in error_of(None, "trainer.strategy=fsdp")
     assert "trainer.precision" in error_of(None, "trainer.precision=fp8")
     assert "max_minutes" in error_of(None, "trainer.max_minutes=0")
