@@ -74,6 +74,12 @@ def _index_and_tokenizer(data: Path) -> tuple[dict[str, Any], Path]:
     return index, data / index.get("tokenizer", TOKENIZER)
 
 
+def tokenizer_sha256(data: Path) -> str | None:
+    """The SHA-256 of the data directory's tokenizer (as its index.json records it), None without one."""
+    index, model = _index_and_tokenizer(data)
+    return index.get("tokenizer_sha256") or _sha256(model)
+
+
 def read_provenance(data: Path) -> dict[str, Any]:
     """Data identity and tokenizer of the data directory `data` (resolved): {data_path, data_sha256,
     tokenizer_sha256, tokenizer_model}."""
@@ -81,7 +87,7 @@ def read_provenance(data: Path) -> dict[str, Any]:
     return {
         "data_path": str(data),
         "data_sha256": data_fingerprint(data, index) if index else None,
-        "tokenizer_sha256": index.get("tokenizer_sha256") or _sha256(model),
+        "tokenizer_sha256": tokenizer_sha256(data),
         "tokenizer_model": model.read_bytes() if model.is_file() else None,
     }
 

@@ -37,7 +37,7 @@ from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curves
 from lm.preemption import Preemption, received_sigterm
-from lm.run_dir import claim, missing_tokenizer
+from lm.run_dir import claim, missing_tokenizer, tokenizer_sha256
 from lm.step_logger import StepLogger
 
 
@@ -228,8 +228,9 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
     """`resume="last"` (--resume) -> the newest loadable checkpoint of this run (under DeepSpeed: the newest
     complete checkpoint directory), saying which damaged ones it passed over (None, i.e. a fresh start, if there is
     none yet); a path (--resume-from PATH) -> that path,
-    which must load. The checkpoint's model config and trainer.accumulate_grad_batches must equal this run's
-    (checked for single-file checkpoints; DeepSpeed writes directories, the only ones accepted)."""
+    which must load. The checkpoint's model config, compression section (present or not), tokenizer and
+    trainer.accumulate_grad_batches must equal this run's (checked for single-file checkpoints; DeepSpeed writes
+    directories, the only ones accepted). Other data with the same tokenizer is allowed (continued pretraining)."""
     if resume is None:
         return None
     flag = "--resume" if resume == "last" else "--resume-from"
@@ -262,6 +263,16 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
             ckpt = read_checkpoint(path)
         except CheckpointError as err:
             raise ConfigError(f"{flag}: {err}") from None
+    compressed, here = ckpt["config"].get("compression") is not None, cfg.compression is not None
+    if compressed != here:
+        raise ConfigError(f"{flag}: {path} is {'a compressed' if compressed else 'a plain'} model's checkpoint and this "
+                          f"run trains {'a compressed' if here else 'a plain'} one (python -m lm.compressed_training for "
+                          "a config with a compression section, train_lm.py for one without)")
+    saved_tokenizer = (ckpt.get("run") or {}).get("tokenizer_sha256")
+    current = tokenizer_sha256(Path(cfg.data.path).resolve())  # None: shards without their tokenizer, not checkable
+    if saved_tokenizer and current and saved_tokenizer != current:
+        raise ConfigError(f"{flag}: {path} was trained with another tokenizer (sha256 {saved_tokenizer[:12]}; data.path "
+                          f"{cfg.data.path} has {str(current)[:12]}): its token ids mean other text")
     saved = ckpt["config"]["model"]
     current = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))  # type: ignore[union-attr]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -377,6 +378,20 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
     # was an IsADirectoryError
     with pytest.raises(ConfigError, match=r"is a directory, not a \.ckpt file \(only DeepSpeed writes .*give a \.ckpt file"):
         resume_path(same, str(out / "checkpoints"))
+    step10 = str(out / "checkpoints" / "step0000010.ckpt")
+    other = tmp_path / "retokenized"  # the same shards under another tokenizer: ids that mean other text
+    shutil.copytree(data, other)
+    index = json.loads((other / "index.json").read_text())
+    (other / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "another"}))
+    elsewhere = load_config(None, *run_overrides(other, tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"^--resume-from: \S+step0000010\.ckpt was trained with another tokenizer "
+                                          r"\(sha256 synthetic; data\.path \S+ has another\): its token ids mean other text$"):
+        resume_path(elsewhere, step10)
+    (other / "index.json").write_text(json.dumps(index))  # other data, the same tokenizer: continued pretraining
+    assert resume_path(elsewhere, step10) == (step10, 10)
+    compressed = load_config(None, *run_overrides(data, tmp_path / "c"), "compression.prefix_len=8", "compression.layer=1")
+    with pytest.raises(ConfigError, match=r"is a plain model's checkpoint and this run trains a compressed one"):
+        resume_path(compressed, step10)  # was a state_dict traceback
 
 
 def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_path: Path, capsys) -> None:
