@@ -56,6 +56,8 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
             read = partial(text_documents, files, names)
         return Corpus(kind, names, read, size_hint=len(files) if kind != "c4" else None, files=files)
     if kind == "builtin":
+        if src:
+            raise DataError("--src does not apply to --source builtin (Python's own documentation, offline)")
         count = len(builtin.topics())
         return Corpus(kind, [builtin.NAME], builtin.documents, size_hint=count)
     default_path, default_name, default_split = HUB_DATASETS[kind]

@@ -144,6 +144,9 @@ def read_torch_file(path: str | Path, what: str, map_location: str | torch.devic
     one-line CheckpointError naming `what` and the file: missing, empty, truncated, garbled (zip CRC
     mismatch) or foreign."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{what} {path} is a directory, not a file (a run's checkpoints are "
+                              f"checkpoints/step<N>.ckpt and checkpoints/last.ckpt inside it)")
     if not path.is_file():
         raise CheckpointError(f"{what} {path} not found")
     if path.stat().st_size == 0:
@@ -253,7 +256,8 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
     cfg = from_dict(ckpt["config"])
     if cfg.compression is not None:
         raise CheckpointError(f"{path} is a compressed model's checkpoint (lm.compressed_training): load it with "
-                              "lm.compressed_training.load_compressed, sample with lm.compressed_generate")
+                              "lm.compressed_training.load_compressed, sample with lm.compressed_generate.CompressedGenerator "
+                              "(Python; there is no command line for it)")
     model = build_model(cfg.model)
     prefix = "model."
     model.load_state_dict({k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)})

@@ -45,7 +45,7 @@ from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
 from lm.perplexity import perplexity
 from lm.scoring import Scores, progress_bar, score
-from lm.training_overlap import TRAIN_DATA_HELP, Overlap, training_overlap
+from lm.training_overlap import TRAIN_DATA_HELP, Overlap, check_train_data, training_overlap
 
 FORMATS = ("auto", "text", "gutenberg", "c4", "prepared")
 C4_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "
                              f"as --format {fmt}")
         docs = read_documents(args.input, fmt, sp, args.split or "val", args.max_docs)
+        check_train_data(run, args.train_data)
     except ValueError as err:  # DataError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2

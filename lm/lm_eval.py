@@ -38,7 +38,7 @@ from data_prep import tokenizer as sp_codec
 from lm.cli import check_output
 from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
 from lm.scoring import progress_bar, score
-from lm.training_overlap import TRAIN_DATA_HELP, training_overlap
+from lm.training_overlap import TRAIN_DATA_HELP, check_train_data, training_overlap
 
 MODEL_NAME = "sparse-heads"
 
@@ -186,6 +186,7 @@ def run(ckpt: str, tasks: list[str], include_path: str | None = None, limit: flo
     bad input."""
     manager = task_manager(tasks, include_path)
     model = SparseHeadsLM(ckpt, tokenizer=tokenizer, batch_size=batch_size, leak_free=leak_free)
+    check_train_data(model.run, train_data)  # before the evaluation, not after it
     results = evaluate_tasks(model, tasks, manager, limit, num_fewshot)
     results["training_data"] = model.training_data(train_data)
     return results

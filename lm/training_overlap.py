@@ -59,6 +59,23 @@ class Overlap:
                 "share_of_ngrams_in_training_data": found / sampled if sampled else None}
 
 
+def unusable(run: dict[str, Any], data: Path) -> str | None:
+    """Why `data` cannot tell what a checkpoint with provenance `run` trained on, or None when it can."""
+    if not (data / "index.json").is_file():
+        return f"{data} is not a prepared directory here"
+    expected = run.get("data_sha256")
+    if expected is not None and read_provenance(data)["data_sha256"] != expected:
+        return f"{data} is not the data the checkpoint trained on (its fingerprint differs)"
+    return None
+
+
+def check_train_data(run: dict[str, Any], train_data: str | Path | None) -> None:
+    """A --train-data given by hand must be usable (one-line ValueError), checked before any evaluation runs; the
+    recorded directory, when gone, only gives a note (training_overlap)."""
+    if train_data is not None and (why := unusable(run, Path(train_data))) is not None:
+        raise ValueError(f"--train-data: {why}")
+
+
 def training_overlap(run: dict[str, Any], texts: Sequence[str], train_data: str | Path | None = None) -> Overlap:
     """Which of `texts` are in the training data of a checkpoint with provenance `run`: in `train_data`,
     default the directory the checkpoint recorded, which must still be that data."""
@@ -66,11 +83,8 @@ def training_overlap(run: dict[str, Any], texts: Sequence[str], train_data: str 
     data = Path(train_data) if train_data is not None else Path(recorded) if recorded else None
     if data is None:
         return Overlap(None, "the checkpoint records no training data directory (pass --train-data DIR)")
-    if not (data / "index.json").is_file():
-        return Overlap(None, f"{data} is not a prepared directory here (pass --train-data DIR)")
-    expected = run.get("data_sha256")
-    if expected is not None and read_provenance(data)["data_sha256"] != expected:
-        return Overlap(None, f"{data} is not the data the checkpoint trained on (its fingerprint differs)")
+    if (why := unusable(run, data)) is not None:
+        return Overlap(None, f"{why} (pass --train-data DIR)")
     known = doc_hashes.read(data)
     if known is None:
         return Overlap(None, f"{data} was prepared before data_prep recorded its training documents")

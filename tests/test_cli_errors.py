@@ -83,9 +83,12 @@ CASES = [
      r"--prompt is not valid UTF-8 \(byte 0xe9 at character 3\)$"),
     ("generate-compressed", [*GENERATE, "--ckpt", "{compressed_ckpt}"], 2,
      r"^error: \S*compressed\.ckpt is a compressed model's checkpoint \(lm\.compressed_training\): load it with "
-     r"lm\.compressed_training\.load_compressed, sample with lm\.compressed_generate$"),
+     r"lm\.compressed_training\.load_compressed, sample with lm\.compressed_generate\.CompressedGenerator \(Python; "
+     r"there is no command line for it\)$"),
     ("evaluate-compressed", [*EVALUATE, "--ckpt", "{compressed_ckpt}"], 2, r"compressed\.ckpt is a compressed model's checkpoint"),
     ("generate-empty-ckpt", [*GENERATE, "--ckpt", "{empty_ckpt}"], 2, r"empty\.ckpt is empty"),
+    ("generate-ckpt-directory", [*GENERATE, "--ckpt", "{tmp}"], 2,  # was "not found"
+     r"^error: checkpoint \S+ is a directory, not a file \(a run's checkpoints are checkpoints/step<N>\.ckpt"),
     ("generate-tokenizer-not-sentencepiece", [*GENERATE, "--ckpt", "{dense_ckpt}", "--tokenizer", "{readme}"], 2,
      r"^error: tokenizer \S*README\.md is not a SentencePiece model$"),
     # lm.evaluate / lm.export_hf

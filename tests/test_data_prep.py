@@ -219,6 +219,8 @@ def test_hub_revision_pins_the_stream_and_is_recorded(shared_data: Path, tmp_pat
     with pytest.raises(DataError, match=r"^--hub-split, --hub-revision: only for hub sources \(c4-hub, gutenberg-hub\), "
                                         r"not --source c4$"):
         prepare("c4", str(shared_data / "c4"), tmp_path / "local", hub_split="train", hub_revision="v1", **QUIET)
+    with pytest.raises(DataError, match=r"^--src does not apply to --source builtin"):
+        prepare("builtin", "/nonexistent", tmp_path / "builtin", **QUIET)  # was accepted and recorded
 
 
 def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -357,12 +357,14 @@ def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, 
     changed = tmp_path / "changed"
     shutil.copytree(corpus, changed)
     (changed / "index.json").write_text((changed / "index.json").read_text() + " ")
-    for where, why in ((tmp_path / "nowhere", "is not a prepared directory here (pass --train-data DIR)"),
-                       (moved, "was prepared before data_prep recorded its training documents"),
-                       (changed, "is not the data the checkpoint trained on (its fingerprint differs)")):
-        res, line = check("--input", str(train_doc), "--train-data", str(where))
-        assert res["documents"][0]["in_training_data"] is None and res["training_data"]["checked_against"] is None
-        assert line == f"note: not checked against the training data: {where} {why}", line
+    res, line = check("--input", str(train_doc), "--train-data", str(moved))
+    assert res["documents"][0]["in_training_data"] is None and res["training_data"]["checked_against"] is None
+    assert line == f"note: not checked against the training data: {moved} was prepared before data_prep recorded " \
+                   "its training documents", line
+    for where, why in ((tmp_path / "nowhere", "is not a prepared directory here"),  # given by hand: an error, before
+                       (changed, "is not the data the checkpoint trained on (its fingerprint differs)")):  # any scoring
+        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(train_doc), "--train-data", str(where))
+        assert rc == 2 and err == f"error: --train-data: {where} {why}\n", err
 
 
 def test_a_diverged_models_perplexity_is_inf_not_a_crash() -> None:

@@ -233,10 +233,9 @@ def test_task_documents_from_the_training_data_are_counted(setup, tmp_path: Path
     assert err[-2].startswith(f"fresh: 0 of 3 documents are in the checkpoint's training data ({root / 'data'}; "), err
     assert err[-1].startswith("warning: quoted: 3 of 3 documents are in the checkpoint's training data"), err
     assert main(["--ckpt", str(ckpt), "--tasks", "quoted", "--include-path", str(tasks), "--limit", "1",
-                 "--train-data", str(tmp_path / "nowhere")]) == 0
-    assert capsys.readouterr().err.splitlines()[-1] == ("note: task documents not checked against the training data: "
-                                                        f"{tmp_path / 'nowhere'} is not a prepared directory here "
-                                                        "(pass --train-data DIR)")
+                 "--train-data", str(tmp_path / "nowhere")]) == 2  # given by hand: refused before the evaluation
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: --train-data: {tmp_path / 'nowhere'} is not a "
+                                                        "prepared directory here")
 
 
 def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> None:
