@@ -228,7 +228,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
 
     path = Path(ckpt)
-    if not path.is_file():
+    if not path.exists():  # a directory gets read_checkpoint's own line
         raise ValueError(f"checkpoint not found: {path}")
     try:
         saved = read_checkpoint(path, mmap=False)  # read once: weights, config and the carried tokenizer
