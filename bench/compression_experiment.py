@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flops.cli import command_line, comma_list, finite_float, hardware, positive_int, script_parser  # noqa: E402
+from flops.cli import command_line, comma_list, finite_float, hardware, output_file, positive_int, script_parser  # noqa: E402
 from flops.model import compressed_flops  # noqa: E402
 from lm.compressed_generate import CompressedGenerator  # noqa: E402
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed  # noqa: E402
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                              "uncompressed batches); if given, the ratio predictor and adaptive decoding use it")
     parser.add_argument("--data", required=True,
                         help="prepared data directory (data_prep.prepare) of the models' tokenizer")
-    parser.add_argument("--out", default="bench/results/compression.md", help="write the markdown report here")
+    parser.add_argument("--out", type=output_file, default="bench/results/compression.md", help="write the markdown report here")
     parser.add_argument("--batches", type=positive_int, default=8, help="validation batches")
     parser.add_argument("--batch", type=positive_int, default=16, help="validation windows per batch")
     parser.add_argument("--tolerances", type=comma_list(finite_float), default=None,

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from flops.cli import command_line, hardware, positive_int, script_parser, torch_device, use_device
+from flops.cli import command_line, hardware, output_file, positive_int, script_parser, torch_device, use_device
 from heads import commit_states
 from lm.config import HeadGroupConfig, ModelConfig
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=torch_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
     ap.add_argument("--compile", action="store_true",
                     help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
-    ap.add_argument("--out", default=None, help="write a markdown table here")
+    ap.add_argument("--out", type=output_file, default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
     use_device(args.device)
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from lm_eval.api.model import TemplateLM
 
-from flops.cli import command_line, hardware, positive_int, script_parser
+from flops.cli import command_line, hardware, output_file, positive_int, script_parser
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
 from lm.checkpoint import read_checkpoint
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared", default=str(ROOT.parent / "shared/data"), help="directory holding gutenberg/")
     ap.add_argument("--items", type=positive_int, default=300, help="documents per zero-shot task")
     ap.add_argument("--work", default=str(ROOT / "runs/eval_quickstart"), help="task files and JSON go here")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/eval_quickstart.md"), help="write the markdown report here")
+    ap.add_argument("--out", type=output_file, default=str(ROOT / "bench/results/eval_quickstart.md"), help="write the markdown report here")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flops.cli import hardware, positive_int, script_parser
+from flops.cli import hardware, output_file, positive_int, script_parser
 from heads import ConfigError
 from lm.checkpoint import load_model
 from lm.config import HeadGroupConfig, ModelConfig
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="control: sliding-window heads (heads/local.py) of these widths, i.e. the local context alone")
     parser.add_argument("--val-windows", type=positive_int, default=64, help="validation windows of seq_len tokens")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="validation windows per forward pass")
-    parser.add_argument("--out", default=None, help="write the markdown table here")
+    parser.add_argument("--out", type=output_file, default=None, help="write the markdown table here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:

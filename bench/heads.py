@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, positive_int, run_in_worker, script_parser,
+from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, output_file, positive_int, run_in_worker, script_parser,
                        torch_device, use_device)
 
 VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get --sparsity)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                         help="head groups to measure (dense = the budget)")
     parser.add_argument("--device", type=torch_device, default="cpu", help="torch device: cpu, cuda or cuda:N")
-    parser.add_argument("--out", default=None, help="write a markdown table here")
+    parser.add_argument("--out", type=output_file, default=None, help="write a markdown table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

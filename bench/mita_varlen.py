@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import nonnegative_int, positive_int, script_parser
+from flops.cli import nonnegative_int, output_file, positive_int, script_parser
 
 
 def run(T: int, varlen: bool, args: argparse.Namespace) -> tuple[float, int, str]:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
     p.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps first")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed fwd+bwd steps (median reported)")
-    p.add_argument("--out", default=None, help="write a markdown table here")
+    p.add_argument("--out", type=output_file, default=None, help="write a markdown table here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: bench.mita_varlen times the CUDA kernels; no CUDA device here", file=sys.stderr)

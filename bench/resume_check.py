@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import ROOT, command_line, hardware, positive_int, script_parser
+from flops.cli import ROOT, command_line, hardware, output_file, positive_int, script_parser
 from lm.run_logs import tb_scalars
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML training config")
     parser.add_argument("--steps", type=positive_int, default=50, help="optimizer steps of the whole run")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "resume_check", help="run directories and logs")
-    parser.add_argument("--out", type=Path, help="also write the markdown report here")
+    parser.add_argument("--out", type=output_file, help="also write the markdown report here")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides (trainer.strategy=..., data.path=...)")
     args = parser.parse_intermixed_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)

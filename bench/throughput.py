@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import lightning  # noqa: E402
 import torch  # noqa: E402
 
-from flops.cli import command_line, hardware, nonnegative_int, positive_int, script_parser  # noqa: E402
+from flops.cli import command_line, hardware, nonnegative_int, output_file, positive_int, script_parser  # noqa: E402
 from heads import ConfigError, commit_states  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=nonnegative_int, default=5,
                         help="untimed steps of every config in every round (compilation, allocator warm-up)")
     parser.add_argument("--rounds", type=positive_int, default=1, help="rounds over the configs, in turn")
-    parser.add_argument("--out", type=Path, default=None, help="default bench/results/throughput_<device>.md")
+    parser.add_argument("--out", type=output_file, default=None, help="default bench/results/throughput_<device>.md")
     args = parser.parse_args(argv)
     device, slug = device_name()
     try:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from flops.cli import script_parser
+from flops.cli import output_file, script_parser
 
 # Opt-in shared memory per block (bytes), cudaDevAttrMaxSharedMemoryPerBlockOptin, of each architecture's GPUs.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, choices=sorted(SHARED_LIMIT), help="compute capability x10")
     parser.add_argument("--quick", action="store_true", help="only the largest heads the dispatcher admits")
     parser.add_argument("--json", action="store_true", help="print one JSON object per compiled kernel")
-    parser.add_argument("--out", type=Path, help="write a markdown table here")
+    parser.add_argument("--out", type=output_file, help="write a markdown table here")
     args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels: set before heads/ (and so triton.jit) is imported
     rows = compile_all(args.arch, args.quick)

@@ -33,6 +33,18 @@ def script_parser(doc: str | None, prog: str | None = None) -> argparse.Argument
     return _OneLineErrors(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def output_file(text: str) -> Path:
+    """argparse type of a report file (--out): its directory must exist and it must not be a directory, checked when
+    the arguments are parsed, before the work whose result it holds (lm.cli.check_output)."""
+    from lm.cli import check_output
+
+    try:
+        check_output("", text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).strip()) from None
+    return Path(text)
+
+
 def _integer(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)

@@ -37,6 +37,24 @@ def test_a_device_this_machine_lacks_is_one_line(name: str, argv: list[str], mon
         assert one_error_line(capsys) == f"error: argument --device: {message}"
 
 
+REPORTING = ["bench.compression_experiment", "bench.decode", "bench.eval_quickstart", "bench.generalisation",
+             "bench.heads", "bench.mita_varlen", "bench.resume_check", "bench.throughput", "bench.triton_aot"]
+
+
+@pytest.mark.parametrize("name", REPORTING)
+def test_an_unwritable_report_is_refused_before_the_work(name: str, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """--out into a missing directory, or onto a directory, stops at parsing (it crashed after the whole benchmark)."""
+    main = importlib.import_module(name).main
+    for out, message in ((tmp_path / "nodir" / "x.md", f"{tmp_path / 'nodir' / 'x.md'}: directory {tmp_path / 'nodir'} "
+                                                         "does not exist"),
+                         (tmp_path, f"{tmp_path} is a directory; give a file name")):
+        with pytest.raises(SystemExit) as stop:
+            main(["--out", str(out)])
+        assert stop.value.code == 2
+        assert one_error_line(capsys) == f"error: argument --out: {message}"
+
+
 def test_heads_variant_without_a_head_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from bench.heads import main
 
