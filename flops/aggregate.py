@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.json_files import read_json, read_status
+from flops.json_files import read_json, read_status, read_sweep
 from heads.base import ConfigError
 
 COLUMNS = [
@@ -59,14 +59,14 @@ def point_status(recorded: str | None, step: int | None, target: int | None, ppl
 
 def sweep_labels(sweeps: list[Path]) -> list[str]:
     """One label per sweep directory: its size, or "size (directory)" when another sweep has the same size."""
-    sizes = [read_json(sweep / "sweep.json", keys=("points", "size"))["size"] for sweep in sweeps]
+    sizes = [read_sweep(sweep / "sweep.json", keys=("points", "size"))["size"] for sweep in sweeps]
     return [size if sizes.count(size) == 1 else f"{size} ({sweep})" for size, sweep in zip(sizes, sweeps)]
 
 
 def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
     leakfree_ppl otherwise (None if missing)."""
-    manifest = read_json(sweep / "sweep.json", keys=("points", "size"))
+    manifest = read_sweep(sweep / "sweep.json", keys=("points", "size"))
     status = read_status(sweep / "status.json")
     rows = []
     for e in manifest["points"]:

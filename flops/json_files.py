@@ -30,6 +30,24 @@ def read_json(path: Path, default: Any = MISSING, keys: tuple[str, ...] = ()) ->
     return value
 
 
+POINT_KEYS = ("name", "config", "out_dir", "causal")  # what run_sweep and aggregate read of every point
+
+
+def read_sweep(path: Path, keys: tuple[str, ...] = ("points",)) -> dict[str, Any]:
+    """A sweep.json (flops/sweep.py) holding `keys`, whose `points` is a list of objects each with POINT_KEYS; a
+    one-line ConfigError naming the first damaged point otherwise."""
+    manifest = read_json(path, keys=keys)
+    points = manifest["points"]
+    if not isinstance(points, list):
+        raise ConfigError(f"{path} is damaged (points is not a list); restore it or write it again with flops.sweep")
+    for i, point in enumerate(points):
+        missing = [k for k in POINT_KEYS if not isinstance(point, dict) or k not in point]
+        if missing:
+            raise ConfigError(f"{path} is damaged (point {i} is not an object with {', '.join(missing)}); restore it "
+                              "or write it again with flops.sweep")
+    return manifest
+
+
 def read_status(path: Path) -> dict[str, dict[str, Any]]:
     """A sweep's status.json (flops/run_sweep.py): point name -> {"status": ..., ...}; {} if it does not exist; a
     one-line ConfigError if it is damaged or an entry is not such an object."""

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flops.cli import script_parser
-from flops.json_files import read_json, read_status
+from flops.json_files import read_json, read_status, read_sweep
 from heads.base import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def run(a: argparse.Namespace) -> int:
     manifest_file = a.sweep / "sweep.json"
     if not manifest_file.is_file():
         raise ConfigError(f"{manifest_file} not found; write it with python -m flops.sweep")
-    points = read_json(manifest_file, keys=("points",))["points"]
+    points = read_sweep(manifest_file)["points"]
     if a.only:
         wanted = set(a.only.split(","))
         unknown = wanted - {e["name"] for e in points}

@@ -315,3 +315,18 @@ def test_runner_forwards_sigterm_and_records_the_point_as_interrupted(tmp_path: 
     status = json.loads(status_file.read_text())["dense_s1"]
     assert status["status"] == "interrupted" and status["signal"] == "SIGTERM"
     assert "[1/1] dense_s1: training ... (ETA after the first point" in runner.stdout.read()
+
+
+def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Points that are no list, or a point that is no object with name, config, out_dir and causal, stop
+    flops.run_sweep and flops.aggregate with one line naming the file and the point (were KeyError / TypeError)."""
+    manifest = _sweep(tmp_path)
+    capsys.readouterr()
+    path = tmp_path / "sw" / "sweep.json"
+    for points, why in ((5, "points is not a list"), ([5], "point 0 is not an object with name, config, out_dir, causal"),
+                        ([manifest["points"][0], {"name": "a"}], "point 1 is not an object with config, out_dir, causal")):
+        path.write_text(json.dumps({**manifest, "points": points}))
+        for main in (run_main, aggregate_main):
+            assert main([str(tmp_path / "sw")]) == 2
+            assert capsys.readouterr().err == f"error: {path} is damaged ({why}); restore it or write it again with " \
+                                              "flops.sweep\n"
