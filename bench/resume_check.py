@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from flops.cli import ROOT, command_line, hardware, output_file, positive_int, script_parser
+from heads import ConfigError
+from lm.config import load_config
 from lm.run_logs import tb_scalars
 
 
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=output_file, help="also write the markdown report here")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides (trainer.strategy=..., data.path=...)")
     args = parser.parse_intermixed_args(argv)
+    try:  # the config the three runs train, checked once here (each run would fail alone, and the verdict mislead)
+        load_config(args.config, *args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     args.work.mkdir(parents=True, exist_ok=True)
     a, b = args.work / "uninterrupted", args.work / "resumed"
     run = {"A": (a, "--overwrite", None), "B stopped": (b, "--overwrite", args.steps // 2), "B resumed": (b, "--resume", None)}
@@ -93,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
            and not from_scratch and len(la) == len(lb) == args.steps and None not in (va, vb))
     val_diff = None if va is None or vb is None else abs(va - vb)
     if not ran:
-        why = ("B ended before the SIGTERM landed: raise --steps" if status["B stopped"] == 0 else
+        failed = next((n for n, code in status.items() if code not in (0, 128 + signal.SIGTERM)), None)
+        why = (f"run {failed} exited with {status[failed]}: "
+               f"{(logs[failed].read_text().strip().splitlines() or [''])[-1]}" if failed else
+               "B ended before the SIGTERM landed: raise --steps" if status["B stopped"] == 0 else
                "B's --resume did not continue from a checkpoint" if from_scratch else
                "a run did not do its part (exit statuses, steps logged)")
         verdict = f"FAILED: {why}; see the logs in {args.work}"

@@ -114,3 +114,12 @@ def test_bad_override_before_any_run(name: str, tmp_path: Path, capsys: pytest.C
     assert main(["--config", str(tmp_path / "settings.yaml"), "--only", "dense", "trainer.max_steps=abc"]) == 2
     assert one_error_line(capsys) == "error: trainer.max_steps: Value 'abc' of type 'str' could not be converted to Integer"
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_check_refuses_a_bad_config_before_its_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A config the runs cannot train is one line (the three runs each failed and the verdict blamed the resume)."""
+    from bench.resume_check import main
+
+    assert main(["--config", str(tmp_path / "nope.yaml"), "--work", str(tmp_path / "work")]) == 2
+    assert one_error_line(capsys) == f"error: config file not found: {tmp_path / 'nope.yaml'}"
+    assert not (tmp_path / "work").exists()
