@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from flops.cli import hardware, output_file, positive_int, script_parser
 from heads import ConfigError
 from lm.checkpoint import load_model
-from lm.config import HeadGroupConfig, ModelConfig
+from lm.config import HeadGroupConfig, ModelConfig, validate_model
 from lm.data import DataError, ValWindows, open_split
 from lm.model import DecoderLM, build_model
 from lm.perplexity import perplexity
@@ -42,7 +42,8 @@ def swap_heads(model: DecoderLM, head_type: str, options: dict[str, Any]) -> Dec
     cfg: ModelConfig = dataclasses.replace(
         model.cfg, heads=swap(model.cfg.heads), layer_heads={i: swap(m) for i, m in model.cfg.layer_heads.items()}
     )
-    swapped = build_model(cfg)  # validates the options (one-line ConfigError)
+    validate_model(cfg)  # the options against the model's length (k <= T, ...): one-line ConfigError
+    swapped = build_model(cfg)
     swapped.load_state_dict(model.state_dict())
     return swapped.eval()
 

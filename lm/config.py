@@ -150,9 +150,9 @@ def _positive(section: object, *names: str) -> None:
             raise ConfigError(f"{where}.{name} must be a finite number > 0, got {value}")
 
 
-def validate(cfg: Config) -> Config:
-    """Value checks beyond types. Raises a one-line ConfigError."""
-    m = cfg.model
+def validate_model(m: ModelConfig) -> None:
+    """The model section's value checks (also for a ModelConfig built in code, e.g. bench/generalisation.py's
+    swapped heads): a one-line ConfigError."""
     _positive(m, "vocab_size", "n_layers", "d_model", "head_dim", "ffn_mult", "seq_len", "init_std")
     if not 0.0 <= m.rope_fraction <= 1.0:
         raise ConfigError(f"model.rope_fraction must be in [0, 1], got {m.rope_fraction}")
@@ -176,6 +176,11 @@ def validate(cfg: Config) -> Config:
                 opts.validate_count(g.count)
             except ConfigError as err:
                 raise ConfigError(f"{where}: {err}") from None
+
+
+def validate(cfg: Config) -> Config:
+    """Value checks beyond types. Raises a one-line ConfigError."""
+    validate_model(cfg.model)
     _positive(cfg.data, "batch_size", "val_batches")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers must be >= 0, got {cfg.data.num_workers}")

@@ -32,3 +32,19 @@ def test_swapped_heads_table(tmp_path) -> None:
     loss = {r[0].strip("| "): float(r[2]) for r in rows}
     assert "5 local blocks, no shared expert" in out.read_text()
     assert loss["mita"] == pytest.approx(loss["dense"], abs=1e-5) and abs(loss["local"] - loss["dense"]) > 1e-3
+
+
+@pytest.mark.parametrize("head_type,options,why", [
+    ("topk", {"k": 100000}, "topk: options.k = 100000 > model.seq_len 64"),
+    ("agent", {"block": 1000, "window": 1000}, "agent: options.block = 1000 > model.seq_len 64"),
+])
+def test_swapped_heads_beyond_the_sequence_are_refused(head_type: str, options: dict, why: str) -> None:
+    """Options the config loader refuses at this length are refused for swapped heads too (they were accepted and
+    reported as sparse rows that were dense attention, or had no agents, again)."""
+    from bench.generalisation import swap_heads
+    from lm import build_model
+    from tests.conftest import tiny_config
+
+    model = build_model(tiny_config([{"type": "dense", "count": 2}]).model)
+    with pytest.raises(ConfigError, match=f"^model.heads: {why}"):
+        swap_heads(model, head_type, options)
