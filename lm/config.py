@@ -223,7 +223,7 @@ def validate(cfg: Config) -> Config:
     if t.precision not in ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"):
         raise ConfigError(f"trainer.precision must be auto, 32-true, bf16-mixed, 16-mixed or bf16-true, got {t.precision!r}")
     if cfg.compression is not None:
-        validate_compression(cfg.compression, m)
+        validate_compression(cfg.compression, cfg.model)
     return cfg
 
 
