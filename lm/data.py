@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from lm.config import DataConfig, ModelConfig
-from lm.sanity import validation_warnings, warn
+from lm.sanity import validation_warnings, vocab_warnings, warn
 from lm.errors import DataError
 
 PREPARE_HINT = "python -m data_prep.prepare --source gutenberg|c4|text --src RAW_INPUT --out DIR"
@@ -37,6 +37,7 @@ class TokenStream:
     def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int) -> None:
         """Checks every shard once: present, the size index.json states, token ids < vocab_size."""
         self.split = split
+        self.data_vocab: int | None = None  # set by open_split from index.json
         try:
             self.paths = [directory / s["file"] for s in shards]
             sizes = [int(s["tokens"]) for s in shards]
@@ -101,6 +102,7 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
             f"set model.vocab_size={vocab}"
         )
     stream = TokenStream(directory, split, shards, model.vocab_size)
+    stream.data_vocab = vocab  # the tokenizer's vocabulary (<= model.vocab_size)
     if len(stream) == 0:
         raise DataError(f"data.path: split {split!r} of {directory} is empty")
     if len(stream) < model.seq_len + 1:
@@ -183,7 +185,7 @@ class LMDataModule(L.LightningDataModule):
         cheap, so entry points call it up front."""
         self.train_stream = open_split(self.cfg.path, "train", self.model_cfg)
         self.val_stream = open_split(self.cfg.path, "val", self.model_cfg)
-        for message in self.validation_warnings():
+        for message in [*self.validation_warnings(), *vocab_warnings(self.model_cfg, self.train_stream.data_vocab)]:
             warn(message)
 
     def validation_warnings(self) -> list[str]:

@@ -67,6 +67,19 @@ def val_batches_that_fit(data: DataConfig, model: ModelConfig, val_tokens: int) 
     return val_tokens // (data.batch_size * (model.seq_len + 1))
 
 
+VOCAB_PADDING = 128  # a model vocabulary padded up to a multiple of this (for matmul shapes) is not warned about
+
+
+def vocab_warnings(model: ModelConfig, data_vocab: int | None) -> list[str]:
+    """A warning when model.vocab_size exceeds the data's vocabulary by more than padding: those embedding rows and
+    logits are never a target, and early training spends its updates pushing them down."""
+    if data_vocab is None or model.vocab_size <= -(-data_vocab // VOCAB_PADDING) * VOCAB_PADDING:
+        return []
+    return [f"model.vocab_size {model.vocab_size} > the data's vocabulary {data_vocab}: {model.vocab_size - data_vocab} "
+            f"ids are never a target; set model.vocab_size={data_vocab} (padding up to a multiple of {VOCAB_PADDING} "
+            "is not warned about)"]
+
+
 def validation_warnings(data: DataConfig, model: ModelConfig, val_tokens: int) -> list[str]:
     """Warnings about the validation windows on a split of `val_tokens` tokens (lm/data.py ValWindows)."""
     window = model.seq_len + 1

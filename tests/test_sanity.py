@@ -83,6 +83,20 @@ def test_validation_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str], 
         assert len(lines) == 1 and expected in lines[0], lines
 
 
+@pytest.mark.parametrize("model_vocab,expected", [
+    (64, None), (128, None),  # the data's 64 ids, or padded up to a multiple of 128: silent
+    (1000, "model.vocab_size 1000 > the data's vocabulary 64: 936 ids are never a target; set model.vocab_size=64"),
+])
+def test_a_model_vocabulary_far_beyond_the_datas_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       model_vocab: int, expected: str | None) -> None:
+    cfg = load_config(None, *run_overrides(write_prepared(tmp_path), tmp_path / "run"), f"model.vocab_size={model_vocab}")
+    capsys.readouterr()
+    LMDataModule(cfg.data, cfg.model, cfg.trainer.seed).check()
+    lines = warnings_of(capsys.readouterr().err)
+    assert lines == ([] if expected is None else [f"warning: {expected} (padding up to a multiple of 128 is not warned "
+                                                  "about)"]), lines
+
+
 def test_warnings_print_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from lightning.pytorch.utilities import rank_zero_only
 
