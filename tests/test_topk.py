@@ -141,12 +141,17 @@ class _CudaSoftmaxPolicy(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def test_fast_path_runs_under_a_cuda_like_autocast_policy() -> None:
+@pytest.mark.parametrize("k,tol", [(40, 1e-2), (6, 0.1)])
+def test_fast_path_runs_under_a_cuda_like_autocast_policy(k: int, tol: float) -> None:
     """Under bf16 autocast with CUDA's fp32 softmax, the chunked path's in-place scatter of fp32 weights into a bf16
     tensor failed (scatter(): Expected self.dtype to be equal to src.dtype) at the first training step; now forward
-    and backward run, within bf16 rounding of fp32 (relative RMS < 2e-2). (Decoding runs without autocast.)"""
-    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": 6, "chunk": 8}}],
+    and backward run. With k = T (every causal key kept, the same scatter path) the logits are within bf16 rounding
+    of fp32 (relative RMS 0.004, as a dense model's; bound 1e-2). With k = 6 of near-equal scores at init, bf16
+    rounding also flips some selections (measured 0.008-0.03 over seeds), so that bound is looser.
+    (Decoding runs without autocast.)"""
+    cfg = tiny_config(heads=[{"type": "dense", "count": 1}, {"type": "topk", "count": 2, "options": {"k": k, "chunk": 8}}],
                       seq_len=40)
+    torch.manual_seed(0)
     model = lm.build_model(cfg.model).eval()
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -154,5 +159,5 @@ def test_fast_path_runs_under_a_cuda_like_autocast_policy() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), _CudaSoftmaxPolicy():
         logits = model(tokens)
         logits.float().sum().backward()
-    assert ((logits.float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt() < 2e-2
+    assert ((logits.float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt() < tol
     assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters() if p.requires_grad)
