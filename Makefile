@@ -18,9 +18,10 @@ export HF_HUB_OFFLINE ?= 1
 
 # The install settings, rewritten only when they change: a new TORCH, TRITON or TORCH_INDEX reinstalls.
 SETTINGS := $(VENV)/.install-settings
+INSTALL_WITH := $(TORCH) $(TRITON) $(strip $(TORCH_INDEX))
 $(SETTINGS): FORCE
 	@mkdir -p $(VENV)
-	@echo '$(TORCH) $(TRITON) $(strip $(TORCH_INDEX))' | cmp -s - $@ || echo '$(TORCH) $(TRITON) $(strip $(TORCH_INDEX))' > $@
+	@echo '$(INSTALL_WITH)' | cmp -s - $@ || echo '$(INSTALL_WITH)' > $@
 
 $(STAMP): pyproject.toml $(SETTINGS)
 	$(PY) -m venv $(VENV)

@@ -40,9 +40,6 @@ class SlotKV:
     fresh: bool = True  # nothing written yet: the next call is the prefill
     rows: int = 0  # host-side bound on the slots in use, >= min(fill.max(), S) (exact when every token is kept
     # and nothing was compiled); it spares eager writes the overflow check while the cache cannot be full
-    max_tokens: int | None = None  # where fewer slots than the head needs were allocated (a ring shorter than the
-    # window, clusters shorter than their capacity): the tokens it was sized for, counted by `take` (host side)
-    taken: int = 0
 
     @classmethod
     def empty(cls, batch: int, heads: int, slots: int, dim: int, device: torch.device | str = "cpu",
@@ -67,15 +64,6 @@ class SlotKV:
     def capacity(self) -> int:
         """Key/value slots allocated, over sequences and heads."""
         return self.pos.numel()
-
-    def take(self, tokens: int) -> None:
-        """Count `tokens` more fed to a cache with `max_tokens`: past it, slots a full pass would still read would be
-        overwritten or refused without a word, so it is an error (eager; under torch.compile nothing is checked)."""
-        if self.max_tokens is None or torch.compiler.is_compiling():
-            return
-        self.taken += tokens
-        if self.taken > self.max_tokens:
-            raise RuntimeError(f"KV cache full: sized for {self.max_tokens} tokens, fed {self.taken}")
 
     def write(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Append the kept entries in order: keep[B, H, T] bool, k/v[B, H, T, d], pos[B, H, T].

@@ -109,15 +109,14 @@ class LocalHeads(DenseHeads):
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> SlotKV:
-        """A ring buffer of the last `window` tokens (of max_len tokens at most when max_len < window)."""
-        cache = SlotKV.empty(batch, self.count, min(self.options.window, max_len), self.ctx.head_dim, device, dtype,
-                             ring=True)
-        cache.max_tokens = max_len if max_len < self.options.window else None  # else the ring serves any length
-        return cache
+        """A ring buffer of the last `window` tokens; for max_len < window, max_len plain slots (a ring that short
+        would overwrite keys still inside the window; full, they refuse the next token)."""
+        window = self.options.window
+        return SlotKV.empty(batch, self.count, min(window, max_len), self.ctx.head_dim, device, dtype,
+                            ring=max_len >= window)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
         """Prefill (empty cache): the fast path, keeping the last `window` keys; later: one token."""
-        cache.take(x.shape[1])
         q, k, v = self._qkv(x, positions)
         prefill = cache.fresh
         if not prefill:  # a chunk written at once would overwrite ring slots its earlier queries still need

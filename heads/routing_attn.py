@@ -195,15 +195,12 @@ class RoutingHeads(HeadGroup):
         min(capacity, max_len) slots, keys rotated (the shared Q = K)."""
         if not self.causal:
             raise ValueError("routing: assignment 'topk' is not causal and cannot be decoded incrementally")
-        cache = SlotKV.empty(batch, self.count * self.options.sparsity, min(self.capacity, max_len), self.ctx.head_dim,
-                             device, dtype)
-        cache.max_tokens = max_len if max_len < self.capacity else None  # else a full cluster is at its capacity
-        return cache
+        return SlotKV.empty(batch, self.count * self.options.sparsity, min(self.capacity, max_len), self.ctx.head_dim,
+                            device, dtype)
 
     def forward_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: SlotKV) -> torch.Tensor:
         """Prefill (empty cache): the fast path, caching every cluster's members; later: one token, which joins
         its nearest cluster if that holds fewer than `capacity` members, and attends to the members so far."""
-        cache.take(x.shape[1])
         if cache.fresh:
             return self._fast(x, positions, cache)
         one_token("routing", x)
@@ -211,7 +208,8 @@ class RoutingHeads(HeadGroup):
         B, H, _, d = q.shape
         C, S = self.options.sparsity, cache.k.shape[2]
         rows = torch.arange(H, device=x.device) * C + sim[..., 0].argmax(2)  # [B, H]: the token's nearest cluster
-        member = cache.fill.gather(1, rows) < S  # [B, H]: earliest-first capacity
+        member = cache.fill.gather(1, rows) < self.capacity  # [B, H]: earliest-first capacity (S < capacity: the
+        # write below refuses a member past the S slots max_len allowed, "KV cache full")
         keep = torch.zeros(B, H * C, 1, dtype=torch.bool, device=x.device).scatter(1, rows[..., None], member[..., None])
         pos = positions[:, None, :1].expand(B, H, 1)
         k = self.rope(q, pos)

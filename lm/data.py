@@ -34,10 +34,11 @@ PREPARE_HINT = "python -m data_prep.prepare --source gutenberg|c4|text --src RAW
 class TokenStream:
     """The shards of one split as one flat uint16 token sequence; memmaps open lazily (worker-safe)."""
 
-    def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int) -> None:
-        """Checks every shard once: present, the size index.json states, token ids < vocab_size."""
-        self.split = split
-        self.data_vocab: int | None = None  # set by open_split from index.json
+    def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int,
+                 data_vocab: int | None = None) -> None:
+        """Checks every shard once: present, the size index.json states, token ids < vocab_size (the model's;
+        `data_vocab` is the tokenizer's, from index.json)."""
+        self.split, self.data_vocab = split, data_vocab
         try:
             self.paths = [directory / s["file"] for s in shards]
             sizes = [int(s["tokens"]) for s in shards]
@@ -101,8 +102,7 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
             f"data.path: {directory} has vocab_size {vocab} > model.vocab_size {model.vocab_size}; "
             f"set model.vocab_size={vocab}"
         )
-    stream = TokenStream(directory, split, shards, model.vocab_size)
-    stream.data_vocab = vocab  # the tokenizer's vocabulary (<= model.vocab_size)
+    stream = TokenStream(directory, split, shards, model.vocab_size, vocab)
     if len(stream) == 0:
         raise DataError(f"data.path: split {split!r} of {directory} is empty")
     if len(stream) < model.seq_len + 1:
