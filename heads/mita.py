@@ -51,6 +51,7 @@ from heads.local import block_windows
 from heads.lse_attention import attention_lse, merge
 from heads.rows import flat_rows, gather_rows
 from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
+from routing.selection import earliest_topk
 
 NEG_INF = float("-inf")
 
@@ -116,13 +117,13 @@ class MiTAHeads(DenseHeads):
             lv = S.softmax(-1) @ vi if n else vi[:, :0]  # eq. 8: landmark values [B, n, h']
             expert = torch.zeros_like(S, dtype=torch.bool)  # eq. 7: I_j as a mask over keys
             if n:
-                expert.scatter_(-1, S.topk(min(kk, T), dim=-1).indices, True)
+                expert.scatter_(-1, earliest_topk(S, min(kk, T))[1], True)
             expert &= landmark_sees
             logits = qi @ lq.transpose(-1, -2) * scale  # [B, T, n]: routing logits = shared scores (eqs. 9-10)
             R = logits.masked_fill(~eligible, NEG_INF)
             chosen = torch.zeros_like(R, dtype=torch.bool)  # e_1(q) .. e_s(q)
             if n:
-                chosen.scatter_(-1, R.sort(dim=-1, descending=True, stable=True).indices[..., : min(s, n)], True)
+                chosen.scatter_(-1, earliest_topk(R, min(s, n))[1], True)
             chosen &= eligible
             routed = (chosen.double() @ expert.double()) > 0  # [B, T, T] union of chosen experts' keys
             keys_ok = routed | local

@@ -106,7 +106,7 @@ class MoSAHeads(HeadGroup):
         if options.selection == "predictor":
             self.predictor = MembershipPredictor(h, count)
         if self.causal:
-            self.threshold = RunningQuantileThreshold(count, 1.0 / options.sparsity, options.threshold_momentum)
+            self.threshold = RunningQuantileThreshold(count, options.sparsity, options.threshold_momentum)
             self.capacity = options.kv_per_head(ctx.seq_len)
         if options.selection in QUOTA_SELECTIONS:  # q_t by position (not saved: a function of the options)
             quotas = prefix_quotas(tokens_per_head(ctx.seq_len, options.sparsity), options.capacity_factor,

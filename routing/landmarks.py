@@ -57,8 +57,9 @@ def earlier_blocks(T: int, n: int, block: int, device: torch.device, local_block
 def landmark_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """MiTA eq. 7 made causal. scores[B, H, n, T] (future keys already -inf) -> the rows of each
     landmark's min(k, T) best keys, idx[B, H, n, k'], and valid[B, H, n, k'] (False where a young
-    landmark has fewer than k visible keys and top-k had to pick a masked one)."""
-    top, idx = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    landmark has fewer than k visible keys and top-k had to pick a masked one). Equal scores go to the earliest key
+    (`earliest_topk`): prefill, the full pass and the decoding cache score rows of different widths."""
+    top, idx = earliest_topk(scores, min(k, scores.shape[-1]))
     return idx, top > float("-inf")
 
 

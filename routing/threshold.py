@@ -23,30 +23,31 @@ import math
 
 import torch
 
+from routing.capacity import decimal
 from routing.staged import StagedStatistics
 
 
 class RunningQuantileThreshold(StagedStatistics):
-    """tau[H]: EMA over optimizer steps of each head's (1 - fraction)-quantile of its router logits (fp32 even in
-    a bf16 model)."""
+    """tau[H]: EMA over optimizer steps of each head's (1 - 1/sparsity)-quantile of its router logits (fp32 even
+    in a bf16 model)."""
 
-    def __init__(self, heads: int, fraction: float, momentum: float) -> None:
+    def __init__(self, heads: int, sparsity: float, momentum: float) -> None:
         super().__init__()
-        self.fraction, self.momentum = fraction, momentum
+        self.sparsity, self.momentum = sparsity, momentum
         self.register_buffer("tau", torch.zeros(heads))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
         self.stage_into(heads + 1)  # this step's sum of micro-batch quantiles [:heads] and their count [heads]
 
     def above(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h; every token at fraction 1 (ρ = 1), whose (1 - 1)-quantile,
+        """logits[B, H, T] -> bool[B, H, T]: s_th > tau_h; every token at ρ = 1, whose (1 - 1)-quantile,
         the running mean of batch minima, would drop the tokens below it."""
-        if self.fraction >= 1:
+        if self.sparsity <= 1:
             return torch.ones_like(logits, dtype=torch.bool)
         return logits > self.tau[:, None]
 
     @torch.no_grad()
     def stage(self, logits: torch.Tensor) -> None:
-        """Add this micro-batch's (1 - fraction)-quantile of each head's logits[B, H, T] to `pending`: the midpoint
+        """Add this micro-batch's (1 - 1/ρ)-quantile of each head's logits[B, H, T] to `pending`: the midpoint
         between the order statistic of that rank and the next larger logit. `> tau` then keeps the same tokens of the
         batch as `> statistic`, but tau equals none of the logits it came from: after a commit that sets tau (the
         first, or momentum 1) no token's decision hinges on the last bit of its logit, which a one-token decoding
@@ -55,7 +56,7 @@ class RunningQuantileThreshold(StagedStatistics):
         so that the tied tokens pass (capacity caps them) instead of none; statistic - 1 when all are equal."""
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
         n = per_head.shape[1]
-        rank = min(max(math.ceil((1.0 - self.fraction) * n), 1), n)
+        rank = min(max(n - math.floor(n / decimal(self.sparsity)), 1), n)  # ceil((1 - 1/ρ) n), counted exactly
         stat = per_head.kthvalue(rank, dim=1).values  # [H]
         larger = per_head.masked_fill(per_head <= stat[:, None], math.inf).amin(1)  # [H], inf: none larger
         smaller = per_head.masked_fill(per_head >= stat[:, None], -math.inf).amax(1)  # [H], -inf: none smaller

@@ -25,7 +25,7 @@ def test_threshold_keeps_moving_in_a_bf16_model() -> None:
     would stay put; the fp32 one moves as in an fp32 model."""
     torch.manual_seed(0)
     logits = torch.randn(4, 3, 512) + 1.1
-    fp32, half = RunningQuantileThreshold(3, 1 / 8, 0.02), RunningQuantileThreshold(3, 1 / 8, 0.02).to(torch.bfloat16)
+    fp32, half = RunningQuantileThreshold(3, 8, 0.02), RunningQuantileThreshold(3, 8, 0.02).to(torch.bfloat16)
     for t in (fp32, half):
         t.stage(logits)
         t.commit()

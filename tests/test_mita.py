@@ -190,3 +190,16 @@ def test_tied_routing_logits_go_to_the_earliest_landmark() -> None:
     assert sel[0, 0].tolist() == [[1, 2], [1, 2], [2, 4]] and valid.all()
     wide = torch.cat([logits[:, :, :1], torch.full((1, 1, 1, 3), float("-inf"))], -1)  # n_max slots, 3 empty
     assert route(wide, torch.ones(1, 9, dtype=torch.bool), 3)[0][0, 0, 0].tolist() == [1, 2, 4]
+
+
+def test_tied_expert_scores_go_to_the_earliest_key() -> None:
+    """landmark_topk (eq. 7) breaks equal scores by key index whatever the row's width: the prefill's T_prompt
+    columns, the full pass's T and the decoding cache's max_len (padded with -inf) choose the same keys (topk's
+    choice among ties depended on the width)."""
+    from routing.landmarks import landmark_topk
+
+    scores = torch.zeros(1, 1, 1, 200)
+    scores[..., [23, 45, 59, 69, 89, 122, 134, 150]] = torch.tensor([5.0, 7.0, 7.0, 6.0, 6.0, 3.0, 8.0, 3.0])
+    wide = torch.cat([scores, torch.full((1, 1, 1, 300), float("-inf"))], -1)
+    for k, chosen in [(6, [134, 45, 59, 69, 89, 23]), (7, [134, 45, 59, 69, 89, 23, 122])]:  # k = 7: 122 ties 150
+        assert landmark_topk(scores, k)[0][0, 0, 0].tolist() == landmark_topk(wide, k)[0][0, 0, 0].tolist() == chosen

@@ -176,7 +176,7 @@ def test_tied_top_logits_pass_the_threshold() -> None:
     tied value passed none, and the router of a head with no tokens gets no gradient); all logits equal: all pass."""
     from routing.threshold import RunningQuantileThreshold
 
-    threshold = RunningQuantileThreshold(2, 1 / 32, 1.0)
+    threshold = RunningQuantileThreshold(2, 32, 1.0)
     logits = torch.randn(2, 2, 2048, generator=torch.Generator().manual_seed(0))
     logits[:, 0, ::20] = 10.0  # head 0: 5% tied at the top
     logits[:, 1] = 3.0  # head 1: all equal
@@ -185,6 +185,19 @@ def test_tied_top_logits_pass_the_threshold() -> None:
     passed = threshold.above(logits).float().mean(-1).mean(0)
     assert passed[0] == (logits[:, 0] == 10.0).float().mean() and passed[1] == 1.0  # 103 of 2048 tied
     assert 3.0 < threshold.tau[0] < 10.0 and threshold.tau[1] == 2.0
+
+
+@pytest.mark.parametrize("rho,n", [(3, 9), (3, 15), (7, 14), (19, 38), (8, 64), (2.5, 10)])
+def test_threshold_passes_exactly_one_in_rho(rho: float, n: int) -> None:
+    """n distinct logits, n divisible by ρ: the first committed tau passes exactly n/ρ of them (the quantile's rank
+    is counted exactly; (1 - 1/3) * 9 in floats is 6.000000000000001, whose ceiling passed 2 of 9)."""
+    from routing.threshold import RunningQuantileThreshold
+
+    threshold = RunningQuantileThreshold(1, rho, 1.0)
+    logits = torch.randperm(n, generator=torch.Generator().manual_seed(0)).float().view(1, 1, n)
+    threshold.stage(logits)
+    threshold.commit()
+    assert int(threshold.above(logits).sum()) == round(n / rho)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 5, 15])
