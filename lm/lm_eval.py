@@ -12,8 +12,10 @@ Registers model "sparse-heads" with lm-eval's model registry (args: ckpt=PATH). 
   are scored leak-free (every prediction from its own prefix).
 - loglikelihood_rolling: [EOS] + text in disjoint seq_len windows (lm-eval's rolling windows).
 - generate_until: greedy or sampled decoding with the KV cache (lm/generate.py) where every head supports
-  it, else recomputing the prefix; context truncated on the left to leave room for max_gen_toks within
-  seq_len; the text is cut at the first stop string. Requests with equal context length run as a batch.
+  it, else recomputing the prefix; prompt and generation stay within seq_len: the context keeps its last
+  seq_len - min(max_gen_toks, seq_len/2) tokens (at least half the window, however large max_gen_toks), the
+  generation stops at max_gen_toks or the end of the window, and a warning counts the requests so cut; the
+  text is cut at the first stop string. Requests with equal context length run as a batch.
 Windows are batched (--batch-size) as lm/scoring.py allows (padded only where that is exact). Tokenisation is data_prep's (via lm/hf_tokenizer.py's
 rules): EOS is the end-of-document token and the prefix for an empty context.
 Each task's documents are looked up in the checkpoint's training data (lm/training_overlap.py; the text of a
@@ -37,10 +39,21 @@ from lm_eval.api.registry import register_model
 from data_prep import tokenizer as sp_codec
 from lm.cli import check_output
 from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
+from lm.sanity import warn
 from lm.scoring import progress_bar, score
 from lm.training_overlap import TRAIN_DATA_HELP, check_train_data, training_overlap
 
 MODEL_NAME = "sparse-heads"
+
+
+def batch_size_arg(value: int | str) -> int:
+    """lm-eval's batch_size: an integer >= 1, or auto / auto:N (no search for the largest batch here: 8)."""
+    text = str(value)
+    if text == "auto" or text.startswith("auto:"):
+        return 8
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"batch size must be an integer >= 1 or auto, got {value!r}")
+    return int(text)
 
 
 @register_model(MODEL_NAME)
@@ -54,8 +67,11 @@ class SparseHeadsLM(TemplateLM):
         self.scored_texts: dict[tuple[str, int], set[str]] = defaultdict(set)  # (task, doc id) -> its requests' texts
         self.model = model.to(device)
         self.seq_len = model.cfg.seq_len
-        self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
-        self.leak_free = {"on": True, "off": False, "auto": not model.causal}[str(leak_free)]
+        self.batch_size = batch_size_arg(batch_size)
+        modes = {"on": True, "true": True, "off": False, "false": False, "auto": not model.causal}
+        if str(leak_free).lower() not in modes:  # (lm-eval's model_args parser turns leak_free=true into True)
+            raise ValueError(f"leak_free must be auto, on or off, got {leak_free!r}")
+        self.leak_free = modes[str(leak_free).lower()]
         self.decodable = decodable(model)  # generate_until: KV-cached decoding, else the prefix recomputed
 
     @property
@@ -121,12 +137,21 @@ class SparseHeadsLM(TemplateLM):
         self._record(requests)
         results: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        cut_context = cut_generation = 0
         for i, req in enumerate(requests):
             context, kw = req.args
-            max_new = min(int(kw.get("max_gen_toks", 256)), self.seq_len - 1)
-            ctx = self.tok_encode(context)[-(self.seq_len - max_new):] or [self.eot_token_id]
+            wanted = int(kw.get("max_gen_toks", 256))
+            if wanted < 1:
+                raise ValueError(f"generate_until: max_gen_toks must be >= 1, got {wanted}")
+            encoded = self.tok_encode(context)
+            ctx = encoded[-(self.seq_len - min(wanted, self.seq_len // 2)):] or [self.eot_token_id]
+            max_new = min(wanted, self.seq_len - len(ctx))
+            cut_context, cut_generation = cut_context + (len(ctx) < len(encoded)), cut_generation + (max_new < wanted)
             settings = (max_new, bool(kw.get("do_sample", False)), float(kw.get("temperature", 0.0)))
             groups[(len(ctx), settings)].append((i, ctx))
+        if cut_context or cut_generation:
+            warn(f"generate_until: within the model's seq_len {self.seq_len}, {cut_context} of {len(requests)} "
+                 f"contexts were cut on the left and {cut_generation} generations were cut short of max_gen_toks")
         for (_, (max_new, do_sample, temperature)), members in progress_bar(groups.items(), disable_tqdm):
             temp = temperature if do_sample else 0.0
             for b in range(0, len(members), self.batch_size):
@@ -280,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
     try:
-        if args.batch_size < 1:
-            raise ValueError("--batch-size must be >= 1")
+        batch_size_arg(args.batch_size)  # before the task index and the checkpoint load
         check_output("--output", args.output)
         results = run(args.ckpt, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
                       args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer, args.train_data)

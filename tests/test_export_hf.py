@@ -54,6 +54,41 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
     assert torch.equal(new, generate(ours, prompt, 8, temperature=0))
 
 
+def test_non_causal_export_scores_leak_free(corpus: Path, tmp_path: Path, capsys) -> None:
+    """MoSA expert choice (not causal): in eval mode the exported model's logits at t come from tokens[:, :t+1]
+    (changing later tokens leaves them, and the `labels` loss is lm/leakfree.py's), in training mode they are the
+    published teacher-forced ones, and greedy `generate` (last position only) recomputes the prefix as ours does;
+    `output_loading_info=True` returns (model, info) as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    from lm.leakfree import leak_free_logits
+
+    ckpt, ours = save_checkpoint(tmp_path, corpus, mix="mosa_expert_choice", seq_len=40)
+    out = tmp_path / "hf"
+    assert not ours.causal and main(["--ckpt", str(ckpt), "--out", str(out)]) == 0, capsys.readouterr().err
+    hf, info = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
+    assert not info["missing_keys"] and torch.equal(hf.lm.blocks[0].attn.groups[0].rope.inv_freq,
+                                                    ours.blocks[0].attn.groups[0].rope.inv_freq)
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 29), generator=torch.Generator().manual_seed(2))
+    changed = x.clone()
+    changed[:, 15:] = (x[:, 15:] + 1) % ours.cfg.vocab_size
+    with torch.no_grad():
+        hf.eval()
+        logits = hf(x).logits
+        assert (logits - leak_free_logits(ours, x)).abs().max().item() <= 1e-5
+        assert torch.equal(hf(changed).logits[:, :15], logits[:, :15])
+        assert (ours(changed)[:, :15] - ours(x)[:, :15]).abs().max() > 1e-3  # the teacher-forced pass leaks
+        ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        assert abs(hf(x, labels=x).loss.item() - ref.item()) <= 1e-6
+        hf.train()
+        assert (hf(x).logits - ours.train()(x)).abs().max().item() <= 1e-5
+        hf.eval(), ours.eval()
+        tokens = x[:1, :10]
+        for _ in range(6):
+            tokens = torch.cat([tokens, ours(tokens)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(hf.generate(x[:1, :10], max_new_tokens=6, do_sample=False, eos_token_id=None), tokens)
+
+
 def test_padded_vocabulary_exports_and_never_generates_an_undecodable_id(corpus: Path, tmp_path: Path, capsys) -> None:
     """model.vocab_size above the tokenizer's pieces: config.json keeps the model's vocabulary (the weights'
     shape), generation_config.json suppresses the ids the tokenizer lacks, so `generate` equals lm/generate.py

@@ -137,6 +137,44 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
         assert text == lm.tok_decode(ref).split("\n\n")[0]
 
 
+def test_generate_until_keeps_half_the_window_for_the_prompt(setup, capsys) -> None:
+    """lm-eval's default max_gen_toks (256) above seq_len: the context keeps its last seq_len/2 tokens (it kept
+    one token before), the generation fills the rest of the window, and one warning counts both cuts; a short
+    prompt with a small max_gen_toks is cut by neither."""
+    from lm_eval.api.instance import Instance
+
+    _, _, model, lm = setup
+    prompt = english(6, 3)
+    ids = lm.tok_encode(prompt)
+    assert len(ids) > T
+    capsys.readouterr()
+    (text,) = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": []}), 0)], disable_tqdm=True)
+    kept = ids[-(T // 2):]
+    ref = generate(model, torch.tensor([kept]), T - len(kept), temperature=0, stop_id=1)[0, len(kept):].tolist()
+    assert text == lm.tok_decode(ref[: ref.index(1)] if 1 in ref else ref)
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: generate_until: within the model's seq_len {T}, 1 of 1 contexts were cut on the left and 1 "
+        "generations were cut short of max_gen_toks"]
+    short = " ".join(english(3, 1).split()[:3])
+    assert len(lm.tok_encode(short)) <= T - 4
+    lm.generate_until([Instance("generate_until", {}, (short, {"until": [], "max_gen_toks": 4}), 0)], disable_tqdm=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_model_args_as_lm_eval_parses_them(setup) -> None:
+    """lm-eval's --model_args parser gives leak_free=true as a bool and batch_size as auto:N: both accepted; bad
+    values are one-line ValueErrors naming the argument."""
+    _, ckpt, _, _ = setup
+    lm = SparseHeadsLM.create_from_arg_string(f"ckpt={ckpt},leak_free=false", {"batch_size": "auto:4"})
+    assert lm.leak_free is False and lm.batch_size == 8
+    assert SparseHeadsLM.create_from_arg_string(f"ckpt={ckpt},leak_free=True,batch_size=2").leak_free is True
+    for args, message in [(dict(leak_free="maybe"), "leak_free must be auto, on or off, got 'maybe'"),
+                          (dict(batch_size=0), "batch size must be an integer >= 1 or auto, got 0"),
+                          (dict(batch_size="big"), "batch size must be an integer >= 1 or auto, got 'big'")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            SparseHeadsLM(str(ckpt), **args)
+
+
 # KV-cached decoding / prefix recomputed (not causal; causal but without a cache)
 @pytest.mark.parametrize("mix", ["dense", "mosa_expert_choice", "routing"])
 def test_padded_vocabulary_generates_only_the_tokenizers_ids(setup, tmp_path: Path, mix: str) -> None:
