@@ -105,11 +105,17 @@ def test_predictor_learns_topk_membership_without_touching_the_model() -> None:
         recall.append(group.stats["predictor_recall"])
     print(f"predictor recall: first {recall[0]:.2f}, last {recall[-1]:.2f}; acc {group.stats['predictor_acc']:.3f}")
     assert recall[-1] > 0.7 and group.stats["predictor_acc"] > 0.9
+    with torch.no_grad():  # on fresh tokens, against the router's own top-k, written out here
+        x = torch.randn(4, T, 32, generator=gen)
+        truth = torch.zeros(4, 3, T, dtype=torch.bool).scatter(-1, group.router_logits(x).topk(T // rho, -1).indices, True)
+        guess = group.threshold.above(group.predictor(x))
+    assert (guess & truth).sum() / truth.sum() > 0.7 and (guess == truth).float().mean() > 0.9
 
 
-def test_topk_targets_mark_exactly_k_tokens() -> None:
-    target = topk_targets(torch.randn(2, 3, 50), 6)
-    assert torch.equal(target.sum(-1), torch.full((2, 3), 6.0)) and set(target.unique().tolist()) == {0.0, 1.0}
+def test_topk_targets_mark_each_rows_k_largest_logits() -> None:
+    logits = torch.randn(2, 3, 50)
+    target = topk_targets(logits, 6)
+    assert torch.equal(target, torch.zeros(2, 3, 50).scatter(-1, logits.topk(6, -1).indices, 1.0))
 
 
 @pytest.mark.parametrize("selection", ["threshold", "quota", "predictor"])
@@ -131,11 +137,13 @@ def test_flops_count_the_capacity_and_the_predictor(selection: str) -> None:
 
 def test_causal_routing_variants_are_flop_matched_and_probed() -> None:
     """bench/causal_routing.py: every variant is a valid config within 5% below the dense baseline's FLOPs,
-    causal except faithful MoSA, and the coverage probe reports four quarters for the causal MoSA models."""
+    causal except faithful MoSA, and the coverage probe reports four quarters for the causal MoSA models: exactly
+    what a threshold that passes no token, or every token, implies."""
     from omegaconf import OmegaConf
 
     import lm
     from bench.causal_routing import ROOT, selection_coverage
+    from heads.mosa import MoSAHeads
     from bench.gutenberg_compare import base_config, run_config
     from flops.model import model_cost
 
@@ -147,9 +155,23 @@ def test_causal_routing_variants_are_flop_matched_and_probed() -> None:
         assert lm.build_model(cfg.model).causal == (name != "mosa_faithful"), name
     cfg = run_config(settings, "mosa_predictor", ["model.d_model=32", "model.head_dim=8", "model.vocab_size=97"])
     model = lm.build_model(cfg.model)
-    probe = selection_coverage(model, torch.randint(0, 97, (3, cfg.model.seq_len + 1)))
+    windows = torch.randint(0, 97, (3, cfg.model.seq_len + 1))
+    probe = selection_coverage(model, windows)
     assert len(probe["cover_cand"]) == len(probe["cover_topk"]) == 4 and 0 <= probe["predictor_acc"] <= 1
     assert all(0 <= v <= 1 for v in probe["cover_cand"] + probe["cover_topk"])
+    groups = [g for g in model.modules() if isinstance(g, MoSAHeads) and g.causal]
+    T, share = cfg.model.seq_len, groups[0].capacity / cfg.model.seq_len  # k = capacity = T/ρ of T tokens
+    assert groups and all(g.capacity == groups[0].capacity and not g.options.keep_first for g in groups)
+    for tau in (math.inf, -math.inf):  # no token passes: none selected; every token passes: the quota's T/ρ
+        for g in groups:
+            g.threshold.tau.fill_(tau)
+            g.threshold.initialized.fill_(True)
+        probe = selection_coverage(model, windows)
+        assert probe["predictor_acc"] == pytest.approx(1 - share if tau > 0 else share)  # the top-k: 1/ρ
+        if tau > 0:
+            assert all(math.isnan(v) for v in probe["cover_cand"]) and probe["cover_topk"] == [0.0] * 4
+        else:
+            assert probe["cover_cand"] == pytest.approx([share] * 4) and all(v > 0 for v in probe["cover_topk"])
 
 
 @pytest.mark.parametrize("selection", ["quota", "predictor"])

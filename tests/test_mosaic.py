@@ -91,6 +91,17 @@ def test_balance_loss_eq4() -> None:
     # collapsed router: every token to head 0 with p_0 -> 1  ->  alpha * N
     probs, chosen = choose(torch.tensor([50.0, 0, 0, 0]).expand(2, 10, 4), top_s=1)
     assert balance_loss(probs, chosen, 0.4).item() == pytest.approx(0.4 * 4, rel=1e-6)
+    # choices f unlike the probabilities p: 3 tokens choose head 0, 1 token head 1; top-2 adds heads 1, 1, 1, 2
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 3 + [[0.0, 3.0, 1.0, 0.0]]])  # [1, 4, 4]
+    probs, chosen = choose(logits, top_s=1)
+    p = logits.softmax(-1).mean((0, 1))
+    assert balance_loss(probs, chosen, 0.4).item() == pytest.approx(0.4 * 4 * (0.75 * p[0] + 0.25 * p[1]).item())
+    probs, chosen = choose(logits, top_s=2)  # each token's two choices count 1/2: f = (3, 4, 1, 0) / 8
+    f = torch.tensor([3.0, 4.0, 1.0, 0.0]) / 8
+    assert torch.equal(chosen.sum((0, 1)).float() / 8, f)
+    assert balance_loss(probs, chosen, 0.4).item() == pytest.approx(0.4 * 4 * (f * p).sum().item())
+    # uniform router, top-2: still alpha (f sums to 1)
+    assert balance_loss(*choose(torch.zeros(2, 10, 4), top_s=2), 0.4).item() == pytest.approx(0.4)
 
 
 def test_balance_loss_reported_separately_and_trains_the_router() -> None:

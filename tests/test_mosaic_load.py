@@ -66,6 +66,8 @@ def test_gate_options() -> None:
     probs, chosen = choose(logits, 2)
     renorm = gate_weights(logits, probs, chosen, "renorm")
     torch.testing.assert_close((renorm * chosen).sum(-1), torch.ones(2, 7))
+    kept = logits.softmax(-1) * chosen  # p_ti over the token's chosen heads, renormalised
+    torch.testing.assert_close(renorm * chosen, kept / kept.sum(-1, keepdim=True))
     torch.testing.assert_close(gate_weights(logits, probs, chosen, "sigmoid"), torch.sigmoid(logits))
     assert gate_weights(logits, probs, chosen, "softmax") is probs
 

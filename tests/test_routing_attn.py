@@ -22,12 +22,27 @@ def test_fast_matches_reference(T: int, sparsity: int, assignment: str) -> None:
     assert_match(errors)
 
 
-def test_balanced_topk_clusters_have_k_tokens() -> None:
+def centroid_distances(group: RoutingHeads, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RT's routing written out from the weights: u = normalize(LayerNorm(x W^Q)) [B, H, T, d] and the squared
+    distances ||u - mu_c||^2 [B, H, C, T] (nearest centroid = smallest distance; the head uses dot products)."""
+    B, T, _ = x.shape
+    q = group.qv(x).view(B, T, 2, group.count, -1)[:, :, 0].transpose(1, 2)
+    if group.options.layer_norm:
+        q = (q - q.mean(-1, keepdim=True)) / (q.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()
+    u = q / q.norm(dim=-1, keepdim=True)
+    return u, (u[:, :, None] - group.kmeans.means[None, :, :, None]).pow(2).sum(-1)
+
+
+def test_balanced_topk_clusters_hold_their_k_nearest_tokens() -> None:
+    """assignment topk (RT's balanced variant): cluster c holds the k = T/ρ tokens closest to its centroid, in
+    ascending order."""
     T, rho = 96, 4
     group: RoutingHeads = make_group("routing", dict(sparsity=rho, assignment="topk"), T)
-    _, _, _, _, sel = group._route(torch.randn(2, T, 32))
-    assert sel.idx.shape == (2, 3, rho, T // rho) and sel.valid.all()
-    assert (sel.idx.diff(dim=-1) > 0).all()
+    x = torch.randn(2, T, 32)
+    _, _, _, _, sel = group._route(x)
+    _, dist = centroid_distances(group, x)
+    assert sel.valid.all()
+    assert torch.equal(sel.idx, dist.topk(T // rho, -1, largest=False).indices.sort(-1).values)
 
 
 @pytest.mark.parametrize("capacity_factor", [100.0, 0.5])
@@ -36,7 +51,10 @@ def test_nearest_clusters_partition_up_to_capacity(capacity_factor: float) -> No
     overflows), in ascending order: the clusters are disjoint, and a token past its cluster's capacity is in none."""
     T, rho = 96, 4
     group: RoutingHeads = make_group("routing", dict(sparsity=rho, capacity_factor=capacity_factor), T)
-    _, _, _, nearest, sel = group._route(torch.randn(2, T, 32))
+    x = torch.randn(2, T, 32)
+    _, _, _, routed_to, sel = group._route(x)
+    nearest = centroid_distances(group, x)[1].argmin(2)  # [B, H, T]
+    assert torch.equal(routed_to, nearest)
     overflowed = 0
     for b in range(2):
         for i in range(3):
@@ -73,17 +91,24 @@ def test_commitment_loss_and_centroid_updates() -> None:
     x = torch.randn(2, T, 32)
     y = group(x, torch.arange(T).expand(2, T))
     loss = group.aux_losses["routing_commitment"]
-    _, _, u, sim = group._project(x)  # the commitment loss is `commitment` x mean ||u - mu_nearest||^2
-    mu = group.kmeans.means[torch.arange(3)[None, :, None], sim.argmax(2)]
-    torch.testing.assert_close(loss, group.options.commitment * (u - mu).pow(2).sum(-1).mean(), rtol=1e-5, atol=0)
+    u, dist = centroid_distances(group, x)  # the commitment loss is `commitment` x mean ||u - mu_nearest||^2
+    torch.testing.assert_close(loss, group.options.commitment * dist.amin(2).mean(), rtol=1e-5, atol=0)
     (loss_grad,) = torch.autograd.grad(loss, group.qv.weight, retain_graph=True)
     assert loss_grad[: 3 * 8].abs().sum() > 0 and not loss_grad[3 * 8 :].any()  # it trains W^Q only, not W^V
     (y.sum() + loss).backward()
     assert torch.equal(before, group.kmeans.means)  # staged in the forward pass, not applied
     assert group.kmeans.pending[..., -1].sum() == 2 * T * 3  # every token of every head counted once
     commit_states(group)  # after the optimizer step
-    assert not torch.equal(before, group.kmeans.means) and not group.kmeans.pending.any()
-    assert torch.allclose(group.kmeans.means.norm(dim=-1), torch.ones(3, 4))
+    assert not group.kmeans.pending.any()
+    decay, nearest, expected = group.kmeans.decay, dist.argmin(2), before.clone()
+    for h in range(3):  # "unit_mean": mu <- normalize(decay mu + (1 - decay) mean of its members); none: stays
+        for c in range(4):
+            members = u.detach()[:, h][nearest[:, h] == c]  # [n, d]
+            if len(members):
+                moved = decay * before[h, c] + (1 - decay) * members.mean(0)
+                expected[h, c] = moved / moved.norm()
+    assert not torch.equal(before, expected)
+    torch.testing.assert_close(group.kmeans.means, expected, rtol=1e-5, atol=1e-6)
     group.eval()(x, torch.arange(T).expand(2, T))
     commit_states(group)
     assert not group.kmeans.pending.any()  # nothing staged in eval mode
