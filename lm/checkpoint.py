@@ -65,6 +65,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(path, lambda f: torch.save(checkpoint, f))
 
 
+COMPLETE = "complete"  # the file rank 0 writes into a DeepSpeed checkpoint directory once every rank's shards are
+
+
+def mark_complete(trainer: L.Trainer, path: Path) -> None:
+    """After every rank has saved checkpoint directory `path` (DeepSpeed's shards), rank 0 writes `path/complete`
+    atomically. DeepSpeed's own `latest` file is no such mark: rank 0 writes it after its own shards, before the
+    barrier that waits for the other ranks', so a kill in between leaves `latest` beside a missing shard."""
+    trainer.strategy.barrier()
+    if trainer.is_global_zero and path.is_dir():
+        note = f"step {trainer.global_step}, {trainer.world_size} rank(s)\n".encode()
+        atomic_write(path / COMPLETE, lambda f: f.write(note))
+
+
 class StepCheckpoints(L.Callback):
     """`step<N>.ckpt` every `every` optimizer steps, and `last.ckpt` pointing at the newest one; only
     the newest `keep` step checkpoints are kept (0: all).
@@ -85,10 +98,10 @@ class StepCheckpoints(L.Callback):
         check_weights(trainer)
         step_path = self.dirpath / f"step{trainer.global_step:07d}.ckpt"
         last = self.dirpath / "last.ckpt"
-        trainer.save_checkpoint(step_path, weights_only=False)
-        if not self.link_last:
-            trainer.save_checkpoint(last, weights_only=False)
-        elif trainer.is_global_zero:
+        for path in [step_path] if self.link_last else [step_path, last]:
+            trainer.save_checkpoint(path, weights_only=False)
+            mark_complete(trainer, path)
+        if self.link_last and trainer.is_global_zero:
             tmp = last.with_name(f".{last.name}.tmp{os.getpid()}")
             tmp.unlink(missing_ok=True)
             os.link(step_path, tmp)
@@ -226,14 +239,14 @@ def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tu
 
 def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> Path | None:
     """The newest complete DeepSpeed checkpoint of a run: its `step<N>.ckpt` directories newest first, then
-    last.ckpt, the first holding the `latest` file that DeepSpeed writes after every shard; `skipped(path, why)`
-    for each incomplete one passed over. None if the run has none."""
+    last.ckpt, the first holding the `complete` file written once every rank's shards are (`mark_complete`);
+    `skipped(path, why)` for each incomplete one passed over. None if the run has none."""
     for path in [*step_files(directory), directory / "last.ckpt"]:
         if not path.is_dir():
             continue
-        if (path / "latest").is_file():
+        if (path / COMPLETE).is_file():
             return path
-        skipped(path, "an incomplete DeepSpeed checkpoint (no 'latest' file: its save was interrupted)")
+        skipped(path, f"an incomplete DeepSpeed checkpoint (no '{COMPLETE}' file: its save was interrupted)")
     return None
 
 

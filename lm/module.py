@@ -123,8 +123,11 @@ class LMModule(L.LightningModule):
             self._step_sums = {}
         for name, value in values.items():  # the step's mean over its micro-batches (tensors: no host sync)
             self._step_sums[name] = self._step_sums.get(name, 0.0) + value.detach()
-        if ends_step(self.trainer, batch_idx):
-            means = {name: total / self.trainer.accumulate_grad_batches for name, total in self._step_sums.items()}
+        if ends_step(self.trainer, batch_idx):  # the mean over every rank's micro-batches: the whole global batch
+            names = list(self._step_sums)
+            sums = torch.stack([self._step_sums[name].float() for name in names])
+            means = dict(zip(names, self.trainer.strategy.reduce(sums / self.trainer.accumulate_grad_batches,
+                                                                 reduce_op="mean")))
             self._last_train_loss = means.pop("train/loss")
             self.log("train/loss", self._last_train_loss, prog_bar=True)
             self.log("train/ppl", self._last_train_loss.exp())

@@ -101,8 +101,10 @@ class OnlineKMeans(StagedStatistics):
             moved = self.means * self.decay + (1 - self.decay) * sums / counts.clamp(min=1)
             self.means.copy_(torch.where(counts > 0, F.normalize(moved, dim=-1), self.means))
             return
-        self.ema_count.mul_(self.decay).add_(counts[..., 0], alpha=1 - self.decay)
-        self.ema_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
+        staged = counts.sum() > 0  # nothing staged (a skipped step): the EMAs do not decay, as if no step was taken
+        count = self.ema_count * self.decay + (1 - self.decay) * counts[..., 0]
+        self.ema_sum.copy_(torch.where(staged, self.ema_sum * self.decay + (1 - self.decay) * sums, self.ema_sum))
+        self.ema_count.copy_(torch.where(staged, count, self.ema_count))
         total = self.ema_count.sum(-1, keepdim=True)
         smoothed = (self.ema_count + EPSILON) / (total + EPSILON * self.ema_count.shape[-1]) * total
-        self.means.copy_(self.ema_sum / smoothed[..., None])
+        self.means.copy_(torch.where(staged, self.ema_sum / smoothed[..., None], self.means))  # N = 0 before a step

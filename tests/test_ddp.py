@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lm.config import load_config
+from lm.run_logs import tb_scalars
 from tests.conftest import child_env
 from tests.synthetic import run_overrides, wait_for_file, write_prepared
 
@@ -88,6 +89,12 @@ def test_ddp_two_cpu_processes_match_one_process(tmp_path: Path, mix: str, accum
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
     metrics = json.loads((ddp_out / "metrics.json").read_text())
     assert metrics["tokens_seen"] == steps * 2 * 4 * 32
+    # the logged training loss is the whole global batch's mean, not rank 0's half of it
+    assert metrics["train_loss"] == pytest.approx(json.loads((single_out / "metrics.json").read_text())["train_loss"],
+                                                  rel=1e-5)
+    ddp_curve, single_curve = tb_scalars(ddp_out, "train/loss"), tb_scalars(single_out, "train/loss")
+    assert ddp_curve.keys() == single_curve.keys() and len(ddp_curve) >= 2
+    assert all(ddp_curve[s] == pytest.approx(single_curve[s], rel=1e-5) for s in single_curve)
 
 
 @pytest.mark.slow

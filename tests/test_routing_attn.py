@@ -199,6 +199,28 @@ def test_ema_counts_update_is_rt_released_codes() -> None:
     assert kmeans.means[:, C - 1].norm(dim=-1).min() > 1e3  # RT's code: an empty cluster's S / N~ is huge
 
 
+@pytest.mark.parametrize("update", ["unit_mean", "ema_counts"])
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_a_commit_with_nothing_staged_moves_nothing(update: str, steps_before: int) -> None:
+    """A skipped step (lm/nonfinite.py drops what it staged, then the optimizer step commits nothing) leaves the
+    centroids and RT's EMA counts and sums as they were, before any step too (ema_counts decayed them, and at N = 0
+    divided by zero)."""
+    import torch.nn.functional as F
+
+    from routing.kmeans import OnlineKMeans
+
+    kmeans = OnlineKMeans(2, 3, 4, 0.9, update).double()
+    for _ in range(steps_before):
+        u = F.normalize(torch.randn(1, 2, 10, 4, dtype=torch.float64), dim=-1)
+        nearest = torch.randint(0, 3, (1, 2, 10))
+        kmeans.stage(kmeans.cluster_sums(u, nearest), kmeans.cluster_counts(nearest))
+        kmeans.commit()
+    before = {name: buf.clone() for name, buf in kmeans.named_buffers()}
+    kmeans.commit()
+    for name, buf in kmeans.named_buffers():
+        assert torch.equal(buf, before[name]), name
+
+
 def test_ema_count_centroids_of_an_empty_cluster_do_not_overflow_fp16_similarities() -> None:
     """An empty cluster's "ema_counts" centroid grows to ~1e5, past fp16's 65504: its similarities are computed in
     fp32 (unit-mean ones stay in the vectors' dtype); an unknown rule is refused when the module is built."""

@@ -203,7 +203,9 @@ def test_checkpoint_writing_is_not_training_time(data: Path, tmp_path: Path, mon
     monkeypatch.setattr(L.Trainer, "save_checkpoint", slow_save)
     cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=6, ckpt_every=1, val_every=6))
     metrics = train(cfg)
-    assert metrics["tokens_per_s"] > 5 * cfg.data.batch_size * cfg.model.seq_len  # batches take < 0.2 s each
+    # counted, each 1 s write would hold the rate below one batch per second; steps alone take < 0.1 s (< 0.5 s on a
+    # machine busy with other work)
+    assert metrics["tokens_per_s"] > 2 * cfg.data.batch_size * cfg.model.seq_len
 
 
 def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
@@ -395,9 +397,10 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
 
 
 def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_path: Path, capsys) -> None:
-    """Under DeepSpeed, step<N>.ckpt and last.ckpt are directories (sharded states in checkpoint/, then the
-    `latest` file written after every shard): --resume takes the newest one holding `latest`, names any incomplete
-    one it passes over, and with none starts from scratch (it used to skip directories and always start afresh)."""
+    """Under DeepSpeed, step<N>.ckpt and last.ckpt are directories (sharded states in checkpoint/, DeepSpeed's
+    `latest`, then our `complete` once every rank's shards are): --resume takes the newest one holding `complete`
+    (`latest` alone: killed while another rank still wrote its shard), names any incomplete one it passes over, and
+    with none starts from scratch (it used to skip directories and always start afresh)."""
     from lm.train import resume_path
 
     cfg = load_config(None, f"trainer.out_dir={tmp_path / 'run'}", "trainer.strategy=deepspeed_stage_2")
@@ -406,8 +409,9 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     def deepspeed_dir(name: str, complete: bool) -> Path:
         (ckpts / name / "checkpoint").mkdir(parents=True)
         (ckpts / name / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        (ckpts / name / "latest").write_text("checkpoint")
         if complete:
-            (ckpts / name / "latest").write_text("checkpoint")
+            (ckpts / name / "complete").write_text("step 1, 2 rank(s)\n")
         return ckpts / name
 
     ckpts.mkdir(parents=True)
@@ -418,8 +422,33 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     deepspeed_dir("step0000030.ckpt", complete=False)  # killed while saving
     assert resume_path(cfg, "last") == (str(ckpts / "step0000025.ckpt"), 25)
     err = capsys.readouterr().err
-    assert "warning: --resume: skipping step0000030.ckpt: an incomplete DeepSpeed checkpoint (no 'latest' file" in err
+    assert "warning: --resume: skipping step0000030.ckpt: an incomplete DeepSpeed checkpoint (no 'complete' file" in err
     assert f"--resume: continuing from {ckpts / 'step0000025.ckpt'}" in err
+
+
+def test_deepspeed_directory_is_marked_complete_after_every_ranks_save(tmp_path: Path) -> None:
+    """mark_complete: rank 0 writes `complete` into a checkpoint directory only after the barrier every rank
+    reaches once its shards are saved; other ranks and single-file checkpoints get no mark."""
+    from types import SimpleNamespace
+
+    from lm.checkpoint import mark_complete
+
+    events: list[str] = []
+    directory = tmp_path / "step0000004.ckpt"
+    directory.mkdir()
+    (tmp_path / "single.ckpt").write_bytes(b"x")
+
+    def trainer(rank: int) -> SimpleNamespace:
+        barrier = lambda: events.append(f"barrier {rank}, marked: {(directory / 'complete').exists()}")  # noqa: E731
+        return SimpleNamespace(strategy=SimpleNamespace(barrier=barrier), is_global_zero=rank == 0, global_step=4,
+                               world_size=2)
+
+    mark_complete(trainer(1), directory)
+    assert not (directory / "complete").exists()
+    mark_complete(trainer(0), directory)
+    mark_complete(trainer(0), tmp_path / "single.ckpt")
+    assert events == ["barrier 1, marked: False", "barrier 0, marked: False", "barrier 0, marked: True"]
+    assert (directory / "complete").read_text() == "step 4, 2 rank(s)\n"
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
