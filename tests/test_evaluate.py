@@ -110,7 +110,18 @@ def test_cli_formats_agree_and_bits_per_byte(corpus: Path, tmp_path: Path, capsy
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
-    assert t["tokens"] == len(encode_documents(sp, [text], 1)[0])
+    tokens = [1, *encode_documents(sp, [text], 1)[0].tolist()]  # EOS as the first prefix
+    assert t["tokens"] == len(tokens) - 1
+    # the total is lm/scoring.py's sliding-window score at the --stride asked for (tests/test_scoring's windows)
+    from lm.scoring import score
+
+    for stride in (8, 32):
+        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "one.txt"), "--stride", str(stride))
+        assert rc == 0, err
+        assert res["total"]["loss"] == pytest.approx(score(model, [tokens], [1], 32, stride)[0].nll.mean().item(),
+                                                     rel=1e-6)
+        totals.append(res["total"])
+    assert len(tokens) > 40 and totals[-1]["loss"] != totals[-2]["loss"]  # the stride matters on this document
 
 
 def test_cli_prepared_split_per_document_and_curve(corpus: Path, tmp_path: Path, capsys) -> None:

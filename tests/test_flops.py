@@ -97,6 +97,7 @@ def test_training_flops_and_mfu() -> None:
         peak_flops("Tesla V100-SXM2-16GB", "bf16-mixed")
     assert peak_flops("NVIDIA A10G", "32-true") == 35e12 and peak_flops("NVIDIA A10", "32-true") == 31.2e12
     assert mfu(156e12, 1.0, 312e12) == pytest.approx(0.5)
+    assert mfu(156e12, 1.0, 312e12, n_devices=4) == pytest.approx(0.125)  # the step's FLOPs over 4 devices' peak
     for unknown in ("Some CPU", "NVIDIA RTX A1000", "NVIDIA A1000X"):
         with pytest.raises(ValueError, match="no bf16-mixed peak FLOP/s known"):
             peak_flops(unknown)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lm
 from heads import commit_states
@@ -28,8 +29,13 @@ def _model(heads: list[dict]) -> lm.DecoderLM:
 def test_equals_ordinary_evaluation_for_causal_model() -> None:
     model = _model(CAUSAL)
     assert model.causal
-    windows = [torch.randint(0, 97, (2, 25))]
+    windows = [torch.randint(0, 97, (2, 25)), torch.randint(0, 97, (3, 25))]
     out = evaluate(model, windows)
+    with torch.no_grad():  # the mean next-token cross-entropy over every target of every window
+        nll = torch.cat([F.cross_entropy(model(w[:, :-1]).flatten(0, 1), w[:, 1:].flatten(), reduction="none")
+                         for w in windows])
+    assert len(nll) == 5 * 24 and math.isclose(out["loss"], nll.mean().item(), rel_tol=1e-6)
+    assert math.isclose(out["ppl"], math.exp(out["loss"]), rel_tol=1e-9)
     assert math.isclose(out["leakfree_loss"], out["loss"], rel_tol=1e-5)
     tokens = windows[0][:, :-1]
     torch.testing.assert_close(leak_free_logits(model, tokens), model(tokens), rtol=1e-4, atol=1e-5)

@@ -45,6 +45,10 @@ def test_the_peak_follows_the_runs_precision(run: Path, tmp_path: Path, precisio
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
     r = mfu.run_mfu(tmp_path)
     assert r["peak"] == peak and r["mfu"] == pytest.approx(1e8 * FLOPS_PER_TOKEN / peak, rel=1e-12)
+    metrics["world_size"] = 4  # tokens_per_s counts every rank's tokens: the same rate on 4 GPUs is a quarter the MFU
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
+    r = mfu.run_mfu(tmp_path)
+    assert r["devices"] == 4 and r["mfu"] == pytest.approx(1e8 * FLOPS_PER_TOKEN / (4 * peak), rel=1e-12)
 
 
 def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

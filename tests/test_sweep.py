@@ -205,6 +205,33 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, capsys) -> None:
+    """A non-causal point's perplexity is its leak-free one: run_sweep evaluates it after training (leakfree.json,
+    on training's validation windows) and flops.aggregate reads that, not the run's teacher-forced val_ppl; a
+    causal point's is its val_ppl."""
+    from tests.synthetic import write_prepared
+
+    data = write_prepared(tmp_path / "data")
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--out", str(tmp_path / "sw"),
+                       "--option", "mosa.selection=expert_choice", f"data.path={data}", "model.vocab_size=64",
+                       "trainer.accelerator=cpu"]) == 0
+    assert run_main([str(tmp_path / "sw"), "trainer.max_steps=2", "trainer.val_every=2", "optim.warmup_steps=1",
+                     "data.batch_size=2", "data.val_batches=1"]) == 0
+    points = {e["name"]: e for e in json.loads((tmp_path / "sw" / "sweep.json").read_text())["points"]}
+    assert not points["mosa_s4"]["causal"] and points["dense_s1"]["causal"]
+    assert not (Path(points["dense_s1"]["out_dir"]) / "leakfree.json").exists()
+    leakfree = json.loads((Path(points["mosa_s4"]["out_dir"]) / "leakfree.json").read_text())
+    assert leakfree["windows"] == 2 and leakfree["leakfree_ppl"] != leakfree["ppl"]
+    status = json.loads((tmp_path / "sw" / "status.json").read_text())["mosa_s4"]
+    assert status["status"] == "done" and status["leakfree_ppl"] == leakfree["leakfree_ppl"]
+    rows = {r["name"]: r for r in collect(tmp_path / "sw")}
+    assert rows["mosa_s4"]["ppl"] == leakfree["leakfree_ppl"] != rows["mosa_s4"]["val_ppl"]
+    assert rows["dense_s1"]["ppl"] == rows["dense_s1"]["val_ppl"] is not None
+    (Path(points["mosa_s4"]["out_dir"]) / "leakfree.json").unlink()  # not evaluated: no perplexity, not done
+    row = {r["name"]: r for r in collect(tmp_path / "sw")}["mosa_s4"]
+    assert row["ppl"] is None and row["status"] != "done"
+
+
 def test_damaged_sweep_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A run's config.yaml without trainer.max_steps and a status.json entry that is no object stop flops.aggregate
     and flops.run_sweep with one line naming the file; so do a --out that is a file and a bad runner argument."""
