@@ -142,8 +142,17 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing
         memory = run_in_worker("bench.resources", {**spec, **MEMORY_STEPS}, name, env=CPU_MEMORY_ENV)
         result.update(peak_mem_bytes=memory["peak_mem_bytes"], mem_above_import=memory["mem_above_import"])
     cost = model_cost(cfg)
-    return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""), "flops_per_pass": cost.flops_per_pass, "kv_per_layer": cost.kv_per_layer[0],
-            "heads": " + ".join(f"{g.count} {g.type}" for g in cfg.heads)}
+    per_layer = cost.kv_per_layer  # one number when every layer holds the same, else each layer's
+    return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""),
+            "flops_per_pass": cost.flops_per_pass,
+            "kv_per_layer": per_layer[0] if len(set(per_layer)) == 1 else " / ".join(f"{n:,}" for n in per_layer),
+            "heads": "; ".join([mix_text(cfg.heads), *(f"layer {i}: {mix_text(cfg.layer_heads[i])}"
+                                                      for i in sorted(cfg.layer_heads))])}
+
+
+def mix_text(groups: list[Any]) -> str:
+    """'4 dense + 276 mosa'."""
+    return " + ".join(f"{g.count} {g.type}" for g in groups)
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,7 +173,7 @@ ROWS = [  # (label, key, format, scale)
     ("Tokens/s", "tokens_per_s", "{:.0f}", 1),
     ("Peak memory (MB)", "peak_mem_bytes", "{:.0f}", 1e-6),
     ("Peak memory above import (MB)", "mem_above_import", "{:.0f}", 1e-6),
-    ("KV Total, one layer (Table 2)", "kv_per_layer", "{:,}", 1),
+    ("KV Total per layer (Table 2)", "kv_per_layer", "{:,}", 1),
     ("KV Total, all layers", "kv_total", "{:,}", 1),
     ("KV entries stored, all layers (measured)", "kv_stored", "{:,}", 1),
     ("KV slots allocated, all layers", "kv_slots", "{:,}", 1),
@@ -179,10 +188,11 @@ def table(results: list[dict[str, Any]]) -> str:
         cells = []
         for i, r in enumerate(results):
             v = r.get(key)
-            cells.append("-" if v is None else fmt.format(v * scale if scale else v))
+            cells.append("-" if v is None else v if isinstance(v, str) else fmt.format(v * scale if scale else v))
             if i:
                 base = results[0].get(key)
-                change = f"{100 * (v / base - 1):+.1f}%" if scale and v is not None and base else ""
+                numbers = isinstance(v, (int, float)) and isinstance(base, (int, float))
+                change = f"{100 * (v / base - 1):+.1f}%" if scale and numbers and base else ""
                 cells.append(change)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -32,7 +32,8 @@ The next two are choices, not forced by causality:
   window merged into the broadcast softmax (agents and window share one probability mass), which also gives
   the rows before the first completed block context. Eq. 6's DWC(V) itself, made causal, is option `dwc`
   = K > 0: a depthwise convolution over V of the K most recent tokens (rows t-K+1 .. t; the paper's 3 x 3
-  image kernel, k = 3, becomes K taps along the sequence), added to each head's output before W^O.
+  image kernel, k = 3, becomes K taps along the sequence), added to each head's output before W^O. In a DecoderLM
+  its taps start N(0, init_std) and its bias 0, like every other weight (lm/model.py).
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged (with `dwc` or
 `bias`, the convolution's taps and bias and the agent-bias tables come on top).
 """

@@ -79,8 +79,9 @@ class RoutingOptions(HeadOptions):
         return self.assignment != "topk"  # RT's balanced clusters of k tokens over the whole sequence
 
     def kv_per_head(self, seq_len: int) -> int:
-        """nearest: the tokens the clusters admit (`admitted`); topk: T (not decodable; a future query may fall into
-        any cluster)."""
+        """nearest: the tokens the clusters admit (`admitted`), the most entries the cache can hold; it allocates
+        ρ x min(capacity, max_len) slots, more at capacity_factor > 1, as each cluster may fill (bench/resources.py
+        reports both); topk: T (not decodable; a future query may fall into any cluster)."""
         if self.assignment == "topk":
             return seq_len
         return admitted(seq_len, self.sparsity, slot_capacity(tokens_per_head(seq_len, self.sparsity),

@@ -384,7 +384,12 @@ def to_yaml(cfg: Config) -> str:
 
 
 def from_dict(values: dict) -> Config:
-    """A Config from a plain dict (e.g. saved in a checkpoint), validated."""
+    """A Config from a plain dict (e.g. saved in a checkpoint, or read back from JSON, whose keys are strings:
+    model.layer_heads' "1" is layer 1), validated."""
+    model = values.get("model")
+    if isinstance(model, dict) and isinstance(model.get("layer_heads"), dict):
+        layers = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in model["layer_heads"].items()}
+        values = {**values, "model": {**model, "layer_heads": layers}}
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(values)))
     except OmegaConfBaseException as err:

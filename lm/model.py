@@ -74,7 +74,9 @@ class DecoderLM(nn.Module):
         self.apply(self._init)
 
     def _init(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        """Every weight N(0, init_std), every bias 0: projections, embeddings and the agent heads' convolution
+        (whose PyTorch default, std ~0.3 at K = 3, made its term ~4x the attention's at init)."""
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

@@ -70,3 +70,19 @@ def test_cpu_memory_comes_from_a_process_whose_rss_follows_the_live_tensors(monk
     calls.clear()
     resources.run_worker("q", cfg, resources.argparse.Namespace(**{**vars(args), "device": "cuda"}))
     assert calls == [(4, 2, None)]
+
+
+def test_a_per_layer_mix_is_measured_and_shown_per_layer(tmp_path: Path) -> None:
+    """model.layer_heads reaches the worker (its config travels as JSON, whose keys are strings: layer "1" was
+    refused) and the table shows every layer's mix and KV (layer 0's alone before)."""
+    config = tmp_path / "hybrid.yaml"
+    mixes = ("    - {type: dense, count: 5}\n  layer_heads:\n"
+             "    1: [{type: dense, count: 2}, {type: local, count: 3, options: {window: 8}}]\n")
+    config.write_text((ROOT / "configs" / "quickstart.yaml").read_text().replace("    - {type: dense, count: 5}\n", mixes))
+    out = tmp_path / "res.md"
+    assert resources.main(["--config", str(config), "--seq-len", "32", "--batch", "1", "--steps", "1", "--warmup", "0",
+                           "--out", str(out)]) == 0
+    rows = {r.split(" | ")[0].strip("| "): r.rstrip(" |").split(" | ")[1] for r in out.read_text().splitlines()
+            if r.startswith("| ")}
+    assert rows["Heads per layer"] == "5 dense; layer 1: 2 dense + 3 local"
+    assert rows["KV Total per layer (Table 2)"] == "160 / 88 / 160 / 160"  # 5 x 32; 2 x 32 + 3 x 8

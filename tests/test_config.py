@@ -274,3 +274,17 @@ def test_tiny_shaped_experiments_train_with_the_dense_baselines_recipe(path: Pat
 def test_a_head_group_error_names_the_mix_it_is_in(override: str, message: str) -> None:
     """A per-layer override's group is named as model.layer_heads.<layer>, the shared mix's as model.heads."""
     assert error_of(None, override) == message
+
+
+def test_a_config_read_back_from_json_keeps_its_per_layer_mixes() -> None:
+    """JSON (a worker's spec, an HF export's config.json) turns layer_heads' int keys into strings: from_dict reads
+    "1" as layer 1 again (it refused the key)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from lm.config import from_dict
+
+    cfg = load_config(None, "model.n_layers=3", "model.layer_heads.1=[{type: dense, count: 2}]")
+    back = from_dict(json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg)))))
+    assert back == cfg and list(back.model.layer_heads) == [1]

@@ -201,3 +201,24 @@ def test_forward_equals_the_architecture_written_out() -> None:
     with torch.no_grad():
         got = model(x)
     assert (got - want).abs().max().item() <= 1e-10 * want.abs().max().item()
+
+
+def test_every_weight_starts_at_init_std_and_every_bias_at_zero() -> None:
+    """model.init_std applies to every weight of every head type, the agent heads' depthwise convolution too (its
+    PyTorch default init was ~15x larger); LayerNorm keeps 1 and 0, the agent-bias tables and the MoSA predictor's
+    bias their own zeros."""
+    from heads import REGISTRY
+    from tests.head_checks import tiny_options
+
+    mix = [{"type": "dense", "count": 1}, *({"type": t, "count": 2, "options": tiny_options(t)}
+                                           for t in REGISTRY if t != "dense")]
+    torch.manual_seed(0)
+    model = lm.build_model(tiny_config(mix, init_std=0.05, seq_len=32).model)
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, torch.nn.LayerNorm):
+            continue
+        if name.endswith("bias"):
+            assert not p.any(), name
+        elif p.numel() >= 48:  # enough draws for the spread
+            assert 0.03 < p.std().item() < 0.07, (name, p.std().item())
