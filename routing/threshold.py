@@ -34,6 +34,8 @@ class RunningQuantileThreshold(StagedStatistics):
     def __init__(self, heads: int, sparsity: float, momentum: float) -> None:
         super().__init__()
         self.sparsity, self.momentum = sparsity, momentum
+        rho = decimal(sparsity)  # ρ = p / q exactly, so that the quantile's rank is integer arithmetic (and traceable)
+        self._rho_p, self._rho_q = rho.numerator, rho.denominator
         self.register_buffer("tau", torch.zeros(heads))
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
         self.stage_into(heads + 1)  # this step's sum of micro-batch quantiles [:heads] and their count [heads]
@@ -56,7 +58,7 @@ class RunningQuantileThreshold(StagedStatistics):
         so that the tied tokens pass (capacity caps them) instead of none; statistic - 1 when all are equal."""
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
         n = per_head.shape[1]
-        rank = min(max(n - math.floor(n / decimal(self.sparsity)), 1), n)  # ceil((1 - 1/ρ) n), counted exactly
+        rank = min(max(n - n * self._rho_q // self._rho_p, 1), n)  # ceil((1 - 1/ρ) n) = n - floor(n q / p)
         stat = per_head.kthvalue(rank, dim=1).values  # [H]
         larger = per_head.masked_fill(per_head <= stat[:, None], math.inf).amin(1)  # [H], inf: none larger
         smaller = per_head.masked_fill(per_head >= stat[:, None], -math.inf).amax(1)  # [H], -inf: none smaller

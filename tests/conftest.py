@@ -59,3 +59,11 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def spy_on_compile(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The backend of every torch.compile call from now on (each still compiles)."""
+    backends: list[object] = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: backends.append(k.get("backend")) or real(*a, **k))
+    return backends

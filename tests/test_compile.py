@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from heads import REGISTRY, commit_states
 from lm.module import LMModule, compiled
-from tests.conftest import tiny_config
+from tests.conftest import spy_on_compile, tiny_config
 from tests.head_checks import tiny_options
 
 T = 32
@@ -35,12 +36,14 @@ def test_training_step_compiles_fullgraph(head_type: str, options: dict) -> None
     x, y = torch.randint(0, 97, (2, T)), torch.randint(0, 97, (2, T))
     torch._dynamo.reset()
     grads = []
-    for fn in (module.losses, compiled(module.losses, backend="aot_eager")):
+    counter = CompileCounterWithBackend("aot_eager")
+    for fn in (module.losses, compiled(module.losses, backend=counter)):
         torch.manual_seed(0)
         loss = fn(x, y)[0]
         grads.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()), allow_unused=True)])
         assert all(isinstance(v, torch.Tensor) for g in module.model.head_groups() for v in g.stats.values())
     torch._dynamo.reset()
+    assert counter.frame_count == 1  # compiled, as one graph
     for eager, comp in zip(*grads):
         if eager is None:
             assert comp is None
@@ -51,19 +54,24 @@ def test_training_step_compiles_fullgraph(head_type: str, options: dict) -> None
 @pytest.mark.slow  # inductor generates and compiles C++ for the forward and backward graphs (~1 min)
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU backend needs a C++ compiler; none on PATH")
-def test_inductor_trains_a_hybrid_like_eager() -> None:
+def test_inductor_trains_a_hybrid_like_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """What trainer.compile runs (backend inductor, fullgraph): a dense + MoSA + MoSAIC model's loss and gradients
-    equal eager's (fp32, to kernel-fusion rounding)."""
+    equal eager's (fp32, to kernel-fusion rounding); torch.compile was asked for inductor and dynamo made a graph."""
+    from torch._dynamo.utils import counters
+
+    backends = spy_on_compile(monkeypatch)
     heads = [{"type": "dense", "count": 1}, {"type": "mosa", "count": 2}, {"type": "mosaic", "count": 2}]
     cfg = tiny_config(heads, n_layers=2, seq_len=T)
     module = LMModule(cfg).train()
     x, y = torch.randint(0, 97, (2, T)), torch.randint(0, 97, (2, T))
     torch._dynamo.reset()
     grads = []
+    counters.clear()
     for fn in (module.losses, compiled(module.losses)):
         torch.manual_seed(0)
         loss = fn(x, y)[0]
         grads.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
+    assert backends == ["inductor"] and counters["stats"]["unique_graphs"] >= 1
     torch._dynamo.reset()
     for eager, comp in zip(*grads):
         torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
