@@ -160,13 +160,18 @@ def _caches(cache):
 @pytest.mark.parametrize("name", ["dense", "local", "fixed", "mosa", "mosa_quota", "mosaic_include_rho8", "routing",
                                   "routing_raw"])
 def test_cache_bytes_match_the_analytic_kv_count(name: str) -> None:
-    """K and V slots allocated = kv_total(T) x 2 x head_dim x 4 bytes per sequence; on top, an int32
-    position per slot and an int64 fill counter per head (and MoSAIC's slot counter)."""
+    """K and V slots allocated = kv_total(T) x 2 x head_dim x 4 bytes per sequence; on top, exactly an int32
+    position per slot and an int64 fill counter per cache row (a head; a Routing head's ρ clusters), and MoSAIC's
+    int64 slot counter per head, counted here from the config."""
     model = model_for(CAUSAL_TYPES[name])
     cache = new_cache(model, batch=3, max_len=T)
     kv_only = sum(c.k.nbytes + c.v.nbytes for c in _caches(cache))
     assert kv_only == 3 * kv_bytes_analytic(model, T)
-    assert kv_only < cache_nbytes(cache) <= kv_only * 1.5
+    groups = [g for layer in range(model.cfg.n_layers) for g in model.cfg.mix(layer)]
+    rows = sum(g.count * (g.options.get("sparsity", 1) if g.type == "routing" else 1) for g in groups)
+    counters = sum(g.count for g in groups if g.type == "mosaic")
+    slots = kv_only // (2 * model.cfg.head_dim * 4)  # over sequences, heads and layers
+    assert cache_nbytes(cache) == kv_only + 4 * slots + 8 * 3 * rows + 8 * 3 * counters
 
 
 @pytest.mark.parametrize("name", ["dense", "local", "fixed", "topk", "agent", "mita", "mita_route_only"])

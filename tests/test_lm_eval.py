@@ -137,6 +137,31 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
         assert text == lm.tok_decode(ref).split("\n\n")[0]
 
 
+def test_generate_until_samples_at_the_requests_temperature(setup) -> None:
+    """do_sample with a temperature draws as lm/generate.py does at that temperature from the same RNG state (not
+    greedily); without do_sample the temperature is ignored (greedy)."""
+    from lm_eval.api.instance import Instance
+
+    _, _, model, lm = setup
+    prompt = " ".join(english(3, 1).split()[:3])
+    ids = lm.tok_encode(prompt)
+
+    def request(**kw: object) -> str:
+        torch.manual_seed(7)
+        return lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 8, **kw}), 0)],
+                                 disable_tqdm=True)[0]
+
+    def reference(temperature: float) -> str:
+        torch.manual_seed(7)
+        out = generate(model, torch.tensor([ids]), 8, temperature=temperature, stop_id=1,
+                       vocab=lm.sp.get_piece_size())[0, len(ids):].tolist()
+        return lm.tok_decode(out[: out.index(1)] if 1 in out else out)
+
+    sampled = request(do_sample=True, temperature=3.0)
+    assert sampled == reference(3.0) != reference(0.0)
+    assert request(do_sample=False, temperature=3.0) == request() == reference(0.0)
+
+
 def test_generate_until_keeps_half_the_window_for_the_prompt(setup, capsys) -> None:
     """lm-eval's default max_gen_toks (256) above seq_len: the context keeps its last seq_len/2 tokens (it kept
     one token before), the generation fills the rest of the window, and one warning counts both cuts; a short

@@ -95,8 +95,11 @@ def test_clis_data_train_choose(tmp_path, capsys):
     assert data["states"].shape == (12, 4, 32) and data["delta"].shape == (36,)
     model, cfg = load_compressed(ckpt)  # Loss(compressed at r=0.125) = the training-time suffix loss
     windows = fixed_windows(document_windows(data_dir, "train", cfg), 2, 6, 16 + 8 + 1, seed=0)
-    loss = torch.cat([model.suffix_loss(w, Layout((16,), 2, 8), reduce=False) for w in windows]).detach()
-    assert torch.allclose(data["delta"][:12] + data["full"], loss, atol=1e-5)
+    for rows_of, tokens in ((slice(0, 12), 2), (slice(12, 24), 4)):  # r = 0.125, 0.25 of the 16-token prefix
+        loss = torch.cat([model.suffix_loss(w, Layout((16,), tokens, 8), reduce=False) for w in windows]).detach()
+        assert torch.allclose(data["delta"][rows_of] + data["full"], loss, atol=1e-5)
+    assert torch.equal(data["ratio"], torch.tensor([0.125] * 12 + [0.25] * 12 + [0.5] * 12))  # each row's own ratio
+    assert torch.equal(data["prompt"], torch.arange(12).repeat(3))
     assert ratio_predictor.main(["train", "--data", str(rows), "--out", str(pred), "--steps", "30"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["train_rows"] + report["heldout_rows"] == 36
