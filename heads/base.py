@@ -64,7 +64,8 @@ class HeadOptions:
     @classmethod
     def example(cls) -> dict[str, Any]:
         """Small valid options that fit the shared tests' tiny models (seq_len >= 32), as a config's dict. A type
-        with options of its own defines it (tests/test_head_contract_random.py fails until it does)."""
+        with options of its own defines it (tests/test_head_contract_random.py fails until it does). Its blocks,
+        strides and windows divide 960: tests/test_rope.py shifts every position by 960 and expects the same output."""
         return {}
 
     @classmethod
@@ -187,7 +188,8 @@ class HeadGroup(nn.Module):
         return self.forward_fast(x, positions)
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{self.type_name}: forward_reference is missing (every head type defines it: "
+                                  "the plain implementation of its paper's equations)")
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Defaults to the reference; head types with a faster path override it."""

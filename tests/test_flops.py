@@ -254,6 +254,8 @@ def test_layer_flops_count_quota_heads_on_shorter_windows_only_where_the_formula
 
 def test_every_registered_formula_has_a_name_in_the_registry() -> None:
     # one formula per head type, none for a type that does not exist; plus the compression layer (lm/compression.py)
+    missing = set(REGISTRY) - set(FORMULAS)
+    assert not missing, f"head type(s) {sorted(missing)} have no @formula in flops/formulas.py (README, adding a head type)"
     assert set(FORMULAS) == set(REGISTRY) | {"compression"}
     cfg = dataclasses.replace(lm.ModelConfig(), heads=[lm.config.HeadGroupConfig("dense", 9)])
     assert model_cost(cfg).flops_per_pass == 54_760_833_024  # Table 4, Tiny

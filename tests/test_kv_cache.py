@@ -64,7 +64,8 @@ def test_a_full_cache_refuses_the_entry(step: int) -> None:
 
 
 STEPWISE = {"local": {"window": 4}, "fixed": {"sparsity": 2}, "mosa": {"sparsity": 2, "selection": "quota"},
-            "mosaic": {"sparsity": 2}, "agent": {"block": 4, "window": 3}, "mita": {"block": 4, "k": 4}}
+            "mosaic": {"sparsity": 2}, "agent": {"block": 4, "window": 3}, "mita": {"block": 4, "k": 4},
+            "routing": {"sparsity": 2}}
 
 
 @pytest.mark.parametrize("head", sorted(STEPWISE))
@@ -109,3 +110,25 @@ def test_a_cache_sized_for_fewer_tokens_refuses_or_stays_exact(head: str) -> Non
     except RuntimeError as err:
         assert str(err).startswith("KV cache full"), err
     torch.testing.assert_close(torch.cat(outputs, 1), full[:, :t], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("head", _decodable())
+def test_a_chunk_after_the_prefill_is_refused_or_exact(head: str) -> None:
+    """Every decodable type, given two tokens at once after its prefill, either refuses in one line (the STEPWISE
+    types above) or returns the full pass's outputs for them; one token at a time then goes on exactly."""
+    from heads import REGISTRY
+
+    group = make_group(head, REGISTRY[head].Options.example(), 32, count=2, dtype=torch.float64)
+    x, positions = torch.randn(2, 32, 32, dtype=torch.float64), torch.arange(32).expand(2, 32)
+    full = group(x, positions)
+    cache = group.new_cache(2, 32, dtype=torch.float64)
+    outputs = [group(x[:, :20], positions[:, :20], cache=cache)]
+    try:
+        outputs.append(group(x[:, 20:22], positions[:, 20:22], cache=cache))
+        fed = 22
+    except ValueError as err:
+        assert head in STEPWISE and str(err) == f"{head}: decoding takes one token per call after the prefill, got 2"
+        fed = 20
+    assert head not in STEPWISE or fed == 20, f"{head} took a chunk, though listed as refusing one"
+    outputs += [group(x[:, t : t + 1], positions[:, t : t + 1], cache=cache) for t in range(fed, 32)]
+    torch.testing.assert_close(torch.cat(outputs, 1), full, rtol=1e-9, atol=1e-9)
