@@ -8,8 +8,11 @@ valid but suspect (lm/sanity.py) print one-line warnings.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -132,6 +135,31 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (lm/compression.py)
+
+
+def _bool_keys(cls: type, prefix: str = "") -> set[str]:
+    """Dotted keys of a config dataclass's bool fields, nested sections included."""
+    keys = set()
+    for name, hint in typing.get_type_hints(cls).items():
+        inner = next((a for a in typing.get_args(hint) if a is not type(None)), hint)  # Optional[X] -> X
+        if hint is bool:
+            keys.add(prefix + name)
+        elif dataclasses.is_dataclass(inner):
+            keys |= _bool_keys(inner, f"{prefix}{name}.")  # type: ignore[arg-type]
+    return keys
+
+
+BOOL_KEYS = _bool_keys(Config)  # OmegaConf reads any integer there as a bool (trainer.compile=2 is true): refused
+
+
+def _check_bools(values: dict[str, Any], where: str = "") -> None:
+    """ConfigError unless every value given for a bool field is a bool (YAML true/false, yes/no)."""
+    for key, value in values.items():
+        if isinstance(value, str):
+            with contextlib.suppress(yaml.YAMLError):
+                value = yaml.safe_load(value)
+        if key in BOOL_KEYS and not isinstance(value, bool) and not str(value).startswith("${"):  # interpolation
+            raise ConfigError(f"{where}{key} must be true or false, got {value!r}")
 
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -357,10 +385,14 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         if wrong := _wrong_shape(schema, layer):  # OmegaConf's merge says neither the key nor the file
             raise ConfigError(f"{p}: {wrong}")
+        raw = yaml.safe_load(p.read_text())
+        _check_bools({f"{section}.{key}": value for section, fields in raw.items() if isinstance(fields, dict)
+                      for key, value in fields.items()}, f"{p}: ")
         layers.append(layer)
+    keywords = {k.replace("__", "."): str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
+    _check_bools({**dict(u.split("=", 1) for u in dotlist if "=" in u), **keywords})
     try:
         merged = OmegaConf.merge(schema, *layers)
-        keywords = {k.replace("__", "."): str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
         if merged.compression is None and any(u.startswith("compression.") for u in [*dotlist, *keywords]):
             merged.compression = CompressionConfig()  # `compression.x=...` switches the optional section on
         for update in dotlist:  # applied as updates, not merged as a layer, so list items work: model.heads.0.count=4

@@ -288,3 +288,23 @@ def test_a_config_read_back_from_json_keeps_its_per_layer_mixes() -> None:
     cfg = load_config(None, "model.n_layers=3", "model.layer_heads.1=[{type: dense, count: 2}]")
     back = from_dict(json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg)))))
     assert back == cfg and list(back.model.layer_heads) == [1]
+
+
+def test_a_bool_field_takes_only_true_or_false(tmp_path: Path) -> None:
+    """OmegaConf reads any integer as a bool (trainer.compile=2 trained compiled without a word): a bool field, in a
+    YAML file, a dotted override or a keyword override, takes true/false (yes/no) only, as head options do."""
+    from lm.config import BOOL_KEYS
+
+    assert BOOL_KEYS == {"trainer.compile", "trainer.activation_checkpointing", "trainer.deterministic",
+                         "compression.detach_prefix"}
+    (tmp_path / "c.yaml").write_text("trainer:\n  compile: 2\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: trainer\.compile must be true or false, got 2$"):
+        load_config(tmp_path / "c.yaml")
+    for update in ("trainer.deterministic=1", "compression.detach_prefix=0"):
+        with pytest.raises(ConfigError, match=f"^{update.split('=')[0]} must be true or false, got {update[-1]}$"):
+            load_config(None, update)
+    with pytest.raises(ConfigError, match=r"^trainer\.activation_checkpointing must be true or false, got 'sometimes'$"):
+        load_config(None, trainer__activation_checkpointing="sometimes")
+    (tmp_path / "ok.yaml").write_text("trainer:\n  compile: yes\n")
+    assert load_config(tmp_path / "ok.yaml", "trainer.deterministic=true").trainer.deterministic
+    assert load_config(tmp_path / "ok.yaml").trainer.compile and not load_config(None, "trainer.compile=false").trainer.compile
