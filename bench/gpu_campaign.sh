@@ -4,9 +4,10 @@
 #   bash bench/gpu_campaign.sh [PHASE ...]      PHASE: timing mfu tests (default: all three, in that order)
 #
 # A session's 15 device minutes hold two calls, the machine's starts included:
-#   run(command="BUDGET_S=440 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=470)
+#   run(command="BUDGET_S=360 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=390)
 #   run(command="BUDGET_S=<budget_left_s - 130> bash bench/gpu_campaign.sh tests", same carry)
-# (the second call finds the first's results on a machine still warm, or starts a fresh one: 4 minutes or more left).
+# (the second call, made at once, finds the first's machine still warm; a fresh start needs 4 minutes or more left).
+# The steps' limits add up to what a call has: the later steps of a phase are its optional ones.
 #
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
 #           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
@@ -48,7 +49,7 @@ step() {
     local limit=$(( want < have ? want : have )) t0=$(date +%s)
     echo "== $name (limit ${limit}s): $*"
     # SIGINT at the limit: pytest and Lightning stop and still report what they did
-    timeout -s INT -k 30 "$limit" "$@"; local rc=$?
+    timeout -s INT -k 10 "$limit" "$@"; local rc=$?
     echo "== $name: exit $rc after $(( $(date +%s) - t0 ))s"
     echo "$name exit $rc $(( $(date +%s) - t0 ))s" >> $C/status.txt
     pack
@@ -63,7 +64,7 @@ fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| triton', triton.__version__, '| cuDNN', torch.backends.cudnn.version(), '|', torch.cuda.get_device_name(0))"
-    python3 -m pip list 2>/dev/null | grep -i -E "^(lightning|deepspeed|datasets|pytest|pytest-xdist|flash.attn|numpy|sentencepiece|omegaconf) "
+    python3 -m pip list 2>/dev/null | grep -i -E "^(lightning|deepspeed|datasets|pytest|pytest-xdist|flash.attn|numpy|sentencepiece|omegaconf|pyarrow|fsspec|protobuf) "
     nproc; free -g | head -2
 } > $C/environment.txt 2>&1
 cat $C/environment.txt
@@ -94,7 +95,7 @@ background_checks() {  # ZeRO-2, then DDP: stopped by SIGTERM half-way and resum
 }
 c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, curves against tokens
     local run=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
-               trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2.5)
+               trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2)
     (train c4_dense configs/tiny.yaml "${run[@]}"; echo "c4_dense exit $?" >> $C/status.txt) &
     (train c4_mosa_isoflop configs/tiny.yaml "${run[@]}" \
         "model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]"
@@ -102,6 +103,14 @@ c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, c
     wait
     python3 -m lm.plots $R/c4_dense $R/c4_mosa_isoflop --out $C/c4_dense_vs_mosa.png \
         --title "C4, Tiny: dense 9 vs 4 + 276 MoSA (rho 32), equal FLOPs"
+}
+salvage() {  # what runs stopped at the budget wrote so far: their metrics, curves and logs
+    local r
+    for r in $R/c4_*; do
+        [ -f $C/$(basename $r).metrics.json ] || cp $r/metrics.json $C/$(basename $r).metrics.json 2>/dev/null
+        [ -f $C/$(basename $r).png ] || cp $r/val_curve.png $C/$(basename $r).png 2>/dev/null
+    done
+    for r in $R/resume_*; do for f in $r/*.log; do cp "$f" "$C/$(basename $r)_$(basename "$f")"; done 2>/dev/null; done
 }
 export -f train background_checks c4_runs; export DATA R C
 
@@ -114,7 +123,7 @@ tests)
     SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? ($(left) > 75 ? $(left) - 55 : 20) : 200 ))")
     export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
     if command -v make >/dev/null; then
-        step make-test 240 make test VENV=$VENV > $C/tests.log 2>&1
+        step make-test 240 make test VENV=$VENV -o $VENV/.installed > $C/tests.log 2>&1  # -o: the stand-in stays
     else  # what `make test` runs, where the image has no make
         step make-test 240 env TRITON_INTERPRET=0 python3 -m pytest tests > $C/tests.log 2>&1
     fi
@@ -122,24 +131,27 @@ tests)
     tail -30 $C/tests.log
     step wait-background 200 bash -c "while kill -0 $checks 2>/dev/null || kill -0 $c4 2>/dev/null; do sleep 1; done"
     kill -KILL -- -$checks -$c4 2>/dev/null  # overran: a training run defers SIGTERM to the end of its step
+    salvage
     cat $C/resume_*.md 2>/dev/null
     ;;
 timing)
-    step table2 100 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
+    # bench/resources.py rewrites its table after every round, bench/heads.py after every T: a step stopped at its
+    # limit keeps what it finished
+    step table2 55 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_table2.md
-    step isoflop 100 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
+    step isoflop 55 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 2 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
-    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
-        --T 1024 4096 8192 --batch 4 --repeats 10 --out $C/gpu_heads.md  # the 5 dense heads the IsoFLOP model replaces
+    step heads 70 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+        --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md  # the 5 dense heads the IsoFLOP model replaces
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
-    step mfu_tiny_eager 50 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
-    step mfu_small_eager 60 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
-    step mfu_tiny_compiled 100 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
-    step mfu_small_compiled 110 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
+    step mfu_tiny_eager 40 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
+    step mfu_small_eager 45 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
+    step mfu_small_compiled 90 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
+    step mfu_tiny_compiled 90 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
     done=$(for r in $R/mfu_*; do [ -f $r/.campaign_done ] && echo $r; done)  # one unfinished run would void the table
-    [ -n "$done" ] && python3 -m flops.mfu $done > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
+    [ -n "$done" ] && timeout 25 python3 -m flops.mfu $done > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
     ;;
 *) echo "unknown phase $phase (timing, mfu, tests)"; exit 2;;
 esac; pack; done

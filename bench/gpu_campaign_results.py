@@ -55,9 +55,11 @@ def pytest_id(classname: str, name: str) -> str:
 def tests_report(c: Path) -> list[str]:
     lines = header("The test suite on a GPU (`make test`, Triton compiled, pytest-xdist)", c, ["make-test"])
     xml, log = c / "tests.xml", read(c / "tests.log") or ""
-    if not xml.is_file():
-        return lines + ["**Missing**: no junit file; the end of the log:", "", "```", log[-3000:], "```"]
-    cases = ET.parse(xml).getroot().iter("testcase")
+    try:
+        cases = ET.parse(xml).getroot().iter("testcase")
+    except (OSError, ET.ParseError) as err:  # not written, or cut off mid-write
+        why = "no junit file" if not xml.is_file() else f"the junit file does not parse ({err})"
+        return lines + [f"**Missing**: {why}; the end of the log:", "", "```", log[-3000:], "```"]
     outcome: Counter[str] = Counter()
     failures, skips = [], Counter()
     for case in cases:

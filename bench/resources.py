@@ -198,6 +198,28 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report(a: argparse.Namespace, argv: list[str] | None, T: int, rounds: list[list[dict[str, Any]]]) -> str:
+    """The markdown report of the rounds done so far: command, machine, setting, the per-round changes, the table."""
+    results = [combine([r[i] for r in rounds]) for i in range(len(rounds[0]))]
+    r0 = results[0]
+    header = (
+        f"Command: `{command_line(['-m', 'bench.resources'], argv)}`  \n"
+        f"Machine: {platform.platform()}, {r0['device_name']}, device `{a.device}`, torch {r0['torch']}, "
+        f"{a.threads} thread(s)  \n"
+        f"Setting: batch {a.batch}, T = {T}, median of {a.steps} training steps after {a.warmup} "
+        f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
+        f"each config in a fresh process; {len(rounds)} of {a.rounds} round(s) of all configs in turn, medians over "
+        "rounds"
+        + ("" if a.device.startswith("cuda") else
+           f"; CPU memory from a second process of {sum(MEMORY_STEPS.values())} steps per config and round with "
+           f"{' '.join(f'{k}={v}' for k, v in CPU_MEMORY_ENV.items())} (RSS follows the live tensors)") + ".  \n"
+        + "".join(f"Wall-time change per round, {r['name']}: "
+                  + ", ".join(f"{100 * (x[i]['step_ms'] / x[0]['step_ms'] - 1):+.1f}%" for x in rounds) + "  \n"
+                  for i, r in enumerate(results) if i)
+    )
+    return header + "\n" + table(results)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m bench.resources")
     p.add_argument("--pair", action="append", default=[], help=f"built-in pair: {', '.join(PAIRS)}")
@@ -234,31 +256,17 @@ def main(argv: list[str] | None = None) -> int:
             configs = [(n, dataclasses.replace(c, seq_len=a.seq_len)) for n, c in configs]
         modes = (False, True) if a.activation_checkpointing else (False,)
         runs = [(name, cfg, mode) for name, cfg in configs for mode in modes]
-        rounds = [[run_worker(name, cfg, a, mode) for name, cfg, mode in runs] for _ in range(a.rounds)]  # all configs, in turn, per round
+        rounds: list[list[dict[str, Any]]] = []
+        for _ in range(a.rounds):  # all configs, in turn, per round; the table rewritten after each round
+            rounds.append([run_worker(name, cfg, a, mode) for name, cfg, mode in runs])
+            text = report(a, argv, configs[0][1].seq_len, rounds)
+            if a.out:
+                a.out.parent.mkdir(parents=True, exist_ok=True)
+                a.out.write_text(text)  # a run stopped at a time limit keeps the rounds it finished
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    results = [combine([r[i] for r in rounds]) for i in range(len(runs))]
-    r0 = results[0]
-    header = (
-        f"Command: `{command_line(['-m', 'bench.resources'], argv)}`  \n"
-        f"Machine: {platform.platform()}, {r0['device_name']}, device `{a.device}`, torch {r0['torch']}, "
-        f"{a.threads} thread(s)  \n"
-        f"Setting: batch {a.batch}, T = {configs[0][1].seq_len}, median of {a.steps} training steps after {a.warmup} "
-        f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
-        f"each config in a fresh process; {a.rounds} round(s) of all configs in turn, medians over rounds"
-        + ("" if a.device.startswith("cuda") else
-           f"; CPU memory from a second process of {sum(MEMORY_STEPS.values())} steps per config and round with "
-           f"{' '.join(f'{k}={v}' for k, v in CPU_MEMORY_ENV.items())} (RSS follows the live tensors)") + ".  \n"
-        + "".join(f"Wall-time change per round, {r['name']}: "
-                  + ", ".join(f"{100 * (x[i]['step_ms'] / x[0]['step_ms'] - 1):+.1f}%" for x in rounds) + "  \n"
-                  for i, r in enumerate(results) if i)
-    )
-    text = header + "\n" + table(results)
     print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
     return 0
 
 

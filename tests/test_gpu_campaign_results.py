@@ -65,6 +65,17 @@ def test_a_cut_short_session_says_so(tmp_path: Path) -> None:
     assert "(**the session was cut short**: the tests not listed did not run)" in (tmp_path / "r" / "gpu_tests.md").read_text()
 
 
+def test_a_truncated_junit_file_is_reported_missing_and_the_other_reports_written(tmp_path: Path) -> None:
+    c = _campaign(tmp_path)
+    (c / "tests.xml").write_text(JUNIT[:200])  # cut off mid-write
+    assert results.main([str(c), "--results", str(tmp_path / "r")]) == 0
+    assert "**Missing**: the junit file does not parse (" in (tmp_path / "r" / "gpu_tests.md").read_text()
+    assert "| Wall-time/step | 100 | 90 |" in (tmp_path / "r" / "gpu_table2.md").read_text()
+    (c / "tests.xml").unlink()
+    assert results.main([str(c), "--results", str(tmp_path / "r2")]) == 0
+    assert "**Missing**: no junit file; the end of the log:" in (tmp_path / "r2" / "gpu_tests.md").read_text()
+
+
 def test_not_a_campaign_is_one_line(tmp_path: Path, capsys) -> None:
     assert results.main([str(tmp_path), "--results", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path}: not a campaign output (no campaign/environment.txt)\n"
@@ -105,3 +116,27 @@ def test_junit_cases_get_pytest_ids() -> None:
     """A test in a class keeps its class after the file (it was read as a directory: tests/test_a/TestK.py)."""
     assert results.pytest_id("tests.test_a", "test_ok[3]") == "tests/test_a.py::test_ok[3]"
     assert results.pytest_id("tests.test_a.TestK", "test_y") == "tests/test_a.py::TestK::test_y"
+
+
+def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None:
+    """The GPU image has its own Python: the campaign's stand-in venv (a python that execs python3) must not be
+    rebuilt by `make test` (the Makefile's install-settings rule would remake it: python3 -m venv over the stand-in,
+    then pip installs without a network), so the campaign runs make with -o on the install stamp."""
+    import re
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "bench" / "gpu_campaign.sh").read_text()
+    (call,) = re.findall(r"step make-test \d+ (make test [^>]*?)\s*>", script)
+    assert call == "make test VENV=$VENV -o $VENV/.installed"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()
+    dry = subprocess.run(["make", "-n", "test", f"VENV={venv}", "-o", f"{venv}/.installed"], cwd=root,
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    assert len(dry) == 1 and dry[0].endswith(f"{venv}/bin/python -m pytest tests"), dry
