@@ -203,8 +203,8 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     agents) + 4h'T*min(w, T) (local window) + 2Kh'T (option dwc = K: the causal depthwise convolution over V,
     eq. 7's k^2 NC term with K taps). Pooling and the agent biases' additions not counted (elementwise). Params:
     dense's 4hh' + (K + 1)h' for the convolution's taps and bias + 2 x (option bias) distance buckets of B1 and B2.
-    An algorithmic count: the fast path scores each block of b queries against 2b window keys (1.06x this at
-    h = 512, b = w = 64, T = 1024)."""
+    An algorithmic count: the fast path scores each block of b queries against 2b window keys whatever w, 8h'Tb
+    where this counts 4h'Tw (1.06x this at h = 512, b = w = 64, T = 1024; more when w < b)."""
     m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc", 0))
     dwc = (2 * K * hd * T, (K + 1) * hd) if K else (0, 0)
     params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias", 0))
