@@ -122,6 +122,7 @@ def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None
     """The GPU image has its own Python: the campaign's stand-in venv (a python that execs python3) must not be
     rebuilt by `make test` (the Makefile's install-settings rule would remake it: python3 -m venv over the stand-in,
     then pip installs without a network), so the campaign runs make with -o on the install stamp."""
+    import os
     import re
     import shutil
     import subprocess
@@ -137,6 +138,7 @@ def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / ".installed").touch()
-    dry = subprocess.run(["make", "-n", "test", f"VENV={venv}", "-o", f"{venv}/.installed"], cwd=root,
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # run by make test
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "test", f"VENV={venv}", "-o", f"{venv}/.installed"],
+                         cwd=root, env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()
     assert len(dry) == 1 and dry[0].endswith(f"{venv}/bin/python -m pytest tests"), dry
