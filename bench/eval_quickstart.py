@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} thread(s); torch {torch.__version__}, lm-eval {_version('lm_eval')}, "
         f"Python {platform.python_version()}, {platform.platform()}).",
         f"Checkpoint: `{_rel(Path(args.ckpt))}` ({training_config(Path(args.ckpt))}: "
-        f"{' + '.join(f'{g.count} {g.type}' for g in cfg.heads)} heads, {cfg.n_layers} layers, d_model {cfg.d_model}, "
+        f"{cfg.mix_text()} heads, {cfg.n_layers} layers, d_model {cfg.d_model}, "
         f"T = {T}, vocab {cfg.vocab_size}, {model.num_params() / 1e6:.2f}M parameters, "
         f"step {saved.get('global_step', '?')}).",
         "Baseline: unigram distribution of the quickstart's training tokens (add-one smoothed), same tokens and code paths.",

@@ -146,13 +146,7 @@ def run_worker(name: str, cfg: ModelConfig, a: argparse.Namespace, checkpointing
     return {**result, "name": name + (" (activation checkpointing)" if checkpointing else ""),
             "flops_per_pass": cost.flops_per_pass,
             "kv_per_layer": per_layer[0] if len(set(per_layer)) == 1 else " / ".join(f"{n:,}" for n in per_layer),
-            "heads": "; ".join([mix_text(cfg.heads), *(f"layer {i}: {mix_text(cfg.layer_heads[i])}"
-                                                      for i in sorted(cfg.layer_heads))])}
-
-
-def mix_text(groups: list[Any]) -> str:
-    """'4 dense + 276 mosa'."""
-    return " + ".join(f"{g.count} {g.type}" for g in groups)
+            "heads": "; ".join([cfg.mix_text(), *(f"layer {i}: {cfg.mix_text(i)}" for i in sorted(cfg.layer_heads))])}
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -56,6 +56,10 @@ class ModelConfig:
     def mix(self, layer: int) -> list[HeadGroupConfig]:
         return self.layer_heads.get(layer, self.heads)
 
+    def mix_text(self, layer: int | None = None) -> str:
+        """A layer's head mix (default: model.heads) as '4 dense + 276 mosa'."""
+        return " + ".join(f"{g.count} {g.type}" for g in (self.heads if layer is None else self.mix(layer)))
+
     def group_context(self, layer: int) -> GroupContext:
         return GroupContext(self.d_model, self.head_dim, self.seq_len, self.rope_fraction, self.rope_base, layer)
 
@@ -374,18 +378,17 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
             raise ConfigError(f"config file not found: {p}")
         try:
             layer = OmegaConf.load(p)
-            nothing = yaml.safe_load(p.read_text()) is None  # empty or only comments ({} asks for the defaults)
+            raw = yaml.safe_load(p.read_text())  # None: empty or only comments ({} asks for the defaults)
         except Exception as err:  # yaml.YAMLError has multi-line messages: the problem and its line
             where = getattr(err, "problem_mark", None)
             what = getattr(err, "problem", None) or type(err).__name__
             raise ConfigError(f"{p}: not valid YAML: {what}" + (f" (line {where.line + 1})" if where else "")) from None
         if not isinstance(layer, DictConfig):
             raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
-        if nothing:  # would train the defaults unasked
+        if raw is None:  # would train the defaults unasked
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         if wrong := _wrong_shape(schema, layer):  # OmegaConf's merge says neither the key nor the file
             raise ConfigError(f"{p}: {wrong}")
-        raw = yaml.safe_load(p.read_text())
         _check_bools({f"{section}.{key}": value for section, fields in raw.items() if isinstance(fields, dict)
                       for key, value in fields.items()}, f"{p}: ")
         layers.append(layer)

@@ -182,7 +182,7 @@ def model_line(cfg: Config, module: L.LightningModule) -> str:
     """One line on the model, instead of Lightning's model summary (whose FLOPs column reads 0 without an example
     input; App. C's counts: python -m flops.isoflop, flops.model)."""
     m = cfg.model
-    mixes = dict.fromkeys(" + ".join(f"{g.count} {g.type}" for g in m.mix(layer)) for layer in range(m.n_layers))
+    mixes = dict.fromkeys(m.mix_text(layer) for layer in range(m.n_layers))
     params = sum(p.numel() for p in module.parameters())
     return (f"model: {params:,} parameters; {m.n_layers} layers, d_model {m.d_model}, heads per layer "
             f"{' | '.join(mixes)} (head_dim {m.head_dim}); T = {m.seq_len}")
