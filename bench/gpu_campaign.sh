@@ -7,14 +7,17 @@
 #   run(command="BUDGET_S=360 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=390)
 #   run(command="BUDGET_S=<budget_left_s - 130> bash bench/gpu_campaign.sh tests", same carry)
 # (the second call, made at once, finds the first's machine still warm; a fresh start needs 4 minutes or more left).
-# The steps' limits add up to what a call has: the later steps of a phase are its optional ones.
+# A step's limit is a cap, not a reservation: call 1's caps add up to 445 s against the ~345 s its budget leaves, so
+# when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs, which
+# are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
 #           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
 #   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
 #   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed), and beside it,
 #           runs that need correctness but no clean timing: DeepSpeed ZeRO-2 and DDP, each stopped by SIGTERM
-#           half-way and resumed (bench/resume_check.py), and a short C4 run of dense Tiny vs the IsoFLOP MoSA
+#           half-way and resumed (bench/resume_check.py; the ZeRO-2 checkpoint then made one file by lm.consolidate
+#           and read by lm.generate), and a short C4 run of dense Tiny vs the IsoFLOP MoSA
 #           hybrid (4 dense + 276 MoSA heads, rho 32) with their validation curves in one PNG (lm/plots.py)
 #
 # A training run that finished in an earlier call on the same warm machine is not rerun.
@@ -92,6 +95,23 @@ background_checks() {  # ZeRO-2, then DDP: stopped by SIGTERM half-way and resum
         echo "resume_check $strategy exit $?" >> $C/status.txt
         for f in $R/resume_$strategy/*.log; do cp "$f" "$C/resume_${strategy}_$(basename "$f")"; done 2>/dev/null
     done
+    consolidate $R/resume_deepspeed_stage_2/resumed/checkpoints/last.ckpt > $C/deepspeed_consolidate.md 2>&1
+    echo "consolidate exit $?" >> $C/status.txt
+}
+consolidate() {  # the DeepSpeed run's sharded checkpoint made one file (lm.consolidate), then read by lm.generate
+    local file=$R/deepspeed_consolidated.ckpt
+    echo "\`python -m lm.consolidate $1 $file\`, then \`python -m lm.generate --ckpt $file --prompt The --max-new-tokens 20 --temperature 0\`:"
+    echo; echo '```'
+    python3 -m lm.consolidate $1 $file > $R/consolidate.out 2>&1
+    local rc=$?
+    tail -4 $R/consolidate.out
+    if (( rc == 0 )); then
+        python3 -m lm.generate --ckpt $file --prompt The --max-new-tokens 20 --temperature 0 > $R/generate.out 2>&1
+        rc=$?
+        tail -4 $R/generate.out
+    fi
+    echo '```'
+    return $rc
 }
 c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, curves against tokens
     local run=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
@@ -112,7 +132,7 @@ salvage() {  # what runs stopped at the budget wrote so far: their metrics, curv
     done
     for r in $R/resume_*; do for f in $r/*.log; do cp "$f" "$C/$(basename $r)_$(basename "$f")"; done 2>/dev/null; done
 }
-export -f train background_checks c4_runs; export DATA R C
+export -f train background_checks consolidate c4_runs; export DATA R C
 
 for phase in $PHASES; do case $phase in
 tests)

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_mfu.md": copied("Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", c, mfu,
                                  ["gpu_mfu.md"]),
             "gpu_deepspeed.md": copied("DeepSpeed ZeRO-2 and DDP on one GPU: stopped by SIGTERM, resumed, compared", c,
-                                       ["resume_check"], ["resume_deepspeed_stage_2.md", "resume_ddp.md"]),
+                                       ["resume_check", "consolidate"],
+                                       ["resume_deepspeed_stage_2.md", "resume_ddp.md", "deepspeed_consolidate.md"]),
             "gpu_c4.md": c4_report(c, args.results),
         }
         for name, lines in reports.items():

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, positive_int, run_in_worker,
-                       script_parser, torch_device, use_device)
+from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, output_file, positive_int,
+                       run_in_worker, script_parser, torch_device, use_device)
 from flops.model import model_cost
 from flops.presets import baseline
 from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh processes per config, all configs in turn each round (medians; load drift hits all alike)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="measure every config also with activation checkpointing (lm/checkpointing.py), next to it")
-    p.add_argument("--out", type=Path, help="also write the markdown table here")
+    p.add_argument("--out", type=output_file, help="also write the markdown table here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:

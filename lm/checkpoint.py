@@ -68,6 +68,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 COMPLETE = "complete"  # the file rank 0 writes into a DeepSpeed checkpoint directory once every rank's shards are
 
 
+CONSOLIDATED = "consolidated_from"  # in a checkpoint lm.consolidate made of a DeepSpeed directory: that directory
+
+
+def is_deepspeed_dir(path: Path) -> bool:
+    """Whether `path` is a DeepSpeed checkpoint directory (DeepSpeed's `latest` file names its tag)."""
+    return path.is_dir() and (path / "latest").is_file()
+
+
+def unmark(trainer: L.Trainer, path: Path) -> None:
+    """Before checkpoint directory `path` is saved again (DeepSpeed's last.ckpt every save; a step re-saved after
+    the final validation), rank 0 removes the previous save's `complete` mark, and no rank writes a shard before
+    the barrier: a kill during the new save then leaves an unmarked directory, never a marked one with half-written
+    shards."""
+    if trainer.is_global_zero and path.is_dir():
+        (path / COMPLETE).unlink(missing_ok=True)
+    trainer.strategy.barrier()
+
+
 def mark_complete(trainer: L.Trainer, path: Path) -> None:
     """After every rank has saved checkpoint directory `path` (DeepSpeed's shards), rank 0 writes `path/complete`
     atomically. DeepSpeed's own `latest` file is no such mark: rank 0 writes it after its own shards, before the
@@ -99,6 +117,7 @@ class StepCheckpoints(L.Callback):
         step_path = self.dirpath / f"step{trainer.global_step:07d}.ckpt"
         last = self.dirpath / "last.ckpt"
         for path in [step_path] if self.link_last else [step_path, last]:
+            unmark(trainer, path)
             trainer.save_checkpoint(path, weights_only=False)
             mark_complete(trainer, path)
         if self.link_last and trainer.is_global_zero:
@@ -157,6 +176,9 @@ def read_torch_file(path: str | Path, what: str, map_location: str | torch.devic
     one-line CheckpointError naming `what` and the file: missing, empty, truncated, garbled (zip CRC
     mismatch) or foreign."""
     path = Path(path)
+    if is_deepspeed_dir(path):
+        raise CheckpointError(f"{what} {path} is a DeepSpeed checkpoint directory: make one file of it first, "
+                              f"python -m lm.consolidate {path} OUT.ckpt")
     if path.is_dir():
         raise CheckpointError(f"{what} {path} is a directory, not a file (a run's checkpoints are "
                               f"checkpoints/step<N>.ckpt and checkpoints/last.ckpt inside it)")

@@ -26,8 +26,8 @@ from omegaconf import OmegaConf
 
 from heads import ConfigError
 from lm.accumulation import StepTimer
-from lm.checkpoint import (AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed, newest_loadable,
-                           read_checkpoint, remove_temp_files, set_aside_after, step_number)
+from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
+                           newest_loadable, read_checkpoint, remove_temp_files, set_aside_after, step_number)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -263,6 +263,9 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
             ckpt = read_checkpoint(path)
         except CheckpointError as err:
             raise ConfigError(f"{flag}: {err}") from None
+    if CONSOLIDATED in ckpt:
+        raise ConfigError(f"{flag}: {path} holds weights only (lm.consolidate made it of the DeepSpeed checkpoint "
+                          f"{ckpt[CONSOLIDATED]}, without optimizer state): resume from that directory")
     compressed, here = ckpt["config"].get("compression") is not None, cfg.compression is not None
     if compressed != here:
         raise ConfigError(f"{flag}: {path} is {'a compressed' if compressed else 'a plain'} model's checkpoint and this "

@@ -70,12 +70,39 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
         assert not torch.equal(w, start[name]), f"{name} did not train"
         rel = ((zero2[name] - w).norm() / w.norm()).item()
         assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
+    consolidated_matches(tmp_path, zero2, cfg)
     buffers = {k: v for k, v in module.model.named_buffers() if k in zero2 and v.is_floating_point()}
     assert any(k.endswith("threshold.tau") for k in buffers) and any(k.endswith("kmeans.means") for k in buffers)
     for name, b in buffers.items():
         assert not torch.equal(b, start[name]), f"{name} did not move"
         rel = ((zero2[name] - b).norm() / b.norm()).item()
         assert rel <= 1e-5, f"{name}: relative RMS difference {rel:.1e}"
+
+
+def consolidated_matches(tmp_path: Path, trained: dict[str, torch.Tensor], cfg) -> None:
+    """lm.consolidate makes one file of the ranks' DeepSpeed checkpoint directory that load_model and lm.generate
+    take: the trained weights and buffers exactly (fp32: the master weights are the weights), the config; a resume
+    from it is refused in one line (no optimizer state), and so is the directory where a file is read."""
+    from lm.checkpoint import CheckpointError, load_model, read_checkpoint
+    from lm.consolidate import consolidate, main
+    from lm.train import resume_path
+
+    directory, out = worker.checkpoint_dir(tmp_path / "zero2.pt"), tmp_path / "consolidated.ckpt"
+    with pytest.raises(CheckpointError, match=f"is a DeepSpeed checkpoint directory: make one file of it first, "
+                                              f"python -m lm.consolidate {directory} OUT.ckpt"):
+        read_checkpoint(directory)
+    assert main([str(directory), str(out)]) == 0
+    model, saved_cfg = load_model(out)
+    assert saved_cfg.model == cfg.model and read_checkpoint(out)["global_step"] == worker.STEPS
+    state = model.state_dict()
+    assert state.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+    with pytest.raises(ConfigError, match=f"holds weights only .*{directory.name}.*resume from that directory"):
+        resume_path(saved_cfg, str(out))
+    (directory / "complete").unlink()  # as a kill during the save leaves it
+    with pytest.raises(CheckpointError, match="incomplete DeepSpeed checkpoint"):
+        consolidate(directory, tmp_path / "again.ckpt")
 
 
 def test_deepspeed_on_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -478,6 +478,40 @@ def test_deepspeed_directory_is_marked_complete_after_every_ranks_save(tmp_path:
     assert (directory / "complete").read_text() == "step 4, 2 rank(s)\n"
 
 
+def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_completes(tmp_path: Path) -> None:
+    """DeepSpeed rewrites last.ckpt at every save and a step is saved again after the final validation: a kill
+    while the new shards are written must not leave the old `complete` mark beside them (--resume would take the
+    half-written directory); it takes the previous complete one instead. The mark goes before any rank writes."""
+    from types import SimpleNamespace
+
+    from lm.checkpoint import StepCheckpoints, newest_deepspeed
+
+    saves = []
+
+    def save_checkpoint(path: Path, weights_only: bool = False) -> None:  # DeepSpeed: shards, then `latest`
+        saves.append((path.name, (path / "complete").exists()))
+        shard = path / "checkpoint" / "mp_rank_00_model_states.pt"
+        shard.parent.mkdir(parents=True, exist_ok=True)
+        if len(saves) == 3:  # the step's second save: killed while its shard is written
+            shard.write_bytes(b"PK\x03\x04 truncated")
+            raise KeyboardInterrupt
+        shard.write_bytes(b"a whole shard")
+        (path / "latest").write_text("checkpoint")
+
+    trainer = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), global_step=10, is_global_zero=True,
+                              world_size=1, strategy=SimpleNamespace(barrier=lambda: None),
+                              save_checkpoint=save_checkpoint)
+    callback = StepCheckpoints(tmp_path, every=10, val_every=15, link_last=False)
+    callback.save(trainer)  # step 10 and last.ckpt, both marked complete
+    with pytest.raises(KeyboardInterrupt):
+        callback.save(trainer)  # step 10 again, killed mid-shard
+    assert saves == [("step0000010.ckpt", False), ("last.ckpt", False), ("step0000010.ckpt", False)]
+    skipped = []
+    chosen = newest_deepspeed(tmp_path, lambda path, why: skipped.append(path.name))
+    assert skipped == ["step0000010.ckpt"] and chosen == tmp_path / "last.ckpt"
+    assert (chosen / "checkpoint" / "mp_rank_00_model_states.pt").read_bytes() == b"a whole shard"
+
+
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the fused kernels' deterministic mode needs a GPU; no GPU here"))])
 def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path,

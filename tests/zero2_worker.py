@@ -5,7 +5,9 @@ Lightning adds: MICRO), the LMModule's own AdamW groups and schedule, and its lo
 rank's share of each global batch (`global_batch`) in MICRO micro-batches, each loss divided by MICRO and passed to
 the backward of lm.train's DeepSpeed precision plugin, and the engine stepped after each, as Lightning does; the
 staged head state committed after each step; rank 0 saves the weights, buffers and the engine's gradient norms
-to `out`."""
+to `out`. Then every rank saves the engine's checkpoint as Lightning's DeepSpeedStrategy does (engine around the
+LightningModule, tag "checkpoint", Lightning's entries as client state) into `checkpoint_dir(out)`, and rank 0 marks it
+complete (lm/checkpoint.mark_complete), for lm.consolidate."""
 from __future__ import annotations
 
 import os
@@ -33,6 +35,11 @@ def config():
     return cfg
 
 
+def checkpoint_dir(out: str | Path) -> Path:
+    """Where the ranks save their DeepSpeed checkpoint directory, beside `out`."""
+    return Path(out).with_name(f"step{STEPS:07d}.ckpt")
+
+
 def global_batch(step: int, cfg) -> torch.Tensor:
     """[GLOBAL_BATCH, T + 1] tokens of step `step`, the same in every process."""
     gen = torch.Generator().manual_seed(100 + step)
@@ -49,7 +56,10 @@ class Trainer:
 def main(out: str) -> None:
     import deepspeed
 
+    from omegaconf import OmegaConf
+
     from heads import commit_states
+    from lm.checkpoint import COMPLETE
     from lm.module import LMModule
     from lm.train import LossDividedOnce, deepspeed_config
 
@@ -60,7 +70,7 @@ def main(out: str) -> None:
     module = LMModule(cfg)
     opt = module.configure_optimizers()
     deepspeed.init_distributed(dist_backend="gloo")
-    engine, *_ = deepspeed.initialize(model=module.model, optimizer=opt["optimizer"],
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt["optimizer"],
                                       lr_scheduler=opt["lr_scheduler"]["scheduler"],
                                       config={**deepspeed_config(cfg), "gradient_accumulation_steps": MICRO})
     assert type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer" and engine.zero_optimization_stage() == 2
@@ -75,6 +85,12 @@ def main(out: str) -> None:
         commit_states(module.model)  # the staged head state, as LMModule.optimizer_step does
     if rank == 0:
         torch.save({"state": module.model.state_dict(), "grad_norms": norms}, out)
+    lightning_entries = {"epoch": 0, "global_step": STEPS, "config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                         "val_history": [], "run": {}}  # what LMModule.on_save_checkpoint and Lightning add, in part
+    engine.save_checkpoint(str(checkpoint_dir(out)), client_state=lightning_entries, tag="checkpoint")
+    torch.distributed.barrier()  # every rank's shards are saved: rank 0 marks the directory, as mark_complete does
+    if rank == 0:
+        (checkpoint_dir(out) / COMPLETE).write_text(f"step {STEPS}, {world} rank(s)\n")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # a clean exit: no communication thread left behind
 
