@@ -91,7 +91,8 @@ class SlotKV:
             keep = keep & (keep.sum(-1, keepdim=True) - 1 - rank < S)
         b, h, t = keep.nonzero(as_tuple=True)
         s = (self.fill[..., None] + rank)[b, h, t] % S
-        self.k[b, h, s], self.v[b, h, s], self.pos[b, h, s] = k[b, h, t], v[b, h, t], pos[b, h, t].to(self.pos.dtype)
+        for cache, new in ((self.k, k), (self.v, v), (self.pos, pos)):  # in the cache's dtype (bf16 k, v under autocast)
+            cache[b, h, s] = new[b, h, t].to(cache.dtype)
 
     def _write_one(self, keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """One entry per row (a decoding step), without index lists or host syncs: every row writes its next
@@ -224,7 +225,7 @@ class BlockKV(AroundSlots):
         block's landmark over the rows <= r (static shapes: every slot, later rows masked)."""
         b, n_max = self.queries.shape[2], self.landmarks.shape[2]
         r = self.row()
-        self.queries.index_copy_(2, (r % b).view(1), q)
+        self.queries.index_copy_(2, (r % b).view(1), q.to(self.queries.dtype))
         if n_max == 0:  # max_len < b: no block ever completes
             return
         j = ((r + 1) // b - 1).clamp(0, n_max - 1).view(1)
@@ -245,7 +246,7 @@ class BlockKV(AroundSlots):
 
         new = when((r + 1) % b == 0, complete, unchanged, (self.queries, self.kv.k, self.kv.v, r, j) + state)
         for t, row in zip(state, new):
-            t.index_copy_(2, j, row)
+            t.index_copy_(2, j, row.to(t.dtype))
 
 
 def summaries(lq: torch.Tensor, sees: torch.Tensor, K: torch.Tensor, V: torch.Tensor, topk: int | None,

@@ -58,9 +58,13 @@ class OnlineKMeans(StagedStatistics):
 
     def similarity(self, u: torch.Tensor) -> torch.Tensor:
         """u[B, H, T, d] (unit-norm) -> dot products with the centroids [B, H, C, T], in u's dtype for unit
-        centroids, in at least fp32 for "ema_counts" ones (norms up to 1/eps)."""
-        dtype = u.dtype if self.rule == "unit_mean" else torch.promote_types(u.dtype, torch.float32)
-        return torch.einsum("bhtd,hcd->bhct", u.to(dtype), self.means.to(dtype))
+        centroids, in at least fp32 for "ema_counts" ones (norms up to 1/eps), autocast or not (autocast would run
+        the einsum in bf16/fp16: the big norms of empty clusters then tie or overflow)."""
+        if self.rule == "unit_mean":
+            return torch.einsum("bhtd,hcd->bhct", u, self.means.to(u.dtype))
+        dtype = torch.promote_types(u.dtype, torch.float32)
+        with torch.autocast(u.device.type, enabled=False):
+            return torch.einsum("bhtd,hcd->bhct", u.to(dtype), self.means.to(dtype))
 
     def cluster_sums(self, u: torch.Tensor, nearest: torch.Tensor) -> torch.Tensor:
         """Each cluster's sum of the vectors u[B, H, T, d] nearest to it (nearest[B, H, T]) -> [B, H, C, d], in at

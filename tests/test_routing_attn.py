@@ -223,7 +223,7 @@ def test_a_commit_with_nothing_staged_moves_nothing(update: str, steps_before: i
 
 def test_ema_count_centroids_of_an_empty_cluster_do_not_overflow_fp16_similarities() -> None:
     """An empty cluster's "ema_counts" centroid grows to ~1e5, past fp16's 65504: its similarities are computed in
-    fp32 (unit-mean ones stay in the vectors' dtype); an unknown rule is refused when the module is built."""
+    fp32, under autocast too (unit-mean ones stay in the vectors' dtype); an unknown rule is refused when the module is built."""
     import torch.nn.functional as F
 
     from routing.kmeans import OnlineKMeans
@@ -237,6 +237,11 @@ def test_ema_count_centroids_of_an_empty_cluster_do_not_overflow_fp16_similariti
     assert kmeans.means[0, 3].norm() > 6e4
     sim = kmeans.similarity(u.half())
     assert sim.dtype == torch.float32 and sim.isfinite().all()
+    exact = torch.einsum("bhtd,hcd->bhct", u.double(), kmeans.means.double())
+    for low in (torch.float16, torch.bfloat16):  # autocast (training's 16-mixed / bf16-mixed) would run it in `low`
+        with torch.autocast("cpu", dtype=low):
+            sim = kmeans.similarity(u)
+        assert sim.dtype == torch.float32 and torch.allclose(sim.double(), exact, rtol=1e-5, atol=1e-3), low
     assert OnlineKMeans(1, 4, 16, 0.999).similarity(u.half()).dtype == torch.float16
     with pytest.raises(ValueError, match="update must be one of unit_mean, ema_counts, got 'rt'"):
         OnlineKMeans(1, 4, 16, 0.999, "rt")
