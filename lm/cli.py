@@ -65,3 +65,10 @@ def check_output(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: directory {target.resolve().parent} does not exist")
     if target.is_dir():
         raise ValueError(f"{option} {path} is a directory; give a file name")
+
+
+def check_png(option: str, path: str | None) -> None:
+    """`check_output`, and a plot's file name must end in .png (matplotlib picks the format by it)."""
+    check_output(option, path)
+    if path is not None and Path(path).suffix.lower() != ".png":
+        raise ValueError(f"{option} {path}: the plot is a PNG; give a file name ending in .png")

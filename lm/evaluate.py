@@ -39,7 +39,7 @@ from data_prep import tokenizer as sp_codec
 from data_prep.documents import StrictSkips
 from data_prep.errors import DataError
 from data_prep.sources import open_source
-from lm.cli import check_output
+from lm.cli import check_output, check_png
 from lm.data import TokenStream
 from lm.generate import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch_size < 1 or (args.max_docs is not None and args.max_docs < 1):
             raise ValueError("--batch-size and --max-docs must be >= 1")
         check_output("--out", args.out)
-        check_output("--curve", args.curve)
-        if args.curve is not None and Path(args.curve).suffix.lower() != ".png":
-            raise ValueError(f"--curve {args.curve}: the plot is a PNG; give a file name ending in .png")
+        check_png("--curve", args.curve)
         fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
         if args.split is not None and fmt != "prepared":
             raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "

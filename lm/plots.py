@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lm.cli import check_png
+
 
 def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "") -> Path | None:
     """Write the validation-perplexity curve of each history (label -> entries with tokens_seen, val_ppl; log
@@ -45,9 +47,14 @@ def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot the validation curves of training runs (metrics.json) together.")
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
-    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    parser.add_argument("--out", required=True, help="PNG to write")
     parser.add_argument("--title", default="", help="plot title")
     args = parser.parse_args(argv)
+    try:
+        check_png("--out", args.out)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     histories = {}
     for run in args.runs:
         metrics = run / "metrics.json"

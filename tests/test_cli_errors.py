@@ -91,6 +91,11 @@ CASES = [
      r"^error: checkpoint \S+ is a directory, not a file \(a run's checkpoints are checkpoints/step<N>\.ckpt"),
     ("generate-tokenizer-not-sentencepiece", [*GENERATE, "--ckpt", "{dense_ckpt}", "--tokenizer", "{readme}"], 2,
      r"^error: tokenizer \S*README\.md is not a SentencePiece model$"),
+    # lm.consolidate (its success and an incomplete directory: tests/test_deepspeed.py)
+    ("consolidate-a-file", [sys.executable, "-m", "lm.consolidate", "{dense_ckpt}", "{tmp}/one.ckpt"], 2,
+     r"^error: \S*\.ckpt is not a DeepSpeed checkpoint directory \(no 'latest' file in it\)$"),
+    ("consolidate-out-directory", [sys.executable, "-m", "lm.consolidate", "{tmp}", "{tmp}"], 2,
+     r"^error: OUT \S+ is a directory; give a file name$"),
     # lm.evaluate / lm.export_hf
     ("evaluate-tokenizer-not-sentencepiece", [*EVALUATE, "--tokenizer", "{readme}"], 2,
      r"tokenizer \S*README\.md is not a SentencePiece model"),

@@ -42,3 +42,17 @@ def test_a_run_with_one_validation_is_left_out_and_none_at_all_is_an_error(tmp_p
 def test_a_directory_without_metrics_is_named(tmp_path: Path, capsys) -> None:
     assert plots.main([str(tmp_path / "nothing"), "--out", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'nothing'}: no metrics.json (not a training run directory, or no validation yet)\n"
+
+
+def test_an_unwritable_or_non_png_out_is_one_line_before_reading_the_runs(tmp_path: Path, capsys) -> None:
+    """--out onto a directory, into a missing one, or not ending in .png (matplotlib picks the format by it) stops
+    with one line (they were a matplotlib traceback after the runs were read)."""
+    run = str(_run(tmp_path / "dense", [90.0, 60.0]))
+    for out, message in ((tmp_path, f"--out {tmp_path} is a directory; give a file name"),
+                         (tmp_path / "no" / "c.png", f"--out {tmp_path / 'no' / 'c.png'}: directory {tmp_path / 'no'} "
+                                                     "does not exist"),
+                         (tmp_path / "c.txt", f"--out {tmp_path / 'c.txt'}: the plot is a PNG; give a file name ending "
+                                              "in .png")):
+        assert plots.main([run, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not (tmp_path / "c.txt").exists()
