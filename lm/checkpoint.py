@@ -66,8 +66,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 COMPLETE = "complete"  # the file rank 0 writes into a DeepSpeed checkpoint directory once every rank's shards are
-
-
 CONSOLIDATED = "consolidated_from"  # in a checkpoint lm.consolidate made of a DeepSpeed directory: that directory
 
 
