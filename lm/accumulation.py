@@ -33,3 +33,15 @@ class StepTimer(Timer):
                            batch_idx: int) -> None:
         if ends_step(trainer, batch_idx):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+class FinalStepValidates(L.Callback):
+    """Stop fit after the micro-batch that ends step `max_steps` (`trainer.should_stop`), so that Lightning validates
+    that step inside fit, as it does when its Timer stops a run, instead of a `trainer.validate` after it. Used under
+    DeepSpeed, where that call builds a second, inference-only engine whose checkpoint save then fails (bf16: its dummy
+    optimizer has no state_dict) or writes a directory DeepSpeed's zero_to_fp32 cannot read (fp32: no param_shapes)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if ends_step(trainer, batch_idx) and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True

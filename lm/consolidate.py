@@ -6,9 +6,9 @@
 Under DeepSpeed, Lightning saves each checkpoint as a directory of per-rank shards (ZeRO-2 partitions AdamW's fp32
 master weights over the ranks; in bf16 the module's own copy is bf16). Lightning's
 `convert_zero_checkpoint_to_fp32_state_dict` gathers the fp32 weights and keeps the checkpoint's own entries
-(config, run record with the tokenizer, step, validation history); DeepSpeed's bookkeeping is dropped, and the result
-is written atomically as one file that every reader takes (lm.generate, lm.evaluate, lm.export_hf, lm.lm_eval,
-`load_model`). It holds no optimizer state, so it is no point to `--resume` from (train_lm.py refuses it in one
+(config, run record with the tokenizer, step, validation history: `KEPT`; DeepSpeed's bookkeeping and Lightning's
+loop states are dropped), and the result is written atomically as one file that every reader takes (lm.generate,
+lm.evaluate, lm.export_hf, lm.lm_eval, `load_model`). It holds no optimizer state, so it is no point to `--resume` from (train_lm.py refuses it in one
 line): resume from the directory itself.
 """
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch
 
 from lm.checkpoint import COMPLETE, CONSOLIDATED, CheckpointError, atomic_write, is_deepspeed_dir, read_checkpoint
 
-DEEPSPEED_KEYS = ("buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params",
-                  "data_sampler", "random_ltd", "sparse_tensor_module_names", "global_samples", "ds_config",
-                  "ds_version")  # what DeepSpeed's engine adds beside the client state and Lightning's converter keeps
+KEPT = ("state_dict", "config", "run", "global_step", "epoch", "tokens_seen", "val_history",
+        "pytorch-lightning_version")  # what readers use; DeepSpeed's bookkeeping and Lightning's loop states are dropped
 
 
 def consolidate(directory: str | Path, out: str | Path) -> dict[str, Any]:
@@ -42,10 +41,11 @@ def consolidate(directory: str | Path, out: str | Path) -> dict[str, Any]:
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
         import deepspeed  # noqa: F401
     except ImportError:
-        raise CheckpointError("consolidating a DeepSpeed checkpoint needs DeepSpeed: pip install -e '.[deepspeed]'") from None
+        raise CheckpointError("consolidating a DeepSpeed checkpoint needs DeepSpeed: "
+                              "pip install -e '.[deepspeed]'") from None
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp, contextlib.redirect_stdout(sys.stderr):
         saved = convert_zero_checkpoint_to_fp32_state_dict(directory, Path(tmp) / "fp32.ckpt")
-    kept = {key: value for key, value in saved.items() if key not in DEEPSPEED_KEYS}
+    kept = {key: value for key, value in saved.items() if key in KEPT}
     kept[CONSOLIDATED] = str(directory)
     atomic_write(out, lambda f: torch.save(kept, f))
     read_checkpoint(out)  # what every reader does: a train_lm.py checkpoint, loadable without pickled code
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     weights = sum(t.numel() for t in kept["state_dict"].values())
-    print(f"wrote {args.out}: step {kept.get('global_step')}, {weights:,} fp32 weights and buffers from {args.directory}")
+    print(f"wrote {args.out}: step {kept.get('global_step')}, {weights:,} fp32 weights and buffers from "
+          f"{args.directory}")
     return 0
 
 

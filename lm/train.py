@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
 from heads import ConfigError
-from lm.accumulation import StepTimer
+from lm.accumulation import FinalStepValidates, StepTimer
 from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
                            newest_loadable, read_checkpoint, remove_temp_files, set_aside_after, step_number)
 from lm.config import Config, TrainerConfig
@@ -188,6 +188,12 @@ def model_line(cfg: Config, module: L.LightningModule) -> str:
             f"{' | '.join(mixes)} (head_dim {m.head_dim}); T = {m.seq_len}")
 
 
+def validates_in_fit(cfg: Config) -> bool:
+    """Whether the last step is validated inside fit (lm.accumulation.FinalStepValidates): under DeepSpeed, whose
+    engine a `trainer.validate` after fit replaces; elsewhere `fit_and_finish` validates it after fit, if need be."""
+    return cfg.trainer.strategy == "deepspeed_stage_2"
+
+
 def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resumed_step: int | None = None) -> L.Trainer:
     """The Lightning Trainer of a run; `strategy` from build_strategy(cfg), after check_devices; `resumed_step`:
     the step of the checkpoint it continues from (TensorBoard purges what was logged after it)."""
@@ -209,7 +215,8 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
         # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
         # after the checkpoints: it saves a step only if they did not
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints,
-                   Preemption(checkpoints, t.val_every), *timer],
+                   Preemption(checkpoints, t.val_every), *timer,
+                   *([FinalStepValidates()] if validates_in_fit(cfg) else [])],
         enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
         use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.

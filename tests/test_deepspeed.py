@@ -34,7 +34,9 @@ def _free_port() -> int:
 def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     out = tmp_path / "zero2.pt"
-    env = child_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # DeepSpeed's CPU accelerator even where a GPU is visible (with CUDA it would set rank 1 on device 1)
+    env = child_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                    DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     ranks = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "zero2_worker.py"), str(out)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -478,6 +478,29 @@ def test_deepspeed_directory_is_marked_complete_after_every_ranks_save(tmp_path:
     assert (directory / "complete").read_text() == "step 4, 2 rank(s)\n"
 
 
+def test_the_last_step_validated_inside_fit_as_deepspeed_runs_do(data: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DeepSpeed the last step (max_steps not a multiple of val_every) is validated inside fit
+    (FinalStepValidates), never by a trainer.validate after it, which there builds an inference engine whose save
+    fails. On CPU, with the same switch: no trainer.validate call, validations at steps 4 and 6, and the final
+    checkpoint carries step 6's validation, as the after-fit path's does."""
+    import lightning as L
+
+    import lm.train
+    from lm.checkpoint import read_checkpoint
+
+    assert lm.train.validates_in_fit(load_config(None, "trainer.strategy=deepspeed_stage_2"))
+    assert not lm.train.validates_in_fit(load_config(None, "trainer.strategy=ddp"))
+    monkeypatch.setattr(lm.train, "validates_in_fit", lambda cfg: True)
+    calls = []
+    monkeypatch.setattr(L.Trainer, "validate", lambda *a, **k: calls.append(1))
+    metrics = lm.train.train(load_config(None, *run_overrides(data, tmp_path / "run", max_steps=6, val_every=4,
+                                                              ckpt_every=3)))
+    assert calls == [] and [h["step"] for h in metrics["history"]] == [4, 6]
+    saved = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == 6 and saved["val_history"][-1]["step"] == 6
+
+
 def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_completes(tmp_path: Path) -> None:
     """DeepSpeed rewrites last.ckpt at every save and a step is saved again after the final validation: a kill
     while the new shards are written must not leave the old `complete` mark beside them (--resume would take the
