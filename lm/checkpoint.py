@@ -207,6 +207,24 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     return ckpt
 
 
+def read_deepspeed(path: str | Path) -> dict[str, Any]:
+    """The entries of DeepSpeed checkpoint directory `path` besides its sharded weights and optimizer (what Lightning
+    hands DeepSpeed as client state: config, run record, global_step, loop states), from the rank-0 model-states
+    file of the tag `latest` names (memory-mapped); a one-line CheckpointError for a directory that is no complete
+    DeepSpeed checkpoint of train_lm.py (no `latest`, no `complete` mark: an interrupted save)."""
+    path = Path(path)
+    if not is_deepspeed_dir(path):
+        raise CheckpointError(f"{path} is not a DeepSpeed checkpoint directory (no 'latest' file in it)")
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(f"{path} is an incomplete DeepSpeed checkpoint (no '{COMPLETE}' file: its save was "
+                              "interrupted); take an earlier one")
+    states = path / (path / "latest").read_text().strip() / "mp_rank_00_model_states.pt"  # ZeRO-2's name
+    ckpt = read_torch_file(states, "DeepSpeed checkpoint", mmap=True)
+    if not isinstance(ckpt, dict) or "config" not in ckpt:
+        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no config in {states.name})")
+    return ckpt
+
+
 def step_number(path: Path) -> int | None:
     """N of a checkpoint named step<N>.ckpt (a file, or a DeepSpeed directory), else None (last.ckpt)."""
     digits = path.name.removeprefix("step").removesuffix(".ckpt")

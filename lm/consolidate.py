@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lm.checkpoint import COMPLETE, CONSOLIDATED, CheckpointError, atomic_write, is_deepspeed_dir, read_checkpoint
+from lm.checkpoint import CONSOLIDATED, CheckpointError, atomic_write, read_checkpoint, read_deepspeed
 
 KEPT = ("state_dict", "config", "run", "global_step", "epoch", "tokens_seen", "val_history",
         "pytorch-lightning_version")  # what readers use; DeepSpeed's bookkeeping and Lightning's loop states are dropped
@@ -32,11 +32,7 @@ def consolidate(directory: str | Path, out: str | Path) -> dict[str, Any]:
     """Write the fp32 weights and entries of DeepSpeed checkpoint `directory` to the file `out`; returns what was
     written. One-line CheckpointError for a directory that is not a complete DeepSpeed checkpoint."""
     directory, out = Path(directory), Path(out)
-    if not is_deepspeed_dir(directory):
-        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint directory (no 'latest' file in it)")
-    if not (directory / COMPLETE).is_file():
-        raise CheckpointError(f"{directory} is an incomplete DeepSpeed checkpoint (no '{COMPLETE}' file: its save "
-                              "was interrupted); take an earlier one")
+    read_deepspeed(directory)  # a complete DeepSpeed checkpoint of train_lm.py, or one line
     try:
         from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
         import deepspeed  # noqa: F401

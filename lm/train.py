@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from heads import ConfigError
 from lm.accumulation import FinalStepValidates, StepTimer
 from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
-                           newest_loadable, read_checkpoint, remove_temp_files, set_aside_after, step_number)
+                           newest_loadable, read_checkpoint, read_deepspeed, remove_temp_files, set_aside_after)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -228,16 +228,16 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
 
 class ResumePoint(NamedTuple):
     path: str  # the checkpoint file (or DeepSpeed directory)
-    step: int | None  # its optimizer step (None: a DeepSpeed directory not named step<N>.ckpt)
+    step: int  # its optimizer step
 
 
 def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
     """`resume="last"` (--resume) -> the newest loadable checkpoint of this run (under DeepSpeed: the newest
     complete checkpoint directory), saying which damaged ones it passed over (None, i.e. a fresh start, if there is
     none yet); a path (--resume-from PATH) -> that path,
-    which must load. The checkpoint's model config, compression section (present or not), tokenizer and
-    trainer.accumulate_grad_batches must equal this run's (checked for single-file checkpoints; DeepSpeed writes
-    directories, the only ones accepted). Other data with the same tokenizer is allowed (continued pretraining)."""
+    which must load (under DeepSpeed, a complete checkpoint directory: `read_deepspeed`). The checkpoint's model
+    config, compression section (present or not), tokenizer and trainer.accumulate_grad_batches must equal this run's.
+    Other data with the same tokenizer is allowed (continued pretraining)."""
     if resume is None:
         return None
     flag = "--resume" if resume == "last" else "--resume-from"
@@ -245,29 +245,24 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
     def skipping(path: Path, why: str) -> None:
         say(f"warning: --resume: skipping {path.name}: {why}")
 
-    if resume == "last" and cfg.trainer.strategy == "deepspeed_stage_2":  # DeepSpeed writes directories
-        newest = newest_deepspeed(ckpt_dir(cfg), skipping)
-        if newest is None:
-            say(f"--resume: no complete DeepSpeed checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
-            return None
-        say(f"--resume: continuing from {newest}")
-        return ResumePoint(str(newest), step_number(newest))
+    deepspeed = cfg.trainer.strategy == "deepspeed_stage_2"  # DeepSpeed writes directories
+    ckpt = None
     if resume == "last":
-        found = newest_loadable(ckpt_dir(cfg), skipping)
+        found = newest_deepspeed(ckpt_dir(cfg), skipping) if deepspeed else newest_loadable(ckpt_dir(cfg), skipping)
         if found is None:
-            say(f"--resume: no loadable checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
+            kind = "complete DeepSpeed" if deepspeed else "loadable"
+            say(f"--resume: no {kind} checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
-        path, ckpt = found
+        path, ckpt = (found, None) if isinstance(found, Path) else found
     else:
         path = Path(resume)
-        if path.is_dir():
-            if cfg.trainer.strategy != "deepspeed_stage_2":
-                raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
-                                  f"checkpoints as directories; this run's trainer.strategy is "
-                                  f"{cfg.trainer.strategy}); give a .ckpt file")
-            return ResumePoint(str(path), step_number(path))
-        try:
-            ckpt = read_checkpoint(path)
+        if path.is_dir() and not deepspeed:
+            raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
+                              f"checkpoints as directories; this run's trainer.strategy is "
+                              f"{cfg.trainer.strategy}); give a .ckpt file")
+    if ckpt is None:
+        try:  # a DeepSpeed directory: its entries besides the shards, for the checks below
+            ckpt = read_deepspeed(path) if path.is_dir() else read_checkpoint(path)
         except CheckpointError as err:
             raise ConfigError(f"{flag}: {err}") from None
     if CONSOLIDATED in ckpt:
@@ -331,7 +326,7 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
         for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
             say(f"warning: removed {path}, left by an interrupted write")
     point = resume_path(cfg, resume)
-    if point is not None and point.step is not None and resume != "last" and rank_zero_only.rank == 0:
+    if point is not None and resume != "last" and rank_zero_only.rank == 0:
         moved = set_aside_after(ckpt_dir(cfg), point.step, Path(point.path))
         if moved:
             say(f"--resume-from: moved the checkpoints of steps after {point.step} ({', '.join(p.name for p in moved)}), "

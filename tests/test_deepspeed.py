@@ -82,14 +82,16 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
 
 
 def consolidated_matches(tmp_path: Path, trained: dict[str, torch.Tensor], cfg) -> None:
-    """lm.consolidate makes one file of the ranks' DeepSpeed checkpoint directory that load_model and lm.generate
-    take: the trained weights and buffers exactly (fp32: the master weights are the weights), the config; a resume
+    """A resume from the ranks' DeepSpeed checkpoint directory reads its entries (weights_only) for its checks;
+    lm.consolidate makes one file of it that load_model and lm.generate take: the trained weights and buffers exactly (fp32: the master weights are the weights), the config; a resume
     from it is refused in one line (no optimizer state), and so is the directory where a file is read."""
     from lm.checkpoint import CheckpointError, load_model, read_checkpoint
     from lm.consolidate import consolidate, main
     from lm.train import resume_path
 
     directory, out = worker.checkpoint_dir(tmp_path / "zero2.pt"), tmp_path / "consolidated.ckpt"
+    cfg.trainer.strategy = "deepspeed_stage_2"  # --resume-from the directory reads DeepSpeed's real rank-0 file
+    assert resume_path(cfg, str(directory)) == (str(directory), worker.STEPS)
     with pytest.raises(CheckpointError, match=f"is a DeepSpeed checkpoint directory: make one file of it first, "
                                               f"python -m lm.consolidate {directory} OUT.ckpt"):
         read_checkpoint(directory)

@@ -427,15 +427,22 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     """Under DeepSpeed, step<N>.ckpt and last.ckpt are directories (sharded states in checkpoint/, DeepSpeed's
     `latest`, then our `complete` once every rank's shards are): --resume takes the newest one holding `complete`
     (`latest` alone: killed while another rank still wrote its shard), names any incomplete one it passes over, and
-    with none starts from scratch (it used to skip directories and always start afresh)."""
+    with none starts from scratch (it used to skip directories and always start afresh). Its entries (the rank-0
+    model-states file's client state) pass the checks a file does: another model is one line (was DeepSpeed's
+    strict-load traceback), and the step comes from it (last.ckpt's was unknown)."""
+    from omegaconf import OmegaConf
+
     from lm.train import resume_path
 
     cfg = load_config(None, f"trainer.out_dir={tmp_path / 'run'}", "trainer.strategy=deepspeed_stage_2")
     ckpts = tmp_path / "run" / "checkpoints"
 
-    def deepspeed_dir(name: str, complete: bool) -> Path:
+    def deepspeed_dir(name: str, complete: bool, step: int, **model: object) -> Path:
         (ckpts / name / "checkpoint").mkdir(parents=True)
-        (ckpts / name / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        config = OmegaConf.to_container(OmegaConf.structured(cfg))
+        config["model"].update(model)
+        torch.save({"module": {}, "config": config, "global_step": step},
+                   ckpts / name / "checkpoint" / "mp_rank_00_model_states.pt")
         (ckpts / name / "latest").write_text("checkpoint")
         if complete:
             (ckpts / name / "complete").write_text("step 1, 2 rank(s)\n")
@@ -444,13 +451,24 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     ckpts.mkdir(parents=True)
     assert resume_path(cfg, "last") is None
     assert "--resume: no complete DeepSpeed checkpoint in" in capsys.readouterr().err
-    deepspeed_dir("step0000010.ckpt", complete=True)
-    deepspeed_dir("step0000025.ckpt", complete=True)
-    deepspeed_dir("step0000030.ckpt", complete=False)  # killed while saving
+    deepspeed_dir("last.ckpt", complete=True, step=25)
+    assert resume_path(cfg, "last") == (str(ckpts / "last.ckpt"), 25)
+    deepspeed_dir("step0000010.ckpt", complete=True, step=10)
+    deepspeed_dir("step0000025.ckpt", complete=True, step=25)
+    deepspeed_dir("step0000030.ckpt", complete=False, step=30)  # killed while saving
+    capsys.readouterr()
     assert resume_path(cfg, "last") == (str(ckpts / "step0000025.ckpt"), 25)
     err = capsys.readouterr().err
     assert "warning: --resume: skipping step0000030.ckpt: an incomplete DeepSpeed checkpoint (no 'complete' file" in err
     assert f"--resume: continuing from {ckpts / 'step0000025.ckpt'}" in err
+    assert resume_path(cfg, str(ckpts / "step0000010.ckpt")) == (str(ckpts / "step0000010.ckpt"), 10)
+    with pytest.raises(ConfigError, match=r"^--resume-from: \S+step0000030\.ckpt is an incomplete DeepSpeed checkpoint"):
+        resume_path(cfg, str(ckpts / "step0000030.ckpt"))
+    other = deepspeed_dir("step0000040.ckpt", complete=True, step=40, n_layers=3)
+    with pytest.raises(ConfigError, match=r"^--resume: \S+step0000040\.ckpt was trained with different model\.n_layers$"):
+        resume_path(cfg, "last")
+    with pytest.raises(ConfigError, match=r"^--resume-from: \S+checkpoints is not a DeepSpeed checkpoint directory"):
+        resume_path(cfg, str(other.parent))
 
 
 def test_deepspeed_directory_is_marked_complete_after_every_ranks_save(tmp_path: Path) -> None:
