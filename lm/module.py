@@ -3,7 +3,8 @@ MoSA App. H schedule, TensorBoard scalars, and `<trainer.out_dir>/metrics.json` 
 
 Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary loss, already weighted
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
-micro-batches under gradient accumulation), train/lr, train/grad_norm (the LM's, before clipping), train/tokens_seen,
+micro-batches under gradient accumulation), train/lr, train/grad_norm (the LM's, before clipping; under DeepSpeed
+its engine's, of every parameter), train/tokens_seen,
 train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
 val/loss, val/ppl, and every `trainer.log_every` steps the head groups' statistics
 heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading
@@ -157,6 +158,10 @@ class LMModule(L.LightningModule):
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if ends_step(self.trainer, batch_idx):
             commit_states(self.model)  # a CompressedLM's groups too (lm/compressed_training.py)
+            if self.cfg.trainer.strategy == "deepspeed_stage_2":  # its engine clipped, by the norm it took
+                norm = self.trainer.model.get_global_grad_norm()  # trainer.model: the DeepSpeed engine
+                if norm is not None:
+                    self.log("train/grad_norm", norm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
@@ -249,7 +254,8 @@ class LMModule(L.LightningModule):
         clipping, as train/grad_norm: one reduction serves both (read on logging steps only). Parameters that only
         their own auxiliary loss trains (HeadGroup.own_loss_parameters: MoSA's predictor) are clipped apart, to
         the same bound, so that their gradient does not scale the LM's. Nothing to do under DeepSpeed, which keeps
-        its own gradient partitions and clips them all together itself, or on a skipped step."""
+        its own gradient partitions and clips them all together itself (its norm, of every parameter, is logged
+        after the step: `optimizer_step`), or on a skipped step."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if params and gradient_clip_val:
             own = self._own_loss_parameters

@@ -83,8 +83,9 @@ def test_zero2_two_cpu_ranks_match_one_process(tmp_path: Path) -> None:
 
 def consolidated_matches(tmp_path: Path, trained: dict[str, torch.Tensor], cfg) -> None:
     """A resume from the ranks' DeepSpeed checkpoint directory reads its entries (weights_only) for its checks;
-    lm.consolidate makes one file of it that load_model and lm.generate take: the trained weights and buffers exactly (fp32: the master weights are the weights), the config; a resume
-    from it is refused in one line (no optimizer state), and so is the directory where a file is read."""
+    lm.consolidate makes one file of it that load_model and lm.generate take: the trained weights and buffers
+    exactly (fp32: the master weights are the weights), the config; a resume from it is refused in one line (no
+    optimizer state), and so is the directory where a file is read."""
     from lm.checkpoint import CheckpointError, load_model, read_checkpoint
     from lm.consolidate import consolidate, main
     from lm.train import resume_path
@@ -142,3 +143,27 @@ def test_deepspeed_strategy_takes_the_loss_as_lightning_divides_it(monkeypatch: 
     trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-mixed", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False)
     assert type(trainer.strategy.precision_plugin) is LossDividedOnce and trainer.precision == "bf16-mixed"
+
+
+def test_the_engines_gradient_norm_is_logged_after_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DeepSpeed the gradients live in the engine's partitions, so configure_gradient_clipping finds none and
+    never logged train/grad_norm: the module logs the engine's global norm (the one it clipped by) after the micro-batch
+    that ends a step, not after the others."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lm.module import LMModule
+
+    cfg = worker.config()
+    cfg.trainer.strategy = "deepspeed_stage_2"
+    module = LMModule(cfg)
+    engine = SimpleNamespace(get_global_grad_norm=lambda: 0.75)
+    module.trainer = SimpleNamespace(model=engine, accumulate_grad_batches=2)
+    monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda *a, **k: None)  # the engine's step, not run here
+    logged = []
+    monkeypatch.setattr(module, "log", lambda name, value, **k: logged.append((name, value)))
+    module.optimizer_step(0, 0, None)  # the step's first micro-batch
+    assert logged == []
+    module.optimizer_step(0, 1, None)
+    assert logged == [("train/grad_norm", 0.75)]
