@@ -1,0 +1,59 @@
+"""Run an entry point (train_lm.py, or -m MODULE) with Lightning's DeepSpeedStrategy on CPU (gloo), for
+tests/test_deepspeed.py: Lightning and lm.train refuse DeepSpeed without CUDA, so their three refusals are patched
+here, and nothing else: DeepSpeedStrategy.setup_environment (CUDA accelerator check; DDP's set-up instead),
+Lightning's device-index check (CPU devices have index None), the device_rank=None Lightning hands
+deepspeed.initialize on CPU (DeepSpeed compares it with 0), and lm.train.build_strategy's CUDA check.
+
+    python tests/deepspeed_on_cpu.py train_lm.py --config ... trainer.strategy=deepspeed_stage_2
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def patch() -> None:
+    import deepspeed
+    import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    import lm.train
+
+    DeepSpeedStrategy.setup_environment = lambda self: DDPStrategy.setup_environment(self)
+    lightning_deepspeed._validate_device_index_selection = lambda devices: None
+    initialize = deepspeed.initialize
+
+    def initialize_on_cpu(*args: Any, **kwargs: Any) -> Any:
+        if getattr(kwargs.get("args"), "device_rank", 0) is None:
+            kwargs["args"] = argparse.Namespace(device_rank=0)
+        return initialize(*args, **kwargs)
+
+    deepspeed.initialize = initialize_on_cpu
+    build_strategy = lm.train.build_strategy
+
+    def cpu_strategy(cfg: Any) -> Any:
+        available, accelerator = torch.cuda.is_available, cfg.trainer.accelerator
+        torch.cuda.is_available, cfg.trainer.accelerator = (lambda: True), "auto"
+        try:
+            return build_strategy(cfg)
+        finally:
+            torch.cuda.is_available, cfg.trainer.accelerator = available, accelerator
+
+    lm.train.build_strategy = cpu_strategy
+
+
+if __name__ == "__main__":
+    patch()
+    if sys.argv[1] == "-m":
+        module, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        runpy.run_path(str(ROOT / sys.argv[0]), run_name="__main__")
