@@ -105,10 +105,17 @@ class StepCheckpoints(L.Callback):
     also checkpoints the step it stops at (lm/preemption.py).
     """
 
-    def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0) -> None:
+    def __init__(self, dirpath: str | Path, every: int, val_every: int, link_last: bool = True, keep: int = 0,
+                 final_in_fit: bool = False) -> None:
         self.dirpath, self.every, self.val_every, self.link_last = Path(dirpath), every, val_every, link_last
-        self.keep = keep
+        self.keep, self.final_in_fit = keep, final_in_fit
         self.saved_step: int | None = None  # step of the newest checkpoint written by this process
+
+    def validates(self, trainer: L.Trainer) -> bool:
+        """Whether the step just taken is validated inside fit, before anything checkpoints it: every `val_every`
+        steps, and the last one when `final_in_fit` (lm.accumulation.FinalStepValidates, under DeepSpeed)."""
+        step = trainer.global_step
+        return step % self.val_every == 0 or (self.final_in_fit and step >= trainer.max_steps)
 
     def save(self, trainer: L.Trainer) -> None:
         check_weights(trainer)
@@ -130,12 +137,13 @@ class StepCheckpoints(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step
-        if ends_step(trainer, batch_idx) and step % self.every == 0 and step % self.val_every != 0:
+        if ends_step(trainer, batch_idx) and trainer.global_step % self.every == 0 and not self.validates(trainer):
             self.save(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == "fit" and not trainer.sanity_checking and trainer.global_step % self.every == 0:
+        step = trainer.global_step
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and (step % self.every == 0
+                                                                          or step >= trainer.max_steps):
             self.save(trainer)
 
 

@@ -31,8 +31,8 @@ class Preemption(L.Callback):
     """The SIGTERM flag (`received`: this process got it) and the agreed stop after an optimizer step (`stopped`:
     some rank got it), module docstring."""
 
-    def __init__(self, checkpoints: StepCheckpoints, val_every: int) -> None:
-        self.checkpoints, self.val_every = checkpoints, val_every
+    def __init__(self, checkpoints: StepCheckpoints) -> None:
+        self.checkpoints = checkpoints
         self.received = self.stopped = False
 
     def _flag(self, signum: int, frame: FrameType | None) -> None:
@@ -61,7 +61,7 @@ class Preemption(L.Callback):
         """After an optimizer step, unless the step validates next (then after that validation). The stop itself
         comes at the next batch's start, so that Lightning still logs this step's training values (it does after
         this hook); after the last step the fit ends anyway and lm.train.sigterm_interrupts sees `stopped`."""
-        if ends_step(trainer, batch_idx) and trainer.global_step % self.val_every != 0:
+        if ends_step(trainer, batch_idx) and not self.checkpoints.validates(trainer):
             self._agreed(trainer)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:

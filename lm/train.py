@@ -215,7 +215,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
         # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
         # after the checkpoints: it saves a step only if they did not
         callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints,
-                   Preemption(checkpoints, t.val_every), *timer,
+                   Preemption(checkpoints), *timer,
                    *([FinalStepValidates()] if validates_in_fit(cfg) else [])],
         enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
         use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
@@ -338,7 +338,7 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
         say(f"warning: {note}")
     t = cfg.trainer
     checkpoints = StepCheckpoints(ckpt_dir(cfg), t.ckpt_every, t.val_every, link_last=t.strategy != "deepspeed_stage_2",
-                                  keep=t.keep_last_k)
+                                  keep=t.keep_last_k, final_in_fit=validates_in_fit(cfg))
     # --resume without a checkpoint yet starts again: TensorBoard drops everything the killed run logged (step >= 0)
     resumed = point.step if point is not None else (-1 if resume is not None else None)
     trainer = build_trainer(cfg, checkpoints, strategy, resumed)
@@ -362,8 +362,9 @@ def process_group_released() -> Iterator[None]:
 
 def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataModule, checkpoints: StepCheckpoints,
                    ckpt: str | None) -> None:
-    """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done,
-    and checkpoint it (again after that validation, so that the checkpoint carries its result)."""
+    """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done (under
+    DeepSpeed it is, inside fit: `validates_in_fit`), and checkpoint it (again after that validation, so that the
+    checkpoint carries its result)."""
     def save_unsaved() -> None:
         if checkpoints.saved_step != trainer.global_step:
             checkpoints.save(trainer)
@@ -371,6 +372,10 @@ def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataMo
     with sigterm_interrupts(trainer, save_unsaved):
         trainer.fit(module, datamodule=data, ckpt_path=ckpt)
     final_validation = not module.val_history or module.val_history[-1]["step"] != trainer.global_step
+    if final_validation and checkpoints.final_in_fit:  # resumed from a checkpoint of the last step without it
+        say(f"warning: step {trainer.global_step} is not validated: under DeepSpeed it is only inside fit (a "
+            "trainer.validate after fit would replace the engine that saves the checkpoint)")
+        final_validation = False
     if final_validation:
         with sigterm_interrupts(trainer, lambda: checkpoints.save(trainer)):  # the checkpoint then carries it
             trainer.validate(module, datamodule=data, verbose=False)

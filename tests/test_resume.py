@@ -197,8 +197,9 @@ def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
     from lm.preemption import Preemption
 
     saved: list[int] = []
-    checkpoints = SimpleNamespace(saved_step=None, save=lambda trainer: saved.append(trainer.global_step))
-    preemption = Preemption(checkpoints, val_every=10)  # type: ignore[arg-type]
+    checkpoints = SimpleNamespace(saved_step=None, save=lambda trainer: saved.append(trainer.global_step),
+                                  validates=lambda trainer: trainer.global_step % 10 == 0)  # val_every 10
+    preemption = Preemption(checkpoints)  # type: ignore[arg-type]
     votes: list[bool] = []
 
     def trainer(step: int, fn: str = "fit", accumulate: int = 2) -> SimpleNamespace:
@@ -217,13 +218,48 @@ def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
         preemption.on_validation_end(trainer(10), None)  # type: ignore[arg-type]
     assert saved == [] and preemption.stopped
     # after a training step: saved at its end, stopped at the next batch's start, so that Lightning logs the step
-    after_step = Preemption(checkpoints, val_every=10)  # type: ignore[arg-type]
+    after_step = Preemption(checkpoints)  # type: ignore[arg-type]
     after_step.received = True
     after_step.on_train_batch_start(trainer(12), None, None, batch_idx=24)  # type: ignore[arg-type]  # not yet agreed
     after_step.on_train_batch_end(trainer(13), None, None, None, batch_idx=25)  # type: ignore[arg-type]
     assert saved == [13] and after_step.stopped
     with pytest.raises(SIGTERMException):
         after_step.on_train_batch_start(trainer(13), None, None, batch_idx=26)  # type: ignore[arg-type]
+
+
+def test_sigterm_at_the_last_step_under_deepspeed_waits_for_its_validation_inside_fit(tmp_path: Path) -> None:
+    """Under DeepSpeed the last step is validated inside fit (StepCheckpoints.final_in_fit): an agreed SIGTERM at its
+    end must not checkpoint it before that validation (its resume would validate after fit, which DeepSpeed cannot),
+    but after it, as for any validating step; without final_in_fit the step is saved at its end as before."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lm.checkpoint import StepCheckpoints
+    from lm.preemption import Preemption
+
+    saved: list[tuple[int, bool]] = []
+    for final_in_fit in (True, False):
+        checkpoints = StepCheckpoints(tmp_path, every=4, val_every=4, final_in_fit=final_in_fit)
+        def save(trainer, checkpoints=checkpoints, f=final_in_fit) -> None:  # what the real save records, no file
+            saved.append((trainer.global_step, f))
+            checkpoints.saved_step = trainer.global_step
+
+        checkpoints.save = save  # type: ignore[method-assign]
+        preemption = Preemption(checkpoints)
+        preemption.received = True
+        last = SimpleNamespace(global_step=6, max_steps=6, accumulate_grad_batches=1, sanity_checking=False,
+                               state=SimpleNamespace(fn="fit"),
+                               strategy=SimpleNamespace(reduce_boolean_decision=lambda d, all: d))
+        checkpoints.on_train_batch_end(last, None, None, None, batch_idx=5)  # type: ignore[arg-type]
+        preemption.on_train_batch_end(last, None, None, None, batch_idx=5)  # type: ignore[arg-type]
+        assert preemption.stopped != final_in_fit
+        if final_in_fit:
+            assert saved == []
+            checkpoints.on_validation_end(last, None)  # type: ignore[arg-type]  # the last step: saved, carrying it
+            with pytest.raises(SIGTERMException):
+                preemption.on_validation_end(last, None)  # type: ignore[arg-type]
+    assert saved == [(6, True), (6, False)]
 
 
 def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> None:

@@ -500,21 +500,31 @@ def test_the_last_step_validated_inside_fit_as_deepspeed_runs_do(data: Path, tmp
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Under DeepSpeed the last step (max_steps not a multiple of val_every) is validated inside fit
     (FinalStepValidates), never by a trainer.validate after it, which there builds an inference engine whose save
-    fails. On CPU, with the same switch: no trainer.validate call, validations at steps 4 and 6, and the final
-    checkpoint carries step 6's validation, as the after-fit path's does."""
+    fails. On CPU, with the same switch: no trainer.validate call, validations at steps 4 and 6, and step 6, a
+    checkpoint step, is saved once, after its validation (a kill during that validation must not leave a checkpoint
+    of the last step without it: its resume would validate after fit)."""
     import lightning as L
 
     import lm.train
-    from lm.checkpoint import read_checkpoint
+    from lm.checkpoint import StepCheckpoints, read_checkpoint
 
     assert lm.train.validates_in_fit(load_config(None, "trainer.strategy=deepspeed_stage_2"))
     assert not lm.train.validates_in_fit(load_config(None, "trainer.strategy=ddp"))
     monkeypatch.setattr(lm.train, "validates_in_fit", lambda cfg: True)
-    calls = []
+    calls, saves = [], []
     monkeypatch.setattr(L.Trainer, "validate", lambda *a, **k: calls.append(1))
+    save = StepCheckpoints.save
+
+    def spy(self, trainer) -> None:  # which step, and the step of the newest validation it carries
+        history = trainer.lightning_module.val_history
+        saves.append((trainer.global_step, history[-1]["step"] if history else None))
+        save(self, trainer)
+
+    monkeypatch.setattr(StepCheckpoints, "save", spy)
     metrics = lm.train.train(load_config(None, *run_overrides(data, tmp_path / "run", max_steps=6, val_every=4,
                                                               ckpt_every=3)))
     assert calls == [] and [h["step"] for h in metrics["history"]] == [4, 6]
+    assert saves == [(3, None), (6, 6)]  # step 6 (a checkpoint step) only after its validation (was: before it too)
     saved = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert saved["global_step"] == 6 and saved["val_history"][-1]["step"] == 6
 
