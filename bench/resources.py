@@ -255,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append([run_worker(name, cfg, a, mode) for name, cfg, mode in runs])
             text = report(a, argv, configs[0][1].seq_len, rounds)
             if a.out:
-                a.out.parent.mkdir(parents=True, exist_ok=True)
                 a.out.write_text(text)  # a run stopped at a time limit keeps the rounds it finished
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -283,16 +283,18 @@ def newest_loadable(directory: Path, skipped: Callable[[Path, str], None]) -> tu
     return None
 
 
-def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> Path | None:
-    """The newest complete DeepSpeed checkpoint of a run: its `step<N>.ckpt` directories newest first, then
-    last.ckpt, the first holding the `complete` file written once every rank's shards are (`mark_complete`);
-    `skipped(path, why)` for each incomplete one passed over. None if the run has none."""
+def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """(path, entries) of the newest complete DeepSpeed checkpoint of a run that `read_deepspeed` accepts: its
+    `step<N>.ckpt` directories newest first, then last.ckpt, the first holding the `complete` file written once every
+    rank's shards are (`mark_complete`) and a readable rank-0 file; `skipped(path, why)` for each one passed over.
+    None if the run has none."""
     for path in [*step_files(directory), directory / "last.ckpt"]:
         if not path.is_dir():
             continue
-        if (path / COMPLETE).is_file():
-            return path
-        skipped(path, f"an incomplete DeepSpeed checkpoint (no '{COMPLETE}' file: its save was interrupted)")
+        try:
+            return path, read_deepspeed(path)
+        except CheckpointError as err:
+            skipped(path, str(err))
     return None
 
 

@@ -246,21 +246,19 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
         say(f"warning: --resume: skipping {path.name}: {why}")
 
     deepspeed = cfg.trainer.strategy == "deepspeed_stage_2"  # DeepSpeed writes directories
-    ckpt = None
     if resume == "last":
         found = newest_deepspeed(ckpt_dir(cfg), skipping) if deepspeed else newest_loadable(ckpt_dir(cfg), skipping)
         if found is None:
             kind = "complete DeepSpeed" if deepspeed else "loadable"
             say(f"--resume: no {kind} checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
-        path, ckpt = (found, None) if isinstance(found, Path) else found
+        path, ckpt = found
     else:
         path = Path(resume)
         if path.is_dir() and not deepspeed:
             raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
                               f"checkpoints as directories; this run's trainer.strategy is "
                               f"{cfg.trainer.strategy}); give a .ckpt file")
-    if ckpt is None:
         try:  # a DeepSpeed directory: its entries besides the shards, for the checks below
             ckpt = read_deepspeed(path) if path.is_dir() else read_checkpoint(path)
         except CheckpointError as err:

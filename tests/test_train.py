@@ -459,11 +459,15 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
     capsys.readouterr()
     assert resume_path(cfg, "last") == (str(ckpts / "step0000025.ckpt"), 25)
     err = capsys.readouterr().err
-    assert "warning: --resume: skipping step0000030.ckpt: an incomplete DeepSpeed checkpoint (no 'complete' file" in err
+    assert (f"warning: --resume: skipping step0000030.ckpt: {ckpts / 'step0000030.ckpt'} is an incomplete DeepSpeed "
+            "checkpoint (no 'complete' file") in err
     assert f"--resume: continuing from {ckpts / 'step0000025.ckpt'}" in err
     assert resume_path(cfg, str(ckpts / "step0000010.ckpt")) == (str(ckpts / "step0000010.ckpt"), 10)
     with pytest.raises(ConfigError, match=r"^--resume-from: \S+step0000030\.ckpt is an incomplete DeepSpeed checkpoint"):
         resume_path(cfg, str(ckpts / "step0000030.ckpt"))
+    (deepspeed_dir("step0000035.ckpt", complete=True, step=35) / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert resume_path(cfg, "last") == (str(ckpts / "step0000025.ckpt"), 25)  # an unreadable one is passed over too
+    assert f"skipping step0000035.ckpt: DeepSpeed checkpoint {ckpts / 'step0000035.ckpt'}" in capsys.readouterr().err
     other = deepspeed_dir("step0000040.ckpt", complete=True, step=40, n_layers=3)
     with pytest.raises(ConfigError, match=r"^--resume: \S+step0000040\.ckpt was trained with different model\.n_layers$"):
         resume_path(cfg, "last")
@@ -546,7 +550,7 @@ def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_com
         if len(saves) == 3:  # the step's second save: killed while its shard is written
             shard.write_bytes(b"PK\x03\x04 truncated")
             raise KeyboardInterrupt
-        shard.write_bytes(b"a whole shard")
+        torch.save({"config": {}, "global_step": 10}, shard)  # Lightning's entries beside the weights, in short
         (path / "latest").write_text("checkpoint")
 
     trainer = SimpleNamespace(lightning_module=torch.nn.Linear(2, 2), global_step=10, is_global_zero=True,
@@ -558,9 +562,8 @@ def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_com
         callback.save(trainer)  # step 10 again, killed mid-shard
     assert saves == [("step0000010.ckpt", False), ("last.ckpt", False), ("step0000010.ckpt", False)]
     skipped = []
-    chosen = newest_deepspeed(tmp_path, lambda path, why: skipped.append(path.name))
-    assert skipped == ["step0000010.ckpt"] and chosen == tmp_path / "last.ckpt"
-    assert (chosen / "checkpoint" / "mp_rank_00_model_states.pt").read_bytes() == b"a whole shard"
+    chosen, entries = newest_deepspeed(tmp_path, lambda path, why: skipped.append(path.name))
+    assert skipped == ["step0000010.ckpt"] and chosen == tmp_path / "last.ckpt" and entries["global_step"] == 10
 
 
 @pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
