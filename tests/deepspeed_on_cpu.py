@@ -2,7 +2,9 @@
 tests/test_deepspeed.py: Lightning and lm.train refuse DeepSpeed without CUDA, so their three refusals are patched
 here, and nothing else: DeepSpeedStrategy.setup_environment (CUDA accelerator check; DDP's set-up instead),
 Lightning's device-index check (CPU devices have index None), the device_rank=None Lightning hands
-deepspeed.initialize on CPU (DeepSpeed compares it with 0), and lm.train.build_strategy's CUDA check.
+deepspeed.initialize on CPU (DeepSpeed compares it with 0), and lm.train.build_strategy's CUDA check. With
+trainer.devices > 1, Lightning starts the other ranks by running this process's command line again, which after
+runpy is the bare entry point: they run this harness around it instead.
 
     python tests/deepspeed_on_cpu.py train_lm.py --config ... trainer.strategy=deepspeed_stage_2
 """
@@ -47,6 +49,17 @@ def patch() -> None:
             torch.cuda.is_available, cfg.trainer.accelerator = available, accelerator
 
     lm.train.build_strategy = cpu_strategy
+
+    import lightning.pytorch.strategies.launchers.subprocess_script as launcher
+
+    def harness_command() -> list[str]:  # ranks > 0: this harness around the entry point rank 0 runs
+        import __main__
+
+        spec = getattr(__main__, "__spec__", None)
+        entry = ["-m", spec.name] if spec is not None else [sys.argv[0]]
+        return [sys.executable, __file__, *entry, *sys.argv[1:]]
+
+    launcher._basic_subprocess_cmd = harness_command
 
 
 if __name__ == "__main__":

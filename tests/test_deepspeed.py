@@ -170,11 +170,13 @@ def test_the_engines_gradient_norm_is_logged_after_each_step(monkeypatch: pytest
     assert logged == [("train/grad_norm", 0.75)]
 
 
-def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates_on_cpu(tmp_path: Path) -> None:
-    """train_lm.py through Lightning's own DeepSpeedStrategy (ZeRO-2, bf16-mixed) on one CPU rank, its CUDA refusals
-    patched (tests/deepspeed_on_cpu.py): 6 steps validating at 4 and at the last step inside fit (a trainer.validate
-    after fit crashed the save after it), a complete checkpoint directory, --resume to step 8 from step 6's, and
-    lm.consolidate of the final one, which load_model reads."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates_on_cpu(tmp_path: Path,
+                                                                                       ranks: int) -> None:
+    """train_lm.py through Lightning's own DeepSpeedStrategy (ZeRO-2, bf16-mixed) on one or two CPU ranks, its CUDA
+    refusals patched (tests/deepspeed_on_cpu.py): 6 steps validating at 4 and at the last step inside fit (a
+    trainer.validate after fit crashed the save after it), a complete checkpoint directory, --resume to step 8 from
+    step 6's, and lm.consolidate of the final one, which load_model reads."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     from lm.checkpoint import load_model, read_checkpoint
     from lm.consolidate import main as consolidate
@@ -186,7 +188,8 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     def train(steps: int, *flags: str) -> str:
         done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_on_cpu.py"), "train_lm.py", "--config",
                                "configs/tiny.yaml", *run_overrides(data, run, max_steps=steps, val_every=4, ckpt_every=3),
-                               "trainer.strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed", *flags],
+                               "trainer.strategy=deepspeed_stage_2", "trainer.precision=bf16-mixed",
+                               f"trainer.devices={ranks}", *flags],
                               env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         return done.stderr
@@ -194,7 +197,8 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     train(6)
     ckpts = run / "checkpoints"
     assert [h["step"] for h in json.loads((run / "metrics.json").read_text())["history"]] == [4, 6]
-    assert all((ckpts / name / "complete").is_file() for name in ("step0000006.ckpt", "last.ckpt"))
+    for name in ("step0000006.ckpt", "last.ckpt"):
+        assert (ckpts / name / "complete").read_text() == f"step 6, {ranks} rank(s)\n"
     assert f"--resume: continuing from {ckpts / 'step0000006.ckpt'}" in train(8, "--resume")
     assert [h["step"] for h in json.loads((run / "metrics.json").read_text())["history"]] == [4, 6, 8]
     assert consolidate([str(ckpts / "last.ckpt"), str(tmp_path / "final.ckpt")]) == 0
