@@ -176,6 +176,9 @@ class _NoAdverts(logging.Filter):
 logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())
 # Lightning 2.6's own pytree helper on torch >= 2.13: a deprecation of torch's API that Lightning uses, not ours
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+# DeepSpeed: our configure_gradient_clipping finds no gradients there and does nothing; the engine clips at
+# gradient_clipping = optim.grad_clip (deepspeed_config), as this warning advises, and its norm is logged (lm/module.py)
+warnings.filterwarnings("ignore", message=r"Since DeepSpeed handles gradient clipping internally")
 
 
 def model_line(cfg: Config, module: L.LightningModule) -> str:
