@@ -6,6 +6,8 @@ Everything that acts "per step" acts once per step: the step checkpoints and the
 micro-batch (`micro_index` 0). So no checkpoint ever holds a half-accumulated step, and a resumed run
 continues in step with the data order (lm/data.py). Stateful heads (MoSA's running threshold, Routing's
 k-means centroids) stage every micro-batch's statistics and move once per step, after it (heads/base.py).
+`FinalStepValidates` (DeepSpeed) stops fit after the micro-batch that ends step max_steps, so that Lightning
+validates that step inside fit.
 """
 from __future__ import annotations
 

@@ -6,7 +6,9 @@ A checkpoint is Lightning's dict (state_dict, optimizer/scheduler states, loop s
 
 Every reader goes through `read_checkpoint`, which turns an empty, truncated, garbled (zip CRC
 mismatch) or foreign file into a one-line CheckpointError; `newest_loadable` walks a run's step
-files newest first past damaged ones, and `remove_temp_files` clears what a killed write left.
+files newest first past damaged ones, and `remove_temp_files` clears what a killed write left. Under DeepSpeed a
+checkpoint is a directory of shards: `unmark` / `mark_complete` bracket each save, `read_deepspeed` reads its rank-0
+entries, `newest_deepspeed` picks the newest complete one (lm/consolidate.py makes one file of it).
 """
 from __future__ import annotations
 
@@ -75,8 +77,8 @@ def is_deepspeed_dir(path: Path) -> bool:
 
 
 def unmark(trainer: L.Trainer, path: Path) -> None:
-    """Before checkpoint directory `path` is saved again (DeepSpeed's last.ckpt every save; a step re-saved after
-    the final validation), rank 0 removes the previous save's `complete` mark, and no rank writes a shard before
+    """Before checkpoint directory `path` is saved again (DeepSpeed's last.ckpt at every save; a step directory a
+    resumed run saves again), rank 0 removes the previous save's `complete` mark, and no rank writes a shard before
     the barrier: a kill during the new save then leaves an unmarked directory, never a marked one with half-written
     shards."""
     if trainer.is_global_zero and path.is_dir():

@@ -5,7 +5,8 @@ collective inside a signal handler) and each rank stops at its own batch end (Li
 so ranks that get the signal together, as under SLURM, Kubernetes or torchrun, deadlock or die with a gloo / NCCL
 error. Measured with 2 CPU processes (tests/test_ddp.py's set-up, SIGTERM to the process group): 1 hang and 2
 tracebacks in 3 runs, never the one-line stop. So here, from the start of training or validation on (Lightning
-installs its handler just before), the handler only sets a flag. At the end of every optimizer step, and after
+installs its handler just before), the handler only sets a flag. At the end of every optimizer step not validated next (`StepCheckpoints.validates`: every val_every steps, and
+the last one under DeepSpeed), and after
 every validation within training, the ranks reduce it (any rank: one integer, `reduce_boolean_decision`); if
 any rank got the signal, all of them checkpoint that step (lm/checkpoint.StepCheckpoints.save, unless written
 already) and stop there together, with Lightning's SIGTERMException (after a training step at the next batch's

@@ -6,7 +6,10 @@ and DeepSpeed must not divide Lightning's already divided loss again), warmup + 
 Routing heads, whose running
 threshold and k-means centroids (buffers, compared too, and checked to have moved) must be updated from both
 ranks' statistics once per step (routing/distributed.py).
-Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter)."""
+Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter).
+The same ranks' checkpoint, saved as Lightning's DeepSpeedStrategy saves it, resumes and consolidates (lm.consolidate);
+Lightning's DeepSpeedStrategy itself trains train_lm.py on 1 and 2 CPU ranks (tests/deepspeed_on_cpu.py); the
+engine's gradient norm is logged."""
 from __future__ import annotations
 
 import json

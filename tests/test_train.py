@@ -534,7 +534,7 @@ def test_the_last_step_validated_inside_fit_as_deepspeed_runs_do(data: Path, tmp
 
 
 def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_completes(tmp_path: Path) -> None:
-    """DeepSpeed rewrites last.ckpt at every save and a step is saved again after the final validation: a kill
+    """DeepSpeed rewrites last.ckpt at every save (and a resumed run may save a step directory again): a kill
     while the new shards are written must not leave the old `complete` mark beside them (--resume would take the
     half-written directory); it takes the previous complete one instead. The mark goes before any rank writes."""
     from types import SimpleNamespace
