@@ -54,14 +54,20 @@ def needs_leak_free(entry: dict[str, Any]) -> bool:
 
 def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, float]:
     """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows
-    (default: the data.val_batches * data.batch_size windows that training validated on)."""
+    (default: the data.val_batches * data.batch_size windows that training validated on). A DeepSpeed run's
+    checkpoint directory is made one file first (<out_dir>/consolidated.ckpt, lm.consolidate)."""
     import torch
 
-    from lm.checkpoint import load_model
+    from lm.checkpoint import is_deepspeed_dir, load_model
+    from lm.consolidate import consolidate
     from lm.data import ValWindows, open_split
     from lm.leakfree import evaluate
 
-    model, cfg = load_model(Path(entry["out_dir"]) / "checkpoints" / "last.ckpt")
+    last = Path(entry["out_dir"]) / "checkpoints" / "last.ckpt"
+    if is_deepspeed_dir(last):
+        consolidate(last, Path(entry["out_dir"]) / "consolidated.ckpt")
+        last = Path(entry["out_dir"]) / "consolidated.ckpt"
+    model, cfg = load_model(last)
     windows = windows or cfg.data.val_batches * cfg.data.batch_size
     val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
     full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))])  # [N, T+1]

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,10 +206,12 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, capsys) -> None:
+def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, capsys,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-causal point's perplexity is its leak-free one: run_sweep evaluates it after training (leakfree.json,
     on training's validation windows) and flops.aggregate reads that, not the run's teacher-forced val_ppl; a
-    causal point's is its val_ppl."""
+    causal point's is its val_ppl. A DeepSpeed point's last.ckpt (a directory) is consolidated first (it failed:
+    readers take files)."""
     from tests.synthetic import write_prepared
 
     data = write_prepared(tmp_path / "data")
@@ -230,6 +233,17 @@ def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, caps
     (Path(points["mosa_s4"]["out_dir"]) / "leakfree.json").unlink()  # not evaluated: no perplexity, not done
     row = {r["name"]: r for r in collect(tmp_path / "sw")}["mosa_s4"]
     assert row["ppl"] is None and row["status"] != "done"
+    import lm.consolidate
+    from flops.run_sweep import leak_free_eval
+
+    last = Path(points["mosa_s4"]["out_dir"]) / "checkpoints" / "last.ckpt"
+    trained = last.with_name("trained.ckpt")
+    last.rename(trained)
+    last.mkdir()
+    (last / "latest").write_text("checkpoint")  # as DeepSpeed leaves it; its consolidation: the trained file
+    monkeypatch.setattr(lm.consolidate, "consolidate", lambda directory, out: shutil.copy(trained, out))
+    assert leak_free_eval(points["mosa_s4"], None)["leakfree_ppl"] == leakfree["leakfree_ppl"]
+    assert (Path(points["mosa_s4"]["out_dir"]) / "consolidated.ckpt").is_file()
 
 
 def test_damaged_sweep_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
