@@ -44,6 +44,13 @@ def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path
     return path
 
 
+def run_labels(runs: list[Path]) -> list[str]:
+    """One legend label per run directory: its name, or its path where another run has the same name (two sweeps'
+    `runs/mosa_s8`), so that no curve replaces another."""
+    names = [run.name for run in runs]
+    return [run.name if names.count(run.name) == 1 else str(run) for run in runs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot the validation curves of training runs (metrics.json) together.")
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
@@ -56,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     histories = {}
-    for run in args.runs:
+    for run, label in zip(args.runs, run_labels(args.runs)):
         metrics = run / "metrics.json"
         if not metrics.is_file():
             print(f"error: {run}: no metrics.json (not a training run directory, or no validation yet)", file=sys.stderr)
             return 2
-        histories[run.name] = json.loads(metrics.read_text()).get("history", [])
+        histories[label] = json.loads(metrics.read_text()).get("history", [])
     if plot_val_curves(histories, args.out, args.title) is None:
         print("error: no run has two validations to draw a curve through", file=sys.stderr)
         return 2

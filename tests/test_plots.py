@@ -32,6 +32,18 @@ def test_two_runs_in_one_png_labelled_by_directory(tmp_path: Path, monkeypatch: 
     assert sorted(drawn) == ["dense", "mosa"] and [h["val_ppl"] for h in drawn["mosa"]] == [80.0, 50.0, 40.0]
 
 
+def test_runs_with_the_same_directory_name_are_both_drawn_labelled_by_path(tmp_path: Path, monkeypatch) -> None:
+    """Two sweeps' points share a name (`runs/mosa_s8`): each keeps its curve, labelled by its path (the second
+    replaced the first under one label, silently)."""
+    drawn = {}
+    monkeypatch.setattr(plots, "plot_val_curves", lambda histories, path, title="": drawn.update(histories) or Path(path))
+    a, b = _run(tmp_path / "tiny" / "mosa_s8", [90.0, 60.0]), _run(tmp_path / "small" / "mosa_s8", [80.0, 50.0])
+    dense = _run(tmp_path / "dense", [70.0, 40.0])
+    assert plots.main([str(a), str(b), str(dense), "--out", str(tmp_path / "c.png")]) == 0
+    assert {label: [h["val_ppl"] for h in history] for label, history in drawn.items()} == {
+        str(a): [90.0, 60.0], str(b): [80.0, 50.0], "dense": [70.0, 40.0]}
+
+
 def test_a_run_with_one_validation_is_left_out_and_none_at_all_is_an_error(tmp_path: Path, capsys) -> None:
     assert plots.plot_val_curves({"a": [{"tokens_seen": 1, "val_ppl": 9.0}]}, tmp_path / "x.png") is None
     assert plots.main([str(_run(tmp_path / "short", [9.0])), "--out", str(tmp_path / "x.png")]) == 2
