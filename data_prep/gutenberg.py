@@ -7,7 +7,11 @@ Header/footer markers vary between editions, e.g.
     FRANKLIN ***                                    (title wrapped onto a second line)
     *END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*...   (1990s editions, end of the header)
 The body is the text between the last START marker before the first END marker and that END marker,
-minus the closing "End of (the) Project Gutenberg EBook of <title>, by <author>" line(s).
+minus the closing "End of (the) Project Gutenberg EBook of <title>, by <author>" line(s) and minus a first
+paragraph that is PG's production credit, not the book (most books open with one):
+    Produced by Judith Boss.  HTML version by Al Haines.
+    Transcribed from the 1897 Service & Paton edition by David Price, email ccx074@pglaf.org
+    This etext was created by Judith Boss, of Omaha, Nebraska, from the ...
 """
 from __future__ import annotations
 
@@ -27,6 +31,16 @@ _START = re.compile(
 _END = re.compile(r"^\*{3} *END OF (?:THE |THIS )?PROJECT GUTENBERG", re.IGNORECASE | re.MULTILINE)
 _TRAILER = re.compile(r"^[ \t]*End of (?:the |this )?Project Gutenberg", re.IGNORECASE | re.MULTILINE)
 _TRAILER_WINDOW = 1000  # the closing "End of the Project Gutenberg EBook of ..." sits in the last lines
+_PARAGRAPH = re.compile(r"\A\s*\S.*?(?=\n[ \t]*\n|\Z)", re.DOTALL)  # the first paragraph, up to a blank line
+_CREDIT = re.compile(r"\A\s*(?:Produced|Transcribed|Prepared) (?:by|from)\b"
+                     r"|Project Gutenberg|Distributed Proofreading|pgdp\.net|\be-?text\b", re.IGNORECASE)
+
+
+def strip_credit(body: str) -> str:
+    """`body` without its first paragraph when that paragraph is PG's production credit: it opens with
+    "Produced by" / "Transcribed from" or names Project Gutenberg, its proofreaders or the etext."""
+    first = _PARAGRAPH.match(body)
+    return body[first.end():] if first and _CREDIT.search(first.group()) else body
 
 
 def strip_gutenberg(text: str) -> tuple[str, tuple[str, ...]]:
@@ -37,7 +51,7 @@ def strip_gutenberg(text: str) -> tuple[str, tuple[str, ...]]:
     end = end_match.start() if end_match else len(text)
     starts = [m for m in _START.finditer(text, 0, end) if m.end() <= end]
     start = starts[-1].end() if starts else 0
-    body = text[start:end]
+    body = strip_credit(text[start:end]) if starts else text[start:end]
     trailers = list(_TRAILER.finditer(body, max(0, len(body) - _TRAILER_WINDOW)))
     if trailers:
         body = body[: trailers[-1].start()]
