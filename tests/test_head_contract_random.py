@@ -9,6 +9,9 @@ difference is a bug, not rounding:
 - causal groups: resampling the inputs after a random row t leaves the outputs at rows <= t unchanged, in eval mode
   and in training mode (state frozen, the same random draws in both passes), and so does cutting the input after
   row t (to 1e-10: another length may block the sums differently);
+- every group, in eval mode: each sequence's output is what it gets alone, whatever else its batch holds (no batch
+  statistic reaches an output), so a validation perplexity does not depend on the batch size or on which documents
+  share a batch;
 - decodable groups: a prefill of p rows then one row per call == the full forward.
 The values drawn are each type's `Options.grid()` (heads/), which every type with options of its own declares.
 Configurations the options refuse (ConfigError) are skipped; each test still checks `CASES` real ones, and fails
@@ -88,6 +91,10 @@ def check_contract(group: HeadGroup, T: int, batch: int, what: str, rng: random.
     pos = torch.arange(T).expand(batch, T)
     with torch.no_grad():
         y = group(x, pos)
+        if batch > 1:
+            alone = torch.cat([group(x[b : b + 1], pos[b : b + 1]) for b in range(batch)])
+            cross = (alone - y).abs().max().item()
+            assert cross < 1e-10, f"a sequence's output moved by {cross:.1e} with the rest of its batch: {what}"
         if group.causal and T > 1:
             t = rng.randint(0, T - 2)
             x2 = x.clone()
