@@ -32,15 +32,17 @@ _END = re.compile(r"^\*{3} *END OF (?:THE |THIS )?PROJECT GUTENBERG", re.IGNOREC
 _TRAILER = re.compile(r"^[ \t]*End of (?:the |this )?Project Gutenberg", re.IGNORECASE | re.MULTILINE)
 _TRAILER_WINDOW = 1000  # the closing "End of the Project Gutenberg EBook of ..." sits in the last lines
 _PARAGRAPH = re.compile(r"\A\s*\S.*?(?=\n[ \t]*\n|\Z)", re.DOTALL)  # the first paragraph, up to a blank line
+_CREDIT_CHARS = 1000  # a credit is a few lines (the longest among the shared books: 468 characters)
 _CREDIT = re.compile(r"\A\s*(?:Produced|Transcribed|Prepared) (?:by|from)\b"
                      r"|Project Gutenberg|Distributed Proofreading|pgdp\.net|\be-?text\b", re.IGNORECASE)
 
 
 def strip_credit(body: str) -> str:
-    """`body` without its first paragraph when that paragraph is PG's production credit: it opens with
-    "Produced by" / "Transcribed from" or names Project Gutenberg, its proofreaders or the etext."""
+    """`body` without its first paragraph when that paragraph is PG's production credit: a few lines that open with
+    "Produced by" / "Transcribed from" or name Project Gutenberg, its proofreaders or the etext."""
     first = _PARAGRAPH.match(body)
-    return body[first.end():] if first and _CREDIT.search(first.group()) else body
+    credit = first is not None and len(first.group()) <= _CREDIT_CHARS and _CREDIT.search(first.group())
+    return body[first.end():] if credit else body
 
 
 def strip_gutenberg(text: str) -> tuple[str, tuple[str, ...]]:

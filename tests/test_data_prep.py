@@ -99,6 +99,8 @@ def test_strip_gutenberg_drops_a_first_paragraph_that_is_pg_production_credit(cr
     assert gutenberg.strip_gutenberg(pg_book(f"{credit}\n\n\n\n{body}")) == (body, ())
     assert gutenberg.strip_gutenberg(pg_book(body)) == (body, ())
     assert gutenberg.strip_gutenberg(f"{credit}\n\n{body}")[0] == f"{credit}\n\n{body}"
+    unbroken = f"{credit}\n" + "A book without a blank line. " * 50  # the credit's paragraph is the whole book
+    assert gutenberg.strip_gutenberg(pg_book(unbroken))[0] == unbroken.rstrip()
 
 
 def test_strip_gutenberg_real_books(shared_data: Path) -> None:
