@@ -17,6 +17,13 @@ from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
 D_MODEL, HEAD_DIM, BATCH = 32, 8, 2
 
 
+def gapped_positions(T: int, device: str) -> torch.Tensor:
+    """[BATCH, T] increasing positions with gaps, another offset per row: not token index + a constant, a shift
+    that RoPE's relative scores would not show (rotating at the token index instead passed with arange + 7)."""
+    t = torch.arange(T, device=device)
+    return 7 + t + t // 3 + 5 * torch.arange(BATCH, device=device)[:, None]
+
+
 def problem(T: int, sparsity: int, heads: int, seed: int = 0, device: str = "cpu", head_dim: int = HEAD_DIM) -> dict:
     """Random x, weights, selection (about T/ρ candidates per head, capacity T/ρ: overflow and padding)
     and raw router scores, on `device` (the same draws on any device); every float tensor requires grad."""
@@ -27,7 +34,7 @@ def problem(T: int, sparsity: int, heads: int, seed: int = 0, device: str = "cpu
     return dict(x=leaf(BATCH, T, D_MODEL), r=torch.rand(BATCH, heads, c, generator=g).to(device).requires_grad_(),
                 w_qkv=leaf(3 * heads * head_dim, D_MODEL, std=0.3), w_o=leaf(D_MODEL, heads * head_dim, std=0.3),
                 sel=Selection(sel.idx.to(device), sel.valid.to(device)),
-                positions=torch.arange(T, device=device).expand(BATCH, T) + 7,
+                positions=gapped_positions(T, device),
                 cot=torch.randn(BATCH, T, D_MODEL, generator=g).to(device))
 
 

@@ -147,8 +147,9 @@ def test_running_threshold_selects_about_one_in_rho() -> None:
 def test_threshold_moves_once_per_step_toward_the_mean_micro_batch_quantile() -> None:
     """Micro-batches of one step all select with the same tau; the commit after the optimizer step moves it one EMA
     step toward the mean of their (1 - 1/ρ)-quantiles (routing/threshold.py); evaluation stages nothing, and a
-    commit with nothing staged leaves tau where it is."""
-    T, rho, momentum = 64, 8, 0.5
+    commit with nothing staged leaves tau where it is. Momentum 0.3, not 0.5, at which an EMA whose old and new
+    values were swapped would read the same."""
+    T, rho, momentum = 64, 8, 0.3
     group = make_group("mosa", dict(sparsity=rho, threshold_momentum=momentum), T).train()
     set_thresholds(group)
     group.threshold.initialized.fill_(True)
@@ -168,6 +169,21 @@ def test_threshold_moves_once_per_step_toward_the_mean_micro_batch_quantile() ->
     moved = group.threshold.tau.clone()
     commit_states(group)
     assert torch.equal(group.threshold.tau, moved)
+
+
+def test_the_first_commit_sets_tau_to_the_staged_quantile_whatever_the_momentum() -> None:
+    """A fresh threshold starts at the first step's quantile, not an EMA step away from 0: at momentum 0.02 that
+    would leave tau near 0 for many steps, and most tokens (83% at ρ = 8 here) passing instead of 1/ρ."""
+    from routing.threshold import RunningQuantileThreshold
+
+    threshold = RunningQuantileThreshold(2, 8, 0.02)
+    logits = 2.0 + torch.randn(4, 2, 256, generator=torch.Generator().manual_seed(0))
+    threshold.stage(logits)
+    staged = threshold.pending[:-1].clone()
+    threshold.commit()
+    assert bool(threshold.initialized)
+    torch.testing.assert_close(threshold.tau, staged)
+    assert abs(threshold.above(logits).float().mean().item() - 1 / 8) < 0.01
 
 
 def test_tied_top_logits_pass_the_threshold() -> None:

@@ -284,7 +284,7 @@ def test_lr_schedule() -> None:
 def test_aux_losses_are_added_and_logged_separately() -> None:
     class AuxHeads(DenseHeads):
         def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            self.aux_losses = {"balance": x.new_tensor(0.125)}
+            self.aux_losses = {"balance": x.new_tensor(0.125), "commitment": x.new_tensor(0.5)}
             return super().forward_fast(x, positions)
 
     cfg = load_config(None, *run_overrides(Path("unused"), Path("unused")))
@@ -294,7 +294,8 @@ def test_aux_losses_are_added_and_logged_separately() -> None:
         block.attn.groups[0] = AuxHeads(g.ctx, g.count, g.options)
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     loss, ce, aux = module.losses(x, y)
-    assert aux == {"balance": pytest.approx(0.25)} and loss.item() == pytest.approx(ce.item() + 0.25)
+    assert aux == {"balance": pytest.approx(0.25), "commitment": pytest.approx(1.0)}  # 2 layers each, summed
+    assert loss.item() == pytest.approx(ce.item() + 1.25)  # every auxiliary loss added, none averaged
 
 
 # ---- data ----------------------------------------------------------------------------------------
