@@ -305,6 +305,34 @@ def test_layout_sampler_regimes():
     assert all(decode(encode(ly)) == ly for ly in drawn)
 
 
+def test_each_new_state_is_its_own_query_row_at_the_span_suffix_positions():
+    """The t new states are the span's last t rows, rotated at their own positions N - t .. N - 1 (a query at 0 ..
+    t - 1 would read the span from its start); each is one query row over all N keys, so compressing to fewer
+    states gives the last rows of compressing to more."""
+    model = make()
+    for p in model.compressor.parameters():
+        torch.nn.init.normal_(p, std=0.5)  # far from the initial near-identity, so positions show
+    h = model.lower(tokens(12))
+    with torch.no_grad():
+        whole = model.compress(h, 12)
+        for t in (1, 3, 7):
+            torch.testing.assert_close(model.compress(h, t), whole[:, -t:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ratio, span, t", [(0.3, 12, 4), (0.2, 13, 3), (0.7, 10, 7), (0.01, 12, 1), (1.0, 37, 37)])
+def test_tokens_for_rounds_to_the_nearest_count_and_keeps_at_least_one(ratio, span, t):
+    assert tokens_for(ratio, span) == t  # 3.6 -> 4, 2.6 -> 3 (round, not floor)
+
+
+def test_a_document_exactly_as_long_as_the_window_is_drawn_whole_and_every_start_is_drawn():
+    """A document of n tokens holds one window of n; one of n + 5 holds six, starts 0 .. 5 all drawn."""
+    eos, n = 0, 20
+    exact = DocumentWindows([np.concatenate([np.arange(1, n + 1), [eos]]).astype(np.uint16)], eos_id=eos, seed=0)
+    assert exact.sample(3, n).tolist() == [list(range(1, n + 1))] * 3
+    longer = DocumentWindows([np.concatenate([np.arange(1, n + 6), [eos]]).astype(np.uint16)], eos_id=eos, seed=0)
+    assert {int(row[0]) - 1 for row in longer.sample(300, n)} == set(range(6))
+
+
 def test_document_windows_stay_inside_one_document():
     eos = 0
     docs = [np.arange(1, 1 + n) for n in (5, 40, 3, 25)]  # distinct ranges: a window's tokens name its doc

@@ -45,3 +45,13 @@ def test_a_group_that_contributes_nothing_is_named(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: step 1: 3 parameter tensor(s) got an all-zero gradient")
     assert "blocks.0.attn.groups.1.router.weight (mosa heads)" in err[0]
+
+
+def test_a_gradient_with_no_positive_entry_is_alive() -> None:
+    """Only an all-zero gradient is dead: one whose entries are all <= 0 with some exact zeros (an unused bias
+    bucket beside used ones) is not, and one of exact zeros is, whatever its sign bit (-0.0)."""
+    layer = torch.nn.Linear(3, 1, bias=False)
+    layer.weight.grad = torch.tensor([[-0.5, 0.0, -0.2]])
+    assert zero_gradient_params(layer) == []
+    layer.weight.grad = torch.tensor([[-0.0, 0.0, 0.0]])
+    assert zero_gradient_params(layer) == ["weight"]

@@ -154,6 +154,11 @@ def test_overwrite_deletes_only_the_runs_outputs(run: tuple[Path, Path], tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "notes.txt", "run.json", "tokenizer.model",
                                                       "train.log"]
     assert not holds_run(out / "nothing") and holds_run(out)
+    for i, part in enumerate(("run.json", "metrics.json", "checkpoints/step0000010.ckpt")):  # any one is (part of) a run
+        only = tmp_path / f"only{i}"
+        (only / part).parent.mkdir(parents=True)
+        (only / part).write_text("{}")
+        assert holds_run(only), part
 
 
 def test_checkpoint_carries_its_tokenizer(run: tuple[Path, Path], tmp_path: Path) -> None:

@@ -299,6 +299,29 @@ def test_aux_losses_are_added_and_logged_separately() -> None:
 
 
 # ---- data ----------------------------------------------------------------------------------------
+class _Stream:
+    """A token stream of 0 .. n - 1 (TokenStream's len and read)."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens = np.arange(n, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        return self.tokens[start : start + length]
+
+
+def test_training_windows_cover_the_stream_to_its_last_token() -> None:
+    """Every window of T + 1 tokens that fits is drawn: a stream of exactly T + 1 tokens is one window (its last
+    token the last target), and in a longer one every start 0 .. len - T - 1 comes up."""
+    T = 8
+    x, y = TrainBatches(_Stream(T + 1), T, 2, seed=0).batch(0)
+    assert x.tolist() == [list(range(T))] * 2 and y.tolist() == [list(range(1, T + 1))] * 2
+    batches = TrainBatches(_Stream(T + 5), T, 4, seed=0)
+    assert {int(batches.batch(step)[0][row, 0]) for step in range(50) for row in range(4)} == set(range(5))
+
+
 def test_train_order_is_a_pure_function_of_seed_and_step(data: Path) -> None:
     cfg = load_config(None, *run_overrides(data, Path("unused")))
     stream = open_split(data, "train", cfg.model)
