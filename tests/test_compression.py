@@ -472,8 +472,9 @@ def test_compression_training_accumulates_and_checkpoints_like_plain_training(tm
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="compression.layer"):
-        make(layer=4)
+    for layer in (0, 4):  # the compressed span needs a layer below it, and one above (the tiny model has 4)
+        with pytest.raises(ConfigError, match=rf"^compression.layer must be in \[1, 4\) \(model.n_layers\), got {layer}$"):
+            make(layer=layer)
     with pytest.raises(ConfigError, match="compression.mode"):
         make(mode="zip")
     with pytest.raises(ConfigError, match=r"compression.ratio \* \(1 \+ ratio_spread\) must be <= 1"):

@@ -593,6 +593,10 @@ def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and err.startswith("error: --vocab-size 100 is too small: this corpus needs at least ")
     code, err = run_cli(capsys, *args, "70000")
     assert code == 2 and err == "error: --vocab-size must be in 1..65536 (tokens are stored as uint16), got 70000"
+    tokenizer.check_vocab_size(65536)  # ids 0 .. 65535 fit uint16: the largest allowed, as model.vocab_size allows
+    for bad in (65537, 0):
+        with pytest.raises(DataError, match=f"^--vocab-size must be in 1..65536 .*, got {bad}$"):
+            tokenizer.check_vocab_size(bad)
 
 
 @pytest.mark.parametrize("threads", ["0", "-1"])
@@ -645,7 +649,8 @@ def test_input_hashing_has_a_progress_bar_and_its_own_time(tmp_path: Path, capsy
 
 def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     good = [json.dumps({"text": words(200 + i, 3), "timestamp": None, "url": None}) for i in range(30)]
-    lines = good[:10] + ['{"text": "unterminated', "not json at all", "[1, 2]"] + good[10:] + [json.dumps({"url": "x"})]
+    lines = (good[:5] + ["", "  \t "] + good[5:10] + ['{"text": "unterminated', "not json at all", "[1, 2]"] + good[10:]
+             + [json.dumps({"url": "x"})])  # blank and whitespace-only lines are no rows, not broken ones
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.json.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
     (tmp_path / "src" / "b.json").write_text("garbage\n{broken\n")
@@ -654,9 +659,9 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert index["skipped"]["skipped_files_by_reason"] == {"no valid JSON lines": 1}
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == 30
     err = capsys.readouterr().err
-    assert "warning: a.json.gz: 3 broken JSON line(s), first at line 11 (skipped)" in err
+    assert "warning: a.json.gz: 3 broken JSON line(s), first at line 13 (skipped)" in err
     # a row without "text" (a misnamed field?) is reported too, once although both passes read it
-    assert err.count('warning: a.json.gz: 1 row(s) without a string "text" field, first at line 34 (skipped)') == 1
+    assert err.count('warning: a.json.gz: 1 row(s) without a string "text" field, first at line 36 (skipped)') == 1
 
 
 def test_max_docs_reports_the_problems_of_the_part_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -752,7 +757,8 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
         assert {p.name: p.read_bytes() for p in out.iterdir()} == files
 
     (src / "d03.txt").unlink()
-    (src / "d04.txt").write_text(words(99, 40))
+    edited = (src / "d04.txt").read_bytes()
+    (src / "d04.txt").write_bytes(edited[:-1] + (b"y" if edited.endswith(b"x") else b"x"))  # same size: SHA-256 sees it
     (src / "new.txt").write_text(words(98, 40))
     with pytest.raises(DataError, match=r"^--out .* other inputs \(1 added \(new\.txt\), 1 removed \(d03\.txt\), "
                                         r"1 changed \(d04\.txt\)\); pass --overwrite"):

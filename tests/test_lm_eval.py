@@ -68,6 +68,24 @@ def logprob(model, tokens: list[int], first: int) -> float:
     return sum(logp[i - 1, tokens[i]].item() for i in range(first, len(tokens)))
 
 
+def test_is_greedy_means_every_continuation_token_is_the_argmax(setup) -> None:
+    """lm-eval's second value: True only when each continuation token is the model's argmax after the tokens
+    before it; a continuation whose last token is not (the first ones are) is False."""
+    _, _, model, lm = setup
+    context = lm.tok_encode(english(1, 10))[:12]
+    greedy = list(context)
+    with torch.no_grad():
+        for _ in range(3):
+            greedy.append(int(model(torch.tensor([greedy])).argmax(-1)[0, -1]))
+        logits = model(torch.tensor([greedy[:-1]]))[0, -1]
+    off = int(logits.argsort(descending=True)[1])  # the second most likely last token
+    requests = [(("", ""), context, greedy[len(context):]), (("", ""), context, [*greedy[len(context):-1], off])]
+    (ll_greedy, is_greedy), (ll_off, is_off) = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert is_greedy and not is_off
+    assert abs(ll_greedy - logprob(model, greedy, len(context))) <= TOL
+    assert abs(ll_off - logprob(model, [*greedy[:-1], off], len(context))) <= TOL
+
+
 def test_loglikelihood_matches_forward_pass(setup) -> None:
     from lm_eval.api.instance import Instance
 

@@ -158,10 +158,10 @@ def test_bad_options_are_one_line_errors(options: dict, field: str) -> None:
 
 def test_capacity_is_the_exact_decimal() -> None:
     """k = floor(1.15 * 100 / 1) = 115 and floor(1.15 * 100 / 5) = 23 (binary rounding gives 114 and 22), in the head
-    and in flops/."""
+    and in flops/; floor, not ceil: floor(1.15 * 100 / 3) = floor(38.3) = 38."""
     from flops.formulas import group_cost
 
-    for rho, k in ((1.0, 115), (5.0, 23)):
+    for rho, k in ((1.0, 115), (5.0, 23), (3.0, 38)):
         assert make_group("mosaic", dict(sparsity=rho, capacity_factor=1.15), 100, count=4).k == k
         assert group_cost("mosaic", 32, 16, 100, 1, {"sparsity": rho, "capacity_factor": 1.15}).kv == min(k, 100)
 

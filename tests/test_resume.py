@@ -338,6 +338,22 @@ def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
                          "follow the new settings)")
 
 
+def test_a_changed_weight_decay_reaches_the_matrices_only() -> None:
+    """weight decay 0.1 -> 0.05 on resume: group 0 (the matrices) takes the new value, group 1 (norms, embeddings,
+    biases) keeps 0, as LMModule.configure_optimizers built them (writing it into every group decayed them all)."""
+    from omegaconf import OmegaConf
+
+    from lm.config import load_config
+    from lm.resume_settings import apply_changes
+
+    old = load_config(None, "optim.weight_decay=0.1")
+    groups = [{"lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": wd} for wd in (0.1, 0.0)]
+    checkpoint = {"config": OmegaConf.to_container(OmegaConf.structured(old)), "global_step": 4,
+                  "optimizer_states": [{"param_groups": groups}], "lr_schedulers": [{"base_lrs": [1e-3, 1e-3]}]}
+    apply_changes(checkpoint, load_config(None, "optim.weight_decay=0.05"))
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
+
+
 def test_a_deepspeed_checkpoint_refuses_new_optimizer_group_settings() -> None:
     """Lightning's part of a DeepSpeed checkpoint has no optimizer_states: DeepSpeed restores AdamW's param groups from
     its shards, so a changed lr, betas or weight decay would be reported as applied and silently kept. One line; a

@@ -88,7 +88,9 @@ def test_preset_size_refuses_a_config_with_another_shape(tmp_path: Path, capsys)
     shape = ["model.n_layers=3", "model.d_model=64", "model.head_dim=16", "model.seq_len=128",
              "model.heads=[{type: dense, count: 6}]"]
     assert sweep_main(["--size", "base", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "c"), *shape]) == 0
-    assert lm.load_config(str(tmp_path / "c" / "dense_s1.yaml")).model.n_layers == 3
+    baseline = lm.load_config(str(tmp_path / "c" / "dense_s1.yaml")).model
+    assert (baseline.n_layers, baseline.d_model, baseline.head_dim, baseline.seq_len) == (3, 64, 16, 128)
+    assert [(g.type, g.count) for g in baseline.heads] == [("dense", 6)]  # the config's 6 dense heads, its budget
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "d"), *shape[1:]]) == 0
     # --size base takes the config's dense head count as the baseline: a config with sparse heads or a per-layer mix
     # would silently shrink the budget
