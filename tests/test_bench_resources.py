@@ -86,3 +86,15 @@ def test_a_per_layer_mix_is_measured_and_shown_per_layer(tmp_path: Path) -> None
             if r.startswith("| ")}
     assert rows["Heads per layer"] == "5 dense; layer 1: 2 dense + 3 local"
     assert rows["KV Total per layer (Table 2)"] == "160 / 88 / 160 / 160"  # 5 x 32; 2 x 32 + 3 x 8
+
+
+def test_the_change_column_is_each_config_against_the_first() -> None:
+    """+20.0% for 120 ms against 100, -50.0% for half the memory, the first config's own column without a change;
+    unscaled rows (head counts, text) get no change."""
+    first = {"name": "dense", "heads": "9 dense", "step_ms": 100.0, "peak_mem_bytes": 2e9}
+    second = {"name": "mosa", "heads": "4 dense + 17 mosa", "step_ms": 120.0, "peak_mem_bytes": 1e9}
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in resources.table([first, second]).splitlines()[2:]]
+    rows = {label: rest for label, *rest in cells}
+    assert rows["Wall-time/step (ms, median)"] == ["100.0", "120.0", "+20.0%"]
+    assert rows["Peak memory (MB)"] == ["2000", "1000", "-50.0%"]
+    assert rows["Heads per layer"] == ["9 dense", "4 dense + 17 mosa", ""]

@@ -422,6 +422,28 @@ def test_max_docs_counts_source_documents_before_the_cut() -> None:
     assert skips.counts == {decontaminate.CUT: 1}
 
 
+def test_sequence_hashes_are_the_documented_rolling_hash_with_splitmix64s_finaliser() -> None:
+    """train_ngrams.u64 outlives the code that wrote it: the hash of a 13-word sequence, written out here from the
+    module doc in Python integers (blake2b-64 of each lower-cased word, h = h * 0x9E3779B97F4A7C15 + w mod 2^64,
+    then splitmix64's finaliser), must not drift, or earlier preparations stop matching."""
+    import hashlib
+
+    from data_prep.doc_hashes import sequence_hashes
+
+    def expected(words: list[str]) -> int:
+        h, mask = 0, 2**64 - 1
+        for word in words:
+            w = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8, person=b"word").digest(), "little")
+            h = (h * 0x9E3779B97F4A7C15 + w) & mask
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            h = ((h ^ (h >> shift)) * mult) & mask
+        return h ^ (h >> 31)
+
+    words = [f"w{i}" for i in range(15)]
+    got = sequence_hashes("  ".join(words).upper() + "!")  # lower-cased \w+ words: 3 sequences of 13
+    assert got.tolist() == [expected(words[i : i + 13]) for i in range(3)]
+
+
 def test_ngram_hashes_are_a_content_defined_sample_of_word_sequences() -> None:
     """Sequences are of lower-cased \\w+ words (case and punctuation do not matter); one in KEEP_ONE_IN is kept,
     and a sequence is kept or not by its own words, so an excerpt's sample is part of the whole text's."""

@@ -300,6 +300,16 @@ def test_greedy_is_the_argmax_over_the_tokenizers_ids() -> None:
     assert torch.equal(padded.nll, pieces.nll)  # the likelihood is the model's, over its whole vocabulary
 
 
+def test_a_document_counts_as_training_text_from_one_percent_of_its_sampled_sequences() -> None:
+    """doc_hashes.SHARE_IN_TRAINING = 1%: 1 of 100 sampled sequences found marks a document, 0 does not, nor does a
+    document with none sampled; an exact copy is marked whatever its sequences; unchecked is None."""
+    from lm.training_overlap import Overlap
+
+    overlap = Overlap("d", "", exact=[False, False, False, True], ngrams=[(100, 1), (100, 0), (0, 0), (0, 0)])
+    assert [overlap.found(i) for i in range(4)] == [True, False, False, True]
+    assert Overlap(None, "no data").found(0) is None
+
+
 def test_cli_marks_documents_of_the_training_data(corpus: Path, tmp_path: Path, capsys) -> None:
     """A document whose text is in the checkpoint's training split is marked and warned about, whichever way it
     comes in (its source file, the prepared split), and so is an edited copy or an excerpt of one (by its sampled

@@ -245,6 +245,7 @@ def test_sampling_controls() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
     g = torch.Generator().manual_seed(0)
     assert sample(logits, temperature=0).item() == 1
+    assert sample(logits, temperature=0, top_k=2).item() == 1 and sample(logits, temperature=0, top_p=0.5).item() == 1
     assert all(sample(logits, top_k=1, generator=g).item() == 1 for _ in range(20))
     assert all(sample(logits, top_p=0.05, generator=g).item() == 1 for _ in range(20))
     drawn = {sample(logits, top_k=2, generator=g).item() for _ in range(200)}

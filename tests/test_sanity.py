@@ -30,6 +30,9 @@ def test_sensible_config_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
     load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=10",
                 "trainer.log_every=10")
     assert warnings_of(capsys.readouterr().err) == []
+    load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=3", "trainer.val_every=30",
+                "trainer.log_every=30")  # validating and logging at the last step only: they do run
+    assert warnings_of(capsys.readouterr().err) == []
 
 
 def test_non_causal_mix_warns_that_validation_leaks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,6 +72,8 @@ def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.Capture
 @pytest.mark.parametrize(("val_tokens", "expected"), [
     (4000, None),  # 16 windows of 33 tokens = 528 <= 4000
     (400, "validation windows overlap: data.val_batches x data.batch_size = 16 windows of 33 tokens need 528"),
+    (527, "need 528 but the validation split has 527 (lower data.val_batches to 1)"),  # 527 // (8 x 33), not // (8 x 32)
+    (528, None),
     (200, "the validation split has 200 tokens, fewer than one batch of windows (data.batch_size=8 x 33)"),
 ])
 def test_validation_windows(tmp_path: Path, capsys: pytest.CaptureFixture[str], val_tokens: int,
