@@ -253,6 +253,18 @@ def test_adaptive_ratio_clamps_to_the_measured_ratios(tmp_path):
         assert AdaptiveRatio.load(path, tolerance=0.1).tokens(model, span) == t
 
 
+def test_adaptive_ratio_gives_a_batch_its_largest_rows_t(monkeypatch):
+    """Rows whose predictor ratios differ (0.25 and 0.5 here) share one t, the largest row's: every row keeps at least
+    the states its tolerance asks for (row 0's would starve row 1)."""
+    from lm import ratio_predictor
+
+    model = make()
+    adaptive = AdaptiveRatio(RatioPredictor(32), tolerance=0.1, probe_ratio=0.25, ratios=[0.25, 0.5])
+    monkeypatch.setattr(ratio_predictor, "choose_ratio", lambda predictor, states, tolerance, ratios:
+                        torch.tensor([0.25, 0.5])[: states.shape[0]])
+    assert adaptive.tokens(model, model.lower(tokens(12, batch=2))) == tokens_for(0.5, 12) == 6
+
+
 def test_generation_needs_cached_decoding():
     model = make()
     model.lm.blocks[0].attn.groups.append(HeadGroup(model.cfg.group_context(0), 1, HeadOptions()))

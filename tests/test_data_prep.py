@@ -541,6 +541,26 @@ def test_builtin_source(tmp_path: Path) -> None:
     assert "compound" in topics and "try" in topics and "try" in sections(topics)
 
 
+def test_the_tokenizer_sample_cuts_long_lines() -> None:
+    """A C4 paragraph can be one line of many kilobytes (SentencePiece skips very long sentences): the sample keeps
+    its first MAX_LINE_CHARS characters."""
+    from data_prep.sample import MAX_LINE_CHARS, LineSampler
+
+    sampler = LineSampler(100_000)
+    sampler.add("d", "short line\n" + "x" * (3 * MAX_LINE_CHARS))
+    assert sorted(map(len, sampler.lines())) == [len("short line"), MAX_LINE_CHARS]
+
+
+def test_builtin_sections_are_topics_inside_a_larger_one_and_a_short_topic_is_none() -> None:
+    """pydoc topics whose every 13-word sequence is in a larger topic are sections of it (left out, their text is
+    there); a topic too short to hold one sequence is not a section of everything."""
+    from data_prep.builtin import sections
+
+    long = " ".join(f"word{i}" for i in range(40))
+    part = " ".join(f"word{i}" for i in range(5, 25))
+    assert sections({"whole": long, "part": part, "short": "too short a text", "other": "a b c " * 10}) == {"part"}
+
+
 # ---------------------------------------------------------------- bad input: one line, exit code 2
 
 

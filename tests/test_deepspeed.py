@@ -181,7 +181,7 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     trainer.validate after fit crashed the save after it), a complete checkpoint directory, --resume to step 8 from
     step 6's, and lm.consolidate of the final one, which load_model reads."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
-    from lm.checkpoint import load_model, read_checkpoint
+    from lm.checkpoint import CONSOLIDATED, load_model, read_checkpoint, read_deepspeed
     from lm.consolidate import main as consolidate
     from tests.synthetic import run_overrides, write_prepared
 
@@ -206,5 +206,10 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     assert [h["step"] for h in json.loads((run / "metrics.json").read_text())["history"]] == [4, 6, 8]
     assert consolidate([str(ckpts / "last.ckpt"), str(tmp_path / "final.ckpt")]) == 0
     model, cfg = load_model(tmp_path / "final.ckpt")
-    assert read_checkpoint(tmp_path / "final.ckpt")["global_step"] == 8 and cfg.trainer.strategy == "deepspeed_stage_2"
+    final = read_checkpoint(tmp_path / "final.ckpt")
+    assert final["global_step"] == 8 and cfg.trainer.strategy == "deepspeed_stage_2"
+    assert set(final) == {"state_dict", "config", "run", "global_step", "epoch", "tokens_seen", "val_history",
+                          "pytorch-lightning_version", CONSOLIDATED}  # every entry a reader uses; none of DeepSpeed's
+    assert final["tokens_seen"] == read_deepspeed(ckpts / "last.ckpt")["tokens_seen"] > 0  # not re-derived
+    assert [h["step"] for h in final["val_history"]] == [4, 6, 8]
     assert all(p.dtype == torch.float32 and p.isfinite().all() for p in model.parameters())

@@ -68,3 +68,10 @@ def test_an_unwritable_or_non_png_out_is_one_line_before_reading_the_runs(tmp_pa
         assert plots.main([run, "--out", str(out)]) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
     assert not (tmp_path / "c.txt").exists()
+
+
+def test_a_png_name_in_capitals_is_a_png(tmp_path: Path) -> None:
+    """matplotlib picks the format from the suffix in any case: c.PNG is written as a PNG, not refused."""
+    run = str(_run(tmp_path / "dense", [90.0, 60.0]))
+    assert plots.main([run, "--out", str(tmp_path / "c.PNG")]) == 0
+    assert (tmp_path / "c.PNG").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
