@@ -36,7 +36,7 @@ def test_a_step_is_the_modules_training_step() -> None:
     assert calls == [(2, 16)] * 9 and len(norms) == 3 and max(norms) <= 1e-3 * 1.0001
     assert bench.tokens_per_step == 3 * 2 * 16 and len(bench.times) == 2
     assert bench.result()["tokens_per_s"] == 96 / bench.result()["median_s"]
-    bench.times = [1.0, 1.0, 4.0]  # one slow step (a GC pause, another process) moves the median, not the mean, less
+    bench.times = [1.0, 1.0, 4.0]  # one slow step (a GC pause, another process) leaves the median where it was
     assert bench.result() | {"params": 0} == {"params": 0, "median_s": 1.0, "min_s": 1.0, "max_s": 4.0,
                                                "tokens_per_s": 96.0}
 
