@@ -5,13 +5,14 @@ collective inside a signal handler) and each rank stops at its own batch end (Li
 so ranks that get the signal together, as under SLURM, Kubernetes or torchrun, deadlock or die with a gloo / NCCL
 error. Measured with 2 CPU processes (tests/test_ddp.py's set-up, SIGTERM to the process group): 1 hang and 2
 tracebacks in 3 runs, never the one-line stop. So here, from the start of training or validation on (Lightning
-installs its handler just before), the handler only sets a flag. At the end of every optimizer step not validated next (`StepCheckpoints.validates`: every val_every steps, and
-the last one under DeepSpeed), and after
+installs its handler just before), the handler only sets a flag. At the end of every optimizer step not
+validated next (`StepCheckpoints.validates`: every val_every steps, and the last one under DeepSpeed), and after
 every validation within training, the ranks reduce it (any rank: one integer, `reduce_boolean_decision`); if
 any rank got the signal, all of them checkpoint that step (lm/checkpoint.StepCheckpoints.save, unless written
 already) and stop there together, with Lightning's SIGTERMException (after a training step at the next batch's
-start, once Lightning has logged the step), which lm.train turns into `Interrupted` (one line, exit status 143). A validation in progress is completed first (`data.val_batches`
-batches), so a step's checkpoint carries its validation. A signal after the last step's check, or in a validation
+start, once Lightning has logged the step), which lm.train turns into `Interrupted` (one line, exit status 143).
+A validation in progress is completed first (`data.val_batches` batches), so a step's checkpoint carries its
+validation. A signal after the last step's check, or in a validation
 of its own (the first, or the final one), is agreed on when that call ends (lm.train.sigterm_interrupts), which
 checkpoints what the call completed before stopping. One process takes the same path without the reduction.
 """
