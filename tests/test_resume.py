@@ -275,6 +275,64 @@ def test_atomic_checkpoint_write_never_leaves_a_partial_file(tmp_path: Path) -> 
     assert not (tmp_path / "new.ckpt").exists()
 
 
+def test_atomic_write_fsyncs_the_data_renames_then_fsyncs_the_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Durable across a power loss, not just a kill: the new file's data reaches the disk before the rename, and
+    the rename itself (the directory entry) after it."""
+    import lm.checkpoint as ckpt
+
+    path = tmp_path / "last.ckpt"
+    tmp = path.with_name(f".last.ckpt.tmp{os.getpid()}")
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        ino = os.fstat(fd).st_ino
+        events.append("fsync dir" if ino == os.stat(tmp_path).st_ino else
+                      "fsync tmp" if tmp.exists() and ino == os.stat(tmp).st_ino else "fsync other")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(f"replace {Path(src).name} -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    ckpt.atomic_write(path, lambda f: f.write(b"new"))
+    assert events == ["fsync tmp", f"replace {tmp.name} -> last.ckpt", "fsync dir"]
+    assert path.read_bytes() == b"new"
+
+
+def test_atomic_write_swaps_the_file_instead_of_rewriting_it(tmp_path: Path) -> None:
+    """A hard link to the old checkpoint (a copy kept by `ln`, a backup) still holds the old bytes: the new file
+    is a new inode renamed over the name, never the old one overwritten in place."""
+    from lm.checkpoint import atomic_write
+
+    path, kept = tmp_path / "last.ckpt", tmp_path / "kept.ckpt"
+    path.write_bytes(b"old")
+    os.link(path, kept)
+    atomic_write(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new" and kept.read_bytes() == b"old"
+    assert os.stat(path).st_ino != os.stat(kept).st_ino
+
+
+def test_rng_state_survives_a_checkpoint_and_restores_every_generator(tmp_path: Path) -> None:
+    """What a checkpoint stores under "rng" loads with weights_only=True (as resume loads it) and, restored, makes
+    torch, numpy and python draw what they drew after it was taken: a MoSAIC `priority: random` run draws
+    torch.rand every step, so its resume is bit for bit only if the torch stream continues."""
+    import random
+
+    import numpy as np
+
+    from lm.checkpoint import rng_state, set_rng_state
+
+    torch.save({"rng": rng_state()}, tmp_path / "rng.pt")
+    drawn = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
+    set_rng_state(load(tmp_path / "rng.pt")["rng"])
+    again = (torch.rand(4), np.random.rand(4), [random.random() for _ in range(4)])
+    assert torch.equal(drawn[0], again[0]) and np.array_equal(drawn[1], again[1]) and drawn[2] == again[2]
+
+
 def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr(tmp_path: Path, capsys) -> None:
     """Newest checkpoint truncated, the one before it garbled (zip CRC mismatch) and one empty: --resume
     continues from the newest loadable one and says why it passed over each; a temp file of an interrupted
