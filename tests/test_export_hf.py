@@ -48,6 +48,9 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
         ids = tok(text).input_ids
         assert ids == encode_documents(sp, [text], 1)[0][:-1].tolist() and tok.decode(ids) == text
     assert tok.eos_token_id == 1
+    special = [tok.unk_token_id, tok.eos_token_id]
+    assert "\u2047" in tok.decode(ids + special)  # SentencePiece shows <unk> as " ⁇ " (</s> decodes to "")
+    assert tok.decode(special + ids + special, skip_special_tokens=True) == tok.decode(ids)
 
     prompt = torch.tensor([ids[:12]])
     new = hf.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None)
