@@ -228,6 +228,9 @@ def test_kv_total_is_the_decoders_largest_cache():
     assert cache.kv_entries() == model.kv_total(11) == 2 * 4 * 11 + 2 * 4 * (3 + 11)
     assert gen.window == 12 and model.kv_total() == model.kv_total(12) == 2 * 4 * 12 + 2 * 4 * (3 + 12)
     assert model.kv_total(11, 0) == 4 * 4 * 11  # no memory: every block keeps the window
+    short = gen.new_cache(1)
+    gen.feed(short, tokens(12 + 4, batch=1))  # a window of 4 after the memory of a full window: t stays 3
+    assert short.kv_entries() == model.kv_total(4) == 2 * 4 * 4 + 2 * 4 * (3 + 4)
 
 
 def test_suffix_loss_needs_the_last_target():
