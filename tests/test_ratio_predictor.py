@@ -29,11 +29,12 @@ def _synthetic(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_sinusoidal_embedding():
-    """Periods 0.05 .. 50 nats: loss differences 0.005 apart get distinct embeddings, and the
+    """sin and cos of each of 16 periods 0.05 .. 50 nats: loss differences 0.005 apart get distinct embeddings, and the
     slowest component is monotone over a realistic range of Delta."""
     grid = torch.arange(-1.0, 3.0, 0.005)
     e = sinusoidal(grid, 32)
     assert e.shape == (len(grid), 32) and e.abs().max() <= 1
+    assert torch.allclose(e[:, :16] ** 2 + e[:, 16:] ** 2, torch.ones(len(grid), 16), atol=1e-6)  # sin, cos pairs
     assert (e[1:] - e[:-1]).norm(dim=1).min() > 0.05
     assert (e[1:, 15] > e[:-1, 15]).all()  # sin(2 pi Delta / 50)
 
@@ -83,16 +84,16 @@ def _checkpoint(tmp_path) -> str:
     return str(path)
 
 
-def test_clis_data_train_choose(tmp_path, capsys):
+def test_clis_data_train_choose(tmp_path, capsys, monkeypatch):
     rng = np.random.default_rng(0)
     data_dir = _prepared(tmp_path, [rng.integers(1, V, 60) for _ in range(20)])
     ckpt, rows, pred = _checkpoint(tmp_path), tmp_path / "rows.pt", tmp_path / "pred.pt"
     assert ratio_data.main(["--ckpt", ckpt, "--data", data_dir, "--out", str(rows), "--prompts", "12",
-                            "--batch", "6", "--ratios", "0.125,0.25,0.5"]) == 0
+                            "--batch", "6", "--ratios", "0.125,0.25,0.5", "--probe-ratio", "0.125"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["rows"] == 36 and summary["prompts"] == 12
     data = torch.load(rows, weights_only=False)
-    assert data["states"].shape == (12, 4, 32) and data["delta"].shape == (36,)
+    assert data["states"].shape == (12, 2, 32) and data["delta"].shape == (36,)
     model, cfg = load_compressed(ckpt)  # Loss(compressed at r=0.125) = the training-time suffix loss
     windows = fixed_windows(document_windows(data_dir, "train", cfg), 2, 6, 16 + 8 + 1, seed=0)
     for rows_of, tokens in ((slice(0, 12), 2), (slice(12, 24), 4)):  # r = 0.125, 0.25 of the 16-token prefix
@@ -100,13 +101,22 @@ def test_clis_data_train_choose(tmp_path, capsys):
         assert torch.allclose(data["delta"][rows_of] + data["full"], loss, atol=1e-5)
     assert torch.equal(data["ratio"], torch.tensor([0.125] * 12 + [0.25] * 12 + [0.5] * 12))  # each row's own ratio
     assert torch.equal(data["prompt"], torch.arange(12).repeat(3))
+    fitted: list[torch.Tensor] = []  # the prompts of the rows the predictor is fitted on
+    real_fit, real_measure = ratio_predictor.fit, ratio_data.measure
+    monkeypatch.setattr(ratio_predictor, "fit", lambda p, states, prompt, *a, **k: (fitted.append(prompt),
+                                                                                    real_fit(p, states, prompt, *a, **k))[1])
     assert ratio_predictor.main(["train", "--data", str(rows), "--out", str(pred), "--steps", "30"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["train_rows"] + report["heldout_rows"] == 36
+    assert report["train_rows"] == 27 and report["heldout_rows"] == 9  # prompts 0, 5, 10 x 3 ratios held out
+    assert sorted(set(fitted[0].tolist())) == [1, 2, 3, 4, 6, 7, 8, 9, 11]  # and never fitted on
+    probes: list[float] = []  # choose feeds the predictor states probed as its data were (0.125, not the model's 0.25)
+    monkeypatch.setattr(ratio_data, "measure", lambda *a: (probes.append(a[4]), real_measure(*a))[1])
     assert ratio_predictor.main(["choose", "--predictor", str(pred), "--ckpt", ckpt, "--data", data_dir,
                                  "--delta", "0.05", "--prompts", "3"]) == 0
     chosen = json.loads(capsys.readouterr().out)
     assert len(chosen["chosen_ratio"]) == 3 and all(0.125 <= r <= 1 for r in chosen["chosen_ratio"])
+    assert probes == [0.125] * 4  # the states of the 3 prompts, then each prompt at its chosen ratio
+    monkeypatch.setattr(ratio_data, "measure", real_measure)
     assert ratio_data.main(["--ckpt", str(tmp_path / "nope.ckpt"), "--data", data_dir, "--out", str(rows)]) == 2
     assert "not found" in capsys.readouterr().err
     assert ratio_data.main(["--ckpt", ckpt, "--data", data_dir, "--out", str(rows), "--prompts", "5", "--batch", "4",
