@@ -115,3 +115,40 @@ def test_table_names_the_cpu_model_and_the_command() -> None:
                               device="cpu")
     lines = format_table([], args, "python -m bench.heads --T 64").splitlines()
     assert lines[2].startswith(f"Machine: {hardware('cpu')}, ")
+
+
+def test_table_ratios_are_each_variant_over_dense_at_its_own_T() -> None:
+    """time, peak, peak − grads and saved of a variant, each divided by the dense row of the same T."""
+    from bench.heads import format_table
+
+    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, repeats=1, rounds=1,
+                              device="cpu")
+    MiB = 2**20
+    row = lambda T, variant, s, peak, grad, saved: dict(T=T, variant=variant, heads=2, gflops=1.0, seconds=s,  # noqa: E731
+                                                        peak_bytes=peak * MiB, grad_bytes=grad * MiB, saved_bytes=saved * MiB)
+    rows = [row(64, "dense", 0.010, 40, 8, 16), row(64, "mosa", 0.020, 30, 4, 4),
+            row(128, "dense", 0.040, 100, 8, 64), row(128, "mosa", 0.010, 50, 4, 32)]
+    table = [line.split("|")[1:-1] for line in format_table(rows, args, "cmd").splitlines()
+             if line.startswith(("| 64 |", "| 128 |"))]
+    ratios = [[c.strip() for c in (r[5], r[7], r[9], r[11])] for r in table]
+    assert ratios == [["1.00"] * 4, ["2.00", "0.75", "0.81", "0.25"],  # (30 - 4) / (40 - 8) = 0.8125
+                      ["1.00"] * 4, ["0.25", "0.50", "0.50", "0.50"]]  # (50 - 4) / (100 - 8) = 0.5
+
+
+def test_cpu_memory_is_measured_by_a_worker_with_the_fixed_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_all: each timed worker is followed by a memory worker (repeats 0) run with CPU_MEMORY_ENV, and the
+    row's peak is that worker's."""
+    import bench.heads as heads
+    from flops.cli import CPU_MEMORY_ENV
+
+    calls = []
+
+    def run_worker(spec: dict, env: dict | None = None) -> dict:
+        calls.append((spec["repeats"], env))
+        return dict(seconds=1.0, peak_bytes=7 if env else 3, grad_bytes=1, saved_bytes=1)
+
+    monkeypatch.setattr(heads, "run_worker", run_worker)
+    args = argparse.Namespace(T=[64], variants=["dense"], d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1,
+                              repeats=5, rounds=1, device="cpu")
+    rows = heads.measure_all(args)
+    assert calls == [(5, None), (0, CPU_MEMORY_ENV)] and rows[0]["peak_bytes"] == 7
