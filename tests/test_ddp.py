@@ -39,6 +39,8 @@ MIXES = {
     "mosa_threshold": ("[{type: dense, count: 2}, {type: mosa, count: 4, options: {sparsity: 4, "
                        "threshold_momentum: 0.5}}]", 10),
     "routing_kmeans": ("[{type: dense, count: 2}, {type: routing, count: 2, options: {sparsity: 4, decay: 0.5}}]", 10),
+    "routing_ema_counts": ("[{type: dense, count: 2}, {type: routing, count: 2, options: {sparsity: 4, decay: 0.5, "
+                           "centroids: ema_counts}}]", 10),  # saved sums and counts: the global batch's, not a mean
 }
 
 
