@@ -10,7 +10,10 @@ of distribution and can score worse than its compressions (docs/compression.md).
 prompt compressed at the fixed probe ratio, the predictor's input (lm/ratio_predictor.py).
 
     python -m lm.ratio_data --ckpt runs/compression/checkpoints/last.ckpt --data data/gutenberg_v2k \
-        --out ratio_data.pt [--prompts 512] [--ratios 0.03125,0.0625,0.125,0.25,0.5] [--probe-ratio 0.125]
+        --out ratio_data.pt [--prompts 512] [--ratios 0.03125,0.0625,0.125,0.25,0.5] [--probe-ratio R]
+
+--probe-ratio defaults to the model's compression.ratio; it is stored with the predictor, and `choose` and
+AdaptiveRatio probe prompts at it.
 """
 from __future__ import annotations
 
