@@ -63,6 +63,9 @@ def test_nearest_clusters_partition_up_to_capacity(capacity_factor: float) -> No
                 assert torch.equal(sel.idx[b, i, c][sel.valid[b, i, c]], routed[: group.capacity])
                 overflowed += max(0, len(routed) - group.capacity)
     assert (overflowed > 0) == (capacity_factor < 1)  # 0.5: the overflow case is exercised
+    group(x, torch.arange(T).expand(2, T))  # the logged routed fraction: tokens in a cluster, of all (b, head, t)
+    assert group.stats["routed_frac"].item() == pytest.approx(sel.valid.sum().item() / (2 * 3 * T))
+    assert (group.stats["routed_frac"].item() < 1) == (capacity_factor < 1)
 
 
 @pytest.mark.parametrize("impl", ["reference", "fast"])
@@ -81,6 +84,31 @@ def test_one_cluster_is_causal_shared_qk_attention(impl: str, layer_norm: bool) 
     logits = q @ q.transpose(-1, -2) * (1.0 if layer_norm else d**-0.5)
     p = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     expected = group.out((p @ v).transpose(1, 2).reshape(2, T, 3 * d))
+    assert torch.allclose(group(x, positions), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "fast"])
+def test_a_token_in_several_balanced_clusters_gets_the_mean_of_their_outputs(impl: str) -> None:
+    """assignment topk: the clusters overlap (each holds its k = T/ρ nearest tokens); a token's head output is the
+    mean over the clusters holding it of each cluster's causal shared-QK attention (RT Alg. 1 per cluster), and 0
+    for a token in none. Membership from the centroid distances, attention written out per cluster."""
+    T, rho, d = 48, 4, 8
+    group: RoutingHeads = make_group("routing", dict(sparsity=rho, assignment="topk", impl=impl), T)
+    x, positions = torch.randn(1, T, 32), torch.arange(T).expand(1, T)
+    u, dist = centroid_distances(group, x)
+    q, v = group.qv(x).view(1, T, 2, 3, d).permute(2, 0, 3, 1, 4)  # [1, H, T, d]
+    q = (q - q.mean(-1, keepdim=True)) / (q.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()  # layer_norm
+    a = torch.zeros(3, T, d)
+    memberships = torch.zeros(3, T)
+    for i in range(3):
+        for c in range(rho):
+            I = dist[0, i, c].topk(T // rho, largest=False).indices.sort().values  # the cluster, ascending
+            qc = group.rope(q[0, i, I], positions[0, I])
+            p = (qc @ qc.T).masked_fill(~torch.ones(len(I), len(I), dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            a[i, I] += p @ v[0, i, I]
+            memberships[i, I] += 1
+    assert (memberships > 1).any() and (memberships == 0).any()  # overlapping clusters, and tokens left out
+    expected = group.out((a / memberships.clamp(min=1)[..., None]).transpose(0, 1).reshape(1, T, 3 * d))
     assert torch.allclose(group(x, positions), expected, atol=1e-5)
 
 
