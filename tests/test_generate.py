@@ -66,8 +66,9 @@ def types_in(*mixes: list[dict]) -> set[str]:
 # every decodable type is decoded: in its hand-picked cases, or else beside a dense head with its example options
 CAUSAL_TYPES = {**DECODED, **{t: [{"type": "dense", "count": 1}, {"type": t, "count": 3, "options": tiny_options(t)}]
                               for t in sorted(decodable_types() - types_in(*DECODED.values()))}}
+# agent at 1: its first decoding steps read the depthwise convolution's zero padding (fewer than dwc - 1 tokens)
 PREFILLS = {"dense": (1, 17), "mosaic_include_rho2": (1, 17), "routing": (1, 17),  # default (17,); 3 = shorter than a block
-            "mosa": (1, 17), "agent": (3, 17), "mita": (3, 17), "mita_2blocks": (3, 9, 17), "mita_route_only": (3, 17)}
+            "mosa": (1, 17), "agent": (1, 3, 17), "mita": (3, 17), "mita_2blocks": (3, 9, 17), "mita_route_only": (3, 17)}
 
 
 def model_for(heads: list[dict], seed: int = 0, layers: int = 2):
