@@ -38,6 +38,8 @@ def test_issue_examples_are_flagged() -> None:
     assert drop is not None and "73% of routing choices dropped" in drop
     assert load_mismatch(17, 1, 32) is None  # 1.88x: inside the 2x tolerance (47% dropped; see docs/mosaic.md)
     assert load_mismatch(17, 1, 17) is None  # configs/experiments/mosaic_hybrid.yaml: capacity = load
+    assert load_mismatch(8, 1, 4) is None and load_mismatch(2, 1, 4) is None  # exactly 0.5x and 2x: within
+    assert load_mismatch(9, 1, 4) is not None and load_mismatch(2, 1, 4, capacity_factor=0.99) is not None  # beyond
 
 
 def test_config_load_warns_once_in_one_line(capsys: pytest.CaptureFixture) -> None:
