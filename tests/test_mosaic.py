@@ -166,6 +166,18 @@ def test_capacity_is_the_exact_decimal() -> None:
         assert group_cost("mosaic", 32, 16, 100, 1, {"sparsity": rho, "capacity_factor": 1.15}).kv == min(k, 100)
 
 
+
+@pytest.mark.parametrize("T,rho,capacity_factor", [(45, 32, 1.0), (64, 64, 0.5)])
+def test_capacity_is_at_least_two_slots(T: int, rho: float, capacity_factor: float) -> None:
+    """App. F's minimum of 2 slots per head where floor(capacity_factor * T / rho) is 1 or 0, in the head and in
+    flops/ (its KV entries)."""
+    from flops.formulas import group_cost
+
+    options = {"sparsity": rho, "capacity_factor": capacity_factor}
+    assert make_group("mosaic", dict(options), T, count=4).k == 2
+    assert group_cost("mosaic", 32, 16, T, 1, options).kv == 2
+
+
 def test_mosaic_trains() -> None:
     """A MoSAIC-only model trains, and through its heads: every MoSAIC parameter (router, W^QKV, W^O) gets a gradient
     from the LM loss alone at every step, and the groups' outputs are not zero. (The periodic sequence is learnable
