@@ -268,6 +268,23 @@ def test_hub_errors_blame_the_network_only_when_it_is_one(tmp_path: Path) -> Non
 # ---------------------------------------------------------------- shards, split, resume
 
 
+def test_a_shard_closes_as_soon_as_it_reaches_shard_tokens(tmp_path: Path) -> None:
+    """Whole documents per shard: a shard is written when its documents reach shard_tokens (3 + 2 = 5 of 5), the
+    rest waits for the next one or the final flush; each written shard is recorded, then on_shard() is called."""
+    state: dict = {"shards": [], "documents": 0}
+    recorded: list[int] = []
+    writer = shards.SplitWriter(tmp_path, "train", 5, state, lambda: recorded.append(len(state["shards"])))
+    writer.add(np.array([1, 2, 3], dtype=np.uint16))
+    assert state["shards"] == [] and recorded == []
+    writer.add(np.array([4, 5], dtype=np.uint16))
+    assert [(s["file"], s["tokens"], s["documents"]) for s in state["shards"]] == [("train_00000.bin", 5, 2)]
+    writer.add(np.array([6], dtype=np.uint16))
+    writer.flush()
+    assert [(s["tokens"], s["documents"]) for s in state["shards"]] == [(5, 2), (1, 1)] and state["documents"] == 3
+    assert recorded == [1, 2]
+    assert np.fromfile(tmp_path / "train_00000.bin", dtype="<u2").tolist() == [1, 2, 3, 4, 5]
+
+
 def test_round_trip_and_eos(tmp_path: Path) -> None:
     texts = {f"d{i:02d}.txt": words(i, 30) for i in range(12)}
     texts["odd.txt"] = "  indented\tline with  double  spaces\n\n\nüñíçødé — “quotes” 中文 ∑\x00\nend  "
