@@ -212,14 +212,17 @@ def test_compressed_flops_refuse_heads_whose_slots_the_training_length_sets(opti
 
 
 @pytest.mark.parametrize("window", [16, 48])
-def test_layer_flops_refuse_fixed_slot_heads_on_any_other_window(window: int) -> None:
+@pytest.mark.parametrize("head", ["mosa", "mosaic"])
+def test_layer_flops_refuse_fixed_slot_heads_on_any_other_window(window: int, head: str) -> None:
     """A MoSA threshold head keeps capacity(model.seq_len) slots on a window of any length (above a compression
-    layer the blocks see t + S > seq_len positions): its formula, which takes k from the window, is refused on a
-    shorter and on a longer window alike, and counts the training window."""
-    heads = [{"type": "mosa", "count": 3, "options": {"sparsity": 4, "selection": "threshold"}}]
-    cfg = tiny_config(heads, n_layers=2, d_model=32, head_dim=8, seq_len=32).model
+    layer the blocks see t + S > seq_len positions), and so does a MoSAIC head (k(seq_len) per expert): their
+    formula, which takes k from the window, is refused on a shorter and on a longer window alike, and counts the
+    training window."""
+    options = {"sparsity": 4, "selection": "threshold"} if head == "mosa" else {"sparsity": 4}
+    cfg = tiny_config([{"type": head, "count": 3, "options": options}], n_layers=2, d_model=32, head_dim=8,
+                      seq_len=32).model
     assert layer_flops(cfg, 0, 32) > 0
-    with pytest.raises(ConfigError, match=f"no FLOP count of mosa heads .* on {window}-token windows"):
+    with pytest.raises(ConfigError, match=f"no FLOP count of {head} heads .* on {window}-token windows"):
         layer_flops(cfg, 0, window)
 
 
@@ -274,3 +277,20 @@ def test_params_and_kv_formulas_match_the_built_model(head_type: str) -> None:
     cost = model_cost(cfg)
     assert cost.params == model.num_params()
     assert cost.kv_total == model.kv_total()
+
+
+def test_window_and_block_terms_at_lengths_they_do_not_divide() -> None:
+    """The clamps and integer divisions of App. C-style counts, written out (h = 512, h' = 64): a local window
+    longer than T scores T keys; agent attention has m = T // b = 15 agents at T = 1000, b = 64; MiTA's local
+    blocks cover at most T tokens (2 x 64 > T = 100, and no landmark is left to route to), and a query routes to at
+    most the (T - 1) // b - L + 1 = 15 landmarks before its local block (s = 16 asked, T = 1024, b = 64)."""
+    h, hd = 512, 64
+    dense = lambda T: 8 * h * hd * T  # noqa: E731  (Q, K, V, O on every token)
+    assert group_cost("local", h, hd, 100, 1, {"window": 256}).flops == dense(100) + 4 * hd * 100 * 100
+    assert group_cost("agent", h, hd, 1000, 1, {"block": 64, "window": 64}).flops == (
+        dense(1000) + 8 * hd * 15 * 1000 + 4 * hd * 1000 * 64)
+    landmarks_and_shared = lambda m, T: 4 * hd * m * T + 4 * hd * m * T  # noqa: E731  (scores, routing; shared expert)
+    assert group_cost("mita", h, hd, 100, 1, {"block": 64, "k": 32, "s": 1, "local_blocks": 2}).flops == (
+        dense(100) + landmarks_and_shared(1, 100) + 4 * hd * 100 * 100)
+    assert group_cost("mita", h, hd, 1024, 1, {"block": 64, "k": 64, "s": 16}).flops == (
+        dense(1024) + landmarks_and_shared(16, 1024) + 4 * hd * 1024 * 15 * 64 + 4 * hd * 1024 * 64)
