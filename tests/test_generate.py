@@ -254,6 +254,10 @@ def test_sampling_controls() -> None:
     # p = .024, .479, .065, .433: the nucleus of 0.6 is {1, 3}, of 0.95 {1, 2, 3}
     assert {sample(logits, top_p=0.6, generator=g).item() for _ in range(200)} == {1, 3}
     assert {sample(logits, top_p=0.95, generator=g).item() for _ in range(400)} == {1, 2, 3}
+    # the nucleus is taken of the tempered distribution: at temperature 3, p = .129, .351, .180, .340 and the
+    # nucleus of 0.75 is {1, 3, 2}; untempered (.479 + .433 before token 2) it would be {1, 3}
+    assert {sample(logits, top_p=0.75, generator=g).item() for _ in range(400)} == {1, 3}
+    assert {sample(logits, temperature=3.0, top_p=0.75, generator=g).item() for _ in range(400)} == {1, 2, 3}
 
 
 @pytest.mark.parametrize("temperature,probs", [(2.0, (0.1863, 0.3072, 0.5065)), (0.5, (0.0159, 0.1173, 0.8668)),
@@ -292,6 +296,7 @@ def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() ->
             assert torch.equal(row[: e + 1], ref[: e + 1]) and bool((row[e:] == stop).all())
         else:
             assert torch.equal(row, ref[: len(row)])
+    assert not all((ref[5:] == stop).any() for ref in free) and out.shape == free.shape  # one row goes on: no early stop
     for bad_prompt, n in ((prompt[:, :0], 3), (prompt, -1)):
         with pytest.raises(ValueError, match="^generate: need a prompt of at least one token and max_new_tokens >= 0"):
             generate(model, bad_prompt, n)
