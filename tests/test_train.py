@@ -353,7 +353,8 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     train = open_split(data, "train", cfg.model)
     flat = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in train.paths])
     boundary = int(train.starts[1])
-    assert np.array_equal(train.read(boundary - 5, 10), flat[boundary - 5 : boundary + 5])
+    for start in (0, boundary - 5, boundary, len(flat) - 10):  # the first token, across, at and after a boundary
+        assert np.array_equal(train.read(start, 10), flat[start : start + 10])
     val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
     assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
     assert torch.equal(val[2][0], ValWindows(open_split(data, "val", cfg.model), 32, 5)[2][0])
@@ -402,6 +403,18 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
         damage(index["splits"]["train"]["shards"][0])
         (edited / "index.json").write_text(json.dumps(index))
         assert "index.json has a damaged train shard entry" in data_error(edited)
+
+
+
+def test_token_ids_must_be_below_the_vocabulary_size(tmp_path: Path) -> None:
+    """Ids 0 .. vocab_size - 1 are embeddings; vocab_size itself is one past the table."""
+    from lm.data import check_token_range
+
+    shard = tmp_path / "train_00000.bin"
+    np.array([3, 63, 0], dtype="<u2").tofile(shard)
+    check_token_range(shard, 64)
+    with pytest.raises(DataError, match="holds token id 63 >= model.vocab_size 63 \\(first at token 1\\)"):
+        check_token_range(shard, 63)
 
 
 # ---- entry point ---------------------------------------------------------------------------------
