@@ -115,11 +115,16 @@ def test_cli_formats_agree_and_bits_per_byte(corpus: Path, tmp_path: Path, capsy
     # the total is lm/scoring.py's sliding-window score at the --stride asked for (tests/test_scoring's windows)
     from lm.scoring import score
 
-    for stride in (8, 32):
-        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "one.txt"), "--stride", str(stride))
+    for stride in (None, 8, 32):  # None: the default, context // 2
+        given = () if stride is None else ("--stride", str(stride))
+        rc, res, err = run(capsys, "--ckpt", str(ckpt), "--input", str(tmp_path / "one.txt"), *given)
         assert rc == 0, err
-        assert res["total"]["loss"] == pytest.approx(score(model, [tokens], [1], 32, stride)[0].nll.mean().item(),
-                                                     rel=1e-6)
+        scored = score(model, [tokens], [1], 32, stride or 16)[0]
+        assert res["total"]["loss"] == pytest.approx(scored.nll.mean().item(), rel=1e-6)
+        # the mean loss of the targets scored at each window position (None where none is)
+        by_pos = [scored.nll[scored.window_pos == p].mean().item() if (scored.window_pos == p).any() else None
+                  for p in range(32)]
+        assert res["loss_by_position"] == pytest.approx(by_pos, rel=1e-6)
         totals.append(res["total"])
     assert len(tokens) > 40 and totals[-1]["loss"] != totals[-2]["loss"]  # the stride matters on this document
 
