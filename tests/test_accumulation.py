@@ -177,3 +177,20 @@ def test_head_state_commits_once_per_step_when_the_optimizer_is_stepped_per_micr
         module.model(torch.randint(0, 97, (2, 16)))  # a micro-batch's forward stages its statistics
         module.optimizer_step(0, batch_idx, None)
         assert torch.equal(tau, torch.zeros_like(tau)) == (batch_idx < 3), batch_idx
+
+
+def test_throughput_counts_the_tokens_of_the_timed_micro_batches() -> None:
+    """tokens_per_s (logged, and MFU's input) = timed micro-batches x their tokens (batch x seq_len x devices) /
+    seconds, whatever the accumulation; tokens_per_step is the step's A micro-batches."""
+    from types import SimpleNamespace
+
+    from lm.module import LMModule
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config([{"type": "dense", "count": 2}], seq_len=16)
+    cfg.data.batch_size = 4
+    module = LMModule(cfg)
+    module._trainer = SimpleNamespace(accumulate_grad_batches=3, world_size=2)
+    module._timed = [6, 2.0]  # 6 micro-batches (2 steps) in 2 s
+    assert module.tokens_per_step == 3 * 4 * 16 * 2
+    assert module.tokens_per_s() == 6 * 4 * 16 * 2 / 2.0
