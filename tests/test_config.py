@@ -80,12 +80,20 @@ def test_bad_value() -> None:
     ("optim.weight_decay=-5", "optim.weight_decay must be a finite number >= 0"),
     ("optim.min_lr_ratio=2", "optim.min_lr_ratio must be in [0, 1], got 2"),
     ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
+    ("data.val_batches=0", "data.val_batches must be a finite number > 0, got 0"),
+    ("trainer.keep_last_k=-1", "trainer.keep_last_k must be >= 0 (0 = keep every checkpoint), got -1"),
 ])
 def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(override: str, field: str) -> None:
     """Each of these passed the type check and failed deep in training (seed_everything, AdamW, timedelta,
     the weight init) with a traceback, or, for a negative weight decay, trained silently (torch checks only
     the constructor default, not the per-group value)."""
     assert field in error_of(None, override)
+
+
+def test_bounds_that_mean_something_are_allowed() -> None:
+    """min_lr_ratio 1 (a constant rate after warm-up) and keep_last_k 0 (keep every checkpoint), as documented."""
+    cfg = load_config(None, "optim.min_lr_ratio=1.0", "trainer.keep_last_k=0")
+    assert cfg.optim.min_lr_ratio == 1.0 and cfg.trainer.keep_last_k == 0
 
 
 @pytest.mark.parametrize("head,option,value", [("topk", "k", 65), ("local", "window", 65), ("agent", "block", 65),

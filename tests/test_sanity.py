@@ -24,6 +24,11 @@ def test_shrunk_run_warns_about_warmup_validation_and_logging(capsys: pytest.Cap
     assert "optim.warmup_steps=4000 >= trainer.max_steps=30" in lines[0]
     assert "trainer.val_every=1000 > trainer.max_steps=30" in lines[1]
     assert "trainer.log_every=50 > trainer.max_steps=30: the training scalars (train/loss" in lines[2]
+    load_config("configs/tiny.yaml", "trainer.max_steps=30", "optim.warmup_steps=30", "trainer.val_every=10",
+                "trainer.log_every=10")  # warm-up ends at the last step: the rate never gets past it either
+    assert warnings_of(capsys.readouterr().err) == [
+        "warning: optim.warmup_steps=30 >= trainer.max_steps=30: the learning rate never leaves warm-up (set "
+        "optim.warmup_steps to a fraction of max_steps)"]
 
 
 def test_sensible_config_is_silent(capsys: pytest.CaptureFixture[str]) -> None:
