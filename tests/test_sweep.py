@@ -186,6 +186,13 @@ def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pyte
     assert json.loads((Path(entry["out_dir"]) / "metrics.json").read_text())["step"] == 2
     assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["status"] == "done"
     assert re.fullmatch(r"\[1/1\] dense_s1: done in \d+\.\d s", capsys.readouterr().out.splitlines()[-1])
+    # a run that ends cleanly (rc 0) before trainer.max_steps, here on trainer.max_minutes, is partial, not done
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "timed"),
+                       f"data.path={data}", "model.vocab_size=64", "trainer.accelerator=cpu"]) == 0
+    assert run_main([str(tmp_path / "timed"), "trainer.max_steps=1000", "trainer.max_minutes=0.0001",
+                     "optim.warmup_steps=1", "data.batch_size=2", "data.val_batches=1"]) == 0
+    status = json.loads((tmp_path / "timed" / "status.json").read_text())["dense_s1"]
+    assert status["status"] == "partial" and status["rc"] == 0
 
 
 def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
