@@ -84,6 +84,17 @@ def test_strip_gutenberg_keeps_unmarked_text_and_uses_last_start() -> None:
     assert gutenberg.strip_gutenberg(twice)[0] == "The body."
 
 
+def test_strip_gutenberg_cuts_only_a_closing_end_of_line() -> None:
+    """"End of the Project Gutenberg EBook of ..." closes a book in its last lines (the last 1,000 characters); the
+    same words at the start of a line earlier in the book are the book's own text."""
+    early = "CHAPTER I\n\nEnd of the Project Gutenberg, the narrator said, was near.\n\n" + words(3, 60)
+    assert len(early) > 1000 + 60
+    assert gutenberg.strip_gutenberg(pg_book(early)) == (early, ())  # the closing line cut, the early one kept
+    unclosed = (f"*** START OF THIS PROJECT GUTENBERG EBOOK A TALE ***\n\n{early}\n\n"
+                "*** END OF THIS PROJECT GUTENBERG EBOOK A TALE ***\n")
+    assert gutenberg.strip_gutenberg(unclosed) == (early, ())  # a book without the closing line is kept whole
+
+
 @pytest.mark.parametrize("credit", [
     "Produced by Judith Boss.  HTML version by Al Haines.",
     "Transcribed from the 1897 Service & Paton edition by David Price, email\nccx074@pglaf.org",
@@ -253,6 +264,28 @@ def test_hub_unreachable_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyP
                                         r"Couldn't reach 'allenai/c4' on the Hub \(OfflineModeIsEnabled\)\); "
                                         r"check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE$"):
         prepare("c4-hub", None, tmp_path / "out", **QUIET)
+    with pytest.raises(DataError, match=r"^streaming manu/project_gutenberg split 'en' failed"):  # its defaults
+        prepare("gutenberg-hub", None, tmp_path / "out", **QUIET)
+
+
+def test_a_network_error_is_found_however_it_was_chained() -> None:
+    """The hint blames the network when a connection error is anywhere in the chain: raised `from` it
+    (__cause__), or raised while handling it (__context__, as libraries wrapping it without `from` leave it)."""
+    from data_prep.hub import is_network_error
+
+    def chained(explicit: bool) -> Exception:
+        try:
+            try:
+                raise ConnectionError("reset by peer")
+            except ConnectionError as inner:
+                if explicit:
+                    raise ValueError("load failed") from inner
+                raise ValueError("load failed")
+        except ValueError as err:
+            return err
+
+    assert is_network_error(chained(True)) and is_network_error(chained(False))
+    assert not is_network_error(ValueError("a bad row")) and not is_network_error(FileNotFoundError("x.json"))
 
 
 def test_hub_errors_blame_the_network_only_when_it_is_one(tmp_path: Path) -> None:
@@ -422,6 +455,19 @@ def test_a_document_cut_into_more_than_10_pieces_goes_whole(quotes: int) -> None
     assert shared.sum() == quotes
     kept = decontaminate.pieces(text, shared)
     assert kept == ([] if quotes + 1 > decontaminate.MAX_PIECES else [filler[:300], filler[-300:]])
+
+
+@pytest.mark.parametrize("filler", [399, 398])
+def test_pieces_of_200_characters_are_kept(filler: int) -> None:
+    """decontaminate.pieces keeps a piece of MIN_PIECE = 200 characters or more: one quote with `filler` + 1
+    characters either side leaves two pieces of filler + 1 - 200 characters (200 kept, 199 discarded)."""
+    from data_prep import decontaminate
+    from data_prep.doc_hashes import contains, sequence_hashes
+
+    quote = " ".join(f"q{i}" for i in range(13))
+    text = "\n".join(["x" * filler, quote, "y" * filler])
+    kept = decontaminate.pieces(text, contains(np.unique(sequence_hashes(quote)), sequence_hashes(text)))
+    assert kept == ([] if filler == 398 else ["x" * 200, "y" * 200])
 
 
 def test_max_docs_counts_source_documents_before_the_cut() -> None:
