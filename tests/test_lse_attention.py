@@ -1,11 +1,12 @@
 """heads/lse_attention.attention_lse against the plain autograd expression: outputs, log-sum-exp and every
-gradient (through both outputs), with broadcast keys, a constant bias and rows that see no key."""
+gradient (through both outputs), with broadcast keys, a constant bias and rows that see no key; `merge` of parts
+over disjoint keys against one softmax over all of them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from heads.lse_attention import attention_lse
+from heads.lse_attention import attention_lse, merge
 
 
 def plain(q, k, v, allowed, scale, bias=None):
@@ -105,4 +106,22 @@ def test_rows_given_by_index_equal_the_gathered_tensors() -> None:
     grads = torch.autograd.grad((out * d_out).sum() + (lse * d_lse).sum(), tables)
     ref = torch.autograd.grad((ref_out * d_out).sum() + (ref_lse * d_lse).sum(), tables)
     for got, want in zip(grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_merging_parts_over_disjoint_keys_is_one_softmax_over_all() -> None:
+    """Keys split into three disjoint sets (one of them empty for some rows: lse -inf, output 0): merge gives the
+    attention over the union and its log-sum-exp (fp64, rtol 1e-10), and gradients flow to every part."""
+    q, k, v, allowed, bias = inputs(False)
+    parts = [allowed & (torch.arange(9) % 3 == p) for p in range(3)]
+    parts[2] = parts[2] & (torch.arange(5)[:, None, None] < 3)  # query groups 3, 4 see nothing of part 2
+    outs, lses = zip(*(attention_lse(q, k, v, part, 0.5, bias) for part in parts))
+    assert torch.isinf(lses[2]).any()
+    out, lse = merge(outs, lses)
+    ref_out, ref_lse = plain(q, k, v, parts[0] | parts[1] | parts[2], 0.5, bias)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad((out * d_out).sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad((ref_out * d_out).sum(), (q, k, v))):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
