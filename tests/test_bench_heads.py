@@ -123,9 +123,11 @@ def test_table_ratios_are_each_variant_over_dense_at_its_own_T() -> None:
 
     args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, repeats=1, rounds=1,
                               device="cpu")
-    MiB = 2**20
-    row = lambda T, variant, s, peak, grad, saved: dict(T=T, variant=variant, heads=2, gflops=1.0, seconds=s,  # noqa: E731
-                                                        peak_bytes=peak * MiB, grad_bytes=grad * MiB, saved_bytes=saved * MiB)
+
+    def row(T: int, variant: str, seconds: float, peak: int, grad: int, saved: int) -> dict:  # sizes in MiB
+        return dict(T=T, variant=variant, heads=2, gflops=1.0, seconds=seconds, peak_bytes=peak * 2**20,
+                    grad_bytes=grad * 2**20, saved_bytes=saved * 2**20)
+
     rows = [row(64, "dense", 0.010, 40, 8, 16), row(64, "mosa", 0.020, 30, 4, 4),
             row(128, "dense", 0.040, 100, 8, 64), row(128, "mosa", 0.010, 50, 4, 32)]
     table = [line.split("|")[1:-1] for line in format_table(rows, args, "cmd").splitlines()

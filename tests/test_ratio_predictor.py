@@ -103,14 +103,23 @@ def test_clis_data_train_choose(tmp_path, capsys, monkeypatch):
     assert torch.equal(data["prompt"], torch.arange(12).repeat(3))
     fitted: list[torch.Tensor] = []  # the prompts of the rows the predictor is fitted on
     real_fit, real_measure = ratio_predictor.fit, ratio_data.measure
-    monkeypatch.setattr(ratio_predictor, "fit", lambda p, states, prompt, *a, **k: (fitted.append(prompt),
-                                                                                    real_fit(p, states, prompt, *a, **k))[1])
+
+    def fit(predictor, states, prompt, *args, **kwargs):
+        fitted.append(prompt)
+        return real_fit(predictor, states, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(ratio_predictor, "fit", fit)
     assert ratio_predictor.main(["train", "--data", str(rows), "--out", str(pred), "--steps", "30"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["train_rows"] == 27 and report["heldout_rows"] == 9  # prompts 0, 5, 10 x 3 ratios held out
     assert sorted(set(fitted[0].tolist())) == [1, 2, 3, 4, 6, 7, 8, 9, 11]  # and never fitted on
     probes: list[float] = []  # choose feeds the predictor states probed as its data were (0.125, not the model's 0.25)
-    monkeypatch.setattr(ratio_data, "measure", lambda *a: (probes.append(a[4]), real_measure(*a))[1])
+
+    def measure(*args):
+        probes.append(args[4])
+        return real_measure(*args)
+
+    monkeypatch.setattr(ratio_data, "measure", measure)
     assert ratio_predictor.main(["choose", "--predictor", str(pred), "--ckpt", ckpt, "--data", data_dir,
                                  "--delta", "0.05", "--prompts", "3"]) == 0
     chosen = json.loads(capsys.readouterr().out)
