@@ -109,8 +109,13 @@ def test_overrides_stand_on_either_side_of_the_options(run: tuple[Path, Path], t
 def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     data, out = run
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "started": "2000-01-01T00:00:00Z", "command": ["first"]}))
     claim(load_config(None, *overrides(data, out, "trainer.max_steps=20", "optim.lr=1e-3", "trainer.val_every=7")),
           True, False)
+    resumed = json.loads((out / "run.json").read_text())  # the run's own record, with when it was resumed
+    assert resumed["started"] == "2000-01-01T00:00:00Z" and resumed["command"] == ["first"]
+    assert resumed["resumed"] != resumed["started"]  # now
     # optim.lr and max_steps are reported where they are applied (lm/resume_settings.py), not twice
     assert capsys.readouterr().err.splitlines() == ["resume: trainer.val_every: 5 -> 7"]
     assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["max_steps"] == 20  # as trained now
