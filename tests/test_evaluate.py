@@ -312,6 +312,9 @@ def test_a_document_counts_as_training_text_from_one_percent_of_its_sampled_sequ
 
     overlap = Overlap("d", "", exact=[False, False, False, True], ngrams=[(100, 1), (100, 0), (0, 0), (0, 0)])
     assert [overlap.found(i) for i in range(4)] == [True, False, False, True]
+    report = overlap.report(4)  # the JSON's totals count both kinds: the excerpt (document 0) and the exact copy
+    assert report["documents_in_training_data"] == 2 and report["sampled_ngrams"] == 200
+    assert report["share_of_ngrams_in_training_data"] == 1 / 200
     assert Overlap(None, "no data").found(0) is None
 
 
