@@ -5,6 +5,8 @@ import json
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from bench import gpu_campaign_results as results
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
@@ -58,9 +60,11 @@ def test_reports_from_a_packed_campaign(tmp_path: Path) -> None:
     assert "**Missing**: no curve PNG" in c4
 
 
-def test_a_cut_short_session_says_so(tmp_path: Path) -> None:
+@pytest.mark.parametrize("log", ["!!!! session-timeout: 88.0 sec exceeded !!!!\n",  # pytest-timeout's session end
+                                 "!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!\n"])  # SIGINT (timeout -s INT)
+def test_a_cut_short_session_says_so(tmp_path: Path, log: str) -> None:
     c = _campaign(tmp_path)
-    (c / "tests.log").write_text("!!!! session-timeout: 88.0 sec exceeded !!!!\n")
+    (c / "tests.log").write_text(log)
     assert results.main([str(c), "--results", str(tmp_path / "r")]) == 0
     assert "(**the session was cut short**: the tests not listed did not run)" in (tmp_path / "r" / "gpu_tests.md").read_text()
 
@@ -126,8 +130,6 @@ def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None
     import re
     import shutil
     import subprocess
-
-    import pytest
 
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")

@@ -34,3 +34,4 @@ def test_largest_difference_only_over_steps_both_logged() -> None:
     a, b = {1: 1.0, 2: 2.0, 3: 3.0}, {1: 1.5, 3: 2.0}
     assert resume_check.largest_difference(a, b, range(1, 4)) == 1.0
     assert resume_check.largest_difference(a, b, range(2, 3)) is None
+    assert resume_check.largest_difference({1: 0.0, 2: 0.0}, {1: 5.0, 2: 1.0}, range(1, 3)) == 5.0  # not the last
