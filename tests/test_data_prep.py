@@ -612,6 +612,9 @@ def test_the_tokenizer_sample_cuts_long_lines() -> None:
     sampler = LineSampler(100_000)
     sampler.add("d", "short line\n" + "x" * (3 * MAX_LINE_CHARS))
     assert sorted(map(len, sampler.lines())) == [len("short line"), MAX_LINE_CHARS]
+    blank = LineSampler(100)
+    blank.add("d", "a\n   \n\t\n\nb")  # lines of whitespace only are no sample text
+    assert sorted(blank.lines()) == ["a", "b"]
 
 
 def test_builtin_sections_are_topics_inside_a_larger_one_and_a_short_topic_is_none() -> None:

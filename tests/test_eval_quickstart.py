@@ -44,3 +44,17 @@ def test_training_config_is_the_one_the_run_directory_recorded(tmp_path: Path) -
     assert training_config(ckpt) == "configs/tiny.yaml"
     (tmp_path / "run" / "run.json").write_text(json.dumps({"command": ["train_lm.py", "--config=configs/a.yaml"]}))
     assert training_config(ckpt) == "configs/a.yaml"
+
+
+def test_the_unigram_floor_is_add_one_smoothed_training_counts() -> None:
+    """p(token) = (count + 1) / (total + vocabulary): counts (3, 0) give 4/5 and 1/5, a distribution."""
+    import math
+
+    import numpy as np
+
+    from bench.eval_quickstart import UnigramLM
+
+    unigram = UnigramLM(None, np.array([3, 0]))  # type: ignore[arg-type]  (the LM only lends its tokenizer)
+    assert unigram.nll([0]) == pytest.approx(-math.log(4 / 5))
+    assert unigram.nll([1, 1]) == pytest.approx(-2 * math.log(1 / 5))
+    assert np.exp(unigram.logp).sum() == pytest.approx(1.0)
