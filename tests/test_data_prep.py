@@ -522,6 +522,9 @@ def test_ngram_hashes_are_a_content_defined_sample_of_word_sequences() -> None:
     assert len(doc_hashes.ngram_hashes(excerpt)) > 0
     shouted = text.upper().replace(" ", ", ")
     assert np.array_equal(doc_hashes.ngram_hashes(shouted), sample)
+    twice = doc_hashes.ngram_hashes(text + "\n" + text)  # a repeated passage: its sequences once, sorted
+    assert np.array_equal(twice, np.unique(twice)) and set(twice.tolist()) >= set(sample.tolist())
+    assert len(twice) < 2 * len(sample)
     assert len(doc_hashes.ngram_hashes("twelve words " * 6, keep_one_in=1)) == 0  # fewer than 13 words
     other = doc_hashes.ngram_hashes(text.replace("w1", "v1"))  # every sequence holding a word w1... changed
     assert 0 < np.isin(other, sample).sum() < len(sample)
