@@ -213,3 +213,28 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     assert final["tokens_seen"] == read_deepspeed(ckpts / "last.ckpt")["tokens_seen"] > 0  # not re-derived
     assert [h["step"] for h in final["val_history"]] == [4, 6, 8]
     assert all(p.dtype == torch.float32 and p.isfinite().all() for p in model.parameters())
+
+
+def test_consolidate_replaces_its_file_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that fails half-way (a full disk) leaves the previous consolidated file as it was and no partial file
+    or temporary directory beside it (the DeepSpeed conversion itself stubbed: a few bytes of state)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    import lightning.pytorch.utilities.deepspeed as lightning_deepspeed
+
+    import lm.consolidate as consolidate
+
+    monkeypatch.setattr(consolidate, "read_deepspeed", lambda directory: None)
+    monkeypatch.setattr(lightning_deepspeed, "convert_zero_checkpoint_to_fp32_state_dict",
+                        lambda directory, path: {"state_dict": {}, "config": {}})
+
+    def full_disk(obj: object, f) -> None:
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(consolidate.torch, "save", full_disk)
+    out = tmp_path / "consolidated.ckpt"
+    out.write_bytes(b"the previous consolidation")
+    with pytest.raises(OSError, match="No space left"):
+        consolidate.consolidate(tmp_path / "checkpoint_dir", out)
+    assert out.read_bytes() == b"the previous consolidation"
+    assert [p.name for p in tmp_path.iterdir()] == ["consolidated.ckpt"]
