@@ -607,6 +607,16 @@ def test_builtin_source(tmp_path: Path) -> None:
     assert "compound" in topics and "try" in topics and "try" in sections(topics)
 
 
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path: Path) -> None:
+    """A file saved with a UTF-8 BOM (common from Windows editors) reads without it, plain or gzipped."""
+    from data_prep.local_files import read_text
+
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhello\nworld")
+    (tmp_path / "bom.txt.gz").write_bytes(gzip.compress(b"\xef\xbb\xbfhello"))
+    assert read_text(tmp_path / "bom.txt", Skips()) == "hello\nworld"
+    assert read_text(tmp_path / "bom.txt.gz", Skips()) == "hello"
+
+
 def test_the_tokenizer_sample_cuts_long_lines() -> None:
     """A C4 paragraph can be one line of many kilobytes (SentencePiece skips very long sentences): the sample keeps
     its first MAX_LINE_CHARS characters."""

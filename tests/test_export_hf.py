@@ -36,6 +36,9 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
     with torch.no_grad():
         assert (hf(x).logits - ours(x)).abs().max().item() <= 1e-5
         loss = hf(x, labels=x).loss
+        assert torch.equal(hf(x, attention_mask=torch.ones_like(x)).logits, hf(x).logits)  # no padding: accepted
+        with pytest.raises(ValueError, match="padded inputs are not supported"):  # the heads have no padding mask
+            hf(x, attention_mask=torch.ones_like(x).index_fill(1, torch.tensor([36]), 0))
         ref = torch.nn.functional.cross_entropy(ours(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         assert abs(loss.item() - ref.item()) <= 1e-5
 
