@@ -153,6 +153,14 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
         ref = generate(model, torch.tensor([ids]), 6, temperature=0, stop_id=1)[0, len(ids):].tolist()
         ref = ref[: ref.index(1)] if 1 in ref else ref
         assert text == lm.tok_decode(ref).split("\n\n")[0]
+    # a stop string that does occur: the text before it, without it (lm-eval's contract)
+    ids = lm.tok_encode(prompts[0])[-(T - 6):]
+    full = lm.tok_decode(generate(model, torch.tensor([ids]), 6, temperature=0, stop_id=1)[0, len(ids):].tolist())
+    stop = full.strip()[2:4]
+    assert len(stop) == 2 and stop in full
+    (text,) = lm.generate_until([Instance("generate_until", {}, (prompts[0], {"until": [stop], "max_gen_toks": 6}), 0)],
+                                disable_tqdm=True)
+    assert text == full[: full.index(stop)]
 
 
 def test_generate_until_samples_at_the_requests_temperature(setup) -> None:
