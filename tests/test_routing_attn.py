@@ -95,7 +95,7 @@ def test_a_token_in_several_balanced_clusters_gets_the_mean_of_their_outputs(imp
     T, rho, d = 48, 4, 8
     group: RoutingHeads = make_group("routing", dict(sparsity=rho, assignment="topk", impl=impl), T)
     x, positions = torch.randn(1, T, 32), torch.arange(T).expand(1, T)
-    u, dist = centroid_distances(group, x)
+    _, dist = centroid_distances(group, x)
     q, v = group.qv(x).view(1, T, 2, 3, d).permute(2, 0, 3, 1, 4)  # [1, H, T, d]
     q = (q - q.mean(-1, keepdim=True)) / (q.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt()  # layer_norm
     a = torch.zeros(3, T, d)
