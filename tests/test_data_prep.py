@@ -441,17 +441,25 @@ def test_exclude_overlap_cuts_out_shared_text_as_gpt3_did(tmp_path: Path, capsys
             prepare("text", str(src), tmp_path / "bad", vocab_size=500, exclude_overlap=[str(path)], **QUIET)
 
 
+QUOTE = " ".join(f"q{i}" for i in range(13))  # one 13-word sequence
+
+
+def shares_quote(text: str) -> np.ndarray:
+    """Which of `text`'s 13-word sequences (sequence_hashes order) are QUOTE: decontaminate.pieces' `shared`."""
+    from data_prep.doc_hashes import contains, sequence_hashes
+
+    return contains(np.unique(sequence_hashes(QUOTE)), sequence_hashes(text))
+
+
 @pytest.mark.parametrize("quotes", [9, 10])
 def test_a_document_cut_into_more_than_10_pieces_goes_whole(quotes: int) -> None:
     """decontaminate.pieces: n quotes 500 characters apart make n + 1 pieces; 10 are kept (each of 500 - 2 * 200
     = 100 characters, so discarded as short, but the two ends), 11 drop the document."""
     from data_prep import decontaminate
-    from data_prep.doc_hashes import contains, sequence_hashes
 
-    quote = " ".join(f"q{i}" for i in range(13))
     filler = "x" * 499  # one word, 500 characters with the newline
-    text = "\n".join([filler] + [f"{quote}\n{filler}" for _ in range(quotes)])
-    shared = contains(np.unique(sequence_hashes(quote)), sequence_hashes(text))
+    text = "\n".join([filler] + [f"{QUOTE}\n{filler}" for _ in range(quotes)])
+    shared = shares_quote(text)
     assert shared.sum() == quotes
     kept = decontaminate.pieces(text, shared)
     assert kept == ([] if quotes + 1 > decontaminate.MAX_PIECES else [filler[:300], filler[-300:]])
@@ -462,11 +470,9 @@ def test_pieces_of_200_characters_are_kept(filler: int) -> None:
     """decontaminate.pieces keeps a piece of MIN_PIECE = 200 characters or more: one quote with `filler` + 1
     characters either side leaves two pieces of filler + 1 - 200 characters (200 kept, 199 discarded)."""
     from data_prep import decontaminate
-    from data_prep.doc_hashes import contains, sequence_hashes
 
-    quote = " ".join(f"q{i}" for i in range(13))
-    text = "\n".join(["x" * filler, quote, "y" * filler])
-    kept = decontaminate.pieces(text, contains(np.unique(sequence_hashes(quote)), sequence_hashes(text)))
+    text = "\n".join(["x" * filler, QUOTE, "y" * filler])
+    kept = decontaminate.pieces(text, shares_quote(text))
     assert kept == ([] if filler == 398 else ["x" * 200, "y" * 200])
 
 

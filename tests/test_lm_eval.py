@@ -148,14 +148,14 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
     prompts = [english(3, 1), english(4, 1), english(5, 2)]
     reqs = [Instance("generate_until", {}, (p, {"until": ["\n\n"], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)]
     out = lm.generate_until(reqs, disable_tqdm=True)
+    greedy = []
     for p, text in zip(prompts, out):
         ids = lm.tok_encode(p)[-(T - 6):]
         ref = generate(model, torch.tensor([ids]), 6, temperature=0, stop_id=1)[0, len(ids):].tolist()
-        ref = ref[: ref.index(1)] if 1 in ref else ref
-        assert text == lm.tok_decode(ref).split("\n\n")[0]
+        greedy.append(lm.tok_decode(ref[: ref.index(1)] if 1 in ref else ref))
+        assert text == greedy[-1].split("\n\n")[0]
     # a stop string that does occur: the text before it, without it (lm-eval's contract)
-    ids = lm.tok_encode(prompts[0])[-(T - 6):]
-    full = lm.tok_decode(generate(model, torch.tensor([ids]), 6, temperature=0, stop_id=1)[0, len(ids):].tolist())
+    full = greedy[0]
     stop = full.strip()[2:4]
     assert len(stop) == 2 and stop in full
     (text,) = lm.generate_until([Instance("generate_until", {}, (prompts[0], {"until": [stop], "max_gen_toks": 6}), 0)],

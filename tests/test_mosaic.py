@@ -166,7 +166,6 @@ def test_capacity_is_the_exact_decimal() -> None:
         assert group_cost("mosaic", 32, 16, 100, 1, {"sparsity": rho, "capacity_factor": 1.15}).kv == min(k, 100)
 
 
-
 @pytest.mark.parametrize("T,rho,capacity_factor", [(45, 32, 1.0), (64, 64, 0.5)])
 def test_capacity_is_at_least_two_slots(T: int, rho: float, capacity_factor: float) -> None:
     """App. F's minimum of 2 slots per head where floor(capacity_factor * T / rho) is 1 or 0, in the head and in

@@ -353,7 +353,7 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     train = open_split(data, "train", cfg.model)
     flat = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in train.paths])
     boundary = int(train.starts[1])
-    for start in (0, boundary - 5, boundary, len(flat) - 10):  # from the first token, across and at a boundary, up to the last
+    for start in (0, boundary - 5, boundary, len(flat) - 10):  # first token, across and at a boundary, the end
         assert np.array_equal(train.read(start, 10), flat[start : start + 10])
     val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
     assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
@@ -403,7 +403,6 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
         damage(index["splits"]["train"]["shards"][0])
         (edited / "index.json").write_text(json.dumps(index))
         assert "index.json has a damaged train shard entry" in data_error(edited)
-
 
 
 def test_token_ids_must_be_below_the_vocabulary_size(tmp_path: Path) -> None:
