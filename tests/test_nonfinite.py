@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -157,3 +158,81 @@ def test_a_diverging_run_stops_and_names_its_last_finite_checkpoint(tmp_path: Pa
 
 def test_perplexity_of_a_huge_finite_loss_is_inf() -> None:
     assert perplexity(800.0) == math.inf and perplexity(1.0) == math.e and math.isnan(perplexity(math.nan))
+
+
+class ValidatedToy(Toy):
+    """Toy with a validation pass whose loss is NaN from optimizer step `nan_from` on (the weights stay finite)."""
+
+    def __init__(self, nan_from: int) -> None:
+        super().__init__(bad=set())
+        self.nan_from = nan_from
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = (self.lin(batch[0]) - batch[1]).pow(2).mean()
+        self.log("val/loss", loss * math.nan if self.global_step >= self.nan_from else loss)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def test_a_non_finite_validation_loss_stops_fit_naming_the_last_finite_checkpoint(tmp_path: Path) -> None:
+    """Validation every 2 steps; its loss turns NaN at step 4: fit stops there with one line (the step, the loss, the
+    checkpoint to resume from), having trained 4 steps. A plain trainer.validate of the same model is not stopped:
+    only training has a checkpoint to protect."""
+    toy, ckpt = ValidatedToy(nan_from=4), tmp_path / "step0000002.ckpt"
+    guard = NonFiniteGuard(0, lambda: ckpt)
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, val_check_interval=2, limit_val_batches=1,
+                        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[guard])
+    with pytest.raises(NonFiniteError, match=rf"^non-finite validation loss nan at step 4; stopped; last finite "
+                                             rf"checkpoint: {ckpt} \(lower optim\.lr"):
+        trainer.fit(toy)
+    assert len(toy.after) == 4
+    trainer = L.Trainer(accelerator="cpu", limit_val_batches=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[guard])
+    assert math.isnan(trainer.validate(ValidatedToy(nan_from=0), verbose=False)[0]["val/loss"])
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path: Path) -> None:
+    """StepCheckpoints refuses a model with a NaN weight before writing anything, naming the step, the parameter
+    and its head group."""
+    from types import SimpleNamespace
+
+    from lm.checkpoint import StepCheckpoints
+    from lm.module import LMModule
+    from tests.conftest import tiny_config
+
+    module = LMModule(tiny_config([{"type": "dense", "count": 2}, {"type": "local", "count": 2,
+                                                                   "options": {"window": 8}}]))
+    name, weight = next((n, p) for n, p in module.named_parameters() if "groups.1" in n)
+    with torch.no_grad():
+        weight.view(-1)[3] = math.inf
+    trainer = SimpleNamespace(global_step=7, lightning_module=module)
+    with pytest.raises(NonFiniteError, match=rf"^non-finite weights after step 7 in {re.escape(name)} \(local heads\); "
+                                             r"not checkpointed \(lower optim\.lr\)$"):
+        StepCheckpoints(tmp_path, every=1, val_every=1).save(trainer)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_whose_validation_turns_nan_keeps_only_finite_checkpoints(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_lm's callbacks in order: the guard sees step 2's NaN validation loss before StepCheckpoints would write
+    step 2 (validated steps are checkpointed after their validation), so the newest checkpoint stays step 1's."""
+    from lm.module import LMModule
+    from lm.train import train
+
+    real = LMModule.validation_step
+
+    def nan_from_step_2(self: LMModule, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        real(self, batch, batch_idx)
+        if self.global_step >= 2:
+            self._val_sums[0] = math.nan
+
+    monkeypatch.setattr(LMModule, "validation_step", nan_from_step_2)
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    out = tmp_path / "run"
+    cfg = load_config(None, *run_overrides(data, out, ckpt_every=1, val_every=2))
+    with pytest.raises(NonFiniteError, match=r"^non-finite validation loss nan at step 2; stopped; last finite "
+                                             r"checkpoint: \S+step0000001\.ckpt"):
+        train(cfg)
+    assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step0000001.ckpt"]
