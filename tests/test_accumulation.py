@@ -131,6 +131,10 @@ def test_accumulated_run_resumes_bit_for_bit_and_stops_on_time_at_a_step_boundar
 
     with pytest.raises(ConfigError, match=r"trainer.accumulate_grad_batches: 3 -> 2"):
         run(data, tmp_path / "part", batch=2, accumulate=2, steps=10, resume="last")
+    step4 = tmp_path / "part" / "checkpoints" / "step0000004.ckpt"  # into a new run directory: the checkpoint's check
+    with pytest.raises(ConfigError, match=rf"^--resume-from: {step4} was trained with trainer\.accumulate_grad_batches=3, "
+                                          r"which cannot change on resume$"):
+        run(data, tmp_path / "other", batch=2, accumulate=2, steps=10, resume=str(step4))
 
 
 def test_accumulate_grad_batches_must_be_positive() -> None:
