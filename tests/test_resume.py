@@ -444,3 +444,34 @@ def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> No
     saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert [h["step"] for h in saved["val_history"]] == [h["step"] for h in metrics["history"]] == [3, 4]
     assert saved["val_history"] == metrics["history"]
+
+
+def test_setting_aside_a_timeline_of_checkpoint_directories(tmp_path: Path) -> None:
+    """lm.checkpoint.set_aside_after on DeepSpeed-style checkpoints (directories): rewinding to step 2 moves steps 4
+    and 6 and last.ckpt aside; a second rewind to step 2 replaces what the first set aside (a directory cannot be
+    renamed onto a non-empty one); a rewind with nothing newer moves nothing and makes no folder."""
+    from lm.checkpoint import set_aside_after
+
+    def checkpoint(name: str, tag: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "latest").write_text(tag)
+        return tmp_path / name
+
+    def timeline(tag: str) -> None:
+        for step in (4, 6):
+            checkpoint(f"step{step:07d}.ckpt", f"{tag}{step}")
+        checkpoint("last.ckpt", f"{tag}6")
+
+    start = checkpoint("step0000002.ckpt", "2")
+    timeline("first")
+    aside = tmp_path / "abandoned-after-step0000002"
+    assert sorted(p.name for p in set_aside_after(tmp_path, 2, start)) == \
+        ["last.ckpt", "step0000004.ckpt", "step0000006.ckpt"]
+    timeline("second")
+    assert len(set_aside_after(tmp_path, 2, start)) == 3
+    assert {p.name: (p / "latest").read_text() for p in aside.iterdir()} == \
+        {"last.ckpt": "second6", "step0000004.ckpt": "second4", "step0000006.ckpt": "second6"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["abandoned-after-step0000002", "step0000002.ckpt"]
+    assert set_aside_after(tmp_path, 2, start) == [] and set_aside_after(tmp_path / "abandoned-after-step0000002", 6,
+                                                                         start) == []
+    assert sorted(p.name for p in aside.iterdir()) == ["last.ckpt", "step0000004.ckpt", "step0000006.ckpt"]
