@@ -570,3 +570,18 @@ def test_register_refuses_a_head_that_would_decode_with_its_parents_attention(mo
     with pytest.raises(RuntimeError, match=r"^head type 'half': HalfDecoding must both decode"):
         heads.base.register("half")(HalfDecoding)
     assert heads.base.register("refusing")(Refusing) is Refusing and list(heads.base.REGISTRY) == ["refusing"]
+
+
+def test_generation_ends_once_every_sequence_has_stopped() -> None:
+    """When every row has produced stop_id, generate returns at once, shorter than max_new_tokens: each row as without
+    stop_id up to its stop, then padding."""
+    model = model_for(CAUSAL_TYPES["dense"])
+    prompt = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(3))
+    free = generate(model, prompt, 12, temperature=0)
+    stop = int(free[0, 7])  # row 0's third new token, which row 1 produces as its second (measured)
+    ends = [5 + int((row[5:] == stop).nonzero()[0]) for row in free]
+    assert ends == [7, 6]
+    out = generate(model, prompt, 12, temperature=0, stop_id=stop)
+    assert out.shape == (2, 8)
+    for row, ref, end in zip(out, free, ends):
+        assert torch.equal(row[: end + 1], ref[: end + 1]) and bool((row[end:] == stop).all())

@@ -361,3 +361,15 @@ def test_unknown_task_is_one_line(setup, tmp_path: Path, capsys) -> None:
     tasks = _write_tasks(tmp_path)
     assert_one_line_error(main(["--ckpt", str(ckpt), "--tasks", "local_mc,no_such_task", "--include-path", str(tasks)]),
                           capsys, "unknown task(s) no_such_task")
+
+
+def test_a_generation_ends_at_its_first_end_of_text_token(setup) -> None:
+    """generate_until's text stops at the first EOT token (the path of heads that cannot decode incrementally runs on
+    past it), and the stop strings then cut what is left."""
+    _, _, _, lm = setup
+    first, second = lm.tok_encode("the old house"), lm.tok_encode("stood on the hill")
+    generated = [*first, lm.eot_token_id, *second, lm.eot_token_id]
+    assert lm._cut(generated, []) == lm.tok_decode(first) == "the old house"
+    assert lm._cut(generated, ["hill"]) == "the old house"
+    assert lm._cut(generated, "old") == "the "
+    assert lm._cut(second, "hill") == "stood on the "
