@@ -403,3 +403,33 @@ def test_a_diverged_models_perplexity_is_inf_not_a_crash() -> None:
     s = summarize(8000.0, 10, 5)
     assert s["loss"] == 800.0 and s["ppl"] == math.inf and s["bpb"] == pytest.approx(8000.0 / (math.log(2) * 5))
     assert summarize(20.0, 10, 5)["ppl"] == pytest.approx(math.exp(2.0), rel=1e-15)
+
+
+def test_max_docs_scores_the_first_documents_of_any_input(corpus: Path, tmp_path: Path, capsys) -> None:
+    """--max-docs N scores exactly the first N documents, as the whole input scores them: for JSON lines and for a
+    prepared split (0 is refused in one line)."""
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": english(50 + i, 3)}) + "\n" for i in range(5)))
+    for src in ([str(tmp_path / "docs.jsonl")], [str(corpus), "--split", "train"]):
+        whole = run(capsys, "--ckpt", str(ckpt), "--input", *src)[1]["documents"]
+        assert len(whole) > 2
+        rc, first, err = run(capsys, "--ckpt", str(ckpt), "--input", *src, "--max-docs", "2")
+        assert rc == 0, err
+        assert first["documents"] == whole[:2]
+        assert first["total"]["tokens"] == sum(d["tokens"] for d in whole[:2])
+    rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(corpus), "--max-docs", "0")
+    assert rc == 2 and err == "error: --batch-size and --max-docs must be >= 1\n"
+
+
+def test_an_empty_prepared_split_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None:
+    """A prepared directory whose split has no shard: nothing to score, said in one line."""
+    import shutil
+
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    empty = tmp_path / "empty_split"
+    shutil.copytree(corpus, empty)
+    index = json.loads((empty / "index.json").read_text())
+    index["splits"]["val"].update(shards=[], tokens=0, documents=0)
+    (empty / "index.json").write_text(json.dumps(index))
+    rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(empty))
+    assert rc == 2 and err == f"error: --input {empty}: split 'val' is empty\n"
