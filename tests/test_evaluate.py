@@ -433,3 +433,19 @@ def test_an_empty_prepared_split_is_one_line(corpus: Path, tmp_path: Path, capsy
     (empty / "index.json").write_text(json.dumps(index))
     rc, _, err = run(capsys, "--ckpt", str(ckpt), "--input", str(empty))
     assert rc == 2 and err == f"error: --input {empty}: split 'val' is empty\n"
+
+
+def test_without_usable_recorded_training_data_the_check_is_a_note(corpus: Path, tmp_path: Path, capsys) -> None:
+    """No --train-data, and the checkpoint's recorded training directory is gone, or none is recorded: the scores
+    come out, with a note that the documents were not checked (never a clean report) and how to check them."""
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    state = torch.load(ckpt, weights_only=False)
+    doc = corpus.parent / "src" / "doc00.txt"
+    for data_path, why in ((str(tmp_path / "gone"), f"{tmp_path / 'gone'} is not a prepared directory here"),
+                           (None, "the checkpoint records no training data directory")):
+        state["run"]["data_path"] = data_path
+        torch.save(state, tmp_path / "moved.ckpt")
+        rc, res, err = run(capsys, "--ckpt", str(tmp_path / "moved.ckpt"), "--input", str(doc))
+        assert rc == 0, err
+        assert res["documents"][0]["in_training_data"] is None and res["training_data"]["checked_against"] is None
+        assert err.splitlines()[-1] == f"note: not checked against the training data: {why} (pass --train-data DIR)"
