@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import re
 import shutil
 import zipfile
 from pathlib import Path
@@ -203,7 +204,12 @@ def read_torch_file(path: str | Path, what: str, map_location: str | torch.devic
         raise CheckpointError(f"{what} {path} is damaged (CRC mismatch in {damaged})")
     try:
         return torch.load(path, map_location=map_location, mmap=mmap, weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as err:
+    except pickle.UnpicklingError as err:  # torch's message: a paragraph of advice, the refused global in its middle
+        refused = re.search(r"WeightsUnpickler error: ([^\n]*?)(\. |$)", str(err), re.M)
+        raise CheckpointError(f"{what} {path} holds Python objects that only running code can load "
+                              f"({refused.group(1) if refused else type(err).__name__}), not only tensors and plain "
+                              "values as train_lm.py's checkpoints do; it is not read") from None
+    except (RuntimeError, EOFError, ValueError) as err:
         raise CheckpointError(f"{what} {path} cannot be loaded ({(str(err).splitlines() or [''])[0]})") from None
 
 

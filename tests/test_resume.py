@@ -475,3 +475,36 @@ def test_setting_aside_a_timeline_of_checkpoint_directories(tmp_path: Path) -> N
     assert set_aside_after(tmp_path, 2, start) == [] and set_aside_after(tmp_path / "abandoned-after-step0000002", 6,
                                                                          start) == []
     assert sorted(p.name for p in aside.iterdir()) == ["last.ckpt", "step0000004.ckpt", "step0000006.ckpt"]
+
+
+class NotATensor:
+    """A pickled object of a class torch.load's weights_only mode refuses (code, not data)."""
+
+
+def test_foreign_torch_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    """lm.checkpoint.read_checkpoint / read_deepspeed on readable torch files that are no train_lm.py checkpoint: a
+    plain dict, a pickled object of an arbitrary class (never unpickled: weights_only), model states without a config
+    in a complete DeepSpeed directory; each a one-line CheckpointError naming the file."""
+    from lm.checkpoint import COMPLETE, REQUIRED, CheckpointError, read_checkpoint, read_deepspeed
+
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    torch.save({"config": NotATensor()}, tmp_path / "code.ckpt")
+    shards = tmp_path / "ds.ckpt" / "global_step3"
+    shards.mkdir(parents=True)
+    (tmp_path / "ds.ckpt" / "latest").write_text("global_step3\n")
+    (tmp_path / "ds.ckpt" / COMPLETE).write_text("")
+    torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
+    missing = ", ".join(k for k in REQUIRED if k != "state_dict")
+    for read, path, message in (
+            (read_checkpoint, tmp_path / "plain.ckpt", rf"{tmp_path / 'plain.ckpt'} is not a train_lm\.py checkpoint "
+                                                       rf"\(no {missing}\)"),
+            (read_checkpoint, tmp_path / "code.ckpt", rf"checkpoint {tmp_path / 'code.ckpt'} holds Python objects that "
+                                                      r"only running code can load \(Unsupported global: GLOBAL "
+                                                      r"\S*NotATensor was not an allowed global by "
+                                                      r"default\), not only tensors and plain values as train_lm\.py's "
+                                                      r"checkpoints do; it is not read"),
+            (read_deepspeed, tmp_path / "ds.ckpt", rf"{tmp_path / 'ds.ckpt'} is not a train_lm\.py checkpoint \(no "
+                                                   r"config in mp_rank_00_model_states\.pt\)")):
+        with pytest.raises(CheckpointError, match=f"^{message}$") as err:
+            read(path)
+        assert "\n" not in str(err.value)
