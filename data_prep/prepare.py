@@ -68,12 +68,14 @@ def _settings(corpus: Corpus, src: str | None, hub_split: str | None, data_files
 
 
 def _read_json(path: Path) -> dict | None:
+    """The JSON object in `path`; None if there is no such file, {} if it holds no JSON object (unreadable)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
     except ValueError:
-        return {}  # unreadable: treated as a preparation with unknown settings
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _differences(old: dict, new: dict) -> str:
@@ -94,11 +96,13 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
     """(finished index, progress) of an earlier run with the same settings and inputs, its damaged shards
     dropped from the progress (data_prep/manifest.py); see the module doc."""
     index, progress = _read_json(out / INDEX), _read_json(out / PROGRESS)
-    for found in (index, progress):
+    for name, found in ((INDEX, index), (PROGRESS, progress)):
         if found is None:
             continue
-        if found.get("settings") != settings:
-            problem = f"other settings ({_differences(found.get('settings') or {}, settings) or 'unreadable'})"
+        if not isinstance(found.get("settings"), dict):
+            problem = f"an unreadable {name} (no settings in it)"
+        elif found["settings"] != settings:
+            problem = f"other settings ({_differences(found['settings'], settings)})"
         elif "inputs" in found and found["inputs"] != inputs:  # not recorded by older versions
             problem = f"other inputs ({input_changes(found['inputs'], inputs)})"
         else:

@@ -154,6 +154,20 @@ def test_one_missing_marker_is_warned(kept: str, missing: str, gone: str, tmp_pa
     assert f"warning: a/x.txt: no Project Gutenberg {missing} marker; kept everything" in capsys.readouterr().err
 
 
+def test_a_book_with_nothing_between_its_markers_is_skipped(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A book whose START and END markers enclose only blank lines (and the closing "End of the Project Gutenberg
+    EBook" line) is no document: a file skipped as "empty", warned once although both passes read it; the other
+    books are prepared."""
+    books = {"a.txt": pg_book(words(1, 30)), "b.txt": pg_book(words(2, 30)), "blank.txt": pg_book("\n  \n\t\n")}
+    out = tmp_path / "out"
+    index = prepare("gutenberg", str(write_texts(tmp_path / "src", books)), out, vocab_size=400, val_fraction=0.5,
+                    **QUIET)
+    assert index["skipped"]["skipped_files_by_reason"] == {"empty": 1}
+    assert sorted(documents_of(out, "train") + documents_of(out, "val")) == sorted([words(1, 30), words(2, 30)])
+    assert capsys.readouterr().err.count(
+        "warning: skipped blank.txt: empty (nothing between the Project Gutenberg markers)\n") == 1
+
+
 def test_book_ids_are_relative_paths(tmp_path: Path) -> None:
     """Books with the same file name in different folders (the Author/Title.txt layout) are different
     documents; in a flat folder, and for a single file, the id stays the file name without suffix."""
@@ -215,19 +229,22 @@ def test_c4_hub_route_on_a_local_copy_in_the_allenai_layout(shared_data: Path, t
 
 
 def test_gutenberg_hub_route_on_local_json(tmp_path: Path) -> None:
-    """gutenberg-hub rows ({"id", "text"} with PG header/footer and CRLF) are stripped like local books."""
+    """gutenberg-hub rows ({"id", "text"} with PG header/footer and CRLF) are stripped like local books; an empty
+    text is an empty document, a book with nothing between its markers is skipped as "empty" (named by its row id),
+    and a row without a "text" field (null in the streamed table) is counted as a row without text."""
     bodies = {str(i): words(300 + i, 25) for i in range(8)}
     rows = [{"id": i, "text": pg_book(body).replace("\n", "\r\n")} for i, body in bodies.items()]
-    rows.append({"id": "x", "text": ""})
+    rows += [{"id": "x", "text": ""}, {"id": "blank", "text": pg_book("\n\n")}, {"id": "y"}]
     skips = Skips()
     assert list(gutenberg.row_documents(rows, skips)) == [(f"pg-hub:{i}", b) for i, b in bodies.items()]
-    assert skips.counts["empty_documents"] == 1
+    assert skips.counts == {"empty_documents": 1, "rows_without_text": 1} and skips.files == {"row blank": "empty"}
     (tmp_path / "books.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     index = prepare("gutenberg-hub", "json", tmp_path / "out", data_files=str(tmp_path / "books.jsonl"),
                     hub_split="train", vocab_size=500, val_fraction=0.2, **QUIET)
     docs = documents_of(tmp_path / "out", "train") + documents_of(tmp_path / "out", "val")
     assert sorted(docs) == sorted(bodies.values())
-    assert index["skipped"]["empty_documents"] == 1
+    assert index["skipped"]["empty_documents"] == 1 and index["skipped"]["rows_without_text"] == 1
+    assert index["skipped"]["skipped_files_by_reason"] == {"empty": 1}
 
 
 def test_hub_revision_pins_the_stream_and_is_recorded(shared_data: Path, tmp_path: Path,
@@ -476,6 +493,22 @@ def test_pieces_of_200_characters_are_kept(filler: int) -> None:
     assert kept == ([] if filler == 398 else ["x" * 200, "y" * 200])
 
 
+def test_word_spans_are_offsets_in_the_original_text_after_a_dotted_capital_i() -> None:
+    """'İ' (U+0130) lower-cases to two characters ('i' and a combining dot, no word character): words are found in
+    the lower-cased text, and word_spans maps their offsets back, so every span, also after such characters, is its
+    word in the original text, and decontaminate.pieces cuts a quote out where it stands in the original text."""
+    from data_prep import decontaminate
+    from data_prep.doc_hashes import word_spans
+
+    text = "İİ İSTANBUL, Ankara; and İzmir."
+    assert len(text.lower()) == len(text) + 4
+    spans = word_spans(text).tolist()
+    assert [text[a:b] for a, b in spans] == ["İ", "İ", "İ", "STANBUL", "Ankara", "and", "İ", "zmir"]
+    filler = "İ" * 300  # 300 one-letter words, 600 characters once lower-cased
+    text = "\n".join([filler, "x" * 299, QUOTE, "y" * 399])
+    assert decontaminate.pieces(text, shares_quote(text)) == [f"{filler}\n{'x' * 100}", "y" * 200]
+
+
 def test_max_docs_counts_source_documents_before_the_cut() -> None:
     """--max-docs 2 of [a book cut into two pieces, b, c] keeps both pieces and b (prepare applies Corpus.first
     before decontaminate.without_overlap)."""
@@ -594,6 +627,73 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
     assert prepare("text", str(src), tmp_path / "out", overwrite=True, **{**kw, "vocab_size": 400})["vocab_size"] == 400
 
 
+def test_batches_sent_mid_stream_give_the_same_preparation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents are tokenised in batches sent as soon as they reach ENCODE_BATCH_CHARS characters (4M: a single
+    batch in the other tests): batches of two or three documents, across shards of one or two documents (so batches
+    straddle shard ends), give byte for byte the output directory of a single batch."""
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 2 + i % 5) for i in range(30)})
+    kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=150, **QUIET)
+    batches: list[list[int]] = []
+    encode = tokenizer.encode_documents
+
+    def spy(sp: object, texts: list[str], threads: int) -> list[np.ndarray]:
+        batches.append([len(t) for t in texts])
+        return encode(sp, texts, threads)
+
+    monkeypatch.setattr(tokenizer, "encode_documents", spy)
+    prepare("text", str(src), tmp_path / "one", **kw)
+    assert len(batches) == 1
+    batches.clear()
+    monkeypatch.setattr("data_prep.prepare.ENCODE_BATCH_CHARS", 700)
+    index = prepare("text", str(src), tmp_path / "many", **kw)
+    *sent, last = batches
+    assert all(sum(b) >= 700 > sum(b[:-1]) for b in sent) and sum(last) < 700  # each sent once it reaches 700
+    assert sum(map(len, batches)) == 30 and len(sent) >= 10
+    assert sum(len(index["splits"][split]["shards"]) for split in ("train", "val")) > len(batches)
+    one = {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}
+    assert {p.name: p.read_bytes() for p in (tmp_path / "many").iterdir()} == one and "index.json" in one
+
+
+def test_shards_of_an_earlier_preparation_that_the_new_one_does_not_list_are_removed(tmp_path: Path) -> None:
+    """A preparation whose index.json is gone is prepared afresh over its files: with larger shards there are fewer
+    of them, and the earlier run's train_/val_ shards beyond them are removed at the end, so that --out holds
+    exactly a fresh preparation's shards (files of other names stay)."""
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(12)})
+    kw = dict(vocab_size=500, val_fraction=0.2, **QUIET)
+    out = tmp_path / "out"
+    small = prepare("text", str(src), out, shard_tokens=800, **kw)
+    assert len(small["splits"]["train"]["shards"]) >= 3 and len(small["splits"]["val"]["shards"]) >= 2
+    (out / "index.json").unlink()
+    (out / "notes_00001.bin").write_bytes(b"mine")
+    large = prepare("text", str(src), out, shard_tokens=100_000, **kw)
+    assert [len(large["splits"][split]["shards"]) for split in ("train", "val")] == [1, 1]
+    fresh = tmp_path / "fresh"
+    assert prepare("text", str(src), fresh, shard_tokens=100_000, **kw) == large
+    assert sorted(p.name for p in out.glob("*.bin")) == ["notes_00001.bin", "train_00000.bin", "val_00000.bin"]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "notes_00001.bin"} == \
+        {p.name: p.read_bytes() for p in fresh.iterdir()}
+
+
+@pytest.mark.parametrize("name", ["index.json", "progress.json"])
+def test_an_unreadable_record_is_a_preparation_with_unknown_settings(name: str, tmp_path: Path) -> None:
+    """An index.json or progress.json that holds no JSON object (cut short by a full disk, say, or a list) makes --out
+    hold a preparation of unknown settings: a rerun stops with one line saying so and asking for --overwrite, which
+    then prepares it afresh."""
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(6)})
+    kw = dict(vocab_size=500, val_fraction=0.2, **QUIET)
+    out = tmp_path / "out"
+    index = prepare("text", str(src), out, **kw)
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    for unreadable in ('{"settings": {"source": "te', "[]"):
+        (out / name).write_text(unreadable)
+        with pytest.raises(DataError, match=rf"^--out {re.escape(str(out))} holds a preparation with an unreadable "
+                                            rf"{name} \(no settings in it\); pass --overwrite to replace it, or choose "
+                                            r"another --out$"):
+            prepare("text", str(src), out, **kw)
+    assert prepare("text", str(src), out, overwrite=True, **kw) == index
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+
+
 def test_builtin_source(tmp_path: Path) -> None:
     from pydoc_data.topics import topics
 
@@ -634,6 +734,34 @@ def test_the_tokenizer_sample_cuts_long_lines() -> None:
     blank = LineSampler(100)
     blank.add("d", "a\n   \n\t\n\nb")  # lines of whitespace only are no sample text
     assert sorted(blank.lines()) == ["a", "b"]
+
+
+def test_the_tokenizer_sample_is_the_lowest_key_lines_whatever_the_order() -> None:
+    """Bottom-k sampling: with lines of one length, a full sample holds exactly the max_chars // length lines of
+    lowest key (those `lines()` lists first when every line fits), whatever the order lines and documents come in;
+    a line that arrives when the sample is full and has a higher key than every line in it is not taken."""
+    from data_prep.sample import LineSampler
+
+    lines = [f"line {i:03d}" for i in range(200)]  # 8 characters each
+    everything = LineSampler(10**6)
+    everything.add("all", "\n".join(lines))
+    by_key = everything.lines()
+    assert sorted(by_key) == lines
+    for order in (by_key, by_key[::-1], *(np.random.default_rng(seed).permutation(lines).tolist() for seed in (0, 1))):
+        sampler = LineSampler(30 * 8 + 7)
+        for start in range(0, 200, 20):  # ten documents of 20 lines
+            sampler.add(f"doc{start}", "\n".join(order[start:start + 20]))
+        assert sampler.lines() == by_key[:30] and sampler.chars == 30 * 8
+
+
+def test_decoding_no_tokens_gives_no_documents() -> None:
+    """tokenizer.decode splits a token sequence into documents at EOS: none in an empty sequence, one empty document
+    in a lone EOS, an unfinished one after the last EOS."""
+    sp = tokenizer.load(tokenizer.train(words(1, 60).splitlines(), 400, threads=1))
+    tokens = tokenizer.encode_documents(sp, ["one doc", "two"], threads=1)
+    assert tokenizer.decode(sp, []) == [] and tokenizer.decode(sp, np.zeros(0, np.uint16)) == []
+    assert tokenizer.decode(sp, [tokenizer.EOS_ID]) == [""]
+    assert tokenizer.decode(sp, np.concatenate([tokens[0], tokens[1][:-1]])) == ["one doc", "two"]
 
 
 def test_builtin_sections_are_topics_inside_a_larger_one_and_a_short_topic_is_none() -> None:
@@ -734,6 +862,39 @@ def test_threads_must_be_positive(threads: str, tmp_path: Path, capsys: pytest.C
     assert code == 2 and capsys.readouterr().err.strip() == f"error: --threads must be a positive integer, got {threads}"
 
 
+@pytest.mark.parametrize("fraction", ["0", "1", "1.5", "-0.1"])
+def test_val_fraction_must_be_inside_0_1(fraction: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--val-fraction outside the open interval (0, 1): one line, exit 2, nothing written."""
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"),
+                        "--vocab-size", "400", "--val-fraction", fraction)
+    assert code == 2 and err == f"error: --val-fraction must be in (0, 1), got {float(fraction)}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--out naming an existing file: one line, exit 2, the file untouched."""
+    src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
+    (tmp_path / "o").write_text("my notes")
+    code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"),
+                        "--vocab-size", "400")
+    assert code == 2 and err == f"error: --out {tmp_path / 'o'} exists and is not a directory"
+    assert (tmp_path / "o").read_text() == "my notes"
+
+
+def test_an_unknown_source_or_a_local_one_without_src_is_one_line(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """prepare() with a --source name the CLI's choices would refuse, and a local source without --src (through the
+    CLI): one line naming the choices / what --src must be, nothing written."""
+    with pytest.raises(DataError, match=r"^--source 'wiki': choose one of gutenberg, c4, text, builtin, c4-hub, "
+                                        r"gutenberg-hub$"):
+        prepare("wiki", str(tmp_path), tmp_path / "o", **QUIET)
+    for source in ("gutenberg", "c4", "text"):
+        code, err = run_cli(capsys, "--source", source, "--out", str(tmp_path / "o"))
+        assert code == 2 and err == f"error: --source {source} needs --src DIR (a directory of input files)"
+    assert not (tmp_path / "o").exists()
+
+
 def test_empty_tokenizer_sample_is_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = write_texts(tmp_path / "src", {"a.txt": words(1, 20), "b.txt": words(2, 20)})
     code, err = run_cli(capsys, "--source", "text", "--src", str(src), "--out", str(tmp_path / "o"),
@@ -791,6 +952,26 @@ def test_broken_json_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert err.count('warning: a.json.gz: 1 row(s) without a string "text" field, first at line 36 (skipped)') == 1
 
 
+def test_an_unreadable_c4_file_is_skipped_and_counted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A .json.gz that is no gzip stream, and one cut off before its first complete row, are skipped as "unreadable"
+    (not truncated files: nothing was kept), each warned once with the error although both passes read it; the
+    other files are prepared."""
+    rows = [words(500 + i, 3) for i in range(20)]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.json.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in rows).encode()))
+    (src / "b.json.gz").write_bytes(b"not gzip at all\n")
+    (src / "c.json.gz").write_bytes(gzip.compress((json.dumps({"text": words(9, 40)}) + "\n").encode())[:200])
+    out = tmp_path / "out"
+    index = prepare("c4", str(src), out, vocab_size=500, val_fraction=0.2, **QUIET)
+    assert index["skipped"] == {"skipped_files": 2, "skipped_files_by_reason": {"unreadable": 2}}
+    assert sorted(documents_of(out, "train") + documents_of(out, "val")) == sorted(rows)
+    err = capsys.readouterr().err
+    assert err.count("warning: skipped b.json.gz: unreadable (BadGzipFile: Not a gzipped file") == 1
+    assert err.count("warning: skipped c.json.gz: unreadable (EOFError: Compressed file ended before the "
+                     "end-of-stream marker was reached)\n") == 1
+
+
 def test_max_docs_reports_the_problems_of_the_part_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--max-docs stops in the middle of a file: its broken lines and rows without text up to there are still
     counted and warned about (the readers reported them only at the end of a file, which they never reached)."""
@@ -846,8 +1027,9 @@ def test_no_usable_documents_names_the_skipped_rows(tmp_path: Path, capsys: pyte
 
 def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """index.json records every input (size, SHA-256) and every shard's SHA-256. A rerun after an input was
-    edited, removed or added is refused with one line; a finished shard damaged since is redone (with the
-    shards after it in its split), giving the same bytes as before."""
+    edited, removed or added is refused with one line; a finished shard damaged since (other bytes of the same
+    size, cut short, deleted) is redone with the shards after it in its split, warned with what was wrong, giving
+    the same bytes as before."""
     src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(12)})
     kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)
     out = tmp_path / "out"
@@ -859,12 +1041,16 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
                                      for s in shards_)
     before = {s["file"]: (out / s["file"]).read_bytes() for s in shards_}
 
-    damaged = out / shards_[1]["file"]
-    damaged.write_bytes(bytes(damaged.stat().st_size))  # same size, other bytes
-    capsys.readouterr()
-    assert prepare("text", str(src), out, **kw) == index
-    assert f"{shards_[1]['file']}: SHA-256 mismatch; redoing it and the train shards after it" in capsys.readouterr().err
-    assert {s["file"]: (out / s["file"]).read_bytes() for s in shards_} == before
+    damaged, size = out / shards_[1]["file"], 2 * shards_[1]["tokens"]
+    for tamper, problem in ((lambda: damaged.write_bytes(bytes(size)), "SHA-256 mismatch"),
+                            (lambda: damaged.write_bytes(before[damaged.name][:-2]),
+                             f"{size - 2} bytes, expected {size}"),
+                            (damaged.unlink, "missing")):
+        tamper()
+        capsys.readouterr()
+        assert prepare("text", str(src), out, **kw) == index
+        assert f"{damaged.name}: {problem}; redoing it and the train shards after it" in capsys.readouterr().err
+        assert {s["file"]: (out / s["file"]).read_bytes() for s in shards_} == before
 
     # the tokenizer every shard depends on, and the hash files the index names, are checked too: replaced by
     # another preparation's tokenizer or missing, the rerun stops; with --overwrite it prepares the same bytes
