@@ -217,9 +217,9 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     """Load a train_lm.py checkpoint (`read_torch_file`), or raise a one-line CheckpointError for an unreadable
     or foreign file."""
     ckpt = read_torch_file(path, "checkpoint", map_location, mmap)
-    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in REQUIRED if not isinstance(ckpt, dict) or not isinstance(ckpt.get(k), dict)]
     if missing:
-        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no {', '.join(missing)})")
+        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no {', '.join(missing)} mapping)")
     return ckpt
 
 
@@ -236,8 +236,8 @@ def read_deepspeed(path: str | Path) -> dict[str, Any]:
                               "interrupted); take an earlier one")
     states = path / (path / "latest").read_text().strip() / "mp_rank_00_model_states.pt"  # ZeRO-2's name
     ckpt = read_torch_file(states, "DeepSpeed checkpoint", mmap=True)
-    if not isinstance(ckpt, dict) or "config" not in ckpt:
-        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no config in {states.name})")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("config"), dict):
+        raise CheckpointError(f"{path} is not a train_lm.py checkpoint (no config mapping in {states.name})")
     return ckpt
 
 

@@ -483,28 +483,29 @@ class NotATensor:
 
 def test_foreign_torch_files_are_refused_in_one_line(tmp_path: Path) -> None:
     """lm.checkpoint.read_checkpoint / read_deepspeed on readable torch files that are no train_lm.py checkpoint: a
-    plain dict, a pickled object of an arbitrary class (never unpickled: weights_only), model states without a config
-    in a complete DeepSpeed directory; each a one-line CheckpointError naming the file."""
-    from lm.checkpoint import COMPLETE, REQUIRED, CheckpointError, read_checkpoint, read_deepspeed
+    dict without a config, one whose config is no mapping (it crashed lm.generate with AttributeError), a pickled
+    object of an arbitrary class (never unpickled: weights_only), model states without a config in a complete
+    DeepSpeed directory; each a one-line CheckpointError naming the file."""
+    from lm.checkpoint import COMPLETE, CheckpointError, read_checkpoint, read_deepspeed
 
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    torch.save({"state_dict": {}, "config": [1, 2]}, tmp_path / "list.ckpt")
     torch.save({"config": NotATensor()}, tmp_path / "code.ckpt")
     shards = tmp_path / "ds.ckpt" / "global_step3"
     shards.mkdir(parents=True)
     (tmp_path / "ds.ckpt" / "latest").write_text("global_step3\n")
     (tmp_path / "ds.ckpt" / COMPLETE).write_text("")
-    torch.save({"module": {}}, shards / "mp_rank_00_model_states.pt")
-    missing = ", ".join(k for k in REQUIRED if k != "state_dict")
-    for read, path, message in (
-            (read_checkpoint, tmp_path / "plain.ckpt", rf"{tmp_path / 'plain.ckpt'} is not a train_lm\.py checkpoint "
-                                                       rf"\(no {missing}\)"),
-            (read_checkpoint, tmp_path / "code.ckpt", rf"checkpoint {tmp_path / 'code.ckpt'} holds Python objects that "
-                                                      r"only running code can load \(Unsupported global: GLOBAL "
-                                                      r"\S*NotATensor was not an allowed global by "
-                                                      r"default\), not only tensors and plain values as train_lm\.py's "
-                                                      r"checkpoints do; it is not read"),
-            (read_deepspeed, tmp_path / "ds.ckpt", rf"{tmp_path / 'ds.ckpt'} is not a train_lm\.py checkpoint \(no "
-                                                   r"config in mp_rank_00_model_states\.pt\)")):
+    torch.save({"module": {}, "config": "tiny.yaml"}, shards / "mp_rank_00_model_states.pt")
+    cases = [(read_checkpoint, tmp_path / name, rf"{tmp_path / name} is not a train_lm\.py checkpoint \(no config "
+                                                 r"mapping\)") for name in ("plain.ckpt", "list.ckpt")]
+    cases += [(read_checkpoint, tmp_path / "code.ckpt", rf"checkpoint {tmp_path / 'code.ckpt'} holds Python objects that "
+                                                        r"only running code can load \(Unsupported global: GLOBAL "
+                                                        r"\S*NotATensor was not an allowed global by default\), not only "
+                                                        r"tensors and plain values as train_lm\.py's checkpoints do; it "
+                                                        r"is not read"),
+              (read_deepspeed, tmp_path / "ds.ckpt", rf"{tmp_path / 'ds.ckpt'} is not a train_lm\.py checkpoint \(no "
+                                                     r"config mapping in mp_rank_00_model_states\.pt\)")]
+    for read, path, message in cases:
         with pytest.raises(CheckpointError, match=f"^{message}$") as err:
             read(path)
         assert "\n" not in str(err.value)
