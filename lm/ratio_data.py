@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        ratios = [float(r) for r in args.ratios.split(",")]
+        try:
+            ratios = [float(r) for r in args.ratios.split(",")]
+        except ValueError:
+            raise ValueError(f"--ratios expects comma-separated numbers, got {args.ratios!r}") from None
         if not all(0 < r <= 1 for r in ratios):
             raise ValueError(f"--ratios must be in (0, 1], got {args.ratios}")
         if args.prompts < 2 or args.batch < 1 or (args.prefix_len is not None and args.prefix_len < 1):

@@ -64,6 +64,12 @@ def test_attend_flash_branch_matches_reference(head_type: str, T: int, flash_sta
     assert flash_stand_in and all(c == (True, (-1, -1), scale) for c in flash_stand_in)
 
 
+def test_attend_takes_causal_or_a_mask_not_both() -> None:
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"^attend: pass either causal=True or an explicit mask, not both$"):
+        attention.attend(q, q, q, causal=True, mask=torch.ones(5, 5, dtype=torch.bool).tril())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_interface() is None,
                     reason="flash-attn runs on CUDA with flash-attn installed; not here")
 @pytest.mark.parametrize("head_type,options", [("local", {"window": 64}), ("dense", {}), ("routing", {"sparsity": 4})])

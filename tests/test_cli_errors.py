@@ -27,8 +27,11 @@ TRAIN = [sys.executable, str(ROOT / "train_lm.py"), "--config", "{empty_yaml}", 
 GENERATE = [sys.executable, "-m", "lm.generate", "--prompt", "the cat"]
 EVALUATE = [sys.executable, "-m", "lm.evaluate", "--ckpt", "{dense_ckpt}", "--input", "{texts}/a.txt"]
 ISOFLOP = [sys.executable, "-m", "flops.isoflop", "--size", "tiny"]
+RATIO_DATA = [sys.executable, "-m", "lm.ratio_data", "--ckpt", "{compressed_ckpt}", "--data", "{tmp}", "--out",
+              "{tmp}/ratio_data.pt"]
 MOSA = "model.heads=[{type: dense, count: 2}, {type: mosa, count: 2, options: %s}]"
 NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+NO_MPS = pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the error on a machine without MPS")
 
 CASES = [
     # train_lm.py: config (item 8/9 of issue 16)
@@ -41,6 +44,9 @@ CASES = [
     ("unknown-option", [*TRAIN, MOSA % "{rho: 4}"], 2, r"unknown option\(s\) rho"),
     pytest.param("accelerator-gpu", [*TRAIN, "trainer.accelerator=gpu"], 2,
                  r"trainer\.accelerator=gpu .* 0 CUDA GPU", marks=NO_GPU, id="accelerator-gpu"),
+    pytest.param("accelerator-mps", [*TRAIN, "trainer.accelerator=mps"], 2,
+                 r"^error: trainer\.accelerator=mps, but MPS is not available here; use trainer\.accelerator=cpu or "
+                 r"auto$", marks=NO_MPS, id="accelerator-mps"),
     ("accelerator-name", [*TRAIN, "trainer.accelerator=tpu9"], 2, r"trainer\.accelerator must be one of"),
     ("num-workers", [*TRAIN, "data.num_workers=-1"], 2, r"data\.num_workers must be >= 0, got -1"),
     ("num-nodes", [*TRAIN, "trainer.num_nodes=0"], 2, r"trainer\.num_nodes must be a finite number > 0, got 0"),
@@ -78,6 +84,10 @@ CASES = [
      r"need a \d+\.\d GiB KV cache, more than the .* free memory"),
     ("generate-nan-temperature", [*GENERATE, "--ckpt", "{dense_ckpt}", "--temperature", "nan"], 2,
      r"--temperature must be finite and >= 0, got nan$"),
+    ("generate-max-new-tokens-zero", [*GENERATE, "--ckpt", "{dense_ckpt}", "--max-new-tokens", "0"], 2,
+     r"^error: --max-new-tokens must be >= 1, got 0$"),
+    ("generate-empty-prompt", [*GENERATE, "--ckpt", "{dense_ckpt}", "--prompt", ""], 2,
+     r"^error: --prompt encodes to no tokens$"),
     ("generate-top-p", [*GENERATE, "--ckpt", "{dense_ckpt}", "--top-p", "1.5"], 2, r"--top-p must be in \(0, 1\], got 1\.5$"),
     ("generate-prompt-not-utf8", [*GENERATE, "--ckpt", "{dense_ckpt}", "--prompt", "caf\udce9"], 2,  # bytes c a f 0xe9
      r"--prompt is not valid UTF-8 \(byte 0xe9 at character 3\)$"),
@@ -100,12 +110,25 @@ CASES = [
     ("evaluate-tokenizer-not-sentencepiece", [*EVALUATE, "--tokenizer", "{readme}"], 2,
      r"tokenizer \S*README\.md is not a SentencePiece model"),
     ("evaluate-context-zero", [*EVALUATE, "--context", "0"], 2, r"--context must be in 1\.\.64 .*, got 0"),
+    ("evaluate-batch-size-zero", [*EVALUATE, "--batch-size", "0"], 2,
+     r"^error: --batch-size and --max-docs must be >= 1$"),
+    ("evaluate-max-docs-zero", [*EVALUATE, "--max-docs", "0"], 2, r"^error: --batch-size and --max-docs must be >= 1$"),
     ("evaluate-split-of-a-file", [*EVALUATE, "--split", "train"], 2,
      r"--split applies to prepared directories only; --input \S*a\.txt is read as --format text"),
     ("evaluate-c4-format-of-text", [*EVALUATE, "--format", "c4"], 2, r"^error: \S*a\.txt: no C4 JSON-lines files"),
     ("export-tokenizer-not-sentencepiece", [sys.executable, "-m", "lm.export_hf", "--ckpt", "{dense_ckpt}", "--out",
                                             "{tmp}/hf", "--tokenizer", "{readme}"], 2,
      r"tokenizer \S*README\.md is not a SentencePiece model"),
+    # lm.ratio_data / lm.lm_eval
+    ("ratio-data-ratio-zero", [*RATIO_DATA, "--ratios", "0,0.5"], 2,
+     r"^error: --ratios must be in \(0, 1\], got 0,0\.5$"),
+    ("ratio-data-ratio-above-one", [*RATIO_DATA, "--ratios", "0.5,1.5"], 2,
+     r"^error: --ratios must be in \(0, 1\], got 0\.5,1\.5$"),
+    ("ratio-data-ratio-not-a-number", [*RATIO_DATA, "--ratios", "0.5,abc"], 2,
+     r"^error: --ratios expects comma-separated numbers, got '0\.5,abc'$"),
+    ("lm-eval-include-path-missing", [sys.executable, "-m", "lm.lm_eval", "--ckpt", "{dense_ckpt}", "--tasks",
+                                      "lambada", "--include-path", "{tmp}/no_tasks"], 2,
+     r"^error: --include-path \S+/no_tasks: no such file or directory$"),
     # flops.isoflop / flops.sweep
     ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
      r"option window must be an int, got 'abc'"),

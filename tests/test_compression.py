@@ -149,6 +149,29 @@ def test_full_layout_keeps_every_raw_prefix_state(mode):
         Layout((12,), 3, 10, full=True)
 
 
+@pytest.mark.parametrize("spans,t,suffix,message", [
+    ((12,), 3, 0, r"^Layout: spans and suffix must be >= 1, got \(12,\), 0$"),
+    ((12, 0), 3, 10, r"^Layout: spans and suffix must be >= 1, got \(12, 0\), 10$"),
+    ((12,), 0, 10, r"^Layout: t must be in \[1, 12\] \(first span\), got 0$"),
+    ((12, 20), 13, 10, r"^Layout: t must be in \[1, 12\] \(first span\), got 13$"),
+])
+def test_a_layout_needs_tokens_in_every_part(spans: tuple[int, ...], t: int, suffix: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Layout(spans, t, suffix)
+
+
+def test_compression_and_the_model_check_their_inputs_lengths() -> None:
+    """The compression layer keeps 1..N states of an N-token span; the model needs prefix + suffix tokens."""
+    model = make()
+    span = torch.zeros(2, 12, 32)
+    for t in (0, 13):
+        with pytest.raises(ValueError, match=rf"^CompressionLayer: t must be in \[1, 12\] \(span length\), got {t}$"):
+            model.compressor(span, t)
+    with pytest.raises(ValueError, match=r"^CompressedLM: need 22 tokens for Layout\(spans=\(12,\), t=3, suffix=10, "
+                                         r"full=False\), got 21$"):
+        model(tokens(21), Layout((12,), 3, 10))
+
+
 LOCAL = [{"type": "dense", "count": 2}, {"type": "local", "count": 2, "options": {"window": 5}}]
 BLOCKS = [{"type": "dense", "count": 2}, {"type": "agent", "count": 1, "options": {"block": 4, "window": 4}},
           {"type": "mosaic", "count": 2, "options": {"sparsity": 2}}]
@@ -499,6 +522,14 @@ def test_config_errors_name_the_field():
         make(ratio=1.5)
     with pytest.raises(ConfigError, match=r"compression.full_prob must be in \[0, 1\), got 1.0"):
         make(full_prob=1.0)
+    with pytest.raises(ConfigError, match=r"^compression\.regime must be fixed or random, got 'mixed'$"):
+        make(regime="mixed")
+    for spread in ({"prefix_spread": 1.0}, {"prefix_spread": -0.1}, {"ratio_spread": 1.0}, {"ratio_spread": -0.1}):
+        with pytest.raises(ConfigError, match=r"^compression\.prefix_spread and compression\.ratio_spread must be in "
+                                              r"\[0, 1\)$"):
+            make(**spread)
+    with pytest.raises(ConfigError, match=r"^compression\.ramp_steps must be >= 0, got -1$"):
+        make(ramp_steps=-1)
 
 
 def test_compile_is_refused_and_the_suffix_loss_is_fp32():

@@ -90,6 +90,26 @@ def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(over
     assert field in error_of(None, override)
 
 
+def test_skipping_bad_steps_is_refused_under_deepspeed() -> None:
+    """trainer.max_bad_steps > 0 skips steps, which deepspeed_stage_2 cannot do; 0 is allowed with it."""
+    assert error_of(None, "trainer.max_bad_steps=2", "trainer.strategy=deepspeed_stage_2") == \
+        "trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0"
+    assert load_config(None, "trainer.max_bad_steps=0", "trainer.strategy=deepspeed_stage_2").trainer.max_bad_steps == 0
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"model": {"d_model": "abc"}}, "model.d_model: Value 'abc' of type 'str' could not be converted to Integer"),
+    ({"model": {"foo": 1}}, "model.foo: Key 'foo' not in 'ModelConfig'"),
+])
+def test_a_bad_dict_is_one_config_error_naming_the_key(values: dict, message: str) -> None:
+    """from_dict (a checkpoint's or a JSON spec's config): OmegaConf's multi-line merge error becomes one line."""
+    from lm.config import from_dict
+
+    with pytest.raises(ConfigError) as info:
+        from_dict(values)
+    assert str(info.value) == message
+
+
 def test_bounds_that_mean_something_are_allowed() -> None:
     """min_lr_ratio 1 (a constant rate after warm-up) and keep_last_k 0 (keep every checkpoint), as documented."""
     cfg = load_config(None, "optim.min_lr_ratio=1.0", "trainer.keep_last_k=0")
@@ -112,6 +132,19 @@ def test_unknown_head_type_and_option(tmp_path: Path) -> None:
     msg = error_of(write(tmp_path, "model: {heads: [{type: dense, count: 4, options: {window: 8}}]}\n"))
     assert "window" in msg and "impl" in msg  # names the allowed options
     assert "heads" in error_of(None, "model.heads.0.kount=4")
+
+
+def test_head_impl_is_fast_or_reference() -> None:
+    assert error_of(None, "model.heads=[{type: dense, count: 2, options: {impl: slow}}]") == \
+        "model.heads: dense: impl must be 'fast' or 'reference', got 'slow'"
+
+
+def test_an_integral_float_is_a_valid_int_option() -> None:
+    """4.0 (JSON / YAML) for an int option becomes the int 4, not a ConfigError and not a float size."""
+    from heads.base import GroupContext, make_options
+
+    sparsity = make_options("mosa", {"sparsity": 4.0}, GroupContext(d_model=32, head_dim=8, seq_len=32)).sparsity
+    assert sparsity == 4 and type(sparsity) is int
 
 
 def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:

@@ -294,3 +294,33 @@ def test_window_and_block_terms_at_lengths_they_do_not_divide() -> None:
         dense(100) + landmarks_and_shared(1, 100) + 4 * hd * 100 * 100)
     assert group_cost("mita", h, hd, 1024, 1, {"block": 64, "k": 64, "s": 16}).flops == (
         dense(1024) + landmarks_and_shared(16, 1024) + 4 * hd * 1024 * 15 * 64 + 4 * hd * 1024 * 64)
+
+
+def test_counting_refuses_missing_options_and_sparsities_below_one() -> None:
+    """A formula's required option that is unset (the compression layer has no defaults; None overrides a head's
+    default) is a one-line ConfigError naming the type and option, not a TypeError; so is k for rho < 1."""
+    with pytest.raises(ConfigError, match="^compression: option 't' is required to count FLOPs$"):
+        group_cost("compression", h, hd, T, 4, {})
+    with pytest.raises(ConfigError, match="^mosa: option 'sparsity' is required to count FLOPs$"):
+        group_cost("mosa", h, hd, T, 1, {"sparsity": None})
+    with pytest.raises(ConfigError, match="^sparsity must be >= 1, got 0.5$"):
+        sparse_k(T, 0.5)
+    assert sparse_k(T, 1) == T
+
+
+@pytest.mark.parametrize("seconds, peak", [(0.0, 312e12), (-1.0, 312e12), (1.0, 0.0), (1.0, -312e12)])
+def test_mfu_refuses_a_step_time_or_peak_that_is_not_positive(seconds: float, peak: float) -> None:
+    """No division by zero and no negative utilisation: a ValueError."""
+    with pytest.raises(ValueError, match="^seconds_per_step and peak must be > 0$"):
+        mfu(156e12, seconds, peak)
+
+
+def test_finite_number_arguments_refuse_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """flops.cli.finite_float (bench.compression_experiment --tolerances) rejects a word as it rejects nan and inf:
+    one line, exit status 2, before any checkpoint is read."""
+    from bench.compression_experiment import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--compressed", "a", "--baseline", "b", "--data", "c", "--tolerances", "0.1,abc"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: argument --tolerances: expected a finite number, got 'abc'\n"

@@ -156,10 +156,15 @@ def test_cli_json() -> None:
         # options that need the head count the solver finds: training's check, on that count
         (["--size", "tiny", "--head", "mosaic", "--sparsity", "8", "--option", "top_s=100"],
          "mosaic: top_s (100) must be <= the group's head count (69): 69 mosaic heads fit the FLOP budget"),
+        # MoSAIC's sparsity is a float option: an IsoFLOP point still needs k = T / rho tokens, rho an integer
+        (["--size", "tiny", "--head", "mosaic", "--option", "sparsity=2.5"],
+         "sparsity must be a positive integer, got 2.5"),
+        (["--size", "tiny", "--head", "local", "--option", "window"], "--option expects key=value, got 'window'"),
+        (["--size", "tiny", "--head", "local", "--option", "=64"], "--option expects key=value, got '=64'"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
-    assert isoflop_main(args) != 0
+    assert isoflop_main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
 
@@ -198,3 +203,17 @@ def test_cli_text_names_the_sparse_group(args: list[str], shape: str, capsys: py
     """The one-line summary shows rho and k for types with a sparsity, else the options given."""
     assert isoflop_main(["--size", "tiny", *args]) == 0
     assert f"tiny: 4 dense + {shape}; FLOPs/pass" in capsys.readouterr().out
+
+
+def test_solve_refuses_a_baseline_that_is_not_one_dense_group() -> None:
+    """The IsoFLOP budget is a dense model's: a baseline with sparse heads, two groups or per-layer heads is
+    refused with one line, not matched against a budget it does not state."""
+    base = baseline("micro")
+    dense = base.heads[0]
+    for heads, layer_heads in (([HeadGroupConfig("mosa", 4, {"sparsity": 4})], {}),
+                               ([dataclasses.replace(dense, count=2), HeadGroupConfig("mosa", 4, {"sparsity": 4})], {}),
+                               ([dense], {1: [dataclasses.replace(dense, count=3)]})):
+        mixed = dataclasses.replace(base, heads=heads, layer_heads=layer_heads)
+        with pytest.raises(ConfigError, match="^the baseline must be one dense head group in every layer$"):
+            solve(mixed, "mosa", 4, 2)
+    assert solve(base, "mosa", 4, 2).sparse_heads > 0  # the preset itself is one

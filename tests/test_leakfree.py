@@ -58,3 +58,10 @@ def test_prefix_logits_and_positions() -> None:
     assert lf.shape == (2, 3, 97) and model.training is False
     with pytest.raises(ValueError, match="positions"):
         leak_free_logits(model, tokens, positions=[24])
+
+
+def test_no_windows_is_an_error_not_a_division_by_zero() -> None:
+    model = lm.build_model(tiny_config([{"type": "dense", "count": 2}]).model).train()
+    with pytest.raises(ValueError, match=r"^evaluate: no windows given$"):
+        evaluate(model, iter([]))
+    assert model.training  # left as it was

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from flops import mfu
 from lm.config import load_config
 from tests.synthetic import run_overrides, write_prepared
@@ -68,3 +69,46 @@ def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert mfu.main([str(damaged)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{damaged / 'metrics.json'} is damaged" in err
+
+
+def _run_dir(path: Path, config: str | None, metrics: dict) -> Path:
+    """A run directory holding the config.yaml of `config` (a YAML config file; None: the defaults) and `metrics`."""
+    from lm.config import to_yaml
+
+    path.mkdir()
+    (path / "config.yaml").write_text(to_yaml(load_config(config)))
+    (path / "metrics.json").write_text(json.dumps(metrics))
+    return path
+
+
+def test_a_compression_run_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A compression run's FLOPs per token depend on its prefix/suffix layout, which MFU does not know: one line
+    naming the run and where its FLOPs are counted, exit status 2."""
+    config = str(ROOT / "configs" / "experiments" / "compression.yaml")
+    run = _run_dir(tmp_path / "compressed", config, {"step": 3, "tokens_per_s": 1e4})
+    with pytest.raises(mfu.RunError, match="a compression run; its FLOPs per token depend on the layout"):
+        mfu.run_mfu(run)
+    assert mfu.main([str(run)]) == 2
+    assert capsys.readouterr().err == (f"error: {run}: a compression run; its FLOPs per token depend on the layout "
+                                       "(flops.model.compressed_flops)\n")
+
+
+@pytest.mark.parametrize("metrics", [{"step": 3}, {"step": 3, "tokens_per_s": 0}, {"step": 3, "tokens_per_s": None},
+                                     {"step": 3, "tokens_per_s": "fast"}])
+def test_a_run_without_a_measured_rate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  metrics: dict) -> None:
+    """metrics.json without a positive number of tokens/s (too few steps timed) gives no MFU and no table: one line,
+    exit status 2."""
+    run = _run_dir(tmp_path / "run", None, metrics)
+    assert mfu.main([str(run), "--peak-tflops", "1"]) == 2
+    assert capsys.readouterr() == ("", f"error: {run}: metrics.json has no measured tokens_per_s (too few training "
+                                       "steps timed)\n")
+
+
+def test_metrics_that_are_no_json_object_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A metrics.json holding a JSON list, not an object, is damaged: one line naming it, exit status 2."""
+    run = _run_dir(tmp_path / "run", None, {})
+    (run / "metrics.json").write_text("[1000.0]")
+    assert mfu.main([str(run)]) == 2
+    assert capsys.readouterr().err == (f"error: {run / 'metrics.json'} is damaged (not a JSON object); "
+                                       "restore or delete it\n")

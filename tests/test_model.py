@@ -115,6 +115,27 @@ def test_causality_check_finds_a_leak_between_two_rows(dst: int, src: int, t: in
     assert future_leak(model, tokens, dst - 1, 97) == 0.0  # rows before dst see no later token
 
 
+@pytest.mark.parametrize("t", [-1, 63])
+def test_causality_check_needs_a_position_with_a_future(t: int) -> None:
+    """t = T - 1 has no later token to resample (a leak of 0 that proves nothing); t < 0 no logits to compare."""
+    with pytest.raises(ValueError, match=rf"^t must be in \[0, 63\), got {t}$"):
+        future_leak(build(), torch.randint(0, 97, (2, 64)), t, 97)
+
+
+@pytest.mark.timeout(10)  # without the check, stride 0 loops forever, appending windows
+@pytest.mark.parametrize("first,stride,message", [
+    (1, 0, r"^stride must be in 1\.\.context \(8\), got 0$"),
+    (1, 9, r"^stride must be in 1\.\.context \(8\), got 9$"),
+    (0, 4, r"^the first scored token needs at least one token before it \(first >= 1\)$"),
+])
+def test_scoring_windows_check_their_arguments(first: int, stride: int, message: str) -> None:
+    """lm/scoring.py's sliding windows (lm.evaluate's); a stride past the context would skip targets."""
+    from lm.scoring import windows
+
+    with pytest.raises(ValueError, match=message):
+        windows(20, first, 8, stride)
+
+
 class ToyAuxHeads(DenseHeads):
     """Dense heads that report a fixed auxiliary loss, to check how the model aggregates them."""
 

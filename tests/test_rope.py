@@ -74,6 +74,36 @@ def test_rotated_dims_are_the_fraction_as_written() -> None:
         [58, 16, 6, 2, 0]
 
 
+@pytest.mark.parametrize("fraction,rot_dim", [(1.5, 96), (-0.5, -32)])
+def test_a_fraction_beyond_the_head_is_refused(fraction: float, rot_dim: int) -> None:
+    with pytest.raises(ValueError, match=rf"^rope fraction {fraction} gives rot_dim {rot_dim} outside \[0, 64\]$"):
+        RotaryEmbedding(64, fraction)
+
+
+@pytest.mark.parametrize("base", [1.0, 0.5, float("inf"), float("nan")])
+def test_a_base_without_distinct_finite_frequencies_is_refused(base: float) -> None:
+    """base <= 1: constant or growing frequencies; inf: all 0 but the first; nan: NaN angles."""
+    with pytest.raises(ValueError, match=rf"^rope base must be finite and > 1, got {base}$"):
+        RotaryEmbedding(64, 0.5, base)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.rope_fraction=1.5", "model.rope_fraction must be in [0, 1], got 1.5"),
+    ("model.rope_fraction=-0.5", "model.rope_fraction must be in [0, 1], got -0.5"),
+    ("model.rope_fraction=.nan", "model.rope_fraction must be in [0, 1], got nan"),  # RotaryEmbedding: no Fraction
+    ("model.rope_base=.nan", "model.rope_base must be finite and > 1, got nan"),
+    ("model.rope_base=1.0", "model.rope_base must be finite and > 1, got 1.0"),
+])
+def test_the_config_refuses_them_first_naming_the_field(override: str, message: str) -> None:
+    """The model's rope options reach RotaryEmbedding through the config, whose check names the key."""
+    from heads import ConfigError
+    from lm.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    assert str(info.value) == message
+
+
 def test_norm_preserved_and_position_zero_is_identity() -> None:
     rope = RotaryEmbedding(32, 0.5)
     x = torch.randn(3, 20, 32, dtype=torch.float64)

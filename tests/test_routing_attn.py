@@ -285,6 +285,20 @@ def test_centroid_rule_is_an_option_and_its_state_is_saved() -> None:
         make_group("routing", dict(sparsity=4, centroids="rt"), 32)
 
 
+BOUNDS = r"^routing: need capacity_factor > 0, decay in \[0, 1\), commitment >= 0$"
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"sparsity": 0}, "^routing: sparsity must be an integer >= 1, got 0$"),
+    ({"assignment": "balanced"}, "^routing: assignment must be one of nearest, topk, got 'balanced'$"),
+    ({"capacity_factor": 0.0}, BOUNDS), ({"decay": 1.0}, BOUNDS), ({"decay": -0.1}, BOUNDS),
+    ({"commitment": -1e-4}, BOUNDS),
+])
+def test_options_out_of_range_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_group("routing", {"sparsity": 4, **options}, 32)
+
+
 def _leak(assignment: str) -> float:
     cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "routing", "count": 2,
                         "options": {"sparsity": 4, "assignment": assignment}}], init_std=0.3)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,147 @@ def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: py
             assert main([str(tmp_path / "sw")]) == 2
             assert capsys.readouterr().err == f"error: {path} is damaged ({why}); restore it or write it again with " \
                                               "flops.sweep\n"
+
+
+def _fake_training(monkeypatch: pytest.MonkeyPatch, failing: str | None = None) -> tuple[list[str], list[str]]:
+    """Replace training and the leak-free evaluation in flops.run_sweep by fast fakes that leave what the real ones
+    leave (metrics.json at step 3, leakfree.json); the names each was called with. The leak-free evaluation of
+    point `failing` raises RuntimeError("boom")."""
+    import flops.run_sweep
+
+    trained: list[str] = []
+    evaluated: list[str] = []
+
+    def train_point(entry: dict, overrides: list[str], started: Callable[[int], None]) -> dict:
+        trained.append(entry["name"])
+        started(os.getpid())
+        _fake_metrics(entry, 30.0)
+        return {"status": "done", "rc": 0, "seconds": 1.5}
+
+    def leak_free_eval(entry: dict, windows: int | None) -> dict[str, float]:
+        evaluated.append(entry["name"])
+        if entry["name"] == failing:
+            raise RuntimeError("boom")
+        (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 7.5}))
+        return {"leakfree_ppl": 7.5}
+
+    monkeypatch.setattr(flops.run_sweep, "train_point", train_point)
+    monkeypatch.setattr(flops.run_sweep, "leak_free_eval", leak_free_eval)
+    return trained, evaluated
+
+
+def test_a_failed_leak_free_evaluation_is_recorded_and_the_sweep_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leak-free evaluation that raises marks its point failed with "leak-free evaluation: <Type>: <message>"
+    (keeping the training's rc and seconds); the next points are still trained and evaluated, and the exit
+    status is 1."""
+    _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
+    trained, evaluated = _fake_training(monkeypatch, failing="mosa_s4")
+    capsys.readouterr()
+    assert run_main([str(tmp_path / "sw"), "--only", "dense_s1,mosa_s4,mosa_s16"]) == 1
+    assert trained == ["dense_s1", "mosa_s4", "mosa_s16"] and evaluated == ["mosa_s4", "mosa_s16"]
+    status = json.loads((tmp_path / "sw" / "status.json").read_text())
+    assert status["mosa_s4"] == {"status": "failed", "rc": 0, "seconds": 1.5,
+                                 "error": "leak-free evaluation: RuntimeError: boom"}
+    assert status["mosa_s16"] == {"status": "done", "rc": 0, "seconds": 1.5, "leakfree_ppl": 7.5}
+    out, err = capsys.readouterr()
+    assert "[2/3] mosa_s4: failed in 1.5 s: leak-free evaluation: RuntimeError: boom" in out.splitlines()
+    assert "[3/3] mosa_s16: done in 1.5 s, leak-free perplexity 7.50" in out.splitlines()
+    assert err == f"failed points: mosa_s4 (see {tmp_path / 'sw' / 'status.json'})\n"
+
+
+def test_a_rerun_evaluates_a_trained_point_without_training_it_again(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rerun after a failed leak-free evaluation trains nothing: the point whose training finished is only
+    evaluated, and recorded done with its training's rc and seconds; the finished points are skipped and keep
+    their status."""
+    _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
+    sweep = [str(tmp_path / "sw"), "--only", "dense_s1,mosa_s4,mosa_s16"]
+    _fake_training(monkeypatch, failing="mosa_s4")
+    assert run_main(sweep) == 1
+    before = json.loads((tmp_path / "sw" / "status.json").read_text())
+    trained, evaluated = _fake_training(monkeypatch)
+    capsys.readouterr()
+    assert run_main(sweep) == 0
+    assert trained == [] and evaluated == ["mosa_s4"]
+    status = json.loads((tmp_path / "sw" / "status.json").read_text())
+    assert status == {**before, "mosa_s4": {"status": "done", "rc": 0, "seconds": 1.5, "leakfree_ppl": 7.5}}
+    assert capsys.readouterr().out.splitlines() == [
+        "[1/3] dense_s1: finished, skipped", "[2/3] mosa_s4: leak-free evaluation ...",
+        "[2/3] mosa_s4: done in 1.5 s, leak-free perplexity 7.50", "[3/3] mosa_s16: finished, skipped"]
+
+
+def test_the_lock_file_is_held_while_a_point_trains_and_is_evaluated(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """--lock FILE: an exclusive flock on FILE while a point trains and is evaluated leak-free (another open file
+    description cannot take it), released after the point."""
+    import fcntl
+
+    import flops.run_sweep
+
+    _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
+    lock = tmp_path / "heavy.lock"
+    held: list[str] = []
+
+    def is_held() -> bool:
+        with open(lock, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return False
+
+    trained, evaluated = _fake_training(monkeypatch)
+    for step, fake in (("train_point", flops.run_sweep.train_point), ("leak_free_eval", flops.run_sweep.leak_free_eval)):
+        def checked(entry: dict, *args: object, step: str = step, fake: Callable = fake) -> dict:
+            held.append(f"{step} {entry['name']} {is_held()}")
+            return fake(entry, *args)
+
+        monkeypatch.setattr(flops.run_sweep, step, checked)
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4", "--lock", str(lock)]) == 0
+    assert held == ["train_point mosa_s4 True", "leak_free_eval mosa_s4 True"]
+    assert (trained, evaluated) == (["mosa_s4"], ["mosa_s4"]) and not is_held()
+
+
+def test_runner_argument_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory without sweep.json names the file and the command that writes it; --only naming points the
+    sweep does not have lists them: exit status 2, nothing trained, no status.json."""
+    assert run_main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nothing' / 'sweep.json'} not found; write it with "
+                                       "python -m flops.sweep\n")
+    _sweep(tmp_path)
+    trained, _ = _fake_training(monkeypatch)
+    capsys.readouterr()
+    assert run_main([str(tmp_path / "sw"), "--only", "zz_s1,dense_s1,mosa_s3"]) == 2
+    assert capsys.readouterr() == ("", "error: unknown point(s) mosa_s3, zz_s1\n")
+    assert trained == [] and not (tmp_path / "sw" / "status.json").exists()
+
+
+def test_sweep_refuses_zero_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--seeds 0 (no replica of any point) is one error line, exit status 2, and writes nothing."""
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--seeds", "0",
+                       "--out", str(tmp_path / "sw")]) == 2
+    assert capsys.readouterr() == ("", "error: --seeds must be >= 1, got 0\n")
+    assert not (tmp_path / "sw").exists()
+
+
+def test_sweep_json_files_that_are_missing_or_no_object_are_one_line(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """flops.aggregate of a directory without sweep.json says the file is not found; a sweep.json without the size
+    aggregate reads, and a status.json that is a JSON list, not an object, are damaged files to restore or delete."""
+    assert aggregate_main([str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nothing' / 'sweep.json'} not found\n"
+    manifest = _sweep(tmp_path)
+    capsys.readouterr()
+    sweep_json, status_json = tmp_path / "sw" / "sweep.json", tmp_path / "sw" / "status.json"
+    sweep_json.write_text(json.dumps({"points": manifest["points"]}))
+    assert aggregate_main([str(tmp_path / "sw")]) == 2
+    assert capsys.readouterr().err == (f"error: {sweep_json} is damaged (not a JSON object with size); "
+                                       "restore or delete it\n")
+    status_json.write_text("[]")
+    for main in (run_main, aggregate_main):
+        sweep_json.write_text(json.dumps(manifest))
+        assert main([str(tmp_path / "sw")]) == 2
+        assert capsys.readouterr().err == f"error: {status_json} is damaged (not a JSON object); restore or delete it\n"
