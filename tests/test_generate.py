@@ -585,3 +585,23 @@ def test_generation_ends_once_every_sequence_has_stopped() -> None:
     assert out.shape == (2, 8)
     for row, ref, end in zip(out, free, ends):
         assert torch.equal(row[: end + 1], ref[: end + 1]) and bool((row[end:] == stop).all())
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor a cache object holds, through its attributes, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return [t for value in getattr(obj, "__dict__", {}).values() for t in _tensors(value)]
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_TYPES))
+def test_cache_nbytes_counts_every_tensor_the_cache_holds(name: str) -> None:
+    """cache_nbytes (lm.generate's memory check, bench.decode's cache column) is the bytes of every distinct storage
+    a fresh cache holds, and after decoding: nothing allocated is left out (MiTA's and agents' block state too), and
+    nothing is counted twice."""
+    model = model_for(CAUSAL_TYPES[name])
+    for cache in (new_cache(model, 2, T), cached_logits(model, torch.randint(0, 97, (2, T)), 17)[1]):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(cache)}
+        assert cache_nbytes(cache) == sum(storages.values()) > 0
