@@ -145,3 +145,14 @@ def test_export_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> N
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_export_into_an_existing_empty_directory(corpus: Path, tmp_path: Path) -> None:
+    """--out may name an empty directory (made beforehand, e.g. a mount point's folder): the export fills it and
+    leaves no temporary directory beside it."""
+    ckpt, _ = save_checkpoint(tmp_path, corpus)
+    (tmp_path / "hf").mkdir()
+    assert main(["--ckpt", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert "config.json" in files and "tokenizer.model" in files
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", ckpt.name])

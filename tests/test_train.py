@@ -403,6 +403,11 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
         damage(index["splits"]["train"]["shards"][0])
         (edited / "index.json").write_text(json.dumps(index))
         assert "index.json has a damaged train shard entry" in data_error(edited)
+    # an index.json that is no JSON, or no object, or has no vocab_size
+    for name, text in (("cut", '{"vocab_size": 6'), ("list", "[]"), ("no_vocab", '{"splits": {}}')):
+        edited = write_prepared(tmp_path / name)
+        (edited / "index.json").write_text(text)
+        assert data_error(edited).startswith(f"data.path: {edited / 'index.json'} is not a valid index (")
 
 
 def test_token_ids_must_be_below_the_vocabulary_size(tmp_path: Path) -> None:
