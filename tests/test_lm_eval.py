@@ -373,3 +373,25 @@ def test_a_generation_ends_at_its_first_end_of_text_token(setup) -> None:
     assert lm._cut(generated, ["hill"]) == "the old house"
     assert lm._cut(generated, "old") == "the "
     assert lm._cut(second, "hill") == "stood on the "
+
+
+def test_generate_until_refuses_a_generation_of_no_tokens(setup) -> None:
+    """max_gen_toks 0 in a task's generation_kwargs: one line naming it, not an empty generation scored as an
+    answer."""
+    from lm_eval.api.instance import Instance
+
+    _, _, _, lm = setup
+    request = Instance("generate_until", {}, ("the old house", {"until": [], "max_gen_toks": 0}), 0)
+    with pytest.raises(ValueError, match=r"^generate_until: max_gen_toks must be >= 1, got 0$"):
+        lm.generate_until([request], disable_tqdm=True)
+
+
+def test_an_unchecked_training_data_report_is_one_note_line() -> None:
+    """When the task documents could not be checked against the training data, the report is one note saying why,
+    never a per-task 'none in the training data'."""
+    from lm.lm_eval import training_data_lines
+
+    report = {"checked_against": None, "not_checked_because": "the checkpoint records no training data directory",
+              "ngrams_not_checked_because": None, "tasks": {"local_mc": {"documents": 4, "documents_in_training_data": 0}}}
+    assert training_data_lines(report) == ["note: task documents not checked against the training data: the "
+                                           "checkpoint records no training data directory"]
