@@ -285,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = read_rows()
     if args.report:
+        if not rows:
+            print(f"error: --report: {RESULTS.with_suffix('.csv')} has no results yet; run a variant first",
+                  file=sys.stderr)
+            return 2
         write_results(rows, settings, order)
         return 0
     with locked(args.lock if args.hold_lock else None):
