@@ -215,17 +215,22 @@ def claim(settings: Any, seed: int, name: str) -> bool:
     """Atomically claim run (seed, name) for this process; a claim whose process is gone is taken over."""
     path = ROOT / settings.base.trainer.out_dir / f"s{seed}" / f"{name}.claim"
     path.parent.mkdir(parents=True, exist_ok=True)
+    mine = path.with_name(f"{path.name}.{os.getpid()}")
+    mine.write_text(str(os.getpid()))
     try:
-        with open(path, "x") as f:
-            f.write(str(os.getpid()))
+        os.link(mine, path)  # atomic and refused if the claim exists: a claim file always holds its pid
         return True
     except FileExistsError:
         try:
-            os.kill(int(path.read_text() or 0), 0)
+            os.kill(int(path.read_text()), 0)
             return False  # its owner is alive
+        except PermissionError:
+            return False  # alive, another user's process
         except (ProcessLookupError, ValueError):
             path.unlink(missing_ok=True)
             return claim(settings, seed, name)
+    finally:
+        mine.unlink(missing_ok=True)
 
 
 def parse_seeds(text: str | None, seeds: list[int]) -> list[int]:

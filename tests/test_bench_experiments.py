@@ -284,3 +284,28 @@ def test_gutenberg_compare_report_before_any_run_is_one_line(tmp_path: Path, mon
     assert gutenberg_compare.main(["--config", config, "--report"]) == 2
     assert capsys.readouterr().err == f"error: --report: {tmp_path / 'gc.csv'} has no results yet; run a variant first\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_causal_routing_claims_hold_their_pid_and_yield_to_live_owners(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim file is linked into place with its pid already written (one left empty, by a worker killed between
+    creating and writing it, blocked its run forever: pid 0 is this process group, always alive) and no temporary
+    file stays; a live owner keeps its claim, another user's too (os.kill's PermissionError was a traceback); an
+    empty or dead claim is taken over."""
+    from bench.causal_routing import claim
+
+    settings = OmegaConf.create({"base": {"trainer": {"out_dir": str(tmp_path / "runs")}}})
+    path = tmp_path / "runs" / "s1" / "dense.claim"
+    assert claim(settings, 1, "dense") and path.read_text() == str(os.getpid())
+    assert not claim(settings, 1, "dense")  # held by this (live) process
+    assert [p.name for p in path.parent.iterdir()] == ["dense.claim"]
+    for stale in ("", str(dead_pid())):
+        path.write_text(stale)
+        assert claim(settings, 1, "dense") and path.read_text() == str(os.getpid())
+
+    def another_users(pid: int, signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    path.write_text("1")
+    monkeypatch.setattr(os, "kill", another_users)
+    assert not claim(settings, 1, "dense") and path.read_text() == "1"
