@@ -2,7 +2,10 @@
 --activation-checkpointing each config measured a second time with checkpointed blocks, next to it."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 from bench import resources
 
@@ -98,3 +101,34 @@ def test_the_change_column_is_each_config_against_the_first() -> None:
     assert rows["Wall-time/step (ms, median)"] == ["100.0", "120.0", "+20.0%"]
     assert rows["Peak memory (MB)"] == ["2000", "1000", "-50.0%"]
     assert rows["Heads per layer"] == ["9 dense", "4 dense + 17 mosa", ""]
+
+
+def test_the_isoflop_pair_is_the_solvers_point() -> None:
+    """--pair isoflop-tiny (measured by bench/gpu_campaign.sh) is MoSA Table 5's IsoFLOP Tiny point as this repository's
+    solver finds it: 4 dense + 276 MoSA heads at rho 32 in place of the 9 dense heads."""
+    from flops.isoflop import solve
+
+    (_, dense), (name, hybrid) = resources.PAIRS["isoflop-tiny"]()
+    point = solve(dense, "mosa", 32, 4)
+    assert name == f"tiny 4+{point.sparse_heads} MoSA rho=32" and point.sparse_heads == 276
+    assert [(g.type, g.count, g.options) for g in hybrid.heads] == [("dense", 4, {}), ("mosa", 276, {"sparsity": 32})]
+
+
+@pytest.mark.slow
+def test_the_table2_pair_end_to_end(tmp_path: Path) -> None:
+    """--pair table2-tiny, as bench/gpu_campaign.sh's timing step runs it (at T = 32 here): the Tiny dense baseline
+    (9 heads) beside 4 dense + 17 MoSA heads at rho 32, each in its own worker; parameters as the models have them,
+    KV per layer as Table 2 counts it (9 T and 4 T + 17 k, k = max(T / rho, 2))."""
+    from lm.model import build_model
+
+    out = tmp_path / "t2.md"
+    assert resources.main(["--pair", "table2-tiny", "--seq-len", "32", "--batch", "1", "--steps", "1", "--warmup", "0",
+                           "--out", str(out)]) == 0
+    rows = {r.split(" | ")[0].strip("| "): r.rstrip(" |").split(" | ")[1:] for r in out.read_text().splitlines()
+            if r.startswith("| ")}
+    assert rows[""][:2] == ["tiny dense", "tiny 4+17 MoSA rho=32"]
+    assert rows["Heads per layer"][:2] == ["9 dense", "4 dense + 17 mosa"]
+    assert rows["KV Total per layer (Table 2)"][:2] == [str(9 * 32), str(4 * 32 + 17 * 2)]
+    params = [sum(p.numel() for p in build_model(dataclasses.replace(cfg, seq_len=32)).parameters()) / 1e6
+              for _, cfg in resources.PAIRS["table2-tiny"]()]
+    assert rows["Parameters (M)"][:2] == [f"{p:.2f}" for p in params]
