@@ -116,19 +116,19 @@ def test_the_isoflop_pair_is_the_solvers_point() -> None:
 
 @pytest.mark.slow
 def test_the_table2_pair_end_to_end(tmp_path: Path) -> None:
-    """--pair table2-tiny, as bench/gpu_campaign.sh's timing step runs it (at T = 32 here): the Tiny dense baseline
+    """--pair table2-tiny, as bench/gpu_campaign.sh's timing step runs it (at T = 128 here): the Tiny dense baseline
     (9 heads) beside 4 dense + 17 MoSA heads at rho 32, each in its own worker; parameters as the models have them,
-    KV per layer as Table 2 counts it (9 T and 4 T + 17 k, k = max(T / rho, 2))."""
+    KV per layer as Table 2 counts it (9 T and 4 T + 17 k, k = T / rho)."""
     from lm.model import build_model
 
     out = tmp_path / "t2.md"
-    assert resources.main(["--pair", "table2-tiny", "--seq-len", "32", "--batch", "1", "--steps", "1", "--warmup", "0",
+    assert resources.main(["--pair", "table2-tiny", "--seq-len", "128", "--batch", "1", "--steps", "1", "--warmup", "0",
                            "--out", str(out)]) == 0
     rows = {r.split(" | ")[0].strip("| "): r.rstrip(" |").split(" | ")[1:] for r in out.read_text().splitlines()
             if r.startswith("| ")}
     assert rows[""][:2] == ["tiny dense", "tiny 4+17 MoSA rho=32"]
     assert rows["Heads per layer"][:2] == ["9 dense", "4 dense + 17 mosa"]
-    assert rows["KV Total per layer (Table 2)"][:2] == [str(9 * 32), str(4 * 32 + 17 * 2)]
-    params = [sum(p.numel() for p in build_model(dataclasses.replace(cfg, seq_len=32)).parameters()) / 1e6
+    assert rows["KV Total per layer (Table 2)"][:2] == [f"{9 * 128:,}", f"{4 * 128 + 17 * 4:,}"]
+    params = [sum(p.numel() for p in build_model(dataclasses.replace(cfg, seq_len=128)).parameters()) / 1e6
               for _, cfg in resources.PAIRS["table2-tiny"]()]
     assert rows["Parameters (M)"][:2] == [f"{p:.2f}" for p in params]
