@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, tiny_config
 from flops.cli import command_line, cpu_model, hardware
+from lm.config import Config
 
 
 def test_command_line_and_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,16 +25,23 @@ def test_command_line_and_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hardware("cuda") == hardware("cuda:0") == "NVIDIA H100 80GB HBM3"
 
 
+def compressed_config(**compression: object) -> Config:
+    """A tiny compression model's validated config (3 blocks, h = 32, P = 16, r = 0.25, S = 8) for the
+    compression_experiment tests."""
+    from lm.config import CompressionConfig, validate
+
+    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=50)
+    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=16, ratio=0.25, **compression)
+    return validate(cfg)
+
+
 def test_compression_experiment_writes_the_command_it_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every argument, --batches, --batch, --predictor-batches and --tolerances included, and the CPU's model.
     (The measured sections are stubbed: this checks the report's header only.)"""
     from bench import compression_experiment as ce
     from lm.compression import CompressedLM
-    from lm.config import CompressionConfig, validate
 
-    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=50)
-    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=16, ratio=0.25)
-    validate(cfg)
+    cfg = compressed_config()
     monkeypatch.setattr(ce, "load_compressed", lambda path: (CompressedLM(cfg.model, cfg.compression), cfg))
     monkeypatch.setattr(ce, "document_windows", lambda *args: None)
     monkeypatch.setattr(ce, "fixed_windows", lambda *args, **kwargs: [torch.zeros(2, 100, dtype=torch.long)])
@@ -110,18 +118,13 @@ def test_compression_experiment_runs_every_section_end_to_end(tmp_path: Path, mo
     """bench.compression_experiment on tiny random-weight models (loading and data stubbed, every measured section
     real): the perplexity table has a row per model and depth with finite numbers, the online decoder reproduces
     the training-time forward pass, the predictor table has a row per tolerance, and adaptive decoding reports."""
-    import copy
     import re
 
     from bench import compression_experiment as ce
     from lm.compression import CompressedLM
-    from lm.config import CompressionConfig, validate
 
-    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=50)
-    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=16, ratio=0.25)
-    validate(cfg)
-    mixed = copy.deepcopy(cfg)
-    mixed.compression.full_prob = 0.5
+    cfg = compressed_config()
+    mixed = compressed_config(full_prob=0.5)
 
     def load(path: Path) -> tuple[CompressedLM, object]:
         run = Path(path).parts[-3]
