@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data_prep.documents import Document, Skips
+from data_prep.documents import Document, Skips, text_rows
 from data_prep.errors import warn
 from data_prep.local_files import normalize_newlines
 
@@ -75,28 +75,11 @@ def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
 
 
 def numbered_documents(rows: Iterable[tuple[int, dict]], skips: Skips, where: str) -> Iterator[Document]:
-    """One document per (number, row) with a non-empty string "text" (newlines normalised); others are counted
-    (`where` and the number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7"),
-    and rows without text are reported once per file or stream, like broken JSON lines: a misnamed field is no
-    empty document (also when the reader stops early)."""
-    missing, first = 0, 0
-    try:
-        for n, row in rows:
-            text = row.get("text")
-            if not isinstance(text, str):
-                skips.count("rows_without_text", where=f"{where} {n}")
-                missing, first = missing + 1, first or n
-                continue
-            text = normalize_newlines(text)
-            if not text.strip():
-                skips.count("empty_documents")
-                continue
-            yield Document(text_id(text), text)
-    finally:
-        if missing:
-            name, unit = where.split(": ", 1)
-            skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} "
-                            "(skipped)")
+    """One document per (number, row) with a non-empty string "text" (newlines normalised; the others counted
+    and reported by documents.text_rows)."""
+    for _, _, text in text_rows(rows, skips, where):
+        text = normalize_newlines(text)
+        yield Document(text_id(text), text)
 
 
 def check_splits(names: list[str]) -> None:

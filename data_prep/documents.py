@@ -5,7 +5,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 from data_prep.errors import DataError, warn
 
@@ -92,6 +92,29 @@ class StrictSkips(Skips):
         if what == "rows_without_text":
             raise DataError(f"{where or 'a row'} has no string \"text\" field; {self.consequence}")
         super().count(what, n, where)
+
+
+def text_rows(rows: Iterable[tuple[int, dict]], skips: Skips, where: str) -> Iterator[tuple[int, dict, str]]:
+    """(number, row, text) per row with a non-empty string "text"; the others are counted (`where` and the
+    number name the row in an error of StrictSkips: where="a.jsonl: line" gives "a.jsonl: line 7"), and rows
+    without text are reported once per file or stream, like broken JSON lines: a misnamed field is no empty
+    document (also when the reader stops early)."""
+    missing, first = 0, 0
+    try:
+        for n, row in rows:
+            text = row.get("text")
+            if not isinstance(text, str):
+                skips.count("rows_without_text", where=f"{where} {n}")
+                missing, first = missing + 1, first or n
+            elif not text.strip():
+                skips.count("empty_documents")
+            else:
+                yield n, row, text
+    finally:
+        if missing:
+            name, unit = where.split(": ", 1)
+            skips.warn_once(f"{name}: {missing} row(s) without a string \"text\" field, first at {unit} {first} "
+                            "(skipped)")
 
 
 @dataclass

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from data_prep.documents import Document, Skips
+from data_prep.documents import Document, Skips, text_rows
 from data_prep.local_files import normalize_newlines, read_text
 
 SUFFIXES = (".txt", ".txt.gz")
@@ -96,14 +96,9 @@ def file_documents(files: list[Path], names: list[str], skips: Skips) -> Iterato
 
 
 def row_documents(rows: Iterable[dict], skips: Skips) -> Iterator[Document]:
-    """One document per hub row {"id", "text"} (manu/project_gutenberg); ids become "pg-hub:<id>"."""
-    for i, row in enumerate(rows):
-        text, row_id = row.get("text"), row.get("id", i)
-        if not isinstance(text, str):
-            skips.count("rows_without_text", where=f"rows: row {i + 1}")
-            continue
-        if not text.strip():
-            skips.count("empty_documents")
-            continue
+    """One document per hub row {"id", "text"} (manu/project_gutenberg); ids become "pg-hub:<id>" (the row's
+    number from 0 without an id); rows without text are counted and reported by documents.text_rows."""
+    for n, row, text in text_rows(enumerate(rows, 1), skips, "rows: row"):
+        row_id = row.get("id", n - 1)
         if (doc := _book(f"pg-hub:{row_id}", f"row {row_id}", text, skips)) is not None:
             yield doc

@@ -228,16 +228,18 @@ def test_c4_hub_route_on_a_local_copy_in_the_allenai_layout(shared_data: Path, t
     assert index["sources"] == [f"{mirror}/en:train"]
 
 
-def test_gutenberg_hub_route_on_local_json(tmp_path: Path) -> None:
+def test_gutenberg_hub_route_on_local_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """gutenberg-hub rows ({"id", "text"} with PG header/footer and CRLF) are stripped like local books; an empty
     text is an empty document, a book with nothing between its markers is skipped as "empty" (named by its row id),
-    and a row without a "text" field (null in the streamed table) is counted as a row without text."""
+    and a row without a "text" field (null in the streamed table) is counted as a row without text and warned
+    about, as C4's are."""
     bodies = {str(i): words(300 + i, 25) for i in range(8)}
     rows = [{"id": i, "text": pg_book(body).replace("\n", "\r\n")} for i, body in bodies.items()]
     rows += [{"id": "x", "text": ""}, {"id": "blank", "text": pg_book("\n\n")}, {"id": "y"}]
     skips = Skips()
     assert list(gutenberg.row_documents(rows, skips)) == [(f"pg-hub:{i}", b) for i, b in bodies.items()]
     assert skips.counts == {"empty_documents": 1, "rows_without_text": 1} and skips.files == {"row blank": "empty"}
+    assert 'warning: rows: 1 row(s) without a string "text" field, first at row 11 (skipped)' in capsys.readouterr().err
     (tmp_path / "books.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     index = prepare("gutenberg-hub", "json", tmp_path / "out", data_files=str(tmp_path / "books.jsonl"),
                     hub_split="train", vocab_size=500, val_fraction=0.2, **QUIET)
