@@ -200,6 +200,7 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     (tmp_path / "broken.jsonl").write_text("".join(lines[:4]) + "{not json\n" + "".join(lines[4:]))
     # blank lines count as lines: the error names the file's line, not the row's ordinal (201)
     (tmp_path / "notext.jsonl").write_bytes(b"\n" + rows + b'\n{"content": "no text field"}\n')
+    (tmp_path / "blank.jsonl").write_text('{"text": "  \\n"}\n{"text": ""}\n')  # rows, but no text to score
     other = prepared_corpus(tmp_path / "other_corpus_root")  # same text, but its own tokenizer training run
     (other / "tokenizer.model").write_bytes((other / "tokenizer.model").read_bytes())
     index = json.loads((other / "index.json").read_text())
@@ -222,6 +223,8 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
          "broken.jsonl: broken JSON line 5; nothing was evaluated"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "notext.jsonl")],
          'notext.jsonl: line 203 has no string "text" field; nothing was evaluated'),
+        (["--ckpt", str(ckpt), "--input", str(tmp_path / "blank.jsonl")],
+         f"--input {tmp_path / 'blank.jsonl'}: no documents with text"),
         (["--ckpt", str(ckpt), "--input", str(tmp_path / "nothing")], "no such file"),
         (["--ckpt", str(ckpt), "--input", str(other)], "another tokenizer"),
         (["--ckpt", str(ckpt), "--input", ok, "--stride", "100"], "--stride must be in"),
