@@ -33,8 +33,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+except ImportError as err:  # `python -m lm.lm_eval` without the eval extra: one line, not a traceback
+    if __name__ != "__main__":
+        raise
+    print(f"error: lm.lm_eval needs lm-evaluation-harness, the eval extra (pip install -e '.[eval]'): {err}",
+          file=sys.stderr)
+    raise SystemExit(2) from None
 
 from data_prep import tokenizer as sp_codec
 from lm.cli import check_output

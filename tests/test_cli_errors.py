@@ -19,7 +19,7 @@ import torch
 from pydoc_data.topics import topics
 
 from data_prep.prepare import prepare
-from tests.conftest import child_env, tiny_config
+from tests.conftest import EVAL_EXTRA, child_env, tiny_config
 from tests.synthetic import run_overrides, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,9 +126,15 @@ CASES = [
      r"^error: --ratios must be in \(0, 1\], got 0\.5,1\.5$"),
     ("ratio-data-ratio-not-a-number", [*RATIO_DATA, "--ratios", "0.5,abc"], 2,
      r"^error: --ratios expects comma-separated numbers, got '0\.5,abc'$"),
-    ("lm-eval-include-path-missing", [sys.executable, "-m", "lm.lm_eval", "--ckpt", "{dense_ckpt}", "--tasks",
-                                      "lambada", "--include-path", "{tmp}/no_tasks"], 2,
-     r"^error: --include-path \S+/no_tasks: no such file or directory$"),
+    pytest.param("lm-eval-include-path-missing", [sys.executable, "-m", "lm.lm_eval", "--ckpt", "{dense_ckpt}",
+                                                  "--tasks", "lambada", "--include-path", "{tmp}/no_tasks"], 2,
+                 r"^error: --include-path \S+/no_tasks: no such file or directory$", marks=EVAL_EXTRA,
+                 id="lm-eval-include-path-missing"),
+    # without lm-eval installed (here: its import refused), as on the GPU image
+    ("lm-eval-not-installed", [sys.executable, "-c", "import runpy, sys; sys.modules['lm_eval'] = None; "
+                               "runpy.run_module('lm.lm_eval', run_name='__main__')", "--ckpt", "{dense_ckpt}"], 2,
+     r"^error: lm\.lm_eval needs lm-evaluation-harness, the eval extra \(pip install -e '\.\[eval\]'\): "
+     r"\S.*\blm_eval\b"),
     # flops.isoflop / flops.sweep
     ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
      r"option window must be an int, got 'abc'"),
