@@ -26,9 +26,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from lm_eval.api.model import TemplateLM
 
 from flops.cli import command_line, hardware, output_file, positive_int, script_parser
+from lm.cli import exit_without_eval_extra
+
+try:
+    from lm_eval.api.model import TemplateLM
+except ImportError as err:
+    if __name__ != "__main__":
+        raise
+    exit_without_eval_extra("bench.eval_quickstart", err)
+
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
 from lm.checkpoint import read_checkpoint

@@ -1,6 +1,6 @@
 """Command-line arguments the training entry points share (train_lm.py, lm.compressed_training): the
 config, how to treat a run already in trainer.out_dir, and dotted overrides anywhere on the line; and the
-output-path check of the evaluation entry points. No Lightning import, so --help and bad arguments stay fast."""
+output-path check and the missing-extra line of the evaluation entry points. No Lightning import, so --help and bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def training_parser(description: str, config_help: str, override_example: str) -> argparse.ArgumentParser:
@@ -72,3 +72,11 @@ def check_png(option: str, path: str | None) -> None:
     check_output(option, path)
     if path is not None and Path(path).suffix.lower() != ".png":
         raise ValueError(f"{option} {path}: the plot is a PNG; give a file name ending in .png")
+
+
+def exit_without_eval_extra(entry: str, err: ImportError) -> NoReturn:
+    """`python -m <entry>` run without lm-evaluation-harness (the GPU image has none): one line naming the eval
+    extra, exit status 2, instead of the import's traceback."""
+    print(f"error: {entry} needs lm-evaluation-harness, the eval extra (pip install -e '.[eval]'): {err}",
+          file=sys.stderr)
+    raise SystemExit(2)

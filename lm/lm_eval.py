@@ -34,18 +34,17 @@ from typing import Any, Iterator
 
 import torch
 
+from data_prep import tokenizer as sp_codec
+from lm.cli import check_output, exit_without_eval_extra
+
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-except ImportError as err:  # `python -m lm.lm_eval` without the eval extra: one line, not a traceback
+except ImportError as err:
     if __name__ != "__main__":
         raise
-    print(f"error: lm.lm_eval needs lm-evaluation-harness, the eval extra (pip install -e '.[eval]'): {err}",
-          file=sys.stderr)
-    raise SystemExit(2) from None
+    exit_without_eval_extra("lm.lm_eval", err)
 
-from data_prep import tokenizer as sp_codec
-from lm.cli import check_output
 from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
 from lm.sanity import warn
 from lm.scoring import progress_bar, score

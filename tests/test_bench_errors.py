@@ -37,7 +37,8 @@ def test_a_device_this_machine_lacks_is_one_line(name: str, argv: list[str], mon
         assert one_error_line(capsys) == f"error: argument --device: {message}"
 
 
-REPORTING = ["bench.compression_experiment", "bench.decode", "bench.eval_quickstart", "bench.generalisation",
+REPORTING = ["bench.compression_experiment", "bench.decode", pytest.param("bench.eval_quickstart", marks=EVAL_EXTRA),
+             "bench.generalisation",
              "bench.heads", "bench.mita_varlen", "bench.resources", "bench.resume_check", "bench.throughput",
              "bench.triton_aot"]
 

@@ -131,10 +131,11 @@ CASES = [
                  r"^error: --include-path \S+/no_tasks: no such file or directory$", marks=EVAL_EXTRA,
                  id="lm-eval-include-path-missing"),
     # without lm-eval installed (here: its import refused), as on the GPU image
-    ("lm-eval-not-installed", [sys.executable, "-c", "import runpy, sys; sys.modules['lm_eval'] = None; "
-                               "runpy.run_module('lm.lm_eval', run_name='__main__')", "--ckpt", "{dense_ckpt}"], 2,
-     r"^error: lm\.lm_eval needs lm-evaluation-harness, the eval extra \(pip install -e '\.\[eval\]'\): "
-     r"\S.*\blm_eval\b"),
+    *((f"{entry.replace('.', '-')}-without-lm-eval",
+       [sys.executable, "-c", f"import runpy, sys; sys.modules['lm_eval'] = None; "
+                              f"runpy.run_module('{entry}', run_name='__main__')", "--ckpt", "{dense_ckpt}"], 2,
+       rf"^error: {re.escape(entry)} needs lm-evaluation-harness, the eval extra \(pip install -e '\.\[eval\]'\): "
+       r"\S.*\blm_eval\b") for entry in ("lm.lm_eval", "bench.eval_quickstart")),
     # flops.isoflop / flops.sweep
     ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
      r"option window must be an int, got 'abc'"),
