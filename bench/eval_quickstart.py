@@ -35,7 +35,7 @@ try:
 except ImportError as err:
     if __name__ != "__main__":
         raise
-    exit_without_eval_extra("bench.eval_quickstart", err)
+    exit_without_eval_extra("bench.eval_quickstart", "lm-evaluation-harness", err)
 
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize

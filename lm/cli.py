@@ -74,9 +74,8 @@ def check_png(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: the plot is a PNG; give a file name ending in .png")
 
 
-def exit_without_eval_extra(entry: str, err: ImportError) -> NoReturn:
-    """`python -m <entry>` run without lm-evaluation-harness (the GPU image has none): one line naming the eval
-    extra, exit status 2, instead of the import's traceback."""
-    print(f"error: {entry} needs lm-evaluation-harness, the eval extra (pip install -e '.[eval]'): {err}",
-          file=sys.stderr)
+def exit_without_eval_extra(entry: str, package: str, err: ImportError) -> NoReturn:
+    """`python -m <entry>` run without `package` of the eval extra (the GPU image has no lm-eval): one line naming
+    the extra, exit status 2, instead of the import's traceback."""
+    print(f"error: {entry} needs {package}, from the eval extra (pip install -e '.[eval]'): {err}", file=sys.stderr)
     raise SystemExit(2)

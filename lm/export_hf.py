@@ -26,9 +26,16 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.tokenizer import EOS_ID
+from lm.cli import exit_without_eval_extra
 from lm.generate import TOKENIZER_HELP, load_for_generation
-from lm.hf_model import SparseHeadsConfig, SparseHeadsForCausalLM
-from lm.hf_tokenizer import SparseHeadsTokenizer
+
+try:
+    from lm.hf_model import SparseHeadsConfig, SparseHeadsForCausalLM
+    from lm.hf_tokenizer import SparseHeadsTokenizer
+except ImportError as err:
+    if __name__ != "__main__":
+        raise
+    exit_without_eval_extra("lm.export_hf", "transformers", err)
 
 MODULE = "modeling_sparse_heads"
 MODULE_TEXT = '''"""sparse-heads-lm model for transformers: the classes live in the sparse-heads-lm package

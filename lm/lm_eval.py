@@ -43,7 +43,7 @@ try:
 except ImportError as err:
     if __name__ != "__main__":
         raise
-    exit_without_eval_extra("lm.lm_eval", err)
+    exit_without_eval_extra("lm.lm_eval", "lm-evaluation-harness", err)
 
 from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
 from lm.sanity import warn

@@ -130,12 +130,14 @@ CASES = [
                                                   "--tasks", "lambada", "--include-path", "{tmp}/no_tasks"], 2,
                  r"^error: --include-path \S+/no_tasks: no such file or directory$", marks=EVAL_EXTRA,
                  id="lm-eval-include-path-missing"),
-    # without lm-eval installed (here: its import refused), as on the GPU image
-    *((f"{entry.replace('.', '-')}-without-lm-eval",
-       [sys.executable, "-c", f"import runpy, sys; sys.modules['lm_eval'] = None; "
+    # without a package of the eval extra (here: its import refused), as lm-eval on the GPU image
+    *((f"{entry.replace('.', '-')}-without-{module}",
+       [sys.executable, "-c", f"import runpy, sys; sys.modules['{module}'] = None; "
                               f"runpy.run_module('{entry}', run_name='__main__')", "--ckpt", "{dense_ckpt}"], 2,
-       rf"^error: {re.escape(entry)} needs lm-evaluation-harness, the eval extra \(pip install -e '\.\[eval\]'\): "
-       r"\S.*\blm_eval\b") for entry in ("lm.lm_eval", "bench.eval_quickstart")),
+       rf"^error: {re.escape(entry)} needs {package}, from the eval extra \(pip install -e '\.\[eval\]'\): "
+       rf"\S.*\b{module}\b") for entry, module, package in (("lm.lm_eval", "lm_eval", "lm-evaluation-harness"),
+                                                            ("bench.eval_quickstart", "lm_eval", "lm-evaluation-harness"),
+                                                            ("lm.export_hf", "transformers", "transformers"))),
     # flops.isoflop / flops.sweep
     ("isoflop-option-type", [*ISOFLOP, "--head", "local", "--option", "window=abc"], 2,
      r"option window must be an int, got 'abc'"),
