@@ -14,7 +14,8 @@
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
 #           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
 #   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
-#   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed), and beside it,
+#   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed; the CUDA test
+#           files first, tests/conftest.py), and beside it,
 #           runs that need correctness but no clean timing: DeepSpeed ZeRO-2 and DDP, each stopped by SIGTERM
 #           half-way and resumed (bench/resume_check.py; the ZeRO-2 checkpoint then made one file by lm.consolidate
 #           and read by lm.generate), and a short C4 run of dense Tiny vs the IsoFLOP MoSA
