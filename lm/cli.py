@@ -1,6 +1,7 @@
 """Command-line arguments the training entry points share (train_lm.py, lm.compressed_training): the
 config, how to treat a run already in trainer.out_dir, and dotted overrides anywhere on the line; and the
-output-path check and the missing-extra line of the evaluation entry points. No Lightning import, so --help and bad arguments stay fast."""
+output-path check and the missing-extra line of the evaluation entry points. No Lightning import, so --help and
+bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
