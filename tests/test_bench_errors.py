@@ -38,9 +38,8 @@ def test_a_device_this_machine_lacks_is_one_line(name: str, argv: list[str], mon
 
 
 REPORTING = ["bench.compression_experiment", "bench.decode", pytest.param("bench.eval_quickstart", marks=EVAL_EXTRA),
-             "bench.generalisation",
-             "bench.heads", "bench.mita_varlen", "bench.resources", "bench.resume_check", "bench.throughput",
-             "bench.triton_aot"]
+             "bench.generalisation", "bench.heads", "bench.mita_varlen", "bench.resources", "bench.resume_check",
+             "bench.throughput", "bench.triton_aot"]
 
 
 @pytest.mark.parametrize("name", REPORTING)
