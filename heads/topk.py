@@ -11,6 +11,10 @@ Function. Forward keeps, per chunk, only the C x T score block; autograd saves Q
 top-k scores and indices (O(T k)), never a T x T matrix; backward recomputes the softmax of each
 chunk's k kept scores (the paper's pseudo-code lines 14-25, no recomputation of Q K^T), so the
 attention memory is O(C T + T k) instead of O(T^2). A chunk's queries only need keys up to its end.
+As in the paper's code (§5), the products do not leverage the sparsity for FLOPs: lines 7-8 and 20-25 multiply the
+kept weights scattered into a zero C x T block, dense attention's cost (flops/formulas.py). Line 15's product at the
+kept indices only (`out_indices`) is computed as the full C x T product dO V^T, then gathered, at line 24's cost:
+gathering each query's k value rows instead would hold C k h' elements, more than the C x T block while k h' > T.
 """
 from __future__ import annotations
 
