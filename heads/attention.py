@@ -60,6 +60,8 @@ def attend(
     (top-left aligned, so it requires Tq == Tk)."""
     if causal and mask is not None:
         raise ValueError("attend: pass either causal=True or an explicit mask, not both")
+    if causal and q.shape[-2] != k.shape[-2]:  # flash-attn aligns its causal mask bottom-right, SDPA top-left
+        raise ValueError(f"attend: causal=True needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
     if mask is None and flash_usable(q):
         return _flash(q, k, v, causal=causal, softmax_scale=scale)
     if mask is not None and 2 < mask.dim() < q.dim():

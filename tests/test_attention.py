@@ -70,6 +70,13 @@ def test_attend_takes_causal_or_a_mask_not_both() -> None:
         attention.attend(q, q, q, causal=True, mask=torch.ones(5, 5, dtype=torch.bool).tril())
 
 
+def test_attend_causal_needs_equal_query_and_key_lengths() -> None:
+    """causal=True with Tq != Tk would mean different masks on flash-attn (bottom-right) and SDPA (top-left)."""
+    q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"^attend: causal=True needs as many queries as keys, got 3 and 5$"):
+        attention.attend(q, kv, kv, causal=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or attention.flash_attn_interface() is None,
                     reason="flash-attn runs on CUDA with flash-attn installed; not here")
 @pytest.mark.parametrize("head_type,options", [("local", {"window": 64}), ("dense", {}), ("routing", {"sparsity": 4})])
