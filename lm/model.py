@@ -74,8 +74,9 @@ class DecoderLM(nn.Module):
         self.apply(self._init)
 
     def _init(self, module: nn.Module) -> None:
-        """Every weight N(0, init_std), every bias 0: projections, embeddings and the agent heads' convolution
-        (whose PyTorch default, std ~0.3 at K = 3, made its term ~4x the attention's at init)."""
+        """Every Linear, Embedding and Conv1d weight N(0, init_std), their biases 0: projections, embeddings and the
+        agent heads' convolution (whose PyTorch default, std ~0.3 at K = 3, made its term ~4x the attention's at
+        init). LayerNorms keep PyTorch's weight 1, bias 0."""
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
             nn.init.normal_(module.weight, std=self.cfg.init_std)
             if getattr(module, "bias", None) is not None:
