@@ -17,7 +17,12 @@ they were in that step's forward passes, a state update that uses no gradient, b
   clusters, where this cannot happen). Its similarities are computed in fp32 (fp16 overflows at 1e5). The paper
   (§4.1) writes the same update with the sums of a cluster's queries and keys, without the division.
 
-The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids.
+The commitment loss ||u - mu_nearest||^2 pulls the vectors toward their centroids. With "ema_counts" it is taken,
+as in RT's code, against the unnormalised centroid, so ||mu||^2 enters it: the step after a cluster grew to norm
+~1e5, the loss term reads ~1e5-1e6 even at the default weight 1e-4 (one head, 4 clusters of 16 dimensions, 256
+tokens, one cluster left empty for a step: 5.3e5, while the gradient it sent to the queries had norm 0.23, the
+normalisation of u removing the radial part). Read a logged `routing_commitment` spike under "ema_counts" as that,
+not as a diverging model.
 
 The update is staged, not applied, in the forward pass (`stage` adds the step's cluster sums and counts to the
 `pending` buffer) and applied by `commit` after the optimizer step (routing/staged.py), outside any compiled graph,
