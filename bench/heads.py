@@ -1,7 +1,7 @@
 """Forward+backward time and peak memory of head groups vs dense heads at equal forward FLOPs.
 
-    flock /tmp/cpu_heavy.lock env OMP_NUM_THREADS=1 .venv/bin/python -m bench.heads --out bench/results/heads_cpu.md
-    python -m bench.heads --device cuda --d-model 512 --head-dim 64 --out bench/results/heads_gpu.md
+    flock /tmp/cpu_heavy.lock env OMP_NUM_THREADS=1 .venv/bin/python -m bench.heads --out heads_cpu.md
+    python -m bench.heads --device cuda --d-model 512 --head-dim 64 --out heads_gpu.md
     python -m bench.heads --T 1024 --variants dense mosa-threshold mosaic fixed routing mita agent local topk
 
 The variants are MoSA's two selections by default, or any head type (`--variants`, default options plus
@@ -251,7 +251,7 @@ def measure_all(args: argparse.Namespace, done: Callable[[list[dict]], None] = l
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
                             head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device)
                 result = run_worker(spec)
-                if args.device == "cpu":
+                if not args.device.startswith("cuda"):  # as format_table states it
                     result["peak_bytes"] = run_worker({**spec, "repeats": 0}, CPU_MEMORY_ENV)["peak_bytes"]
                 runs[variant].append(result)
                 print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * args.batch / 1e9:8.2f} GFLOP fwd  "
@@ -296,7 +296,7 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         t_ratio = f"{r['seconds'] / d['seconds']:.2f}" if d else "-"
         m_ratio = f"{r['peak_bytes'] / d['peak_bytes']:.2f}" if d and d["peak_bytes"] > 0 else "-"
         act, d_act = r["peak_bytes"] - r["grad_bytes"], d["peak_bytes"] - d["grad_bytes"] if d else 0
-        a_ratio = f"{act / d_act:.2f}" if d and d_act > 0 else "-"
+        a_ratio = f"{act / d_act:.2f}" if d and d_act > 0 and act >= 0 else "-"  # < 0: below what RSS resolves
         s_ratio = f"{r['saved_bytes'] / d['saved_bytes']:.2f}" if d and d["saved_bytes"] > 0 else "-"
         lines.append(f"| {r['T']} | {r['variant']} | {r['heads']} | {r['gflops']:.2f} | {r['seconds'] * 1e3:.1f} | "
                      f"{t_ratio} | {r['peak_bytes'] / 2**20:.1f} | {m_ratio} | {act / 2**20:.1f} | {a_ratio} | "

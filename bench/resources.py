@@ -1,7 +1,7 @@
 """Resource use of training configs side by side (MoSA Table 2): wall time per step, peak memory,
 parameters, tokens/s, KV entries, analytic FLOPs.
 
-    python -m bench.resources --pair table2-tiny --seq-len 256 --batch 2 [--out bench/results/resources_cpu.md]
+    python -m bench.resources --pair table2-tiny --seq-len 256 --batch 2 [--out resources.md]
     python -m bench.resources --config configs/a.yaml --config configs/b.yaml [--device cuda]
     python -m bench.resources --pair table2-tiny --activation-checkpointing   # each config also checkpointed
 
@@ -81,6 +81,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()  # the first step's clock (--warmup 0) starts with nothing queued
     times = []
     for step in range(warmup + steps):
         start = time.perf_counter()

@@ -123,7 +123,7 @@ def cell(g: dict[str, Any] | None) -> str:
     """'mean ± std (n=N)' over done replicas; partial points marked with their ppl and step, never averaged."""
     if g is None:
         return "-"
-    text = "-" if g["mean"] is None else f"{g['mean']:.2f}" + (f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else "")
+    text = "-" if g["mean"] is None else f"{g['mean']:.2f}" + (f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["partial"] else "")
     partial = [f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}" for r in g["partial"]]
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
 
@@ -174,7 +174,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
-        ax.set_ylabel("validation perplexity")
+        ax.set_ylabel("validation perplexity (leak-free if not causal)")
         ax.set_title(sweep)
         if ax.get_legend_handles_labels()[0]:  # a sweep without finished runs has no curve to name
             ax.legend(fontsize=8)
