@@ -34,13 +34,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from data_prep import decontaminate, doc_hashes, tokenizer
+from data_prep.cores import usable_cores
 from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import input_changes, input_manifest, intact_prefix
@@ -279,7 +279,7 @@ def prepare(
     tokenizer.check_vocab_size(vocab_size)
     splitter = Splitter(val_fraction)
     if threads is None:
-        threads = min(4, len(os.sched_getaffinity(0)))
+        threads = min(4, usable_cores())
     clock, times = time.perf_counter(), {}
     corpus = open_source(source, src, hub_split, data_files, hub_config, exclude=Path(out),  # --out may be in --src
                          hub_revision=hub_revision)

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 
+from data_prep.cores import usable_cores
 from heads import ConfigError
 from lm.accumulation import FinalStepValidates, StepTimer
 from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
@@ -129,7 +130,7 @@ def check_devices(t: TrainerConfig) -> None:
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
     if t.accelerator == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
     if on_cpu and t.devices > cores:
         say(f"warning: trainer.devices={t.devices} on CPU starts {t.devices} training processes on {cores} core(s): "

@@ -738,17 +738,21 @@ def test_out_dir_below_a_file_and_empty_rope_buffers(data: Path, tmp_path: Path)
     assert metrics["step"] == 3 and math.isfinite(metrics["val_loss"])
 
 
-def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str]) -> None:
+def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.devices on CPU starts that many DDP processes: more than the cores is slower, said once at the start."""
     import os
 
     from lm.config import TrainerConfig
     from lm.train import check_devices
 
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0))  # Linux (this test's machines): the affinity mask
     check_devices(TrainerConfig(accelerator="cpu", devices=cores))
     assert capsys.readouterr().err == ""
     check_devices(TrainerConfig(accelerator="cpu", devices=cores + 2))
     assert capsys.readouterr().err == (f"warning: trainer.devices={cores + 2} on CPU starts {cores + 2} training "
                                        f"processes on {cores} core(s): each gets less than a core, and the run is "
                                        f"slower than with trainer.devices={cores}\n")
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS, Windows: the machine's cores (an AttributeError before)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    check_devices(TrainerConfig(accelerator="cpu", devices=2))
+    assert "training processes on 1 core(s)" in capsys.readouterr().err
