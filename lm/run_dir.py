@@ -33,7 +33,8 @@ CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
 CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
 # What a run writes into its directory (the only things --overwrite deletes; train.log is the sweep's).
 OUTPUTS = ("checkpoints", "tb", "profile", "metrics.json", "val_curve.png", "leakfree.json", CONFIG, RECORD, TOKENIZER)
-# Fields a resumed run may change (each change is printed): how long, how often, on what hardware, the
+# Fields a resumed run may change (each change is printed): how long, how often, on what hardware (the strategy
+# within a kind of checkpoint: lm/train.resume_path refuses DeepSpeed's directories elsewhere and files under it), the
 # optimiser's settings and the batch size (lm/resume_settings.py applies those); not the model, the seed,
 # validation or trainer.accumulate_grad_batches (Lightning's restored loop counts micro-batches, so the
 # accumulation windows would no longer start at step boundaries).

@@ -28,7 +28,8 @@ from data_prep.cores import usable_cores
 from heads import ConfigError
 from lm.accumulation import FinalStepValidates, StepTimer
 from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
-                           newest_loadable, read_checkpoint, read_deepspeed, remove_temp_files, set_aside_after)
+                           newest_loadable, read_checkpoint, read_deepspeed, remove_temp_files, set_aside_after,
+                           step_files)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.dead_gradients import DeadGradientCheck
@@ -253,6 +254,14 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
     if resume == "last":
         found = newest_deepspeed(ckpt_dir(cfg), skipping) if deepspeed else newest_loadable(ckpt_dir(cfg), skipping)
         if found is None:
+            other = [p for p in step_files(ckpt_dir(cfg)) if p.is_dir() != deepspeed]  # the other strategy's kind
+            if other:  # (it used to start from scratch, then fail to write over the first same-named step)
+                raise ConfigError(
+                    f"--resume: {ckpt_dir(cfg)} holds DeepSpeed checkpoint directories ({other[0].name}, ...), which "
+                    f"trainer.strategy={cfg.trainer.strategy} cannot load: resume with trainer.strategy=deepspeed_stage_2"
+                    if not deepspeed else
+                    f"--resume: {ckpt_dir(cfg)} holds checkpoint files ({other[0].name}, ...) of another strategy, and "
+                    "DeepSpeed loads only its own checkpoint directories: resume with the strategy that wrote them")
             kind = "complete DeepSpeed" if deepspeed else "loadable"
             say(f"--resume: no {kind} checkpoint in {ckpt_dir(cfg)} yet; starting from scratch")
             return None
@@ -263,6 +272,10 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
             raise ConfigError(f"{flag}: {path} is a directory, not a .ckpt file (only DeepSpeed writes "
                               f"checkpoints as directories; this run's trainer.strategy is "
                               f"{cfg.trainer.strategy}); give a .ckpt file")
+        if path.is_file() and deepspeed:
+            raise ConfigError(f"{flag}: {path} is a checkpoint file, and DeepSpeed (trainer.strategy="
+                              "deepspeed_stage_2) loads only its own checkpoint directories: resume with the strategy "
+                              "that wrote it")
         try:  # a DeepSpeed directory: its entries besides the shards, for the checks below
             ckpt = read_deepspeed(path) if path.is_dir() else read_checkpoint(path)
         except CheckpointError as err:

@@ -448,6 +448,13 @@ def test_resume_checks(trained: tuple[Path, dict], data: Path, tmp_path: Path) -
     # was an IsADirectoryError
     with pytest.raises(ConfigError, match=r"is a directory, not a \.ckpt file \(only DeepSpeed writes .*give a \.ckpt file"):
         resume_path(same, str(out / "checkpoints"))
+    deepspeed = load_config(None, *run_overrides(data, out), "trainer.strategy=deepspeed_stage_2")
+    with pytest.raises(ConfigError, match=r"^--resume: \S+checkpoints holds checkpoint files \(step0000030\.ckpt, "
+                                          r"\.\.\.\) of another strategy, and DeepSpeed loads only its own checkpoint "
+                                          r"directories: resume with the strategy that wrote them$"):
+        resume_path(deepspeed, "last")  # was a fresh start
+    with pytest.raises(ConfigError, match=r"^--resume-from: \S+step0000010\.ckpt is a checkpoint file, and DeepSpeed"):
+        resume_path(deepspeed, str(out / "checkpoints" / "step0000010.ckpt"))  # was Lightning's traceback
     step10 = str(out / "checkpoints" / "step0000010.ckpt")
     other = tmp_path / "retokenized"  # the same shards under another tokenizer: ids that mean other text
     shutil.copytree(data, other)
@@ -514,6 +521,12 @@ def test_deepspeed_resume_takes_the_newest_complete_checkpoint_directory(tmp_pat
         resume_path(cfg, "last")
     with pytest.raises(ConfigError, match=r"^--resume-from: \S+checkpoints is not a DeepSpeed checkpoint directory"):
         resume_path(cfg, str(other.parent))
+    # the same run resumed under another strategy: it used to start from scratch, then fail writing step0000010.ckpt
+    plain = load_config(None, f"trainer.out_dir={tmp_path / 'run'}", "trainer.strategy=ddp")
+    with pytest.raises(ConfigError, match=r"^--resume: \S+checkpoints holds DeepSpeed checkpoint directories "
+                                          r"\(step0000040\.ckpt, \.\.\.\), which trainer\.strategy=ddp cannot load: "
+                                          r"resume with trainer\.strategy=deepspeed_stage_2$"):
+        resume_path(plain, "last")
 
 
 def test_deepspeed_directory_is_marked_complete_after_every_ranks_save(tmp_path: Path) -> None:
