@@ -151,11 +151,13 @@ class StepCheckpoints(L.Callback):
 
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from (torch CPU/CUDA, numpy, python), as plain values."""
+    """Every RNG a training step may draw from (torch CPU/CUDA, numpy, python), as plain values. CUDA: the generator
+    of this process's own device. Only rank 0 writes the checkpoint, and every rank restores it: the ranks' streams
+    are one (seed_everything gives them one seed, and they draw alike), each on its own device."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else [],
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
         "python": random.getstate(),
     }
@@ -163,8 +165,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state["cuda"]  # checkpoints before 2026-11-29: a list, every device's state as rank 0 saw them, its own first
+    if len(cuda) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda)  # into this process's device
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(state["python"])

@@ -333,6 +333,27 @@ def test_rng_state_survives_a_checkpoint_and_restores_every_generator(tmp_path: 
     assert torch.equal(drawn[0], again[0]) and np.array_equal(drawn[1], again[1]) and drawn[2] == again[2]
 
 
+def test_cuda_rng_state_is_this_devices_and_restores_on_any_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA faked: a checkpoint holds the saving process's own device's generator state, and every rank restores it
+    into its own device. It held every visible device's state as rank 0 saw them, restored whole on every rank: rank
+    r > 0 got its device's untouched initial state back, and fewer GPUs at resume was an IndexError."""
+    from lm.checkpoint import rng_state, set_rng_state
+
+    restored: list[torch.Tensor] = []
+    own, other = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([9, 9, 9], dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": own)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [own, other])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("restored every device's state"))
+    state = rng_state()
+    assert torch.equal(state["cuda"], own)
+    set_rng_state(state)
+    set_rng_state({**state, "cuda": [own, other]})  # a checkpoint written before: rank 0's own state, cuda:0's
+    set_rng_state({**state, "cuda": []})  # written without CUDA: nothing to restore
+    assert len(restored) == 2 and all(torch.equal(s, own) for s in restored)
+
+
 def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr(tmp_path: Path, capsys) -> None:
     """Newest checkpoint truncated, the one before it garbled (zip CRC mismatch) and one empty: --resume
     continues from the newest loadable one and says why it passed over each; a temp file of an interrupted
