@@ -93,7 +93,7 @@ class TrainerConfig:
     max_steps: int = 100_000  # optimizer steps
     accumulate_grad_batches: int = 1  # micro-batches of data.batch_size per optimizer step (per device)
     precision: str = "auto"  # auto = bf16-mixed on GPU, 32-true on CPU
-    accelerator: str = "auto"
+    accelerator: str = "auto"  # auto / gpu = CUDA if there is a CUDA GPU, else CPU; cpu; cuda (MPS is not supported)
     devices: int = 1
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | deepspeed_stage_2
@@ -166,7 +166,7 @@ def _check_bools(values: dict[str, Any], where: str = "") -> None:
             raise ConfigError(f"{where}{key} must be true or false, got {value!r}")
 
 
-ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")  # auto and gpu: CUDA if there is one, else CPU (never MPS)
 MAX_MINUTES = 525_600  # trainer.max_minutes: at most a year (the trainer's timedelta overflows near 1.4e12)
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
 FLOAT32_MAX = 3.4028234663852886e38  # AdamW's step size above it overflows its fp32 arithmetic
@@ -231,6 +231,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
     t = cfg.trainer
     _positive(t, "max_steps", "accumulate_grad_batches", "devices", "num_nodes", "log_every", "val_every", "ckpt_every")
+    if t.accelerator == "mps":
+        raise ConfigError("trainer.accelerator=mps is not supported: validation and some heads compute in float64, "
+                          "which MPS lacks; use trainer.accelerator=cpu")
     if t.accelerator not in ACCELERATORS:
         raise ConfigError(f"trainer.accelerator must be one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
     if t.max_minutes is not None:

@@ -43,12 +43,17 @@ from lm.run_dir import claim, missing_tokenizer, tokenizer_sha256
 from lm.step_logger import StepLogger
 
 
+def lightning_accelerator(t: TrainerConfig) -> str:
+    """What the run trains on, "cuda" or "cpu": trainer.accelerator auto or gpu is CUDA where there is a CUDA GPU,
+    else CPU. (Lightning's own auto and gpu would pick Apple's MPS first, which this stack does not support.)"""
+    return "cuda" if t.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
+
+
 def resolve_precision(t: TrainerConfig) -> str:
     """`auto`: bf16-mixed on a GPU, 32-true on CPU (bf16 matmuls are ~20x slower there)."""
     if t.precision != "auto":
         return t.precision
-    gpu = torch.cuda.is_available() and t.accelerator in ("auto", "gpu", "cuda")
-    return "bf16-mixed" if gpu else "32-true"
+    return "bf16-mixed" if lightning_accelerator(t) == "cuda" else "32-true"
 
 
 def deepspeed_config(cfg: Config) -> dict[str, Any]:
@@ -88,7 +93,7 @@ def build_strategy(cfg: Config) -> Any:
         raise ConfigError(
             "trainer.strategy=deepspeed_stage_2 needs DeepSpeed (CUDA machines): pip install -e '.[deepspeed]'"
         ) from None
-    if t.accelerator == "cpu" or not torch.cuda.is_available():
+    if lightning_accelerator(t) == "cpu":
         raise ConfigError("trainer.strategy=deepspeed_stage_2 needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses "
                           "CPU); use strategy=ddp on CPU")
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -129,11 +134,8 @@ def check_devices(t: TrainerConfig) -> None:
     if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
-    if t.accelerator == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("trainer.accelerator=mps, but MPS is not available here; use trainer.accelerator=cpu or auto")
     cores = usable_cores()
-    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
-    if on_cpu and t.devices > cores:
+    if lightning_accelerator(t) == "cpu" and t.devices > cores:
         say(f"warning: trainer.devices={t.devices} on CPU starts {t.devices} training processes on {cores} core(s): "
             f"each gets less than a core, and the run is slower than with trainer.devices={cores}")
 
@@ -207,7 +209,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
     timer = [] if t.max_minutes is None else [StepTimer(timedelta(minutes=t.max_minutes), interval="step")]
     logger = tensorboard_logger(cfg, resumed_step)
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+        accelerator=lightning_accelerator(t), devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=resolve_precision(t),  # type: ignore[arg-type]
         max_steps=t.max_steps, accumulate_grad_batches=t.accumulate_grad_batches,
         val_check_interval=t.val_every * t.accumulate_grad_batches,  # counted in (micro-)batches

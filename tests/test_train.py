@@ -751,6 +751,21 @@ def test_out_dir_below_a_file_and_empty_rope_buffers(data: Path, tmp_path: Path)
     assert metrics["step"] == 3 and math.isfinite(metrics["val_loss"])
 
 
+def test_auto_and_gpu_accelerators_are_cuda_or_cpu_never_mps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the Trainer gets: Lightning's own "auto" and "gpu" pick Apple's MPS before CUDA, where validation's float64
+    sums fail; the run's precision and checks take the same answer."""
+    from lm.config import TrainerConfig
+    from lm.train import lightning_accelerator, resolve_precision
+
+    for cuda, want in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        for accelerator in ("auto", "gpu", "cuda"):
+            t = TrainerConfig(accelerator=accelerator)
+            assert lightning_accelerator(t) == want
+            assert resolve_precision(t) == {"cpu": "32-true", "cuda": "bf16-mixed"}[want]
+        assert lightning_accelerator(TrainerConfig(accelerator="cpu")) == "cpu"
+
+
 def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.devices on CPU starts that many DDP processes: more than the cores is slower, said once at the start."""
     import os
