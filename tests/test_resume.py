@@ -333,6 +333,26 @@ def test_rng_state_survives_a_checkpoint_and_restores_every_generator(tmp_path: 
     assert torch.equal(drawn[0], again[0]) and np.array_equal(drawn[1], again[1]) and drawn[2] == again[2]
 
 
+def test_tb_scalars_reads_what_tensorboard_shows_after_a_rewind(tmp_path: Path) -> None:
+    """A run logs steps 1-20; a --resume-from its step-10 checkpoint opens a writer purging from step 11 and logs
+    11-15. TensorBoard shows 1-10 of the first and 11-15 of the second; tb_scalars merged the files in glob order
+    without the purge, so the abandoned timeline's 16-20 (and, by file order, its 11-15) came back."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from lm.run_logs import tb_scalars
+
+    first = SummaryWriter(tmp_path / "tb")
+    for step in range(1, 21):
+        first.add_scalar("train/lr", 1.0, step)
+    first.close()
+    resumed = SummaryWriter(tmp_path / "tb", purge_step=11)
+    for step in range(11, 16):
+        resumed.add_scalar("train/lr", 2.0, step)
+    resumed.close()
+    assert tb_scalars(tmp_path, "train/lr") == {**{s: 1.0 for s in range(1, 11)}, **{s: 2.0 for s in range(11, 16)}}
+    assert tb_scalars(tmp_path, "train/loss") == {}
+
+
 def test_cuda_rng_state_is_this_devices_and_restores_on_any_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA faked: a checkpoint holds the saving process's own device's generator state, and every rank restores it
     into its own device. It held every visible device's state as rank 0 saw them, restored whole on every rank: rank
