@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from data_prep import tokenizer as sp_codec
 from lm.config import Config
 from lm.model import DecoderLM
 from lm.sanity import warn
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)
-        ids = sp.encode(args.prompt)
+        ids = sp_codec.encode_documents(sp, [args.prompt], threads=1)[0][:-1].tolist()  # as training encoded text
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
         fed = fed_tokens(len(ids), args.max_new_tokens)

@@ -416,6 +416,28 @@ def test_cli_samples_from_a_checkpoint(tmp_path, capsys, heads) -> None:
     assert captured.out.startswith("the cat") and (heads is None or "routing " in captured.err)
 
 
+def test_cli_encodes_the_prompt_as_training_encoded_text(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt is fed as data_prep encoded the training text: lines joined by the newline token, a literal
+    U+2581 as its UTF-8 bytes (plain SentencePiece read it as a space: "a\u2581b" came back as "a b")."""
+    import lm.generate as gen
+    from data_prep.tokenizer import META_BYTE_IDS, NEWLINE_ID, encode_documents
+    from eval_setup import prepared_corpus, save_checkpoint
+
+    corpus = prepared_corpus(tmp_path / "corpus")
+    ckpt, _ = save_checkpoint(tmp_path, corpus, seq_len=32)
+    fed: list[list[int]] = []
+    real = gen.generate
+    monkeypatch.setattr(gen, "generate", lambda model, prompt, *a, **k: fed.append(prompt[0].tolist()) or real(
+        model, prompt, *a, **k))
+    prompt = "the cat\u2581sat\nend"
+    capsys.readouterr()  # data_prep's summary line
+    assert gen.main(["--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "1", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+    sp = gen.load_for_generation(str(ckpt))[1]
+    assert fed == [encode_documents(sp, [prompt], threads=1)[0][:-1].tolist()]
+    assert NEWLINE_ID in fed[0] and all(i in fed[0] for i in META_BYTE_IDS)
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     from lm.generate import main
 
