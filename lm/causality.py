@@ -25,15 +25,18 @@ def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_siz
     if not 0 <= t < tokens.shape[1] - 1:
         raise ValueError(f"t must be in [0, {tokens.shape[1] - 1}), got {t}")
     was_training = model.training
-    model.train(training)
     g = torch.Generator(device="cpu").manual_seed(seed)
     perturbed = tokens.clone()
     tail = perturbed[:, t + 1 :]
     perturbed[:, t + 1 :] = torch.randint(0, vocab_size, tail.shape, generator=g).to(tokens.device)
     logits = []
-    with frozen_state(), torch.random.fork_rng(devices=[]):
-        for x in (tokens, perturbed):
-            torch.manual_seed(seed)
-            logits.append(model(x)[:, : t + 1])
-    model.train(was_training)
+    # manual_seed reseeds every CUDA device too: fork them all, so that the caller's streams are left as they were
+    with frozen_state(), torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            model.train(training)
+            for x in (tokens, perturbed):
+                torch.manual_seed(seed)
+                logits.append(model(x)[:, : t + 1])
+        finally:
+            model.train(was_training)
     return (logits[0] - logits[1]).abs().max().item()

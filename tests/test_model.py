@@ -91,6 +91,22 @@ def test_causality_check_detects_a_leak() -> None:
     assert leak > 1e-3
 
 
+def test_causality_check_leaves_the_models_mode_and_the_callers_rng_as_they_were() -> None:
+    """The check reseeds torch only inside a forked stream, and restores the model's mode even when the model
+    raises (it used to stay in the mode the check had set)."""
+    model = build().eval()
+    tokens = torch.randint(0, 97, (1, 16))
+    torch.manual_seed(5)
+    assert future_leak(model, tokens, 7, 97, training=True) == 0.0
+    after_check = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after_check, torch.rand(3)) and not model.training
+    model.blocks[0].attn.groups[0].forward_fast = lambda x, positions: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        future_leak(model, tokens, 7, 97, training=True)
+    assert not model.training
+
+
 class OneLeakHeads(DenseHeads):
     """Causal dense heads, except that row `dst` also receives the input of the later row `src`."""
 
