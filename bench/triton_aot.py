@@ -12,8 +12,8 @@ than the device has fails with Triton's OutOfResources. It cannot show that resu
 Triton's interpreter) or fast (bench/ on a GPU).
 
 Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots) and
-bf16 (TF32 dots) at h' = 64 and 128, and, with --quick off, smaller heads, MoSAIC's padding masks, deterministic
-mode and two heads beyond the limits (to show why they are there). Varlen kernels at h' = 64 and 128 in fp32 and
+bf16 (TF32 dots) at h' = 16, 32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
+deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64 and 128 in fp32 and
 bf16. Registers and spills per thread come from ptxas -v. Each process compiles for one architecture (Triton
 caches a kernel's target per process).
 """
@@ -96,17 +96,19 @@ def registers(ptx: str, arch: int) -> dict:
 
 def gathered_cases(quick: bool) -> list[dict]:
     """(c, h', dtype, masks, deterministic) of the gathered kernels: in each dtype, the largest heads `fits`
-    admits at h' = 64 and 128, then (full run) smaller heads, the mode variants and heads too large."""
+    admits at h' = 16 .. 256 (narrow heads: the c x c tiles bound them; wide ones: the c x h' tiles), then (full
+    run) smaller heads, the mode variants and heads too large."""
     from heads.gathered_triton import fits
 
     case = lambda c, d, dtype, masks=False, deterministic=False: dict(  # noqa: E731
         c=c, d=d, dtype=dtype, masks=masks, deterministic=deterministic)
-    cases = [case(max(c for c in range(1, 257) if fits(c, d, getattr(torch, dt))), d, dt)
-             for dt in ("float32", "bfloat16") for d in (64, 128)]
+    largest = {(d, dt): max((c for c in range(1, 257) if fits(c, d, getattr(torch, dt))), default=None)
+               for dt in ("float32", "bfloat16") for d in (16, 32, 64, 128, 256)}
+    cases = [case(c, d, dt) for (d, dt), c in largest.items() if c is not None]
     if not quick:
         cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")]
         cases += [case(64, 64, "bfloat16", masks=True), case(64, 64, "bfloat16", deterministic=True)]
-        cases += [case(64, 64, "float32"), case(128, 64, "bfloat16")]  # beyond `fits`: why the limits
+        cases += [case(64, 64, "float32"), case(128, 64, "bfloat16"), case(256, 16, "bfloat16")]  # beyond `fits`
     return cases
 
 
@@ -138,7 +140,7 @@ def deterministic(on: bool) -> Iterator[None]:
 
 
 def varlen_cases() -> list[dict]:
-    return [dict(d=d, dtype=dt) for d in (64, 128) for dt in ("float32", "bfloat16")]
+    return [dict(d=d, dtype=dt) for d in (64, 128, 256) for dt in ("float32", "bfloat16")]
 
 
 def run_varlen(case: dict) -> None:

@@ -49,7 +49,8 @@ BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 # = 64 x 64 (c <= 64 at h' = 64) the 16-bit kernels use up to 112 KB of shared memory and spill no register; at
 # 128 x 64 (c = 128, e.g. rho = 8 at T = 1024) the backward needs 256 KB on H100 (227 KB): Triton refuses the launch.
 # In fp32 the backward already spills ~70 KB per thread at 64 x 64 (0.6 KB at 32 x 64), so fp32 heads stop at half the
-# tile. Larger heads take the lean path (heads/gathered.py).
+# tile. The c x c tiles (scores, P, dS) count too: at h' = 16 the bf16 backward needed 352 KB at c = 256 (`fits` bounds
+# BLOCK_C x max(BLOCK_C, BLOCK_D)). Larger heads take the lean path (heads/gathered.py).
 MAX_TILE = {torch.bfloat16: 64 * 64, torch.float16: 64 * 64, torch.float32: 32 * 64}
 
 
@@ -242,9 +243,11 @@ def _pow2(n: int) -> int:
 
 
 def fits(c: int, d: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels take heads of c slots and width h' = d computed in `dtype` (BLOCK_C x BLOCK_D <=
-    MAX_TILE[dtype]; never fp64, which they would sum in fp32)."""
-    return _pow2(c) * _pow2(d) <= MAX_TILE.get(dtype, 0)
+    """Whether the kernels take heads of c slots and width h' = d computed in `dtype`: their c x h' tiles and their
+    c x c ones (scores, P, dS) within MAX_TILE[dtype], BLOCK_C x max(BLOCK_C, BLOCK_D) (a narrow head's c x c tiles
+    grew past it: c = 256 at h' = 16 in bf16 needed 352 KB of shared memory in the backward); never fp64, which
+    they would sum in fp32."""
+    return _pow2(c) * max(_pow2(c), _pow2(d)) <= MAX_TILE.get(dtype, 0)
 
 
 def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:

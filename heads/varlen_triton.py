@@ -123,11 +123,13 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, scale, D: tl.constexpr, BLO
 def _meta(q: Tensor) -> dict:
     """Sizes and launch options. Exact fp32 dots (no tensor cores) at h' > 64 take blocks of 16 rows and 8 warps: with
     32 rows and 4 warps the backward's dK/dV kernel spilled 17 KB of registers per thread, and with 8 warps it needed
-    104 KB of shared memory, over the 99 KB of sm_89 (ptxas: bench/triton_aot.py); 16 rows: 51 KB, no spills."""
+    104 KB of shared memory, over the 99 KB of sm_89 (ptxas: bench/triton_aot.py); 16 rows: 51 KB, no spills. Any
+    h' > 128 takes 16 rows too: at h' = 256, fp32 inputs with TF32 allowed needed 164-192 KB with 32 (over the A100's
+    163 KB), bf16 98 KB (sm_89's limit)."""
     D, dot = q.shape[-1], dot_precision(q.dtype)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     wide_exact = dot == "ieee" and BLOCK_D > 64
-    block = 16 if wide_exact else BLOCK
+    block = 16 if wide_exact or BLOCK_D > 128 else BLOCK
     return dict(D=D, BLOCK_D=BLOCK_D, BLOCK_M=block, BLOCK_N=block, DOT=dot, num_warps=8 if wide_exact else 4)
 
 

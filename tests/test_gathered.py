@@ -120,7 +120,7 @@ def test_saves_no_gathered_tensor() -> None:
 
 
 @TRITON_KERNELS
-@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (100, 2, 5, 8), (257, 8, 3, 8),
+@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (100, 4, 5, 8), (257, 8, 3, 8),
                                                        (256, 8, 2, 64)])
 def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int) -> None:
     """The fused kernels (fp32: interpreted on CPU, compiled on a GPU) vs the reference: output and, through the fused
@@ -337,7 +337,8 @@ def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
     """heads/gathered_triton.fits: in 16 bits, c x h' blocks up to 64 x 64 (or 32 x 128) go to the fused kernels;
     larger heads, such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel would need 256-272 KB of shared
     memory on H100), take the lean path. fp32 heads stop at half that tile (the fp32 backward spills registers at
-    64 x 64). The dtype is the one the core computes in: autocast's. Compiled at the limits: tests/test_triton_aot.py."""
+    64 x 64). The c x c tiles count as well: narrow heads (h' = 16) stop at the same c (c = 256 passed and needed
+    352 KB). The dtype is the one the core computes in: autocast's. Compiled at the limits: tests/test_triton_aot.py."""
     pytest.importorskip("triton")
     from heads.gathered_lean import compute_dtype
     from heads.gathered_triton import fits
@@ -345,6 +346,8 @@ def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
     assert fits(64, 64, bf16) and fits(17, 64, bf16) and fits(32, 128, bf16) and fits(8, 8, bf16)
     assert not fits(65, 64, bf16) and not fits(128, 64, bf16) and not fits(33, 128, bf16) and not fits(1024, 16, bf16)
+    assert fits(64, 16, bf16) and not fits(65, 16, bf16) and not fits(256, 16, bf16)  # c x c: 352 KB at c = 256
+    assert fits(32, 16, fp32) and not fits(33, 16, fp32) and fits(16, 256, bf16) and not fits(16, 256, fp32)
     assert fits(32, 64, fp32) and fits(16, 128, fp32) and not fits(33, 64, fp32) and not fits(64, 64, fp32)
     assert not fits(8, 8, torch.float64)
     x = torch.zeros(2, 3)
