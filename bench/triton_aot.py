@@ -13,9 +13,9 @@ Triton's interpreter) or fast (bench/ on a GPU).
 
 Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots) and
 bf16 (TF32 dots) at h' = 16, 32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
-deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64 and 128 in fp32 and
-bf16. Registers and spills per thread come from ptxas -v. Each process compiles for one architecture (Triton
-caches a kernel's target per process).
+deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64, 128
+and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v. Each process compiles for one
+architecture (Triton caches a kernel's target per process).
 """
 from __future__ import annotations
 

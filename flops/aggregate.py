@@ -123,7 +123,8 @@ def cell(g: dict[str, Any] | None) -> str:
     """'mean ± std (n=N)' over done replicas; partial points marked with their ppl and step, never averaged."""
     if g is None:
         return "-"
-    text = "-" if g["mean"] is None else f"{g['mean']:.2f}" + (f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["partial"] else "")
+    spread = f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["partial"] else ""  # n=1: seeds missing
+    text = "-" if g["mean"] is None else f"{g['mean']:.2f}{spread}"
     partial = [f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}" for r in g["partial"]]
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
 

@@ -26,9 +26,10 @@ def window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int,
     block), padded rows at the end), keys/values kb, vb[B*H, nb, 2*block, d] of the previous and own
     block (zeros before row 0), and the band mask [nb, block, 2*block]: key row p is visible to query
     row t iff p >= 0 and t - window < p <= t. Needs window <= block + 1 (no key beyond the previous
-    block) or a single block (block >= T). kb and vb are overlapping views of one copy of k and v each (`block_windows`), so that what keeps
-    them for backward keeps T rows per sequence, not 2T. The mask has no batch or head dimension, so SDPA
-    broadcasts it (a [B*H*nb, block, 2*block] copy would be materialised, and kept as a float bias for backward)."""
+    block) or a single block (block >= T). kb and vb are overlapping views of one copy of k and v each
+    (`block_windows`), so that what keeps them for backward keeps T rows per sequence, not 2T. The mask has no
+    batch or head dimension, so SDPA broadcasts it (a [B*H*nb, block, 2*block] copy would be materialised, and kept
+    as a float bias for backward)."""
     B, H, T, d = q.shape
     nb = -(-T // block)
     pad = nb * block - T  # padded query/key rows sit after every real row: invisible to real queries

@@ -165,7 +165,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    cuda = state["cuda"]  # checkpoints before 2026-11-29: a list, every device's state as rank 0 saw them, its own first
+    cuda = state["cuda"]  # before 2026-11-29: a list, every device's state as rank 0 saw them, its own first
     if len(cuda) and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, list) else cuda)  # into this process's device
     name, keys, *rest = state["numpy"]

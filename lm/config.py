@@ -103,7 +103,7 @@ class TrainerConfig:
     ckpt_every: int = 1000
     keep_last_k: int = 3  # step checkpoints kept (the newest k; 0 = all)
     out_dir: str = "runs/default"
-    max_minutes: Optional[float] = None  # also stop after this much wall time in fit (validations, checkpoints included)
+    max_minutes: Optional[float] = None  # also stop after this much wall time in fit (validations, saves included)
     max_bad_steps: int = 0  # NaN/inf loss or gradient: 0 = stop the run; n = skip up to n such steps (lm/nonfinite.py)
     compile: bool = False  # torch.compile(fullgraph=True) the training step's forward + loss
     activation_checkpointing: bool = False  # keep only each block's input, recompute the block in backward

@@ -260,7 +260,8 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
             if other:  # (it used to start from scratch, then fail to write over the first same-named step)
                 raise ConfigError(
                     f"--resume: {ckpt_dir(cfg)} holds DeepSpeed checkpoint directories ({other[0].name}, ...), which "
-                    f"trainer.strategy={cfg.trainer.strategy} cannot load: resume with trainer.strategy=deepspeed_stage_2"
+                    f"trainer.strategy={cfg.trainer.strategy} cannot load: resume with "
+                    "trainer.strategy=deepspeed_stage_2"
                     if not deepspeed else
                     f"--resume: {ckpt_dir(cfg)} holds checkpoint files ({other[0].name}, ...) of another strategy, and "
                     "DeepSpeed loads only its own checkpoint directories: resume with the strategy that wrote them")

@@ -766,7 +766,8 @@ def test_auto_and_gpu_accelerators_are_cuda_or_cpu_never_mps(monkeypatch: pytest
         assert lightning_accelerator(TrainerConfig(accelerator="cpu")) == "cpu"
 
 
-def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """trainer.devices on CPU starts that many DDP processes: more than the cores is slower, said once at the start."""
     import os
 
