@@ -154,11 +154,20 @@ class LMModule(L.LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
         """The optimizer step, then the head groups' staged state updates (heads.commit_states): outside the
         compiled forward, and before any callback checkpoints the step. Under DeepSpeed, which accumulates
-        gradients itself, Lightning calls this after every micro-batch: the state moves after the step's last."""
+        gradients itself, Lightning calls this after every micro-batch: the state moves after the step's last.
+        A step that 16-mixed's GradScaler or DeepSpeed's loss scaler skipped (inf gradients) drops what it staged,
+        as the weights stay too (the non-finite guard's skip does the same: lm/nonfinite.py)."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # 16-mixed: GradScaler
+        scale = scaler.get_scale() if scaler is not None else None
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         if ends_step(self.trainer, batch_idx):
-            commit_states(self.model)  # a CompressedLM's groups too (lm/compressed_training.py)
-            if self.cfg.trainer.strategy == "deepspeed_stage_2":  # its engine clipped, by the norm it took
+            deepspeed = self.cfg.trainer.strategy == "deepspeed_stage_2"
+            if deepspeed:
+                applied = self.trainer.model.was_step_applied()  # trainer.model: the DeepSpeed engine
+            else:  # the scaler lowers its scale exactly when it skips a step
+                applied = scale is None or scaler.get_scale() >= scale
+            commit_states(self.model, keep=applied)  # a CompressedLM's groups too (lm/compressed_training.py)
+            if deepspeed:  # its engine clipped, by the norm it took
                 norm = self.trainer.model.get_global_grad_norm()  # trainer.model: the DeepSpeed engine
                 if norm is not None:
                     self.log("train/grad_norm", norm)

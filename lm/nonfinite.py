@@ -15,7 +15,10 @@ them). On a bad step it either
   the run.
 A non-finite validation loss also stops the run, before that step's checkpoint is written; a huge
 finite one is reported as perplexity inf (lm/perplexity.py). StepCheckpoints refuses NaN/inf weights.
-Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked.
+Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked; under DeepSpeed
+ZeRO-2 the gradients live in the engine's partitions (no `.grad`), so only the loss is checked too, and the engine
+skips a step whose gradient norm is not finite by itself. Neither skip counts against `max_bad_steps`, and either
+leaves the head state as it was (LMModule.optimizer_step drops what the step staged).
 The skip count is saved in checkpoints (callback state), so a resumed run keeps its budget.
 """
 from __future__ import annotations

@@ -138,6 +138,46 @@ def test_the_skip_budget_survives_a_checkpoint() -> None:
     assert guard.skipped == resumed.skipped == 1
 
 
+def test_a_step_the_grad_scaler_skips_leaves_the_head_state_as_it_was(tmp_path: Path) -> None:
+    """16-mixed: an inf gradient under a finite loss is the GradScaler's to skip (the guard checks the loss only);
+    LMModule then drops what the step staged, so MoSA's thresholds stay with the weights (they used to move), and
+    the next step moves both again."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lm.data import LMDataModule
+    from lm.module import LMModule
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    heads = "[{type: dense, count: 1}, {type: mosa, count: 2, options: {sparsity: 4, threshold_momentum: 0.5}}]"
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4), f"model.heads={heads}",
+                      "data.batch_size=2")
+    torch.manual_seed(0)
+    module = LMModule(cfg)
+    after: list[dict[str, torch.Tensor]] = []
+
+    class InfGradientAtStep2(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+            if trainer.global_step == 2:
+                weight = pl_module.model.embed.weight
+                self.hook = weight.register_hook(lambda g: g * math.inf)
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+            if trainer.global_step == 3:
+                self.hook.remove()
+            after.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    guard = NonFiniteGuard(0, lambda: None)
+    fp16 = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))  # Lightning's 16-mixed, which on CPU
+    trainer = L.Trainer(accelerator="cpu", plugins=[fp16], max_steps=4, logger=False,  # it turns into bf16-mixed
+                        enable_checkpointing=False, limit_val_batches=0, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[guard, InfGradientAtStep2()])
+    trainer.fit(module, datamodule=LMDataModule(cfg.data, cfg.model, cfg.trainer.seed))
+    assert trainer.global_step == 4 and guard.skipped == 0
+    state = [k for k in after[0] if k.endswith("threshold.tau")]
+    assert state and all(torch.equal(after[2][k], after[1][k]) for k in [*state, "model.embed.weight"])
+    assert all(not torch.equal(after[3][k], after[2][k]) for k in [*state, "model.embed.weight"])
+
+
 def test_a_diverging_run_stops_and_names_its_last_finite_checkpoint(tmp_path: Path) -> None:
     """lr 1e6 without clipping: step 1's update makes step 2's loss NaN (measured). Every checkpoint on
     disk holds finite weights, and the error names the newest."""
