@@ -132,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, model=baseline(size, cfg.model))
         if a.out.exists() and not a.out.is_dir():
             raise ConfigError(f"--out {a.out} is a file, not a directory")
-        a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config and run paths
+        a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config, run and data paths
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
         points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
         for point, entry in points:
             stale_run(point, Path(entry["out_dir"]))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not (Path(cfg.data.path) / "index.json").is_file():  # planned before the data exists is fine; trained, not
+        print(f"warning: data.path {cfg.data.path} holds no prepared data (index.json) yet: flops.run_sweep needs it",
+              file=sys.stderr)
     a.out.mkdir(parents=True, exist_ok=True)
     for point, entry in points:
         Path(entry["config"]).write_text(to_yaml(point))

@@ -119,13 +119,18 @@ def test_sweep_refuses_an_out_holding_runs_of_other_models(tmp_path: Path, capsy
     assert err.startswith(f"error: {run} holds a run of another config (model.heads: ") and "use a new --out" in err
 
 
-def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_root(tmp_path: Path,
-                                                                                     monkeypatch) -> None:
+def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_root(tmp_path: Path, monkeypatch,
+                                                                                     capsys) -> None:
+    """Config, run and data paths given relative to where flops.sweep ran (data.path was copied as given: every
+    point failed in run_sweep, which trains from the repository root); data not prepared yet is a warning."""
     monkeypatch.chdir(tmp_path)
-    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", "rel"]) == 0
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", "rel", "data.path=d"]) == 0
     entry = json.loads((tmp_path / "rel" / "sweep.json").read_text())["points"][0]
     assert entry["config"] == str(tmp_path / "rel" / "dense_s1.yaml") and Path(entry["config"]).is_file()
     assert entry["out_dir"] == str(tmp_path / "rel" / "runs" / "dense_s1")
+    assert lm.load_config(entry["config"]).data.path == str(tmp_path / "d")
+    assert (f"warning: data.path {tmp_path / 'd'} holds no prepared data (index.json) yet: flops.run_sweep needs it"
+            in capsys.readouterr().err)
 
 
 def _fake_metrics(entry: dict, ppl: float, step: int = 3) -> None:
