@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.isoflop")
     p.add_argument("--size", default="tiny", help=f"dense baseline preset: {', '.join(SIZES)}")
     p.add_argument("--head", required=True, help="sparse head type (a registered head, heads/__init__.py)")
-    p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head")
+    p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head (default: the head "
+                   "type's own option, e.g. mosa's 8; 1 = the dense baseline, for any type)")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
     for name in ("seq-len", "hidden", "layers", "heads", "head-dim"):

@@ -331,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", required=True, help="text to continue")
     ap.add_argument("--max-new-tokens", type=int, default=100,
                     help="tokens to generate at most (fewer if the end-of-document token comes first; default 100)")
-    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     ap.add_argument("--compile", action="store_true",
                     help="decode through torch.compile (one graph for every step; compiling takes a while first)")
