@@ -51,7 +51,8 @@ def consolidate(directory: str | Path, out: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from lm.cli import check_output
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m lm.consolidate",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("directory", help="a DeepSpeed checkpoint directory (checkpoints/step<N>.ckpt or last.ckpt)")
     ap.add_argument("out", help="the checkpoint file to write")
     args = ap.parse_args(argv)

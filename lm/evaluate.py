@@ -173,7 +173,8 @@ def plot_position_curve(losses: list[float | None], path: str | Path, title: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Sliding-window perplexity and bits per byte of a checkpoint on text.")
+    ap = argparse.ArgumentParser(prog="python -m lm.evaluate",
+                                 description="Sliding-window perplexity and bits per byte of a checkpoint on text.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--input", required=True, help="file, directory, C4 json(.gz) or prepared directory")
     ap.add_argument("--format", default="auto", choices=FORMATS,

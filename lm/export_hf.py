@@ -84,7 +84,8 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Export a train_lm.py checkpoint as a Hugging Face model directory.")
+    ap = argparse.ArgumentParser(prog="python -m lm.export_hf",
+                                 description="Export a train_lm.py checkpoint as a Hugging Face model directory.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--out", required=True, help="new (or empty) directory")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)

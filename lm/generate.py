@@ -326,7 +326,8 @@ def _load_problem(err: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Sample from a train_lm.py checkpoint with the KV cache.")
+    ap = argparse.ArgumentParser(prog="python -m lm.generate",
+                                 description="Sample from a train_lm.py checkpoint with the KV cache.")
     ap.add_argument("--ckpt", required=True, help="Lightning checkpoint written by train_lm.py")
     ap.add_argument("--prompt", required=True, help="text to continue")
     ap.add_argument("--max-new-tokens", type=int, default=100,

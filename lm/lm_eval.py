@@ -298,7 +298,8 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
+    ap = argparse.ArgumentParser(prog="python -m lm.lm_eval",
+                                 description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     ap.add_argument("--include-path", default=None, help="directory (or file) of extra task YAMLs")

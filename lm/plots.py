@@ -52,7 +52,8 @@ def run_labels(runs: list[Path]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Plot the validation curves of training runs (metrics.json) together.")
+    parser = argparse.ArgumentParser(prog="python -m lm.plots",
+                                     description="Plot the validation curves of training runs (metrics.json) together.")
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
     parser.add_argument("--out", required=True, help="PNG to write")
     parser.add_argument("--title", default="", help="plot title")

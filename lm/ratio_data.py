@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from lm.compressed_training import document_windows, fixed_windows, load_compressed
     from lm.data import DataError
 
-    parser = argparse.ArgumentParser(description="Measure Delta = Loss(compressed) - Loss(full) over ratios")
+    parser = argparse.ArgumentParser(prog="python -m lm.ratio_data",
+                                     description="Measure Delta = Loss(compressed) - Loss(full) over ratios")
     parser.add_argument("--ckpt", required=True, help="checkpoint written by python -m lm.compressed_training")
     parser.add_argument("--data", required=True, help="prepared data directory")
     parser.add_argument("--out", required=True)

@@ -187,7 +187,8 @@ def _choose(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Train / use the compression-ratio predictor")
+    parser = argparse.ArgumentParser(prog="python -m lm.ratio_predictor",
+                                     description="Train / use the compression-ratio predictor")
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fit the predictor on a file written by python -m lm.ratio_data")
     t.add_argument("--data", required=True)
