@@ -174,13 +174,36 @@ def test_head_state_commits_once_per_step_when_the_optimizer_is_stepped_per_micr
     from tests.conftest import tiny_config
 
     module = LMModule(tiny_config([{"type": "mosa", "count": 2, "options": {"sparsity": 4}}], seq_len=16)).train()
-    module._trainer = SimpleNamespace(accumulate_grad_batches=4)
+    module._trainer = SimpleNamespace(accumulate_grad_batches=4, precision_plugin=SimpleNamespace())
     monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda *args, **kwargs: None)  # the engine's step
     tau = module.model.blocks[0].attn.groups[0].threshold.tau
     for batch_idx in range(4):
         module.model(torch.randint(0, 97, (2, 16)))  # a micro-batch's forward stages its statistics
         module.optimizer_step(0, batch_idx, None)
         assert torch.equal(tau, torch.zeros_like(tau)) == (batch_idx < 3), batch_idx
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_step_deepspeed_skipped_leaves_the_head_state(applied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DeepSpeed the engine says whether its step was applied (not on an overflow: a non-finite gradient norm);
+    a skipped step drops what it staged, as the weights stay."""
+    from types import SimpleNamespace
+
+    import lightning as L
+
+    from lm.module import LMModule
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config([{"type": "mosa", "count": 2, "options": {"sparsity": 4}}], seq_len=16)
+    cfg.trainer.strategy = "deepspeed_stage_2"
+    module = LMModule(cfg).train()
+    engine = SimpleNamespace(was_step_applied=lambda: applied, get_global_grad_norm=lambda: None)
+    module._trainer = SimpleNamespace(accumulate_grad_batches=1, precision_plugin=SimpleNamespace(), model=engine)
+    monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda *args, **kwargs: None)  # the engine's step
+    tau = module.model.blocks[0].attn.groups[0].threshold.tau
+    module.model(torch.randint(0, 97, (2, 16)))
+    module.optimizer_step(0, 0, None)
+    assert torch.equal(tau, torch.zeros_like(tau)) != applied
 
 
 def test_throughput_counts_the_tokens_of_the_timed_micro_batches() -> None:

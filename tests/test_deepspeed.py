@@ -162,8 +162,8 @@ def test_the_engines_gradient_norm_is_logged_after_each_step(monkeypatch: pytest
     cfg = worker.config()
     cfg.trainer.strategy = "deepspeed_stage_2"
     module = LMModule(cfg)
-    engine = SimpleNamespace(get_global_grad_norm=lambda: 0.75)
-    module.trainer = SimpleNamespace(model=engine, accumulate_grad_batches=2)
+    engine = SimpleNamespace(get_global_grad_norm=lambda: 0.75, was_step_applied=lambda: True)
+    module.trainer = SimpleNamespace(model=engine, accumulate_grad_batches=2, precision_plugin=SimpleNamespace())
     monkeypatch.setattr(L.LightningModule, "optimizer_step", lambda *a, **k: None)  # the engine's step, not run here
     logged = []
     monkeypatch.setattr(module, "log", lambda name, value, **k: logged.append((name, value)))
