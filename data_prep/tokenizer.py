@@ -99,6 +99,12 @@ def encode_documents(sp: spm.SentencePieceProcessor, texts: Sequence[str], threa
     return out
 
 
+def encode_text(sp: spm.SentencePieceProcessor, text: str) -> list[int]:
+    """One text's tokens as training encoded it (`encode_documents`), without the closing EOS_ID: a prompt, a
+    context or continuation of an evaluation task, what a transformers tokenizer returns."""
+    return encode_documents(sp, [text], threads=1)[0][:-1].tolist()
+
+
 def decode(sp: spm.SentencePieceProcessor, tokens: Sequence[int] | np.ndarray) -> list[str]:
     """The documents in a token sequence (split at EOS_ID; a trailing unfinished document is included)."""
     tokens = np.asarray(tokens, dtype=np.int64)

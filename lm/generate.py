@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)
-        ids = sp_codec.encode_documents(sp, [args.prompt], threads=1)[0][:-1].tolist()  # as training encoded text
+        ids = sp_codec.encode_text(sp, args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
         fed = fed_tokens(len(ids), args.max_new_tokens)

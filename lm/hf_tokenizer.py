@@ -26,8 +26,7 @@ class SparseHeadsTokenizer(SentencePieceBackend):
         super().__init__(vocab_file=vocab_file, **kwargs)
 
     def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
-        ids = sp_codec.encode_documents(self.sp_model, [text], threads=1)[0][:-1]  # drop the closing EOS
-        return [self.sp_model.id_to_piece(int(i)) for i in ids]
+        return [self.sp_model.id_to_piece(i) for i in sp_codec.encode_text(self.sp_model, text)]
 
     def _decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)

@@ -86,7 +86,7 @@ class SparseHeadsLM(TemplateLM):
         return sp_codec.EOS_ID
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return sp_codec.encode_documents(self.sp, [string], threads=1)[0][:-1].tolist()
+        return sp_codec.encode_text(self.sp, string)
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.sp.decode(list(tokens))
