@@ -15,6 +15,7 @@ library versions and the exact command.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import re
@@ -48,7 +49,9 @@ class Bench:
     """One config's module, optimizer and random batch, ready to time training steps."""
 
     def __init__(self, cfg: Config, device: torch.device) -> None:
-        precision = resolve_precision(cfg.trainer)
+        # trainer.precision auto as training would resolve it on this device (not on the machine's first GPU)
+        on = "gpu" if device.type == "cuda" else "cpu"
+        precision = resolve_precision(dataclasses.replace(cfg.trainer, accelerator=on))
         if precision not in ("32-true", "bf16-mixed") or (precision == "bf16-mixed" and device.type != "cuda"):
             raise ConfigError(f"trainer.precision {precision} is not timed here: 32-true, or bf16-mixed on CUDA")
         torch.manual_seed(cfg.trainer.seed)

@@ -41,6 +41,13 @@ def test_a_step_is_the_modules_training_step() -> None:
                                                "tokens_per_s": 96.0}
 
 
+def test_auto_precision_follows_the_benched_device(monkeypatch) -> None:
+    """trainer.precision auto is resolved for the device timed, not the machine's GPU: on a CUDA machine a CPU bench
+    runs 32-true (it raised "bf16-mixed is not timed here" on the H200)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert throughput.Bench(load_config(None, *TINY), torch.device("cpu")).precision == "32-true"
+
+
 def test_compiled_loss_and_side_by_side_ratio(tmp_path: Path, capsys) -> None:
     compiled = throughput.Bench(load_config(None, *TINY, "trainer.compile=true"), torch.device("cpu")).module
     assert compiled.train_losses != compiled.losses  # what a step calls (above) is the compiled loss
