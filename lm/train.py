@@ -23,6 +23,7 @@ from lightning.pytorch.profilers import Profiler, PyTorchProfiler, SimpleProfile
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
+from torch.profiler import ProfilerActivity
 
 from data_prep.cores import usable_cores
 from heads import ConfigError
@@ -161,13 +162,15 @@ def build_profiler(t: TrainerConfig) -> Profiler | None:
     """`trainer.profiler`, written to `<out_dir>/profile`: `simple` = Lightning's SimpleProfiler (wall time per
     training hook, whole run); `pytorch` = its PyTorchProfiler with the default schedule (skip 1 step, warm up
     1, record 3): per-operator CPU (and CUDA) time and memory as a table, and a trace for TensorBoard's profile
-    plugin or Perfetto / chrome://tracing."""
+    plugin or Perfetto / chrome://tracing. CUDA is recorded, and the table sorted by CUDA time, only when the run
+    trains on CUDA (Lightning's default does both whenever a GPU exists: a CPU run's table was then sorted by zeros)."""
     if t.profiler is None:
         return None
     out = Path(t.out_dir) / "profile"
     if t.profiler == "simple":
         return SimpleProfiler(dirpath=out, filename="simple")
-    return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lightning_accelerator(t) == "cuda" else [])
+    return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True, activities=activities)
 
 
 class _NoAdverts(logging.Filter):

@@ -675,6 +675,24 @@ def test_profiler_reports(data: Path, tmp_path: Path, profiler: str) -> None:
     assert "aten::mm" in names and any(n.startswith("[pl][module]heads.dense.DenseHeads: model.blocks.1") for n in names)
 
 
+def test_pytorch_profiler_records_cuda_only_for_a_cuda_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On a machine with a GPU, a CPU run's operator table is sorted by CPU time and no CUDA activity is recorded
+    (Lightning's default sorted it by CUDA time, all zeros: the H200 run's table held no aten:: row); a CUDA run
+    records both and sorts by CUDA time."""
+    import lightning.pytorch.profilers.pytorch as lightning_profiler
+    from torch.profiler import ProfilerActivity
+
+    from lm.config import TrainerConfig
+    from lm.train import build_profiler
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(lightning_profiler, "is_cuda_available", lambda: True)
+    for accelerator, key, cuda in (("cpu", "cpu_time_total", False), ("auto", "cuda_time_total", True)):
+        profiler = build_profiler(TrainerConfig(accelerator=accelerator, profiler="pytorch", out_dir=str(tmp_path)))
+        assert profiler._sort_by_key == key
+        assert (ProfilerActivity.CUDA in profiler._profiler_kwargs["activities"]) == cuda
+
+
 def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(trained: tuple[Path, dict], data: Path,
                                                                           tmp_path: Path, capsys) -> None:
     """--resume-from step 10 of a run that went on to 30 starts another timeline: the old step 20/30 files and
