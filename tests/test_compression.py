@@ -460,7 +460,9 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     cfg = make(regime="random", ramp_steps=20, max_depth=2, full_prob=0.25).comp
     full = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
     full.compression = cfg
-    for key, value in dict(max_steps=100, val_every=100, ckpt_every=100, log_every=50, out_dir=str(tmp_path / "run")).items():
+    # on CPU: the equalities below are fp32 ones (on a GPU, auto would train in bf16-mixed)
+    for key, value in dict(accelerator="cpu", max_steps=100, val_every=100, ckpt_every=100, log_every=50,
+                           out_dir=str(tmp_path / "run")).items():
         setattr(full.trainer, key, value)
     full.data.path, full.data.batch_size, full.data.val_batches = path, 8, 2
     full.optim.lr, full.optim.warmup_steps, full.optim.grad_clip = 3e-3, 5, 1.0
@@ -491,8 +493,9 @@ def test_compression_training_accumulates_and_checkpoints_like_plain_training(tm
     def run(name: str, batch: int, accumulate: int, checkpointing: bool) -> dict:
         full = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
         full.compression = make(regime="random", ramp_steps=3, max_depth=2).comp
-        for key, value in dict(max_steps=6, val_every=100, ckpt_every=100, out_dir=str(tmp_path / name),
-                               accumulate_grad_batches=accumulate, activation_checkpointing=checkpointing).items():
+        for key, value in dict(accelerator="cpu", max_steps=6, val_every=100, ckpt_every=100,  # fp32 (bf16 on a GPU)
+                               out_dir=str(tmp_path / name), accumulate_grad_batches=accumulate,
+                               activation_checkpointing=checkpointing).items():
             setattr(full.trainer, key, value)
         full.data.path, full.data.batch_size, full.data.val_batches = path, batch, 1
         full.optim.lr, full.optim.warmup_steps = 3e-3, 2
@@ -573,7 +576,7 @@ def test_compression_training_final_checkpoint_carries_the_final_validation(tmp_
     path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
     full = tiny_config([{"type": "dense", "count": 2}], n_layers=2, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
     full.compression = make(regime="random", ramp_steps=2, max_depth=2).comp
-    for key, value in dict(max_steps=4, val_every=3, ckpt_every=2, out_dir=str(tmp_path / "run")).items():
+    for key, value in dict(accelerator="cpu", max_steps=4, val_every=3, ckpt_every=2, out_dir=str(tmp_path / "run")).items():
         setattr(full.trainer, key, value)
     full.data.path, full.data.batch_size, full.data.val_batches = path, 4, 1
     metrics = train_compressed(full)
