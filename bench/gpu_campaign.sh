@@ -7,7 +7,7 @@
 #   run(command="BUDGET_S=360 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=390)
 #   run(command="BUDGET_S=<budget_left_s - 130> bash bench/gpu_campaign.sh tests", same carry)
 # (the second call, made at once, finds the first's machine still warm; a fresh start needs 4 minutes or more left).
-# A step's limit is a cap, not a reservation: call 1's caps add up to 445 s against the ~345 s its budget leaves, so
+# A step's limit is a cap, not a reservation: call 1's caps add up to 495 s against the ~345 s its budget leaves, so
 # when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs, which
 # are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
@@ -139,14 +139,18 @@ for phase in $PHASES; do case $phase in
 tests)
     setsid bash -c background_checks & checks=$!  # own process groups: killed whole if they overrun
     setsid bash -c c4_runs & c4=$!
+    # what the run should cover (gpu_tests.md lists the files whose collected tests did not all get a result)
+    python3 -m pytest --collect-only -q -q -p no:cacheprovider tests 2>/dev/null | grep -E '^tests/\S+\.py: [0-9]+$' \
+        > $C/collected.txt
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
     # pytest-timeout >= 2.3 ends the session between tests in time to print its summary and write the junit file
     SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? ($(left) > 75 ? $(left) - 55 : 20) : 200 ))")
     export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
+    TESTS_S=$(( $(left) - 40 ))  # all but the wait for the checks beside it (on the H200, 16 cores: > 240 s)
     if command -v make >/dev/null; then
-        step make-test 240 make test VENV=$VENV -o $VENV/.installed > $C/tests.log 2>&1  # -o: the stand-in stays
+        step make-test $TESTS_S make test VENV=$VENV -o $VENV/.installed > $C/tests.log 2>&1  # -o: the stand-in stays
     else  # what `make test` runs, where the image has no make
-        step make-test 240 env TRITON_INTERPRET=0 python3 -m pytest tests > $C/tests.log 2>&1
+        step make-test $TESTS_S env TRITON_INTERPRET=0 python3 -m pytest tests > $C/tests.log 2>&1
     fi
     unset PYTEST_ADDOPTS
     tail -30 $C/tests.log
@@ -158,11 +162,12 @@ tests)
 timing)
     # bench/resources.py rewrites its table after every round, bench/heads.py after every T: a step stopped at its
     # limit keeps what it finished
-    step table2 55 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
-        --rounds 2 --warmup 3 --steps 10 --out $C/gpu_table2.md
-    step isoflop 55 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
-        --rounds 2 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
-    step heads 70 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+    # one round each: on the H200, two rounds and the first Triton compiles overran 55 s; one round took 28 s
+    step table2 70 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
+        --rounds 1 --warmup 3 --steps 10 --out $C/gpu_table2.md
+    step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
+        --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
+    step heads 90 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
         --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md  # the 5 dense heads the IsoFLOP model replaces
     ;;
 mfu)

@@ -4,10 +4,11 @@
 
 Writes, each headed by the machine, the library versions and the campaign's own command lines for it:
 gpu_tests.md (the CUDA test run from pytest's junit file: counts, every failure and error with its message,
-skips grouped by reason, and whether the session ran to its end), gpu_table2.md (bench/resources.py, Tiny pair),
-gpu_isoflop_heads.md (the IsoFLOP pair and bench/heads.py), gpu_mfu.md (flops.mfu of the MFU runs),
-gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with gpu_c4_dense_vs_mosa.png (the short
-C4 run). A part the campaign did not produce is written as missing, with the step's status line, never left out.
+skips grouped by reason, whether the session ran to its end, the files whose collected tests did not all run),
+gpu_table2.md (bench/resources.py, Tiny pair), gpu_isoflop_heads.md (the IsoFLOP pair and bench/heads.py),
+gpu_mfu.md (flops.mfu of the MFU runs), gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with
+gpu_c4_dense_vs_mosa.png (the short C4 run). A part the campaign did not produce is written as missing, with the
+step's status line, never left out.
 """
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ def tests_report(c: Path) -> list[str]:
         why = "no junit file" if not xml.is_file() else f"the junit file does not parse ({err})"
         return lines + [f"**Missing**: {why}; the end of the log:", "", "```", log[-3000:], "```"]
     outcome: Counter[str] = Counter()
-    failures, skips = [], Counter()
+    failures, skips, per_file, module_skips = [], Counter(), Counter(), set()
     for case in cases:
         name = pytest_id(case.get("classname", ""), case.get("name", ""))
+        if not case.get("classname"):  # a whole module skipped at collection: name "tests.test_x"
+            module_skips.add(case.get("name", ""))
+        per_file[name.split("::")[0]] += 1
         kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
         kind = kinds[0] if kinds else "passed"
         outcome[kind] += 1
@@ -72,11 +76,21 @@ def tests_report(c: Path) -> list[str]:
             failures.append(f"- {kind}: `{name}`: {message[0][:300] if message else '(no message)'}")
         elif kind == "skipped":
             skips[(case.find("skipped").get("message") or "").strip()] += 1
-    ended = "session-timeout" not in log and "KeyboardInterrupt" not in log
+    exits = re.findall(r"^make-test exit (\d+)", read(c / "status.txt") or "", re.M)
+    ended = ("session-timeout" not in log and "KeyboardInterrupt" not in log
+             and all(code in ("0", "1") for code in exits))  # pytest: 0 passed, 1 tests failed; else stopped
     lines += [f"passed {outcome['passed']}, failed {outcome['failure']}, errors {outcome['error']}, skipped "
               f"{outcome['skipped']}" + ("" if ended else " (**the session was cut short**: the tests not listed did not run)"),
               "", "## Failures and errors", "", *(failures or ["none"]), "", "## Skipped, by reason", ""]
     lines += [f"- {n} x {reason}" for reason, n in skips.most_common()] or ["none"]
+    collected = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(tests/\S+\.py): (\d+)$",
+                                                                   read(c / "collected.txt") or "", re.M)}
+    whole = {name.replace(".", "/") + ".py" for name in module_skips}  # skipped at collection there: accounted for
+    short = [f"- `{path}`: {per_file[path]} of {n}" for path, n in collected.items()
+             if per_file[path] < n and path not in whole]
+    if collected:  # collected.txt: `pytest --collect-only -q -q` before the run
+        lines += ["", "## Not run (results of the tests each file collected)", "", *(short or ["none: every collected "
+                                                                                              "test has a result"])]
     slowest = re.search(r"=+ slowest \d+ durations =+\n(.*?)(?:\n\n|\n=)", log, re.S)
     if slowest:
         lines += ["", "## Slowest", "", "```", slowest.group(1).strip(), "```"]

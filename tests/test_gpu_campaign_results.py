@@ -69,6 +69,26 @@ def test_a_cut_short_session_says_so(tmp_path: Path, log: str) -> None:
     assert "(**the session was cut short**: the tests not listed did not run)" in (tmp_path / "r" / "gpu_tests.md").read_text()
 
 
+def test_a_stopped_make_test_is_cut_short_and_the_files_not_run_are_listed(tmp_path: Path) -> None:
+    """make-test stopped at its limit (exit 124/137; the H200 run's log said neither session-timeout nor
+    KeyboardInterrupt) is a cut-short session; with collected.txt, each file whose tests did not all run is listed."""
+    c = _campaign(tmp_path)
+    (c / "status.txt").write_text("make-test exit 137 250s\n")
+    (c / "tests.xml").write_text(JUNIT.replace("</testsuite>", '<testcase classname="" name="tests.test_e" time="0">'
+                                                             '<skipped message="collection skipped" /></testcase></testsuite>'))
+    (c / "collected.txt").write_text("tests/test_a.py: 2\ntests/test_b.py: 3\ntests/test_c.py: 1\ntests/test_d.py: 4\n"
+                                     "tests/test_e.py: 5\n")  # test_e: skipped whole where it ran, not "1 of 5"
+    assert results.main([str(c), "--results", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "gpu_tests.md").read_text()
+    assert "skipped 3 (**the session was cut short**: the tests not listed did not run)" in report
+    assert report.endswith("- `tests/test_b.py`: 1 of 3\n- `tests/test_d.py`: 0 of 4\n") and "test_a.py`: " not in report
+    (c / "status.txt").write_text("make-test exit 1 80s\n")  # tests failed, the session ended
+    (c / "collected.txt").write_text("tests/test_a.py: 2\n")
+    assert results.main([str(c), "--results", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "gpu_tests.md").read_text()
+    assert "skipped 3\n" in report and "none: every collected test has a result" in report
+
+
 def test_a_truncated_junit_file_is_reported_missing_and_the_other_reports_written(tmp_path: Path) -> None:
     c = _campaign(tmp_path)
     (c / "tests.xml").write_text(JUNIT[:200])  # cut off mid-write
@@ -135,7 +155,7 @@ def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None
         pytest.skip("no make on this machine")
     root = Path(__file__).resolve().parents[1]
     script = (root / "bench" / "gpu_campaign.sh").read_text()
-    (call,) = re.findall(r"step make-test \d+ (make test [^>]*?)\s*>", script)
+    (call,) = re.findall(r"step make-test \S+ (make test [^>]*?)\s*>", script)
     assert call == "make test VENV=$VENV -o $VENV/.installed"
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
