@@ -4,10 +4,10 @@ Same maths as `gathered_heads_reference`: per head i, X^s = X[I]; Q, K, V = X^s 
 original positions); A = softmax(Q K^T / sqrt(h') + M) V; Y[I] += diag(r_I) A W^O_i. What differs is what
 lives in memory. A custom autograd Function processes the heads in chunks of about T / (4c) heads, so every
 buffer of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r) A W^O, their gradients) is
-about a quarter of X, or up to MIN_CHUNK_ELEMENTS for tiny problems (allocated once per pass and reused by
-every chunk), and saves for backward only the slot indices, gates, slot positions and the rotated Q, K, V
-[H, B, c, h'] (h' << h). Backward re-gathers X^s and dY[I] chunk by chunk and recomputes the c x c attention
-(c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
+about a quarter of X, or up to MIN_CHUNK_ELEMENTS for tiny problems (CUDA_CHUNK_ELEMENTS on a GPU, where kernel
+launches dominate below it), allocated once per pass and reused by every chunk, and saves for backward only the
+slot indices, gates, slot positions and the rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s
+and dY[I] chunk by chunk and recomputes the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
 
 Slot layout (routing/selection.py): per (sequence, head) c slots, valid ones first in ascending token
 order, so M is the causal mask over slots. Optional masks for MoSAIC's padding rules (App. E.2):
@@ -42,6 +42,10 @@ CHUNK_ROWS = 0.25  # slots per sequence in one chunk of heads, as a fraction of 
 MIN_CHUNK_ELEMENTS = 2**19  # ... but a chunk's [n, B*c, h] buffer may always hold this many elements (2 MiB
 # in fp32): below it per-op overhead dominates (24 MoSA heads at h = 64, T = 128, B = 16: one head per chunk
 # took 2x the time of 16 per chunk). It leaves the Tiny point at B = 4 as it was (8 heads per chunk either way).
+CUDA_CHUNK_ELEMENTS = 2**24  # on a GPU (32 MiB in bf16; 5 such buffers live at once in backward): a GPU does 2^19
+# elements' work in about a microsecond, less than one kernel launch, and each chunk launches ~70 kernels. On the
+# H200, 639 heads of c = 128 at T = 4096, B = 4 ran in 80 chunks of 8 heads: 147 ms forward and backward, 72x the
+# dense group at equal FLOPs (bench/results/gpu_isoflop_heads.md); this floor makes them 10 chunks of 64.
 
 
 def accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -49,11 +53,13 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def heads_per_chunk(heads: int, slots: int, seq_len: int, head_elements: int) -> int:
+def heads_per_chunk(heads: int, slots: int, seq_len: int, head_elements: int, device: str = "cpu") -> int:
     """Heads processed together: their c slots per sequence add up to at most CHUNK_ROWS * T, or their
-    buffers (`head_elements` = B * c * h each) to at most MIN_CHUNK_ELEMENTS, whichever allows more (>= 1)."""
+    buffers (`head_elements` = B * c * h each) to at most MIN_CHUNK_ELEMENTS (CUDA_CHUNK_ELEMENTS on a CUDA
+    `device`), whichever allows more (>= 1)."""
     by_rows = int(CHUNK_ROWS * seq_len) // max(slots, 1)
-    return max(1, min(heads, max(by_rows, MIN_CHUNK_ELEMENTS // max(head_elements, 1))))
+    floor = CUDA_CHUNK_ELEMENTS if device == "cuda" else MIN_CHUNK_ELEMENTS
+    return max(1, min(heads, max(by_rows, floor // max(head_elements, 1))))
 
 
 class _Plan:
@@ -65,7 +71,7 @@ class _Plan:
         offsets = torch.arange(B, device=idx.device)[:, None, None] * T
         self.flat = (idx + offsets).transpose(0, 1).reshape(self.H, B * self.c)  # rows of x.view(B*T, h)
         self.pos = positions.gather(1, idx.reshape(B, -1)).view(B, self.H, self.c).transpose(0, 1)  # [H, B, c]
-        self.step = heads_per_chunk(self.H, self.c, T, B * self.c * x.shape[-1])
+        self.step = heads_per_chunk(self.H, self.c, T, B * self.c * x.shape[-1], x.device.type)
         self._mask = mask.transpose(0, 1) if mask.dim() == 4 else mask  # [H, B, c, c] (MoSAIC) or [c, c]
 
     def mask(self, heads: slice) -> torch.Tensor:

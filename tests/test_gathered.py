@@ -106,6 +106,14 @@ def test_chunk_floor_merges_tiny_heads_only() -> None:
     assert heads_per_chunk(276, 32, 1024, 4 * 32 * 512) == heads_per_chunk(276, 32, 1024, 64 * 32 * 512) == 8
 
 
+def test_a_gpu_runs_larger_chunks() -> None:
+    """On CUDA the floor is CUDA_CHUNK_ELEMENTS: the H200's 639 heads of c = 128 at T = 4096, B = 4 (h = 512) run in
+    chunks of 64 heads, not 8 (80 chunks of ~70 kernel launches each took 72x the dense group's time)."""
+    assert heads_per_chunk(639, 128, 4096, 4 * 128 * 512) == 8
+    assert heads_per_chunk(639, 128, 4096, 4 * 128 * 512, "cuda") == 64
+    assert heads_per_chunk(24, 32, 128, 16 * 32 * 64, "cuda") == 24  # all heads: never more than there are
+
+
 def test_saves_no_gathered_tensor() -> None:
     """Autograd keeps nothing of size [B, H, c, h] (the gathered X^s or per-head outputs): the largest
     saved activation is one of x, the weights or the rotated Q/K/V [H, B, c, h']."""
