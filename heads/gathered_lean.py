@@ -7,7 +7,8 @@ buffer of shape [chunk, B, c, h] (the gathered X^s, the per-head outputs diag(r)
 about a quarter of X, or up to MIN_CHUNK_ELEMENTS for tiny problems (CUDA_CHUNK_ELEMENTS on a GPU, where kernel
 launches dominate below it), allocated once per pass and reused by every chunk, and saves for backward only the
 slot indices, gates, slot positions and the rotated Q, K, V [H, B, c, h'] (h' << h). Backward re-gathers X^s
-and dY[I] chunk by chunk and recomputes the c x c attention (c <= a few hundred slots); nothing of size [B, H, c, h] is ever held whole.
+and dY[I] chunk by chunk and recomputes the c x c attention (c <= a few hundred slots); nothing of size
+[B, H, c, h] is ever held whole.
 
 Slot layout (routing/selection.py): per (sequence, head) c slots, valid ones first in ascending token
 order, so M is the causal mask over slots. Optional masks for MoSAIC's padding rules (App. E.2):
