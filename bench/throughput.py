@@ -2,8 +2,8 @@
 
 One training step = trainer.accumulate_grad_batches micro-batches of forward + backward, then lm/module.py's
 gradient clipping and the AdamW/scheduler step: the loss (compiled under trainer.compile), clipping and
-optimizer of lm/module.py (no Lightning loop, no data loading: random tokens). Precision 32-true, or bf16-mixed
-(autocast) on CUDA. Every config is built first; then `--rounds` rounds each run `--warmup` untimed and `--steps`
+optimizer of lm/module.py (no Lightning loop, no data loading: random tokens), on the device trainer.accelerator
+picks (CUDA where there is a GPU, unless it says cpu). Precision 32-true, or bf16-mixed (autocast) on CUDA. Every config is built first; then `--rounds` rounds each run `--warmup` untimed and `--steps`
 timed steps of every config in turn, so the configs share the machine's state; the table reports the median step
 time over all timed steps, tokens/s = accumulate * batch * seq_len / median, and each config's tokens/s as a
 ratio to the first config's. Results go to bench/results/throughput_<device>.md together with the machine,
@@ -34,12 +34,16 @@ from flops.cli import command_line, hardware, nonnegative_int, output_file, posi
 from heads import ConfigError, commit_states  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
-from lm.train import resolve_precision  # noqa: E402
+from lm.train import lightning_accelerator, resolve_precision  # noqa: E402
 
 
-def device_name() -> tuple[torch.device, str]:
-    """The device to run on and a short slug for the results file name."""
-    if torch.cuda.is_available():
+def device_name(configs: list[Config]) -> tuple[torch.device, str]:
+    """The device the configs train on (trainer.accelerator, as lm.train resolves it; one for all of them, to be
+    comparable) and a short slug for the results file name."""
+    kinds = {lightning_accelerator(cfg.trainer) for cfg in configs}
+    if len(kinds) > 1:
+        raise ConfigError("the configs train on different devices (trainer.accelerator): time them in separate runs")
+    if kinds == {"cuda"}:
         name = torch.cuda.get_device_name(0)
         return torch.device("cuda"), "cuda_" + re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     return torch.device("cpu"), "cpu"
@@ -108,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive_int, default=1, help="rounds over the configs, in turn")
     parser.add_argument("--out", type=output_file, default=None, help="default bench/results/throughput_<device>.md")
     args = parser.parse_args(argv)
-    device, slug = device_name()
     try:
-        benches = [(path, Bench(load_config(path, *args.overrides), device)) for path in args.config]
+        configs = [load_config(path, *args.overrides) for path in args.config]
+        device, slug = device_name(configs)
+        benches = [(path, Bench(cfg, device)) for path, cfg in zip(args.config, configs)]
         if args.warmup == 0 and any(b.cfg.trainer.compile for _, b in benches):
             raise ConfigError("trainer.compile needs --warmup >= 1: the first step compiles")
     except ConfigError as err:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from heads import ConfigError
 from lm.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,11 +50,24 @@ def test_auto_precision_follows_the_benched_device(monkeypatch) -> None:
     assert throughput.Bench(load_config(None, *TINY), torch.device("cpu")).precision == "32-true"
 
 
+def test_the_device_is_the_configs_accelerator(monkeypatch) -> None:
+    """main times on the device trainer.accelerator picks, not on any GPU the machine has (on the H200, a CPU config
+    was timed on CUDA in bf16-mixed); configs that disagree are one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cpu, auto = load_config(None, *TINY, "trainer.accelerator=cpu"), load_config(None, *TINY)
+    assert throughput.device_name([cpu, cpu]) == (torch.device("cpu"), "cpu")
+    assert throughput.device_name([auto]) == (torch.device("cuda"), "cuda_nvidia_h200")
+    with pytest.raises(ConfigError, match="^the configs train on different devices"):
+        throughput.device_name([cpu, auto])
+
+
 def test_compiled_loss_and_side_by_side_ratio(tmp_path: Path, capsys) -> None:
     compiled = throughput.Bench(load_config(None, *TINY, "trainer.compile=true"), torch.device("cpu")).module
     assert compiled.train_losses != compiled.losses  # what a step calls (above) is the compiled loss
     out = tmp_path / "t.md"
-    args = ["--config", "configs/quickstart.yaml", "--config", "configs/quickstart.yaml", *TINY, "--steps", "2",
+    args = ["--config", "configs/quickstart.yaml", "--config", "configs/quickstart.yaml", *TINY,
+            "trainer.accelerator=cpu", "--steps", "2",
             "--warmup", "1", "--rounds", "2", "--out", str(out)]
     assert throughput.main(args) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| configs/")]
