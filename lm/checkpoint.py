@@ -152,12 +152,13 @@ class StepCheckpoints(L.Callback):
 
 def rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from (torch CPU/CUDA, numpy, python), as plain values. CUDA: the generator
-    of this process's own device. Only rank 0 writes the checkpoint, and every rank restores it: the ranks' streams
-    are one (seed_everything gives them one seed, and they draw alike), each on its own device."""
+    of this process's own device, where the process uses CUDA (a CPU run on a GPU machine leaves CUDA unstarted: no
+    context, no GPU memory). Only rank 0 writes the checkpoint, and every rank restores it: the ranks' streams are one
+    (seed_everything gives them one seed, and they draw alike), each on its own device."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else [],
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
         "python": random.getstate(),
     }

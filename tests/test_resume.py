@@ -362,6 +362,7 @@ def test_cuda_rng_state_is_this_devices_and_restores_on_any_device_count(monkeyp
     restored: list[torch.Tensor] = []
     own, other = torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([9, 9, 9], dtype=torch.uint8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": own)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [own, other])
@@ -372,6 +373,17 @@ def test_cuda_rng_state_is_this_devices_and_restores_on_any_device_count(monkeyp
     set_rng_state({**state, "cuda": [own, other]})  # a checkpoint written before: rank 0's own state, cuda:0's
     set_rng_state({**state, "cuda": []})  # written without CUDA: nothing to restore
     assert len(restored) == 2 and all(torch.equal(s, own) for s in restored)
+
+
+def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_unstarted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint's RNG state reads CUDA's generator only in a process that uses CUDA: torch.cuda.get_rng_state
+    starts CUDA (a context and GPU memory on GPU 0, in every CPU rank and test process on a GPU machine)."""
+    from lm.checkpoint import rng_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": pytest.fail("started CUDA"))
+    assert rng_state()["cuda"] == []
 
 
 def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr(tmp_path: Path, capsys) -> None:
