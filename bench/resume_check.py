@@ -25,6 +25,7 @@ import torch
 from flops.cli import ROOT, command_line, hardware, output_file, positive_int, script_parser
 from heads import ConfigError
 from lm.config import load_config
+from lm.train import lightning_accelerator
 from lm.run_logs import tb_scalars
 
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides (trainer.strategy=..., data.path=...)")
     args = parser.parse_intermixed_args(argv)
     try:  # the config the three runs train, checked once here (each run would fail alone, and the verdict mislead)
-        load_config(args.config, *args.overrides)
+        device = lightning_accelerator(load_config(args.config, *args.overrides).trainer)  # what the runs train on
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict = (f"the resumed run differs from the uninterrupted one by up to {num(after)} in train/loss after the "
                    f"resume, against {num(noise)} of run-to-run noise before the stop")
     report = "\n".join([
-        f"Device: {hardware('cuda' if torch.cuda.is_available() else 'cpu')}; torch {torch.__version__}  ",
+        f"Device: {hardware(device)}; torch {torch.__version__}  ",
         f"Command: `{command_line(['-m', 'bench.resume_check'], argv)}`",
         "",
         "| run | exit status | train/loss steps logged | final val loss |",
