@@ -3,13 +3,14 @@
 #
 #   bash bench/gpu_campaign.sh [PHASE ...]      PHASE: timing mfu tests (default: all three, in that order)
 #
-# A session's 15 device minutes hold two calls, the machine's starts included:
-#   run(command="BUDGET_S=360 bash bench/gpu_campaign.sh timing mfu", carry=[".whl", ".carry"], timeout_s=390)
-#   run(command="BUDGET_S=<budget_left_s - 130> bash bench/gpu_campaign.sh tests", same carry)
+# A session's 15 device minutes hold two calls, the machine's start (~30 s) included:
+#   run(command="BUDGET_S=450 bash bench/gpu_campaign.sh tests", carry=[".whl", ".carry"], timeout_s=480)
+#   run(command="BUDGET_S=<budget_left_s - 60> bash bench/gpu_campaign.sh timing mfu", same carry)
 # (the second call, made at once, finds the first's machine still warm; a fresh start needs 4 minutes or more left).
-# A step's limit is a cap, not a reservation: call 1's caps add up to 495 s against the ~345 s its budget leaves, so
-# when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs, which
-# are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
+# The tests go first: on the H200 (2026-11-29) the suite had 1449 of 1608 results after 240 s beside the background
+# runs, so it needs ~300 s or more. A step's limit is a cap, not a reservation: the timing and MFU caps add up to 495 s,
+# so when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs,
+# which are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
 #           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
