@@ -168,8 +168,10 @@ timing)
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_table2.md
     step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
+    # the 5 dense heads the IsoFLOP model replaces; mosa-lean: mosa-threshold with the fused kernels off, to see
+    # which of the two is faster on a GPU at c <= 64 (above it both run the lean core)
     step heads 90 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
-        --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md  # the 5 dense heads the IsoFLOP model replaces
+        --variants dense mosa-threshold mosa-lean --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)

@@ -9,7 +9,9 @@ W^QKV [3*H*h', h] (rows: q|k|v, then head, then h'), W^O [h, H*h'].
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 
 import torch
 
@@ -18,6 +20,18 @@ from heads.rope import RotaryEmbedding
 from routing.selection import Selection
 
 TRITON = importlib.util.find_spec("triton") is not None  # resolved at import: a constant for torch.compile
+_FUSED = True  # False inside fused_disabled()
+
+
+@contextlib.contextmanager
+def fused_disabled() -> Iterator[None]:
+    """Inside this block gathered_heads_fast takes the lean PyTorch core on CUDA too (benchmarks compare the two)."""
+    global _FUSED
+    before, _FUSED = _FUSED, False
+    try:
+        yield
+    finally:
+        _FUSED = before
 
 
 def gathered_heads_reference(
@@ -68,8 +82,9 @@ def gathered_heads_fast(
     visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
     kernels, forward and backward (heads/gathered_triton.py), for fp32/bf16/fp16 heads that fit on chip (c x h'
     up to 64 x 64 in 16 bits, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger heads) the memory-lean PyTorch core
-    (heads/gathered_lean.py). Neither materialises nor saves anything of size [B, H, c, h]."""
-    if x.is_cuda and TRITON:
+    (heads/gathered_lean.py; on CUDA too inside `fused_disabled()`). Neither materialises nor saves anything of
+    size [B, H, c, h]."""
+    if x.is_cuda and TRITON and _FUSED:
         from heads.gathered_triton import fits, gathered_heads_triton
 
         if fits(sel.idx.shape[-1], qkv_weight.shape[0] // (3 * sel.idx.shape[1]), compute_dtype(x)):

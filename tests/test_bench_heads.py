@@ -54,6 +54,27 @@ def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
     assert run_worker(spec)["mmap_threshold"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
+def test_the_lean_variant_runs_with_the_fused_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mosa-lean is mosa-threshold inside heads.gathered.fused_disabled() (on a GPU: the lean core instead of the
+    Triton kernels, to compare the two); every other variant, and the code after the block, has them on."""
+    import heads.gathered as gathered
+    from bench.heads import LEAN, VARIANTS, worker
+
+    seen: list[bool] = []
+    lean = gathered.gathered_heads_lean
+    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(gathered._FUSED) or lean(*a, **k))
+    assert LEAN == {"mosa-lean"} and VARIANTS["mosa-lean"] == VARIANTS["mosa-threshold"]
+    for flag in (True, False):
+        seen.clear()
+        spec = dict(type="mosa", options={"sparsity": 4}, count=2, T=32, d_model=16, head_dim=8, batch=1, repeats=1,
+                    device="cpu", lean=flag)
+        worker(spec)
+        assert seen and set(seen) == {not flag} and gathered._FUSED
+    with pytest.raises(RuntimeError), gathered.fused_disabled():
+        raise RuntimeError
+    assert gathered._FUSED  # restored however the block ends
+
+
 def test_saved_bytes_counts_what_backward_keeps() -> None:
     """saved_bytes: a dense group keeps at least q, k, v and the attention output ([B, T, h'] each per head) and
     nothing of the parameters or the input; a group under no_grad keeps nothing."""

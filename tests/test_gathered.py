@@ -188,7 +188,7 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
     dX was 6.1e-3 and 5.8e-3 from the reference (the lean path's, on CPU: 1.4e-2 and 1.1e-2). 512 / 8 = 64 slots of
     h' = 64: the largest 16-bit tile."""
     import heads.gathered_triton as gt
-    from heads.gathered import gathered_heads_fast
+    from heads.gathered import fused_disabled, gathered_heads_fast
 
     calls: list[int] = []
     fused = gt.gathered_heads_triton
@@ -204,8 +204,11 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
         y = gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope)
     assert calls, "the fused kernels were not taken"
     grads = torch.autograd.grad((y.float() * p["cot"]).sum(), leaves)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y_lean = run_lean(p, rope)
+    taken = len(calls)
+    with torch.autocast("cuda", dtype=torch.bfloat16), fused_disabled():  # the lean core, on the same GPU
+        y_lean = gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"],
+                                     rope)
+    assert len(calls) == taken, "fused_disabled() left the fused kernels on"
     lean_grads = torch.autograd.grad((y_lean.float() * p["cot"]).sum(), leaves)
     rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
     for name, fast, lean, r in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], (y, *grads), (y_lean, *lean_grads),
