@@ -30,12 +30,19 @@ def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_siz
     tail = perturbed[:, t + 1 :]
     perturbed[:, t + 1 :] = torch.randint(0, vocab_size, tail.shape, generator=g).to(tokens.device)
     logits = []
-    # manual_seed reseeds every CUDA device too: fork them all, so that the caller's streams are left as they were
-    with frozen_state(), torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+    # the generators the model draws from, CPU's and that of the tokens' GPU, forked and reseeded alone: the caller's
+    # streams are left as they were, and a CPU check on a GPU machine leaves CUDA unstarted (torch.manual_seed and
+    # forking every device both start it, or queue a reseed for when it starts)
+    cuda = []  # the index of the tokens' GPU, if they are on one
+    if tokens.is_cuda:
+        cuda = [tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()]
+    with frozen_state(), torch.random.fork_rng(devices=cuda):
         try:
             model.train(training)
             for x in (tokens, perturbed):
-                torch.manual_seed(seed)
+                torch.default_generator.manual_seed(seed)
+                for device in cuda:
+                    torch.cuda.default_generators[device].manual_seed(seed)
                 logits.append(model(x)[:, : t + 1])
         finally:
             model.train(was_training)

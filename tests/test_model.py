@@ -107,6 +107,19 @@ def test_causality_check_leaves_the_models_mode_and_the_callers_rng_as_they_were
     assert not model.training
 
 
+def test_a_cpu_causality_check_leaves_cuda_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with a GPU, checking a CPU model neither starts CUDA (forking every device's generator did) nor
+    queues a reseed of its generators for when it starts (torch.manual_seed does); the check is as before."""
+    model = build().eval()
+    tokens = torch.randint(0, 97, (1, 16))
+    leak = future_leak(model, tokens, 7, 97, training=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("get_rng_state", "set_rng_state", "manual_seed_all", "manual_seed"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: pytest.fail(f"torch.cuda.{name}"))
+    assert future_leak(model, tokens, 7, 97, training=True) == leak == 0.0
+
+
 class OneLeakHeads(DenseHeads):
     """Causal dense heads, except that row `dst` also receives the input of the later row `src`."""
 
