@@ -9,29 +9,18 @@ W^QKV [3*H*h', h] (rows: q|k|v, then head, then h'), W^O [h, H*h'].
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 
 import torch
 
 from heads.gathered_lean import compute_dtype, gathered_heads_lean
 from heads.rope import RotaryEmbedding
+from heads.switch import FastPath
 from routing.selection import Selection
 
 TRITON = importlib.util.find_spec("triton") is not None  # resolved at import: a constant for torch.compile
-_FUSED = True  # False inside fused_disabled()
-
-
-@contextlib.contextmanager
-def fused_disabled() -> Iterator[None]:
-    """Inside this block gathered_heads_fast takes the lean PyTorch core on CUDA too (benchmarks compare the two)."""
-    global _FUSED
-    before, _FUSED = _FUSED, False
-    try:
-        yield
-    finally:
-        _FUSED = before
+_FUSED = FastPath()
+fused_disabled = _FUSED.disabled  # inside this block gathered_heads_fast takes the lean core on CUDA too (benchmarks)
 
 
 def gathered_heads_reference(
@@ -84,7 +73,7 @@ def gathered_heads_fast(
     up to 64 x 64 in 16 bits, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger heads) the memory-lean PyTorch core
     (heads/gathered_lean.py; on CUDA too inside `fused_disabled()`). Neither materialises nor saves anything of
     size [B, H, c, h]."""
-    if x.is_cuda and TRITON and _FUSED:
+    if x.is_cuda and TRITON and _FUSED.on:
         from heads.gathered_triton import fits, gathered_heads_triton
 
         if fits(sel.idx.shape[-1], qkv_weight.shape[0] // (3 * sel.idx.shape[1]), compute_dtype(x)):

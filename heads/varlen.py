@@ -17,10 +17,8 @@ merged O and lse (FlashAttention-2 App. B.2), so the packed part gets exact grad
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from heads.attention import flash_attn_interface
+from heads.switch import FastPath
 
 
 # The dtypes the varlen kernels (flash-attn, Triton) compute in, accumulating in fp32: fp64 inputs (gradient checks)
@@ -121,24 +120,14 @@ class FlashVarlen:
         return dq[:, 0], dk[:, 0], dv[:, 0]
 
 
-_DISABLED = False
-
-
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Inside this block cuda_backend gives None, so callers take their padded path (benchmarks)."""
-    global _DISABLED
-    before, _DISABLED = _DISABLED, True
-    try:
-        yield
-    finally:
-        _DISABLED = before
+_KERNELS = FastPath()
+disabled = _KERNELS.disabled  # inside it cuda_backend gives None, so callers take their padded path (benchmarks)
 
 
 def cuda_backend(q: Tensor) -> VarlenBackend | None:
     """The varlen kernels for q's device: flash-attn where it can run, else the Triton kernels on any
     CUDA device; None on CPU, for fp64 (callers keep their padded PyTorch path there) or inside `disabled()`."""
-    if not q.is_cuda or _DISABLED or q.dtype not in KERNEL_DTYPES:
+    if not q.is_cuda or not _KERNELS.on or q.dtype not in KERNEL_DTYPES:
         return None
     return flash_backend(q) or _triton_backend()
 

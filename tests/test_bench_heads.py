@@ -62,17 +62,17 @@ def test_the_lean_variant_runs_with_the_fused_kernels_off(monkeypatch: pytest.Mo
 
     seen: list[bool] = []
     lean = gathered.gathered_heads_lean
-    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(gathered._FUSED) or lean(*a, **k))
+    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(gathered._FUSED.on) or lean(*a, **k))
     assert LEAN == {"mosa-lean"} and VARIANTS["mosa-lean"] == VARIANTS["mosa-threshold"]
     for flag in (True, False):
         seen.clear()
         spec = dict(type="mosa", options={"sparsity": 4}, count=2, T=32, d_model=16, head_dim=8, batch=1, repeats=1,
                     device="cpu", lean=flag)
         worker(spec)
-        assert seen and set(seen) == {not flag} and gathered._FUSED
+        assert seen and set(seen) == {not flag} and gathered._FUSED.on
     with pytest.raises(RuntimeError), gathered.fused_disabled():
         raise RuntimeError
-    assert gathered._FUSED  # restored however the block ends
+    assert gathered._FUSED.on  # restored however the block ends
 
 
 def test_saved_bytes_counts_what_backward_keeps() -> None:
