@@ -144,10 +144,11 @@ tests)
     python3 -m pytest --collect-only -q -q -p no:cacheprovider tests 2>/dev/null | grep -E '^tests/\S+\.py: [0-9]+$' \
         > $C/collected.txt
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-    # pytest-timeout >= 2.3 ends the session between tests in time to print its summary and write the junit file
-    SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( $(left) < 295 ? ($(left) > 75 ? $(left) - 55 : 20) : 200 ))")
-    export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
     TESTS_S=$(( $(left) - 40 ))  # all but the wait for the checks beside it (on the H200, 16 cores: > 240 s)
+    # pytest-timeout >= 2.3 ends the session between tests 30 s before that, in time to print its summary and write
+    # the junit file (on the H200, timeout's SIGINT and then SIGKILL stopped it at the step's limit instead)
+    SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( TESTS_S > 50 ? TESTS_S - 30 : 20 ))")
+    export PYTEST_ADDOPTS="$XDIST $SESSION --timeout 150 -p no:cacheprovider --junitxml=$C/tests.xml --durations=25"
     if command -v make >/dev/null; then
         step make-test $TESTS_S make test VENV=$VENV -o $VENV/.installed > $C/tests.log 2>&1  # -o: the stand-in stays
     else  # what `make test` runs, where the image has no make
