@@ -162,7 +162,8 @@ def gather(sources: list[Path], into: Path) -> Path:
         log = source.parent / "campaign.log"
         logs.append(log.read_text(errors="replace") if log.is_file() else "")
     (c / "status.txt").write_text("".join(line + "\n" for line in dict.fromkeys(status)))
-    (c / "environment.txt").write_text("\n--- a later call (the same machine when it stayed warm between calls):\n".join(dict.fromkeys(environments)) + "\n")
+    later = "\n--- a later call (the same machine when it stayed warm between calls):\n"
+    (c / "environment.txt").write_text(later.join(dict.fromkeys(environments)) + "\n")
     (into / "campaign.log").write_text("".join(logs))
     return c
 

@@ -6,9 +6,10 @@
 
 The variants are MoSA's two selections by default, or any head type (`--variants`, default options plus
 `--sparsity` where the type has one); `mosa-lean` is mosa-threshold with the fused Triton kernels off
-(heads.gathered.fused_disabled: the lean PyTorch core, which CPU runs anyway), to compare the two on a GPU. For each T, `--dense-heads` dense heads set the budget; each other
-variant gets the largest head count whose forward FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T +
-4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not exceed it. Every (T, variant) runs in a fresh
+(heads.gathered.fused_disabled: the lean PyTorch core, which CPU runs anyway), to compare the two on a GPU. For
+each T, `--dense-heads` dense heads set the budget; each other variant gets the largest head count whose forward
+FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not
+exceed it. Every (T, variant) runs in a fresh
 subprocess, one after the other, so the ratios come from one run on one machine. Peak memory is that of the
 step after a warm-up step (one-time allocations, ~40 MiB of autograd and BLAS buffers on CPU, excluded): CPU =
 peak-RSS increase over the RSS before that step (VmHWM, reset by /proc/self/clear_refs), in a separate process

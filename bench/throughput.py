@@ -3,9 +3,10 @@
 One training step = trainer.accumulate_grad_batches micro-batches of forward + backward, then lm/module.py's
 gradient clipping and the AdamW/scheduler step: the loss (compiled under trainer.compile), clipping and
 optimizer of lm/module.py (no Lightning loop, no data loading: random tokens), on the device trainer.accelerator
-picks (CUDA where there is a GPU, unless it says cpu). Precision 32-true, or bf16-mixed (autocast) on CUDA. Every config is built first; then `--rounds` rounds each run `--warmup` untimed and `--steps`
-timed steps of every config in turn, so the configs share the machine's state; the table reports the median step
-time over all timed steps, tokens/s = accumulate * batch * seq_len / median, and each config's tokens/s as a
+picks (CUDA where there is a GPU, unless it says cpu). Precision 32-true, or bf16-mixed (autocast) on CUDA. Every
+config is built first; then `--rounds` rounds each run `--warmup` untimed and `--steps` timed steps of every
+config in turn, so the configs share the machine's state; the table reports the median step time over all timed
+steps, tokens/s = accumulate * batch * seq_len / median, and each config's tokens/s as a
 ratio to the first config's. Results go to bench/results/throughput_<device>.md together with the machine,
 library versions and the exact command.
 
