@@ -4,9 +4,9 @@ Same maths as `gathered_heads_reference`; four kernels, and none writes anything
 only per-head tensors in memory are [H, B, c, h'] (h' << h), like the rotated Q, K, V the backward needs.
 
   _attn_fwd     one program per (sequence b, head i): gather the c selected rows X[b, I] by index (h in
-                chunks), project with head i's W^Q, W^K, W^V (fp32 accumulation), RoPE at the original
-                positions, masked causal softmax over the c slots, G = diag(r) A. Writes Q, K, V (rotated)
-                and G.
+                chunks, each chunk loaded once for all three projections), project with head i's W^Q, W^K,
+                W^V (fp32 accumulation), RoPE at the original positions, masked causal softmax over the c
+                slots, G = diag(r) A. Writes Q, K, V (rotated) and G.
   _scatter      OUT[b, I_i] += sum_t U_{t,i} W_{t,i} for every head i, one column block of h at a time:
                 Y = sum_i scatter(G_i W^O_i^T) in the forward, dX = sum_i scatter(dQ_i W^Q_i + dK_i W^K_i +
                 dV_i W^V_i) in the backward (fp32 atomic adds).
@@ -20,8 +20,8 @@ Forward and backward are torch.library custom ops (`gathered::fused_forward`, `g
 shape-only fake implementations and a registered backward, so torch.compile(fullgraph=True) (trainer.compile)
 keeps each as one opaque op instead of tracing into the launches.
 
-RoPE's rotate-half pairs column j with j ± r/2; the kernels get the partner column by projecting (or
-loading) a second time with permuted columns, not by shuffling registers.
+RoPE's rotate-half pairs column j with j ± r/2: the kernels take the partner column from the tile in registers
+(tl.gather along h'), for the rotation in the forward and its transpose in the backward.
 
 Determinism: the only atomics are _scatter's. By default it runs one program per (b, column block, head), so
 the order in which heads add into a row of Y or dX varies between runs (results agree up to fp32 rounding).
@@ -121,11 +121,33 @@ def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.c
 
 
 @triton.jit
-def _project_rows(X, W, rows, smask, row0, col, DOT: tl.constexpr, HD: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """X[rows] @ W[row0 + col]^T for the row-major W^QKV [3*H*h', h] (col < 0: a zero column)."""
-    return _gather_project(X, W, rows, smask, tl.where(col >= 0, row0 + col, -1), HD, 1, DOT, HD, BLOCK_C, BLOCK_D,
-                           BLOCK_H)
+def _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
+                 BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """X[rows] @ W^Q_i^T, @ W^K_i^T, @ W^V_i^T: three [BLOCK_C, BLOCK_D] fp32 tiles (zero beyond h'), each gathered
+    block of X loaded once. W^QKV [3*H*h', h] is row-major by (q|k|v, head, h'): W^Q_i's rows start at i*h'."""
+    q = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    k = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    v = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    wrow = (i * D + dd)[None, :] * HD
+    for h0 in range(0, HD, BLOCK_H):
+        hh = h0 + tl.arange(0, BLOCK_H)
+        hmask = hh < HD
+        xs = tl.load(X + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :],
+                     other=0.0).to(tl.float32)
+        wq = W + wrow + hh[:, None]  # [BLOCK_H, BLOCK_D]: W^Q_i^T
+        wmask = dmask[None, :] & hmask[:, None]
+        q += tl.dot(xs, tl.load(wq, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
+        k += tl.dot(xs, tl.load(wq + H * D * HD, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
+        v += tl.dot(xs, tl.load(wq + 2 * H * D * HD, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
+    return q, k, v
+
+
+@triton.jit
+def _rotate(x, cos, sin, partner, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """RoPE of a tile x [BLOCK_C, BLOCK_D], x_j cos_j + x_partner(j) sin_j (_rope_tables), the partner columns
+    gathered from x itself in registers; with -sin, its transpose R(θ)^T (partner is an involution and
+    sin_partner(j) = -sin_j)."""
+    return x * cos + tl.gather(x, tl.broadcast_to(partner[None, :], (BLOCK_C, BLOCK_D)), 1) * sin
 
 
 @triton.jit
@@ -135,13 +157,9 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
         IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
-    own = tl.where(dmask, dd, -1)
-    other = tl.where(dmask & (dd < ROT), partner, -1)  # W^QKV rows (q|k|v, head, h'): q of head i at i*D
-    q = _project_rows(X, W, rows, smask, i * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    q += _project_rows(X, W, rows, smask, i * D, other, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    k = _project_rows(X, W, rows, smask, (H + i) * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * cos
-    k += _project_rows(X, W, rows, smask, (H + i) * D, other, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H) * sin
-    v = _project_rows(X, W, rows, smask, (2 * H + i) * D, own, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H)
+    q, k, v = _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT, HD, D, BLOCK_C, BLOCK_D, BLOCK_H)
+    q = _rotate(q, cos, sin, partner, BLOCK_C, BLOCK_D)
+    k = _rotate(k, cos, sin, partner, BLOCK_C, BLOCK_D)
     out = ((i * B + b) * C + slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
     omask = smask[:, None] & dmask[None, :]
     tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
@@ -191,8 +209,6 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
     q = tl.load(Q + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)  # rotated, as saved
     k = tl.load(K + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
     v = tl.load(V + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
-    q_partner = tl.load(Q + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
-    k_partner = tl.load(K + rowoff + partner[None, :], mask=omask, other=0.0).to(tl.float32)
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
     a = tl.dot(p, v, input_precision=DOT)
     # dG = dY[b, I] W^O_i: W^O [h, H*h'], column i*h' + d of row c at c*H*h' + i*h' + d
@@ -205,9 +221,8 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
     dp = tl.dot(da, tl.trans(v), input_precision=DOT)
     ds = p * (dp - tl.sum(dp * p, 1)[:, None]) * scale
     # R(θ)^T of the gradients w.r.t. the rotated q and k
-    dq = tl.dot(ds, k, input_precision=DOT) * cos - tl.dot(ds, k_partner, input_precision=DOT) * sin
-    dst = tl.trans(ds)
-    dk = tl.dot(dst, q, input_precision=DOT) * cos - tl.dot(dst, q_partner, input_precision=DOT) * sin
+    dq = _rotate(tl.dot(ds, k, input_precision=DOT), cos, -sin, partner, BLOCK_C, BLOCK_D)
+    dk = _rotate(tl.dot(tl.trans(ds), q, input_precision=DOT), cos, -sin, partner, BLOCK_C, BLOCK_D)
     part = H * B * C * D  # DQKV [3, H, B, C, D]
     tl.store(DQKV + rowoff + dd[None, :], dq, mask=omask)
     tl.store(DQKV + part + rowoff + dd[None, :], dk, mask=omask)

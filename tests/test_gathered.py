@@ -128,17 +128,19 @@ def test_saves_no_gathered_tensor() -> None:
 
 
 @TRITON_KERNELS
-@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (100, 4, 5, 8), (257, 8, 3, 8),
-                                                       (256, 8, 2, 64)])
-def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("T,sparsity,heads,head_dim,fraction", [
+    (100, 8, 3, 8, 0.5), (257, 32, 42, 8, 0.5), (100, 4, 5, 8, 0.5), (257, 8, 3, 8, 0.5), (256, 8, 2, 64, 0.5),
+    (100, 8, 3, 12, 0.5), (100, 8, 3, 12, 1.0), (100, 8, 3, 12, 0.0)])
+def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float) -> None:
     """The fused kernels (fp32: interpreted on CPU, compiled on a GPU) vs the reference: output and, through the fused
     backward, every gradient including the router scores. 256 / 8 = 32 slots of h' = 64: the largest fp32 tile the
-    kernels take (heads/gathered_triton.fits)."""
+    kernels take (heads/gathered_triton.fits). h' = 12 (padded to a 16-column tile) rotates 6, all 12 or none of its
+    dimensions: RoPE's partner columns within the tile."""
     from heads.gathered_triton import fits, gathered_heads_triton
 
     p = problem(T, sparsity, heads, device=TRITON_DEVICE, head_dim=head_dim)
     assert fits(p["sel"].idx.shape[-1], head_dim, torch.float32)
-    rope = RotaryEmbedding(head_dim, 0.5).to(TRITON_DEVICE)
+    rope = RotaryEmbedding(head_dim, fraction).to(TRITON_DEVICE)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     gate = p["r"] * p["sel"].valid
     results = []
