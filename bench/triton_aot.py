@@ -94,21 +94,27 @@ def registers(ptx: str, arch: int) -> dict:
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
 
 
-def gathered_cases(quick: bool) -> list[dict]:
-    """(c, h', dtype, masks, deterministic) of the gathered kernels: in each dtype, the largest heads `fits`
-    admits at h' = 16 .. 256 (narrow heads: the c x c tiles bound them; wide ones: the c x h' tiles), then (full
-    run) smaller heads, the mode variants and heads too large."""
+def dispatched(case: dict, arch: int) -> bool:
+    """Whether heads/gathered_triton.fits sends such gathered heads to the fused kernels on an sm_<arch> GPU."""
     from heads.gathered_triton import fits
 
+    return fits(case["c"], case["d"], getattr(torch, case["dtype"]), SHARED_LIMIT[arch])
+
+
+def gathered_cases(quick: bool, arch: int) -> list[dict]:
+    """(c, h', dtype, masks, deterministic) of the gathered kernels: in each dtype, the largest heads `fits`
+    admits on sm_<arch> at h' = 16 .. 256 (narrow heads: the c x c tiles bound them; wide ones: the c x h' tiles),
+    then (full run) smaller heads, the mode variants and heads too large for every GPU or only for some."""
     case = lambda c, d, dtype, masks=False, deterministic=False: dict(  # noqa: E731
         c=c, d=d, dtype=dtype, masks=masks, deterministic=deterministic)
-    largest = {(d, dt): max((c for c in range(1, 257) if fits(c, d, getattr(torch, dt))), default=None)
+    largest = {(d, dt): max((c for c in range(1, 257) if dispatched(case(c, d, dt), arch)), default=None)
                for dt in ("float32", "bfloat16") for d in (16, 32, 64, 128, 256)}
     cases = [case(c, d, dt) for (d, dt), c in largest.items() if c is not None]
     if not quick:
         cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")]
         cases += [case(64, 64, "bfloat16", masks=True), case(64, 64, "bfloat16", deterministic=True)]
-        cases += [case(64, 64, "float32"), case(128, 64, "bfloat16"), case(256, 16, "bfloat16")]  # beyond `fits`
+        cases += [case(c, d, dt) for c, d, dt in ((64, 64, "float32"), (128, 64, "bfloat16"), (128, 128, "bfloat16"),
+                                                  (256, 16, "bfloat16")) if case(c, d, dt) not in cases]
     return cases
 
 
@@ -159,19 +165,17 @@ def run_varlen(case: dict) -> None:
 def compile_all(arch: int, quick: bool) -> list[dict]:
     """One row per compiled kernel: the case, the kernel, shared bytes, warps, stages, cubin, seconds, whether
     the dispatcher sends such heads to it, ok (a cubin within the shared-memory limit)."""
-    from heads.gathered_triton import fits
-
     rows = []
-    for family, cases, runner in (("gathered", gathered_cases(quick), run_gathered),
+    for family, cases, runner in (("gathered", gathered_cases(quick, arch), run_gathered),
                                   ("varlen", varlen_cases(), run_varlen)):
         for case in cases:
             record: list[dict] = []
             with compile_only(arch, record):
                 runner(case)
-            dispatched = family == "varlen" or fits(case["c"], case["d"], getattr(torch, case["dtype"]))
+            taken = family == "varlen" or dispatched(case, arch)
             for r in record:
                 ok = r["cubin"] and r["shared"] <= SHARED_LIMIT[arch]
-                rows.append(dict(arch=arch, family=family, **case, **r, dispatched=dispatched, ok=ok))
+                rows.append(dict(arch=arch, family=family, **case, **r, dispatched=taken, ok=ok))
     return rows
 
 

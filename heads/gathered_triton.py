@@ -33,6 +33,7 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -46,12 +47,20 @@ from heads.rope import RotaryEmbedding
 BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 # One program holds a whole head: its c x c scores and c x h' tiles, so the head size is capped by shared memory and
 # registers. Compiled for sm_80 and sm_90 (bench/triton_aot.py, bench/results/triton_aot_sm90.md): at BLOCK_C x BLOCK_D
-# = 64 x 64 (c <= 64 at h' = 64) the 16-bit kernels use up to 112 KB of shared memory and spill no register; at
-# 128 x 64 (c = 128, e.g. rho = 8 at T = 1024) the backward needs 256 KB on H100 (227 KB): Triton refuses the launch.
-# In fp32 the backward already spills ~70 KB per thread at 64 x 64 (0.6 KB at 32 x 64), so fp32 heads stop at half the
-# tile. The c x c tiles (scores, P, dS) count too: at h' = 16 the bf16 backward needed 352 KB at c = 256 (`fits` bounds
+# = 64 x 64 (c <= 64 at h' = 64) the 16-bit kernels use up to 80 KB of shared memory; at 128 x 64 (c = 128, e.g.
+# rho = 8 at T = 1024) the backward needs 192 KB: within H100's 227 KB per block, not A100's 163 KB (WIDE_SLOTS).
+# In fp32 the backward already spills ~45 KB per thread at 64 x 64 (0.6 KB at 32 x 64), so fp32 heads stop at half the
+# tile. The c x c tiles (scores, P, dS) count too: at h' = 16 the bf16 backward needs 320 KB at c = 256 (`fits` bounds
 # BLOCK_C x max(BLOCK_C, BLOCK_D)). Larger heads take the lean path (heads/gathered.py).
 MAX_TILE = {torch.bfloat16: 64 * 64, torch.float16: 64 * 64, torch.float32: 32 * 64}
+# GPUs with at least WIDE_SHARED bytes of shared memory per block (sm_90: H100, H200) also take 16-bit heads of up to
+# WIDE_SLOTS slots at h' <= WIDE_HEAD_DIM: 96-192 KB in the backward, spilling at most 144 B per thread. Wider heads of
+# 128 slots need 320 KB (h' = 128), and 64 x 128 tiles spill ~1 KB per thread.
+WIDE_SHARED, WIDE_SLOTS, WIDE_HEAD_DIM = 227 * 1024, 128, 64
+# The forward's loop over h loads a block of X and three of W^QKV per step: two pipeline stages (Triton's default is 3)
+# keep about as many bytes in flight as three did with one W block, and its shared memory within sm_89's 99 KB per
+# block (fp32 at c = 16, h' = 128: 58 KB, 108 KB with three stages).
+FWD_STAGES = 2
 
 
 @triton.jit
@@ -257,12 +266,28 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16
 
 
-def fits(c: int, d: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels take heads of c slots and width h' = d computed in `dtype`: their c x h' tiles and their
-    c x c ones (scores, P, dS) within MAX_TILE[dtype], BLOCK_C x max(BLOCK_C, BLOCK_D) (a narrow head's c x c tiles
-    grew past it: c = 256 at h' = 16 in bf16 needed 352 KB of shared memory in the backward); never fp64, which
-    they would sum in fp32."""
-    return _pow2(c) * max(_pow2(c), _pow2(d)) <= MAX_TILE.get(dtype, 0)
+def fits(c: int, d: int, dtype: torch.dtype, shared: int = 0) -> bool:
+    """Whether the kernels take heads of c slots and width h' = d computed in `dtype` on a GPU with `shared` bytes
+    of shared memory per block (opt-in): their c x h' tiles and their c x c ones (scores, P, dS) within
+    MAX_TILE[dtype], BLOCK_C x max(BLOCK_C, BLOCK_D) (a narrow head's c x c tiles grew past it: c = 256 at h' = 16
+    in bf16 needs 320 KB of shared memory in the backward), or, in 16 bits on a GPU with WIDE_SHARED, up to
+    WIDE_SLOTS slots of h' <= WIDE_HEAD_DIM; never fp64, which they would sum in fp32."""
+    C, D = _pow2(c), _pow2(d)
+    if C * max(C, D) <= MAX_TILE.get(dtype, 0):
+        return True
+    wide = shared >= WIDE_SHARED and dtype in (torch.bfloat16, torch.float16)
+    return wide and C <= WIDE_SLOTS and D <= WIDE_HEAD_DIM
+
+
+@torch.compiler.assume_constant_result  # torch.compile (fullgraph) calls it while tracing and keeps the number
+def shared_memory(device: int) -> int:
+    """Shared memory per block (bytes) a kernel may opt into on CUDA device `device`, as Triton's driver reports it."""
+    return _device_shared_memory(device)
+
+
+@functools.cache
+def _device_shared_memory(device: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
 def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:
@@ -321,7 +346,7 @@ def _forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, out_
     q, k, v = (x.new_empty(n["H"], n["B"], n["c"], n["d"]) for _ in range(3))
     g = torch.empty(1, n["H"], n["B"], n["c"], n["d"], device=x.device, dtype=torch.float32)
     _attn_fwd[(n["B"], n["H"])](x, idx, gate.contiguous(), positions.contiguous(), qkv_weight, QO=q, KO=k, VO=v, GO=g,
-                                **_head_args(n, idx, inv_freq, rot_dim, visible, self_only))
+                                num_stages=FWD_STAGES, **_head_args(n, idx, inv_freq, rot_dim, visible, self_only))
     y = torch.zeros(n["B"] * n["T"], n["h"], device=x.device, dtype=torch.float32)
     _scatter_add(y, idx, g, out_weight, _out_strides(n), n)
     return y, q, k, v

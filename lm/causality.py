@@ -16,7 +16,8 @@ from heads.base import frozen_state
 def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_size: int, seed: int = 0,
                 training: bool = False) -> float:
     """max |logits[:, :t+1](tokens) - logits[:, :t+1](tokens')| where tokens' = tokens with every
-    position > t replaced by fresh random tokens; t = None: the largest over every t (a leak between two positions
+    position > t replaced by a random other token (never the same: a redrawn equal token would hide a leak from its
+    position); t = None: the largest over every t (a leak between two positions
     shows at the t between them only). The model runs in eval mode, or with `training` in train mode
     (the training-time paths: MoSAIC's training priorities, a head's batch statistics) with its state frozen, so
     that the first pass moves no threshold or centroid the second would see, and the same RNG draws in both."""
@@ -24,11 +25,14 @@ def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_siz
         return max(future_leak(model, tokens, s, vocab_size, seed, training) for s in range(tokens.shape[1] - 1))
     if not 0 <= t < tokens.shape[1] - 1:
         raise ValueError(f"t must be in [0, {tokens.shape[1] - 1}), got {t}")
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2 to change a token, got {vocab_size}")
     was_training = model.training
     g = torch.Generator(device="cpu").manual_seed(seed)
     perturbed = tokens.clone()
     tail = perturbed[:, t + 1 :]
-    perturbed[:, t + 1 :] = torch.randint(0, vocab_size, tail.shape, generator=g).to(tokens.device)
+    shift = torch.randint(1, vocab_size, tail.shape, generator=g).to(tokens.device)
+    perturbed[:, t + 1 :] = (tail + shift) % vocab_size
     logits = []
     # the generators the model draws from, CPU's and that of the tokens' GPU, forked and reseeded alone: the caller's
     # streams are left as they were, and a CPU check on a GPU machine leaves CUDA unstarted (torch.manual_seed and

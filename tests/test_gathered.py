@@ -127,19 +127,12 @@ def test_saves_no_gathered_tensor() -> None:
     assert max(t.numel() for t in saved) < gathered / 3
 
 
-@TRITON_KERNELS
-@pytest.mark.parametrize("T,sparsity,heads,head_dim,fraction", [
-    (100, 8, 3, 8, 0.5), (257, 32, 42, 8, 0.5), (100, 4, 5, 8, 0.5), (257, 8, 3, 8, 0.5), (256, 8, 2, 64, 0.5),
-    (100, 8, 3, 12, 0.5), (100, 8, 3, 12, 1.0), (100, 8, 3, 12, 0.0)])
-def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float) -> None:
-    """The fused kernels (fp32: interpreted on CPU, compiled on a GPU) vs the reference: output and, through the fused
-    backward, every gradient including the router scores. 256 / 8 = 32 slots of h' = 64: the largest fp32 tile the
-    kernels take (heads/gathered_triton.fits). h' = 12 (padded to a 16-column tile) rotates 6, all 12 or none of its
-    dimensions: RoPE's partner columns within the tile."""
-    from heads.gathered_triton import fits, gathered_heads_triton
+def fused_against_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float) -> None:
+    """The fused kernels (heads/gathered_triton.py) on TRITON_DEVICE in fp32 vs the reference: output and, through the
+    fused backward, every gradient including the router scores."""
+    from heads.gathered_triton import gathered_heads_triton
 
     p = problem(T, sparsity, heads, device=TRITON_DEVICE, head_dim=head_dim)
-    assert fits(p["sel"].idx.shape[-1], head_dim, torch.float32)
     rope = RotaryEmbedding(head_dim, fraction).to(TRITON_DEVICE)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     gate = p["r"] * p["sel"].valid
@@ -152,6 +145,29 @@ def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: i
         rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
         rel_max = ((fast - ref).abs().max() / ref.abs().max()).item()
         assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
+
+
+@TRITON_KERNELS
+@pytest.mark.parametrize("T,sparsity,heads,head_dim,fraction", [
+    (100, 8, 3, 8, 0.5), (257, 32, 42, 8, 0.5), (100, 4, 5, 8, 0.5), (257, 8, 3, 8, 0.5), (256, 8, 2, 64, 0.5),
+    (100, 8, 3, 12, 0.5), (100, 8, 3, 12, 1.0), (100, 8, 3, 12, 0.0)])
+def test_triton_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float) -> None:
+    """The fused kernels (fp32: interpreted on CPU, compiled on a GPU) vs the reference. 256 / 8 = 32 slots of
+    h' = 64: the largest fp32 tile the kernels take (heads/gathered_triton.fits). h' = 12 (padded to a 16-column tile)
+    rotates 6, all 12 or none of its dimensions: RoPE's partner columns within the tile."""
+    from heads.gathered_triton import fits
+
+    assert fits(max(T // sparsity, 2), head_dim, torch.float32)
+    fused_against_reference(T, sparsity, heads, head_dim, fraction)
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="Triton's interpreter only (TRITON_INTERPRET=1): a GPU takes heads "
+                    "of 128 slots in 16 bits only (test_cuda_bf16_matches_reference), fp32 ones exceed its shared memory")
+def test_triton_kernels_at_128_slots() -> None:
+    """The kernels' logic at BLOCK_C = 128 (the 16-bit heads H100 takes, heads/gathered_triton.WIDE_SLOTS: 8 warps),
+    in fp32 under the interpreter: 256 / 2 = 128 slots, and 100 / 1 = 100 slots padded to 128."""
+    fused_against_reference(256, 2, 2, 16, 0.5)
+    fused_against_reference(100, 1, 2, 16, 0.5)
 
 
 @TRITON_KERNELS
@@ -180,7 +196,8 @@ def test_triton_padding_masks_match_lean() -> None:
 
 @pytest.mark.skipif(TRITON_DEVICE != "cuda",
                     reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
-@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (512, 8, 2, 64)])
+@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (512, 8, 2, 64),
+                                                       (1024, 8, 2, 64)])
 def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim: int,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA dispatch (fused forward and backward kernels: checked taken) under bf16 autocast vs the fp32 reference
@@ -188,9 +205,15 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
     (of the saved Q/K/V, of Y and dY, of dX and the weight gradients: 2^-9 each) add up to more, no further from it
     than PyTorch's bf16 computation of the same maths (the lean path, side by side on the same inputs). On the H200,
     dX was 6.1e-3 and 5.8e-3 from the reference (the lean path's, on CPU: 1.4e-2 and 1.1e-2). 512 / 8 = 64 slots of
-    h' = 64: the largest 16-bit tile."""
+    h' = 64: the largest 16-bit tile, 1024 / 8 = 128 slots of h' = 64 on a GPU with 227 KB of shared memory per block
+    (H100, H200: heads/gathered_triton.WIDE_SLOTS)."""
     import heads.gathered_triton as gt
     from heads.gathered import fused_disabled, gathered_heads_fast
+
+    shared = gt.shared_memory(torch.cuda.current_device())
+    if not gt.fits(max(T // sparsity, 2), head_dim, torch.bfloat16, shared):
+        pytest.skip(f"this GPU's {shared // 1024} KB of shared memory per block take 16-bit heads up to 64 slots "
+                    f"(heads/gathered_triton.fits), not {T // sparsity}")
 
     calls: list[int] = []
     fused = gt.gathered_heads_triton
@@ -352,23 +375,45 @@ def test_kernel_dot_precision_follows_torch() -> None:
         torch.set_float32_matmul_precision(previous)
 
 
+def test_shared_memory_is_a_constant_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """heads/gathered.py asks the GPU's shared memory per block inside the traced forward: torch.compile(fullgraph)
+    (trainer.compile) takes it as a constant instead of tracing into Triton's driver (here a function dynamo refuses
+    to trace, as it refuses the driver's C call)."""
+    pytest.importorskip("triton")
+    import heads.gathered_triton as gt
+
+    monkeypatch.setattr(gt, "_device_shared_memory", torch.compiler.disable(lambda device: 227 * 1024))
+    takes = lambda x: x * gt.fits(128, 64, torch.bfloat16, gt.shared_memory(0))  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.compile(takes, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
 def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
     """heads/gathered_triton.fits: in 16 bits, c x h' blocks up to 64 x 64 (or 32 x 128) go to the fused kernels;
-    larger heads, such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel would need 256-272 KB of shared
-    memory on H100), take the lean path. fp32 heads stop at half that tile (the fp32 backward spills registers at
-    64 x 64). The c x c tiles count as well: narrow heads (h' = 16) stop at the same c (c = 256 passed and needed
-    352 KB). The dtype is the one the core computes in: autocast's. Compiled at the limits: tests/test_triton_aot.py."""
+    larger heads, such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel needs 192 KB of shared memory),
+    take the lean path, except on GPUs with 227 KB per block (H100, H200) at h' <= 64. fp32 heads stop at half that
+    tile (the fp32 backward spills registers at 64 x 64). The c x c tiles count as well: narrow heads (h' = 16) stop
+    at the same c (c = 256 passed and needed 352 KB). The dtype is the one the core computes in: autocast's.
+    Compiled at the limits: tests/test_triton_aot.py."""
     pytest.importorskip("triton")
     from heads.gathered_lean import compute_dtype
     from heads.gathered_triton import fits
 
-    bf16, fp32 = torch.bfloat16, torch.float32
-    assert fits(64, 64, bf16) and fits(17, 64, bf16) and fits(32, 128, bf16) and fits(8, 8, bf16)
-    assert not fits(65, 64, bf16) and not fits(128, 64, bf16) and not fits(33, 128, bf16) and not fits(1024, 16, bf16)
-    assert fits(64, 16, bf16) and not fits(65, 16, bf16) and not fits(256, 16, bf16)  # c x c: 352 KB at c = 256
-    assert fits(32, 16, fp32) and not fits(33, 16, fp32) and fits(16, 256, bf16) and not fits(16, 256, fp32)
-    assert fits(32, 64, fp32) and fits(16, 128, fp32) and not fits(33, 64, fp32) and not fits(64, 64, fp32)
-    assert not fits(8, 8, torch.float64)
+    bf16, fp32, fp16 = torch.bfloat16, torch.float32, torch.float16
+    a100, h100 = 163 * 1024, 227 * 1024  # shared memory per block (opt-in), CUDA programming guide
+    for shared in (0, a100, h100):
+        assert fits(64, 64, bf16, shared) and fits(17, 64, bf16, shared) and fits(32, 128, bf16, shared)
+        assert fits(8, 8, bf16, shared) and fits(64, 16, bf16, shared) and fits(16, 256, bf16, shared)
+        assert not fits(33, 128, bf16, shared) and not fits(1024, 16, bf16, shared)
+        assert not fits(256, 16, bf16, shared)  # c x c: 320 KB at c = 256
+        assert fits(32, 16, fp32, shared) and not fits(33, 16, fp32, shared) and not fits(16, 256, fp32, shared)
+        assert fits(32, 64, fp32, shared) and fits(16, 128, fp32, shared) and not fits(33, 64, fp32, shared)
+        assert not fits(64, 64, fp32, shared) and not fits(8, 8, torch.float64, shared)
+    for shared in (0, a100):
+        assert not fits(65, 64, bf16, shared) and not fits(128, 64, bf16, shared) and not fits(65, 16, bf16, shared)
+    assert fits(128, 64, bf16, h100) and fits(100, 16, fp16, h100) and fits(128, 32, bf16, h100)
+    assert not fits(129, 64, bf16, h100) and not fits(128, 65, bf16, h100) and not fits(128, 64, fp32, h100)
+    assert not fits(64, 128, bf16, h100)  # 64 x 128 tiles: 0.8-1.5 KB of spills per thread
     x = torch.zeros(2, 3)
     assert compute_dtype(x) == fp32
     with torch.autocast("cpu", dtype=bf16):

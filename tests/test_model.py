@@ -144,6 +144,18 @@ def test_causality_check_finds_a_leak_between_two_rows(dst: int, src: int, t: in
     assert future_leak(model, tokens, dst - 1, 97) == 0.0  # rows before dst see no later token
 
 
+def test_causality_check_changes_every_later_token() -> None:
+    """Every token after t is replaced by another one: in a two-token vocabulary a leak from the last row alone shows
+    for every seed (a fresh draw kept the last token, and hid the leak, for half of them)."""
+    model = build()
+    group = model.blocks[0].attn.groups[0]
+    model.blocks[0].attn.groups[0] = OneLeakHeads(group.ctx, group.count, group.options, dst=62, src=63)
+    tokens = torch.randint(0, 2, (1, 64))
+    assert all(future_leak(model, tokens, 62, 2, seed=seed) > 1e-3 for seed in range(8))
+    with pytest.raises(ValueError, match=r"^vocab_size must be >= 2 to change a token, got 1$"):
+        future_leak(model, tokens, 62, 1)
+
+
 @pytest.mark.parametrize("t", [-1, 63])
 def test_causality_check_needs_a_position_with_a_future(t: int) -> None:
     """t = T - 1 has no later token to resample (a leak of 0 that proves nothing); t < 0 no logits to compare."""
