@@ -70,9 +70,9 @@ def gathered_heads_fast(
     is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
     visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
     kernels, forward and backward (heads/gathered_triton.py), for fp32/bf16/fp16 heads that fit on chip (c x h'
-    up to 64 x 64 in 16 bits, 128 x 64 on H100/H200, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger heads) the memory-lean PyTorch core
-    (heads/gathered_lean.py; on CUDA too inside `fused_disabled()`). Neither materialises nor saves anything of
-    size [B, H, c, h]."""
+    up to 64 x 64 in 16 bits, 128 x 64 on H100/H200, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger
+    heads) the memory-lean PyTorch core (heads/gathered_lean.py; on CUDA too inside `fused_disabled()`). Neither
+    materialises nor saves anything of size [B, H, c, h]."""
     if x.is_cuda and TRITON and _FUSED.on:
         from heads.gathered_triton import fits, gathered_heads_triton, shared_memory
 
