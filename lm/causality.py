@@ -17,8 +17,8 @@ def future_leak(model: nn.Module, tokens: torch.Tensor, t: int | None, vocab_siz
                 training: bool = False) -> float:
     """max |logits[:, :t+1](tokens) - logits[:, :t+1](tokens')| where tokens' = tokens with every
     position > t replaced by a random other token (never the same: a redrawn equal token would hide a leak from its
-    position); t = None: the largest over every t (a leak between two positions
-    shows at the t between them only). The model runs in eval mode, or with `training` in train mode
+    position); t = None: the largest over every t (a leak between two positions shows at the t between them
+    only). The model runs in eval mode, or with `training` in train mode
     (the training-time paths: MoSAIC's training priorities, a head's batch statistics) with its state frozen, so
     that the first pass moves no threshold or centroid the second would see, and the same RNG draws in both."""
     if t is None:
