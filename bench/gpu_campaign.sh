@@ -8,12 +8,13 @@
 #   run(command="BUDGET_S=<budget_left_s - 60> bash bench/gpu_campaign.sh timing mfu", same carry)
 # (the second call, made at once, finds the first's machine still warm; a fresh start needs 4 minutes or more left).
 # The tests go first: on the H200 (2026-11-29) the suite had 1449 of 1608 results after 240 s beside the background
-# runs, so it needs ~300 s or more. A step's limit is a cap, not a reservation: the timing and MFU caps add up to 495 s,
+# runs, so it needs ~300 s or more. A step's limit is a cap, not a reservation: the timing and MFU caps add up to 615 s,
 # so when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs,
 # which are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
-#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
+#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast), and the
+#           IsoFLOP pair's training steps under Lightning's PyTorch profiler (operators by CUDA time)
 #   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
 #   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed; the CUDA test
 #           files first, tests/conftest.py), and beside it,
@@ -115,12 +116,23 @@ consolidate() {  # the DeepSpeed run's sharded checkpoint made one file (lm.cons
     echo '```'
     return $rc
 }
+ISOFLOP_HEADS="model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]"  # Tiny
+profile() {  # where the IsoFLOP pair's step time goes (MoSA 3.2x dense's on the H200, 2026-11-29): 3 training steps
+    # of each (batch 64, T = 1024, bf16, C4) under trainer.profiler=pytorch, its operator table (by CUDA time)
+    local run=(data.batch_size=64 data.val_batches=1 optim.warmup_steps=2 trainer.max_steps=6 trainer.val_every=1000
+               trainer.ckpt_every=1000 trainer.log_every=2 trainer.profiler=pytorch) name
+    train profile_dense configs/tiny.yaml "${run[@]}"
+    train profile_mosa_isoflop configs/tiny.yaml "${run[@]}" "$ISOFLOP_HEADS"
+    for name in profile_dense profile_mosa_isoflop; do
+        [ -f $R/$name/profile/fit-pytorch.txt ] || continue
+        { echo "## $name"; echo; echo '```'; cat $R/$name/profile/fit-pytorch.txt; echo '```'; } > $C/$name.md
+    done
+}
 c4_runs() {  # side by side (the same GPU contention): equal steps and tokens, curves against tokens
     local run=(data.batch_size=16 data.val_batches=6 optim.lr=1e-3 optim.warmup_steps=30 trainer.max_steps=250
                trainer.val_every=25 trainer.ckpt_every=1000 trainer.log_every=25 trainer.max_minutes=2)
     (train c4_dense configs/tiny.yaml "${run[@]}"; echo "c4_dense exit $?" >> $C/status.txt) &
-    (train c4_mosa_isoflop configs/tiny.yaml "${run[@]}" \
-        "model.heads=[{type: dense, count: 4}, {type: mosa, count: 276, options: {sparsity: 32}}]"
+    (train c4_mosa_isoflop configs/tiny.yaml "${run[@]}" "$ISOFLOP_HEADS"
      echo "c4_mosa_isoflop exit $?" >> $C/status.txt) &
     wait
     python3 -m lm.plots $R/c4_dense $R/c4_mosa_isoflop --out $C/c4_dense_vs_mosa.png \
@@ -134,7 +146,7 @@ salvage() {  # what runs stopped at the budget wrote so far: their metrics, curv
     done
     for r in $R/resume_*; do for f in $r/*.log; do cp "$f" "$C/$(basename $r)_$(basename "$f")"; done 2>/dev/null; done
 }
-export -f train background_checks consolidate c4_runs; export DATA R C
+export -f train background_checks consolidate c4_runs profile; export DATA R C ISOFLOP_HEADS
 
 for phase in $PHASES; do case $phase in
 tests)
@@ -170,9 +182,11 @@ timing)
     step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
     # the 5 dense heads the IsoFLOP model replaces; mosa-lean: mosa-threshold with the fused kernels off, to see
-    # which of the two is faster on a GPU at c <= 64 (above it both run the lean core)
+    # which of the two is faster on a GPU where the kernels take the heads (c <= 64; <= 128 on H100/H200, since
+    # 2026-11-30; c = 256 at T = 8192 runs the lean core either way)
     step heads 90 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
         --variants dense mosa-threshold mosa-lean --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md
+    step profile 120 bash -c profile
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)

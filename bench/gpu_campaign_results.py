@@ -7,7 +7,8 @@ gpu_tests.md (the CUDA test run from pytest's junit file: counts, every failure 
 skips grouped by reason, whether the session ran to its end, the files whose collected tests did not all run),
 gpu_table2.md (bench/resources.py, Tiny pair), gpu_isoflop_heads.md (the IsoFLOP pair and bench/heads.py),
 gpu_mfu.md (flops.mfu of the MFU runs), gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with
-gpu_c4_dense_vs_mosa.png (the short C4 run). A part the campaign did not produce is written as missing, with the
+gpu_c4_dense_vs_mosa.png (the short C4 run), gpu_profile.md (the IsoFLOP pair's operator tables from Lightning's
+PyTorch profiler). A part the campaign did not produce is written as missing, with the
 step's status line, never left out.
 """
 from __future__ import annotations
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                                        ["resume_check", "consolidate"],
                                        ["resume_deepspeed_stage_2.md", "resume_ddp.md", "deepspeed_consolidate.md"]),
             "gpu_c4.md": c4_report(c, args.results),
+            "gpu_profile.md": copied("Where the IsoFLOP pair's training step goes: Lightning's PyTorch profiler, 3 steps "
+                                     "of Tiny dense and 4 dense + 276 MoSA (rho 32), batch 64, T = 1024, bf16", c,
+                                     ["profile"], ["profile_dense.md", "profile_mosa_isoflop.md"]),
         }
         for name, lines in reports.items():
             (args.results / name).write_text("\n".join(lines).rstrip() + "\n")

@@ -29,6 +29,7 @@ def _campaign(tmp_path: Path) -> Path:
     (c / "c4_dense.metrics.json").write_text(json.dumps({"step": 250, "tokens_seen": 4_096_000, "val_loss": 5.0,
                                                          "val_ppl": 148.4, "tokens_per_s": 1e5, "peak_mem_bytes": 3e9}))
     (c / "c4_mosa_isoflop.log").write_text("loading\nRuntimeError: CUDA out of memory\n")
+    (c / "profile_dense.md").write_text("## profile_dense\n\n```\nFIT Profiler Report\n  aten::mm  41.0%\n```\n")
     (tmp_path / "campaign.log").write_text("== table2 (limit 120s): python3 -m bench.resources --pair table2-tiny\n")
     return c
 
@@ -58,6 +59,10 @@ def test_reports_from_a_packed_campaign(tmp_path: Path) -> None:
     assert "| c4_dense | 250 | 4,096,000 | 5.0000 | 148.4 | 100,000 | 3.00 |" in c4
     assert "| c4_mosa_isoflop | missing: RuntimeError: CUDA out of memory |" in c4
     assert "**Missing**: no curve PNG" in c4
+
+    profile = (out / "gpu_profile.md").read_text()
+    assert "## profile_dense\n\n```\nFIT Profiler Report\n  aten::mm  41.0%\n```" in profile
+    assert "**Missing**: `profile_mosa_isoflop.md` was not written" in profile and "- profile: " in profile
 
 
 @pytest.mark.parametrize("log", ["!!!! session-timeout: 88.0 sec exceeded !!!!\n",  # pytest-timeout's session end
