@@ -36,8 +36,8 @@ import torch
 from flops.cli import output_file, script_parser
 
 # Opt-in shared memory per block (bytes), cudaDevAttrMaxSharedMemoryPerBlockOptin, of each architecture's GPUs.
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-GPUS = {80: "A100", 86: "RTX 30xx / A40", 89: "RTX 40xx / L40S", 90: "H100 / H200"}
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+GPUS = {80: "A100", 86: "RTX 30xx / A40", 89: "RTX 40xx / L40S", 90: "H100 / H200", 100: "B200", 120: "RTX 50xx"}
 
 
 @contextlib.contextmanager

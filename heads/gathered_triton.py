@@ -53,9 +53,9 @@ BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 # tile. The c x c tiles (scores, P, dS) count too: at h' = 16 the bf16 backward needs 320 KB at c = 256 (`fits` bounds
 # BLOCK_C x max(BLOCK_C, BLOCK_D)). Larger heads take the lean path (heads/gathered.py).
 MAX_TILE = {torch.bfloat16: 64 * 64, torch.float16: 64 * 64, torch.float32: 32 * 64}
-# GPUs with at least WIDE_SHARED bytes of shared memory per block (sm_90: H100, H200) also take 16-bit heads of up to
-# WIDE_SLOTS slots at h' <= WIDE_HEAD_DIM: 96-192 KB in the backward, spilling at most 144 B per thread. Wider heads of
-# 128 slots need 320 KB (h' = 128), and 64 x 128 tiles spill ~1 KB per thread.
+# GPUs with at least WIDE_SHARED bytes of shared memory per block (H100, H200, B200) also take 16-bit heads of up to
+# WIDE_SLOTS slots at h' <= WIDE_HEAD_DIM: 96-192 KB in the backward on sm_90 (216 KB on sm_100), spilling at most
+# 144 B per thread. Wider heads of 128 slots need 320 KB (h' = 128), and 64 x 128 tiles spill ~1 KB per thread.
 WIDE_SHARED, WIDE_SLOTS, WIDE_HEAD_DIM = 227 * 1024, 128, 64
 # The forward's loop over h loads a block of X and three of W^QKV per step: two pipeline stages (Triton's default is 3)
 # keep about as many bytes in flight as three did with one W block, and its shared memory within sm_89's 99 KB per
