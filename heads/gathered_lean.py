@@ -121,12 +121,13 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         s = slice(h0, h0 + plan.step)
         xs = plan.gather(xf, s, xs_buf)  # X^s of this chunk of heads [n, B*c, h]
         n = xs.shape[0]
-        q = torch.bmm(xs, w[0, s].transpose(1, 2)).view(n, B, c, d)
-        k = torch.bmm(xs, w[1, s].transpose(1, 2)).view(n, B, c, d)
-        v = torch.bmm(xs, w[2, s].transpose(1, 2)).view(n, B, c, d)
-        q_all[s], k_all[s], v_all[s] = rope(q, plan.pos[s]), rope(k, plan.pos[s]), v
-        _, a = _attention(q_all[s], k_all[s], v, plan.mask(s))
-        a = (a * gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
+        q, k, v = q_all[s], k_all[s], v_all[s]  # [n, B, c, d], written in place
+        for j, t in enumerate((q, k, v)):
+            torch.bmm(xs, w[j, s].transpose(1, 2), out=t.view(n, B * c, d))
+        cos, sin = rope.cos_sin(plan.pos[s], x.dtype)
+        rope.rotate_(q, cos, sin), rope.rotate_(k, cos, sin)
+        _, a = _attention(q, k, v, plan.mask(s))
+        a = a.mul_(gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
         x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0), out=out_buf[:n])  # [n, B*c, h]
         y.index_add_(0, plan.flat[s].reshape(-1), x_o.reshape(-1, h).to(y.dtype))
     return y, q_all, k_all, v_all
@@ -169,8 +170,9 @@ def lean_backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_wei
         dp = da @ v.transpose(-1, -2)
         dv = p.transpose(-1, -2) @ da
         ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-        dq = rope(ds @ k, -plan.pos[s])  # R(θ)^T = R(-θ): gradient before the rotation
-        dk = rope(ds.transpose(-1, -2) @ q, -plan.pos[s])
+        cos, sin = rope.cos_sin(plan.pos[s], q.dtype)
+        dq = rope.rotate_(ds @ k, cos, sin, inverse=True)  # R(θ)^T: the gradient before the rotation
+        dk = rope.rotate_(ds.transpose(-1, -2) @ q, cos, sin, inverse=True)
         dq, dk, dv = (t.reshape(n, B * c, d) for t in (dq, dk, dv))
         if need_w:
             xs = plan.gather(xf, s, xs_buf)

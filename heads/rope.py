@@ -32,12 +32,30 @@ class RotaryEmbedding(Float32Buffers):
         inv_freq = base ** (-torch.arange(0, rot_dim, 2, dtype=torch.float64) / max(rot_dim, 1))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # [r/2]
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the angles pos * theta_j, each [..., T, r/2] in `dtype` (angles in fp32)."""
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., T, r/2]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., T, head_dim]; positions: integer tensor broadcastable to x.shape[:-1]."""
         if self.rot_dim == 0:
             return x
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., T, r/2]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = self.cos_sin(positions, x.dtype)
         half = self.rot_dim // 2
         x1, x2, rest = x[..., :half], x[..., half:self.rot_dim], x[..., self.rot_dim:]
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest), dim=-1)
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x rotated in place by R(θ) (forward's map, cos/sin from `cos_sin`), or by R(θ)^T = R(-θ) if `inverse`;
+        for code that runs without autograd (heads/gathered_lean.py): no output tensor, no copy of the unrotated
+        dims."""
+        if self.rot_dim == 0:
+            return x
+        half = self.rot_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rot_dim]
+        sign = -1 if inverse else 1
+        x1_old = x1.clone()
+        x1.mul_(cos).addcmul_(x2, sin, value=-sign)  # x1 cos -+ x2 sin
+        x2.mul_(cos).addcmul_(x1_old, sin, value=sign)  # x2 cos +- x1 sin
+        return x

@@ -161,3 +161,19 @@ def test_head_groups_see_positions_only_relatively(impl: str) -> None:
             y, shifted, stretched = group(x, pos), group(x, pos + 960), group(x, pos * 2)
         assert (shifted - y).abs().max() < 1e-10, name
         assert (stretched - y).abs().max() > 1e-3, name
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0, 0.0])
+def test_in_place_rotation_is_forward_and_its_inverse_undoes_it(fraction: float) -> None:
+    """rotate_ (the lean gathered core's no-autograd path) gives forward's rotation, up to one rounding of fused
+    multiply-adds (float64 inputs: max-abs <= 1e-12), and with inverse=True R(θ)^T = R(-θ), forward at -pos; that
+    undoes the rotation up to the float32 cos/sin (cos² + sin² = 1 within ~2^-23): max-abs <= 2^-22 max|x|."""
+    x, positions = inputs(4096)
+    rope = RotaryEmbedding(64, fraction)
+    cos, sin = rope.cos_sin(positions, x.dtype)
+    rotated = rope.rotate_(x.clone(), cos, sin)
+    assert (rotated - rope(x, positions)).abs().max() <= 1e-12
+    assert (rope.rotate_(x.clone(), cos, sin, inverse=True) - rope(x, -positions)).abs().max() <= 1e-12
+    assert (rope.rotate_(rotated.clone(), cos, sin, inverse=True) - x).abs().max() <= 2**-22 * x.abs().max()
+    if fraction:  # the check can fail: the rotation moved x
+        assert (rotated - x).abs().max() > 0.1
