@@ -125,7 +125,8 @@ def lean_forward(x: torch.Tensor, gate: torch.Tensor, qkv_weight: torch.Tensor, 
         for j, t in enumerate((q, k, v)):
             torch.bmm(xs, w[j, s].transpose(1, 2), out=t.view(n, B * c, d))
         cos, sin = rope.cos_sin(plan.pos[s], x.dtype)
-        rope.rotate_(q, cos, sin), rope.rotate_(k, cos, sin)
+        rope.rotate_(q, cos, sin)
+        rope.rotate_(k, cos, sin)
         _, a = _attention(q, k, v, plan.mask(s))
         a = a.mul_(gate_h[s, ..., None]).view(n, B * c, d)  # diag(r) A
         x_o = torch.bmm(a, wo[:, s].permute(1, 2, 0), out=out_buf[:n])  # [n, B*c, h]
