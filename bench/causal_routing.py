@@ -2,7 +2,7 @@
 (leak-free perplexity), each causal MoSA selection, MoSAIC and fixed heads at matched forward FLOPs.
 
     python -m bench.causal_routing [--config configs/experiments/causal_routing.yaml]
-        [--only NAME,NAME] [--seeds S,S] [--report] [section.key=value ...]
+        [--only NAME,NAME] [--seeds S,S] [--report] [--out STEM] [section.key=value ...]
 
 Each (variant, seed) run is one bench/gutenberg_compare.py run (same base config, FLOP-matched head
 mix, train_lm.py in its own process, final checkpoint evaluated teacher-forced and leak-free on the
@@ -13,8 +13,9 @@ expert-choice top-k of its router scores it keeps ("topk"), and the predictor's 
 A finished run writes result.json next to its checkpoint and is skipped on the next call, so the
 comparison resumes after a cut-off. Parallel workers (start the command several times) claim runs with
 an exclusive <out_dir>/s<seed>/<variant>.claim file holding their pid (a dead pid's claim is taken over).
-`--report` (also after every run) aggregates all result.json files into bench/results/causal_routing.csv
-(one row per run), .md (mean ± std over seeds) and .png (validation perplexity vs training tokens).
+`--report` (also after every run) aggregates all result.json files into STEM.csv (one row per run), STEM.md (mean ±
+std over seeds) and STEM.png (validation perplexity vs training tokens); --out STEM, default
+bench/results/causal_routing (runs with other settings or overrides belong under a stem of their own).
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ from typing import Any
 
 from bench.gutenberg_compare import (
     base_config, distinct, eval_windows, load_settings, prepare_data, run_config, train_and_evaluate, wanted_variants)
-from flops.cli import command_line, script_parser
+from flops.cli import command_line, output_file, script_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "causal_routing"
+RESULTS = ROOT / "bench" / "results" / "causal_routing"  # the default --out stem
 QUARTERS = 4
 
 
@@ -110,8 +111,8 @@ def mean_std(values: list[float]) -> str:
     return f"{m:.2f} ± {statistics.stdev(values):.2f}" if len(values) > 1 else f"{m:.2f}"
 
 
-def write_report(settings: Any, command: str) -> None:
-    """bench/results/causal_routing.{csv,md,png} from every finished run, written by the command line `command`."""
+def write_report(settings: Any, command: str, stem: Path) -> None:
+    """stem.csv, stem.md and stem.png from every finished run, written by the command line `command`."""
     import csv
 
     rows = results(settings)
@@ -121,7 +122,7 @@ def write_report(settings: Any, command: str) -> None:
     columns = ["variant", "seed", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
                "train_s", "val_ppl", "leakfree_ppl", "cover_cand", "cover_topk", "predictor_acc", "torch", "code",
                "machine", "command"]
-    with open(RESULTS.with_suffix(".csv"), "w", newline="") as f:
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
         for r in sorted(rows, key=lambda r: (order.index(r["variant"]), r["seed"])):
@@ -165,8 +166,8 @@ def write_report(settings: Any, command: str) -> None:
                      f"{mean_std([r['val_ppl'] for r in rs])} | {quarters('cover_cand')} | {quarters('cover_topk')} | "
                      f"{f'{statistics.fmean(acc):.3f}' if acc else '-'} | {len(rs)} |")
     lines += ["", resolution(by)]
-    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n" + notes(settings))
-    plot_curves(by, RESULTS.with_suffix(".png"))
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n" + notes(settings))
+    plot_curves(by, stem.with_suffix(".png"))
 
 
 def resolution(by: dict[str, list[dict[str, Any]]]) -> str:
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated variant names")
     parser.add_argument("--seeds", default=None, help="comma-separated subset of the settings' seeds")
     parser.add_argument("--report", action="store_true", help="only rewrite the results from finished runs")
+    parser.add_argument("--out", type=output_file, default=RESULTS, metavar="STEM",
+                        help="results STEM.csv, STEM.md and STEM.png (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
     command = command_line(["-m", "bench.causal_routing"], argv)
@@ -267,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed, name in [(s, n) for s in seeds for n in wanted if (n, s) not in done]:
             if claim(settings, seed, name):
                 run_one(settings, name, seed, args.overrides, command)
-                write_report(settings, command)
-    write_report(settings, command)
+                write_report(settings, command, args.out)
+    write_report(settings, command, args.out)
     return 0
 
 

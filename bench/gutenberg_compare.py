@@ -2,16 +2,17 @@
 on Gutenberg at matched forward FLOPs, reporting standard and leak-free validation perplexity.
 
     python -m bench.gutenberg_compare [--config configs/experiments/gutenberg_compare.yaml]
-        [--only NAME,NAME] [--force] [--lock /tmp/cpu_heavy.lock [--hold-lock]] [section.key=value ...]
+        [--only NAME,NAME] [--force] [--lock /tmp/cpu_heavy.lock [--hold-lock]] [--out STEM] [section.key=value ...]
 
 Every variant shares `base` of the settings file (data, tokenizer, seed, schedule, size); its head mix is
 FLOP-matched to the dense baseline with MoSA App. C (flops.isoflop.solve). The data directory is prepared
 once (data_prep.prepare). Each variant trains with train_lm.py in its own process (OMP_NUM_THREADS=1;
 with --lock, holding that file lock for its training and evaluation only), then its final checkpoint is
 evaluated on `eval.windows` evenly spaced validation windows: teacher-forced and leak-free (lm/leakfree.py).
-Results are merged by variant name into bench/results/gutenberg_compare.csv (a variant already there is
-skipped unless --force or named in --only; a finished run directory of the identical config is only
-re-evaluated, not retrained, unless --force: after a code change, --force retrains) and the markdown table is rewritten from the csv, so adding a
+Results are merged by variant name into STEM.csv, and the markdown table STEM.md is rewritten from it (--out STEM;
+default bench/results/gutenberg_compare: runs with other settings or overrides belong under a stem of their own). A
+variant already in the csv is skipped unless --force or named in --only; a finished run directory of the identical
+config is only re-evaluated, not retrained, unless --force (after a code change, --force retrains). So adding a
 variant means adding one entry to the settings file and running only that one.
 """
 from __future__ import annotations
@@ -31,11 +32,11 @@ from typing import Any, Iterable, Iterator
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from flops.cli import hardware, script_parser
+from flops.cli import hardware, output_file, script_parser
 from flops.run_sweep import locked
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"
+RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"  # the default --out stem
 COLUMNS = ["variant", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
            "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code", "machine"]
 CODE_DIRS = ["heads", "routing", "lm", "flops", "train_lm.py"]  # what a variant's numbers depend on
@@ -200,17 +201,19 @@ def eval_windows(cfg: Any, windows: int) -> Any:
     return torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()
 
 
-def read_rows() -> dict[str, dict[str, Any]]:
-    path = RESULTS.with_suffix(".csv")
+def read_rows(stem: Path) -> dict[str, dict[str, Any]]:
+    """The rows of stem.csv by variant ({} before the first)."""
+    path = stem.with_suffix(".csv")
     if not path.is_file():
         return {}
     with open(path) as f:
         return {row["variant"]: row for row in csv.DictReader(f)}
 
 
-def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[str]) -> None:
+def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[str], stem: Path) -> None:
+    """stem.csv (the rows) and stem.md (their table), variants in the settings' order."""
     names = [n for n in order if n in rows] + sorted(set(rows) - set(order))
-    with open(RESULTS.with_suffix(".csv"), "w", newline="") as f:
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         for n in names:
@@ -252,7 +255,7 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         lines.append(f"| {n} | {r['heads']} | {r['causal']} | {int(r['params']):,} | {float(r['fwd_gflop']):.3f} ({float(r['flop_ratio']):.3f}) | "
                      f"{r['kv_total']} | {r['steps']} | {r['train_s']} | {float(r['val_ppl']):.2f} | "
                      f"{float(r['leakfree_ppl']):.2f} | {r.get('code') or '-'} |")
-    RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def wanted_variants(order: list[str], only: str | None) -> list[str]:
@@ -273,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
     parser.add_argument("--hold-lock", action="store_true", help="hold --lock once for all selected variants")
     parser.add_argument("--report", action="store_true", help="only rewrite the markdown table from the csv")
+    parser.add_argument("--out", type=output_file, default=RESULTS, metavar="STEM",
+                        help="results STEM.csv and STEM.md (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
+    csv_path = args.out.with_suffix(".csv")
     try:
         settings = load_settings(args.config)
         order = list(settings.variants)
@@ -283,22 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # ConfigError of the overrides included: reported before any run
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = read_rows()
+    rows = read_rows(args.out)
     if args.report:
         if not rows:
-            print(f"error: --report: {RESULTS.with_suffix('.csv')} has no results yet; run a variant first",
-                  file=sys.stderr)
+            print(f"error: --report: {csv_path} has no results yet; run a variant first", file=sys.stderr)
             return 2
-        write_results(rows, settings, order)
+        write_results(rows, settings, order, args.out)
         return 0
     with locked(args.lock if args.hold_lock else None):
         for name, cfg in configs.items():
             if name in rows and not (args.force or args.only):
-                print(f"{name}: already in {RESULTS.with_suffix('.csv').name}, skipped (--force to rerun)")
+                print(f"{name}: already in {csv_path}, skipped (--force to rerun)")
                 continue
             row = run_variant(settings, name, cfg, args)
-            rows = {**read_rows(), name: row}  # merge with rows other processes may have written meanwhile
-            write_results(rows, settings, order)
+            rows = {**read_rows(args.out), name: row}  # merge with rows other processes may have written meanwhile
+            write_results(rows, settings, order, args.out)
     return 0
 
 

@@ -6,8 +6,7 @@ probed, csv / markdown / png aggregated over seeds; finished runs skipped, a run
 re-evaluated without retraining, a run claimed by a live process left alone).
 
 Each test writes a settings file from the committed one with the same variant specs but a tiny `base` (2 layers,
-h = 32, T = 32, 4 steps), its runs and data under tmp_path; the scripts' RESULTS (under bench/results) is
-monkeypatched to tmp_path."""
+h = 32, T = 32, 4 steps), its runs and data under tmp_path, and passes a results stem there (--out)."""
 from __future__ import annotations
 
 import csv
@@ -78,8 +77,7 @@ def dead_pid() -> int:
 
 
 @pytest.mark.slow
-def test_gutenberg_compare_trains_and_reports_every_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_gutenberg_compare_trains_and_reports_every_variant(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """main with no options: the data directory is prepared once (data_prep.prepare on tiny texts: the `prepare`
     section points at them, source `text`), then the dense baseline, the 4 kept dense heads alone and faithful MoSA
     FLOP-matched by the solver are each trained and evaluated: one csv row each in the settings' order, with the
@@ -97,9 +95,8 @@ def test_gutenberg_compare_trains_and_reports_every_variant(tmp_path: Path, monk
     settings = OmegaConf.load(path)
     settings.prepare = {"source": "text", "src": str(tmp_path / "texts"), "vocab_size": 400, "sample_chars": 100_000}
     OmegaConf.save(settings, path)
-    monkeypatch.setattr(gutenberg_compare, "RESULTS", tmp_path / "gutenberg_compare")
 
-    assert gutenberg_compare.main(["--config", str(path)]) == 0
+    assert gutenberg_compare.main(["--config", str(path), "--out", str(tmp_path / "gutenberg_compare")]) == 0
     assert capsys.readouterr().out.count("preparing data:") == 1
     assert json.loads((tmp_path / "data" / "index.json").read_text())["vocab_size"] == 400
     rows = read_csv(tmp_path / "gutenberg_compare.csv")
@@ -144,9 +141,8 @@ def test_gutenberg_compare_skips_reuses_and_retrains(tmp_path: Path, monkeypatch
     from bench import gutenberg_compare
 
     path = tiny_settings(tmp_path, "gutenberg_compare", ["dense"], write_prepared(tmp_path / "data"), vocab_size=64)
-    monkeypatch.setattr(gutenberg_compare, "RESULTS", tmp_path / "gc")
     results, log = tmp_path / "gc.csv", tmp_path / "runs" / "dense" / "train.log"
-    main = lambda *argv: gutenberg_compare.main(["--config", str(path), *argv])  # noqa: E731
+    main = lambda *argv: gutenberg_compare.main(["--config", str(path), "--out", str(tmp_path / "gc"), *argv])  # noqa: E731
 
     assert main("--lock", str(tmp_path / "lock"), "--hold-lock") == 0
     assert (tmp_path / "lock").is_file() and "reusing" not in capsys.readouterr().out
@@ -154,7 +150,7 @@ def test_gutenberg_compare_skips_reuses_and_retrains(tmp_path: Path, monkeypatch
     trained, written = mtime(log), mtime(results)
 
     assert main() == 0
-    assert capsys.readouterr().out == "dense: already in gc.csv, skipped (--force to rerun)\n"
+    assert capsys.readouterr().out == f"dense: already in {results}, skipped (--force to rerun)\n"
     assert mtime(results) == written
 
     def other_worker_meanwhile(*args: object, **kwargs: object) -> dict[str, object]:
@@ -199,9 +195,8 @@ def test_causal_routing_runs_every_seed_and_aggregates_them(tmp_path: Path, monk
 
     path = tiny_settings(tmp_path, "causal_routing", ["dense", "mosa_predictor"], write_prepared(tmp_path / "data"),
                          vocab_size=64)
-    monkeypatch.setattr(causal_routing, "RESULTS", tmp_path / "cr")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    argv = ["--config", str(path), "--seeds", "1,2"]
+    argv = ["--config", str(path), "--seeds", "1,2", "--out", str(tmp_path / "cr")]
 
     assert causal_routing.main(argv) == 0
     rows = read_csv(tmp_path / "cr.csv")
@@ -212,7 +207,7 @@ def test_causal_routing_runs_every_seed_and_aggregates_them(tmp_path: Path, monk
         result = json.loads((run / "result.json").read_text())
         assert OmegaConf.load(run / "config.yaml").trainer.seed == int(r["seed"]) == result["seed"]
         assert [h["tokens_seen"] for h in result["history"]] == [2 * BATCH * SEQ_LEN, STEPS * BATCH * SEQ_LEN]
-        assert r["command"] == f"python -m bench.causal_routing --config {path} --seeds 1,2"
+        assert r["command"] == f"python -m bench.causal_routing {' '.join(argv)}"
         assert float(r["val_ppl"]) == float(r["leakfree_ppl"]) == result["val_ppl"] and math.isfinite(result["val_ppl"])
         if r["variant"] == "dense":
             assert r["cover_cand"] == r["cover_topk"] == r["predictor_acc"] == ""
@@ -237,8 +232,7 @@ def test_causal_routing_runs_every_seed_and_aggregates_them(tmp_path: Path, monk
     assert image.ndim == 3 and image.shape[0] > 100
 
 
-def test_causal_routing_resumes_without_retraining(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_causal_routing_resumes_without_retraining(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--report` before any run writes nothing; a finished run (result.json) is skipped by the next call (its
     worker gone); a run whose result.json is missing while a live process holds its claim is left to that process;
     once the claim's process is dead, the run is taken over and only re-evaluated (its training reused, train.log
@@ -246,9 +240,9 @@ def test_causal_routing_resumes_without_retraining(tmp_path: Path, monkeypatch: 
     from bench import causal_routing
 
     path = tiny_settings(tmp_path, "causal_routing", ["dense"], write_prepared(tmp_path / "data"), vocab_size=64)
-    monkeypatch.setattr(causal_routing, "RESULTS", tmp_path / "cr")
     run, claim = tmp_path / "runs" / "s1" / "dense", tmp_path / "runs" / "s1" / "dense.claim"
-    main = lambda *argv: causal_routing.main(["--config", str(path), "--seeds", "1", *argv])  # noqa: E731
+    main = lambda *argv: causal_routing.main(["--config", str(path), "--seeds", "1", "--out", str(tmp_path / "cr"),  # noqa: E731
+                                              *argv])
 
     assert main("--report") == 0
     assert not list(tmp_path.glob("cr.*"))
@@ -273,15 +267,13 @@ def test_causal_routing_resumes_without_retraining(tmp_path: Path, monkeypatch: 
     assert json.loads((run / "result.json").read_text()) == first and claim.read_text() == str(os.getpid()) != str(cut_off)
 
 
-def test_gutenberg_compare_report_before_any_run_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_gutenberg_compare_report_before_any_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--report` before any variant has a result row: one line saying so, exit status 2, nothing written (it raised
     IndexError: the report names the first row's evaluation windows)."""
     from bench import gutenberg_compare
 
-    monkeypatch.setattr(gutenberg_compare, "RESULTS", tmp_path / "gc")
     config = str(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml")
-    assert gutenberg_compare.main(["--config", config, "--report"]) == 2
+    assert gutenberg_compare.main(["--config", config, "--report", "--out", str(tmp_path / "gc")]) == 2
     assert capsys.readouterr().err == f"error: --report: {tmp_path / 'gc.csv'} has no results yet; run a variant first\n"
     assert list(tmp_path.iterdir()) == []
 

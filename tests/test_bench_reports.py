@@ -68,7 +68,7 @@ def _rows() -> list[dict]:
             {**row, "seed": 2, "leakfree_ppl": 202.0}]
 
 
-def test_causal_routing_report_states_what_the_runs_were(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_causal_routing_report_states_what_the_runs_were(tmp_path: Path) -> None:
     """Budget, machine and commands come from the runs' results, not from the settings file or the script."""
     from bench import causal_routing
 
@@ -77,9 +77,8 @@ def test_causal_routing_report_states_what_the_runs_were(tmp_path: Path, monkeyp
     for r in _rows():
         (tmp_path / "runs" / f"s{r['seed']}" / "dense").mkdir(parents=True)
         (tmp_path / "runs" / f"s{r['seed']}" / "dense" / "result.json").write_text(json.dumps(r))
-    monkeypatch.setattr(causal_routing, "RESULTS", tmp_path / "out" / "causal_routing")
     (tmp_path / "out").mkdir()
-    causal_routing.write_report(settings, "python -m bench.causal_routing --report")
+    causal_routing.write_report(settings, "python -m bench.causal_routing --report", tmp_path / "out" / "causal_routing")
     header = (tmp_path / "out" / "causal_routing.md").read_text().split("\n\n")[1]
     assert "Machine: Some CPU (4 cores); not recorded, 1 thread per run, fp32, torch 2.x." in header
     assert ("Runs trained by: `python -m bench.causal_routing --seeds 1`; not recorded; this report written by: "
@@ -100,17 +99,16 @@ def test_causal_routing_notes_are_the_committed_conclusions() -> None:
     assert committed.endswith("\n" + notes(settings)) and "3 seeds for every variant" in notes(settings)
 
 
-def test_gutenberg_compare_names_the_machine_of_the_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gutenberg_compare_names_the_machine_of_the_rows(tmp_path: Path) -> None:
     from bench import gutenberg_compare
 
     settings = OmegaConf.load(ROOT / "configs" / "experiments" / "gutenberg_compare.yaml")
-    monkeypatch.setattr(gutenberg_compare, "RESULTS", tmp_path / "gutenberg_compare")
     rows = {r["variant"] + str(r["seed"]): {**r, "variant": r["variant"] + str(r["seed"])} for r in _rows()}
-    gutenberg_compare.write_results(rows, settings, [])
+    gutenberg_compare.write_results(rows, settings, [], tmp_path / "gutenberg_compare")
     text = (tmp_path / "gutenberg_compare.md").read_text()
     assert "Machine: Some CPU (4 cores); not recorded, 1 thread per run; torch 2.x, fp32." in text
     assert "2-core" not in text
-    assert gutenberg_compare.read_rows()["dense1"]["machine"] == "Some CPU (4 cores)"
+    assert gutenberg_compare.read_rows(tmp_path / "gutenberg_compare")["dense1"]["machine"] == "Some CPU (4 cores)"
 
 
 
