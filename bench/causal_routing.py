@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.gutenberg_compare import (
     base_config, distinct, eval_windows, load_settings, prepare_data, run_config, train_and_evaluate, wanted_variants)
-from flops.cli import command_line, output_file, script_parser
+from flops.cli import command_line, in_results, results_stem, script_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "causal_routing"  # the default --out stem
@@ -122,7 +122,7 @@ def write_report(settings: Any, command: str, stem: Path) -> None:
     columns = ["variant", "seed", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
                "train_s", "val_ppl", "leakfree_ppl", "cover_cand", "cover_topk", "predictor_acc", "torch", "code",
                "machine", "command"]
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+    with open(in_results(stem, ".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
         for r in sorted(rows, key=lambda r: (order.index(r["variant"]), r["seed"])):
@@ -166,8 +166,8 @@ def write_report(settings: Any, command: str, stem: Path) -> None:
                      f"{mean_std([r['val_ppl'] for r in rs])} | {quarters('cover_cand')} | {quarters('cover_topk')} | "
                      f"{f'{statistics.fmean(acc):.3f}' if acc else '-'} | {len(rs)} |")
     lines += ["", resolution(by)]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n" + notes(settings))
-    plot_curves(by, stem.with_suffix(".png"))
+    in_results(stem, ".md").write_text("\n".join(lines) + "\n" + notes(settings))
+    plot_curves(by, in_results(stem, ".png"))
 
 
 def resolution(by: dict[str, list[dict[str, Any]]]) -> str:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated variant names")
     parser.add_argument("--seeds", default=None, help="comma-separated subset of the settings' seeds")
     parser.add_argument("--report", action="store_true", help="only rewrite the results from finished runs")
-    parser.add_argument("--out", type=output_file, default=RESULTS, metavar="STEM",
+    parser.add_argument("--out", type=results_stem, default=RESULTS, metavar="STEM",
                         help="results STEM.csv, STEM.md and STEM.png (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)

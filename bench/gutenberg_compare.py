@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from flops.cli import hardware, output_file, script_parser
+from flops.cli import hardware, in_results, results_stem, script_parser
 from flops.run_sweep import locked
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +203,7 @@ def eval_windows(cfg: Any, windows: int) -> Any:
 
 def read_rows(stem: Path) -> dict[str, dict[str, Any]]:
     """The rows of stem.csv by variant ({} before the first)."""
-    path = stem.with_suffix(".csv")
+    path = in_results(stem, ".csv")
     if not path.is_file():
         return {}
     with open(path) as f:
@@ -213,7 +213,7 @@ def read_rows(stem: Path) -> dict[str, dict[str, Any]]:
 def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[str], stem: Path) -> None:
     """stem.csv (the rows) and stem.md (their table), variants in the settings' order."""
     names = [n for n in order if n in rows] + sorted(set(rows) - set(order))
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+    with open(in_results(stem, ".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         for n in names:
@@ -255,7 +255,7 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         lines.append(f"| {n} | {r['heads']} | {r['causal']} | {int(r['params']):,} | {float(r['fwd_gflop']):.3f} ({float(r['flop_ratio']):.3f}) | "
                      f"{r['kv_total']} | {r['steps']} | {r['train_s']} | {float(r['val_ppl']):.2f} | "
                      f"{float(r['leakfree_ppl']):.2f} | {r.get('code') or '-'} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    in_results(stem, ".md").write_text("\n".join(lines) + "\n")
 
 
 def wanted_variants(order: list[str], only: str | None) -> list[str]:
@@ -276,11 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", default=None, help="hold this file lock while a variant trains and evaluates")
     parser.add_argument("--hold-lock", action="store_true", help="hold --lock once for all selected variants")
     parser.add_argument("--report", action="store_true", help="only rewrite the markdown table from the csv")
-    parser.add_argument("--out", type=output_file, default=RESULTS, metavar="STEM",
+    parser.add_argument("--out", type=results_stem, default=RESULTS, metavar="STEM",
                         help="results STEM.csv and STEM.md (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of `base`, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
-    csv_path = args.out.with_suffix(".csv")
+    csv_path = in_results(args.out, ".csv")
     try:
         settings = load_settings(args.config)
         order = list(settings.variants)

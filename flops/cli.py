@@ -45,6 +45,22 @@ def output_file(text: str) -> Path:
     return Path(text)
 
 
+RESULT_SUFFIXES = (".csv", ".md", ".png")
+
+
+def results_stem(text: str) -> Path:
+    """argparse type of a results stem (--out STEM: the files STEM.csv, STEM.md, ...): output_file's checks, and a
+    trailing .csv/.md/.png dropped (`--out x.md` names the same files as `--out x`). Name the files with
+    `in_results(stem, suffix)`, not Path.with_suffix, which would cut a stem such as `run_lr0.003`."""
+    path = output_file(text)
+    return path.with_suffix("") if path.suffix in RESULT_SUFFIXES else path
+
+
+def in_results(stem: Path, suffix: str) -> Path:
+    """The results file `stem` + `suffix` (e.g. '.csv')."""
+    return stem.with_name(stem.name + suffix)
+
+
 def _integer(text: str, minimum: int, what: str) -> int:
     try:
         value = int(text)

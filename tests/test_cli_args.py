@@ -76,3 +76,17 @@ def test_sweep_bad_sparsity_list_in_a_subprocess(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "flops.sweep", *argv, "--sparsity", "8,a"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (2, f"error: argument --sparsity: {POSITIVE} 'a'\n")
+
+
+def test_results_stem_keeps_dots_in_the_name_and_drops_a_result_suffix(tmp_path: Path) -> None:
+    """--out STEM of bench.gutenberg_compare / bench.causal_routing: STEM.csv etc. are STEM + suffix (with_suffix
+    would turn run_lr0.003 into run_lr0.csv); `--out x.md` names the same files as `--out x`; a missing directory is
+    refused when the arguments are parsed."""
+    import argparse
+
+    from flops.cli import in_results, results_stem
+
+    assert in_results(results_stem(str(tmp_path / "run_lr0.003")), ".csv") == tmp_path / "run_lr0.003.csv"
+    assert results_stem(str(tmp_path / "x.md")) == results_stem(str(tmp_path / "x.csv")) == tmp_path / "x"
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        results_stem(str(tmp_path / "missing" / "x"))
