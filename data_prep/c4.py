@@ -91,6 +91,6 @@ def check_splits(names: list[str]) -> None:
              "document hash, so the official validation documents are trained on; point --src at one split's folder")
 
 
-def file_documents(files: list[Path], skips: Skips) -> Iterator[Document]:
+def file_documents(files: Iterable[Path], skips: Skips) -> Iterator[Document]:
     for path in files:
         yield from numbered_documents(file_rows(path, skips), skips, f"{path.name}: line")

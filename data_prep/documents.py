@@ -128,6 +128,8 @@ class Corpus:
     files: list[Path] = field(default_factory=list)  # input files on disk, hashed into index.json: a local source's
     # (in `sources` order), or a hub source's local --data-files
     input_names: list[str] | None = None  # their names in index.json's inputs (None: `sources`)
+    opened: set[Path] = field(default_factory=set)  # those of `files` a pass has begun to read (all of them unless
+    # --max-docs stops early; a hub source's: all): the ones whose SHA-256 index.json records (data_prep/manifest.py)
 
     def first(self, n: int | None) -> Corpus:
         """The first `n` documents of every pass (all of them for None): --max-docs. The source's reader is closed

@@ -87,7 +87,7 @@ def _book(doc_id: str, name: str, text: str, skips: Skips) -> Document | None:
     return Document(doc_id, body)
 
 
-def file_documents(files: list[Path], names: list[str], skips: Skips) -> Iterator[Document]:
+def file_documents(files: Iterable[Path], names: list[str], skips: Skips) -> Iterator[Document]:
     """One document per book file (.txt or .txt.gz, UTF-8); `names` are the paths relative to --src."""
     for path, name in zip(files, names):
         text = read_text(path, skips)

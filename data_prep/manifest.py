@@ -1,9 +1,11 @@
 """What a preparation was made from, and whether what it wrote is still intact.
 
-- Inputs: every local input file's name (relative to --src), size and SHA-256, recorded in
-  progress.json and index.json. A rerun over changed inputs (a file added, removed or edited) is
-  refused with one line naming them: the split, the tokenizer sample and every shard depend on the
-  whole input set, so the only correct redo is a fresh one (`--overwrite`).
+- Inputs: every local input file's name (relative to --src) and size, and the SHA-256 of each file the
+  preparation read (all of them, unless --max-docs stopped it early: the first documents of a large local C4
+  need not hash the rest of it), recorded in progress.json and index.json. A rerun hashes the files the
+  record hashed; over changed inputs (a file added, removed, resized, or a hashed one edited) it is refused
+  with one line naming them: the split, the tokenizer sample and every shard depend on the inputs, so the
+  only correct redo is a fresh one (`--overwrite`).
 - Shards: each finished shard's SHA-256 is recorded with its token count. A rerun re-checks every
   shard (present, size, hash); the first damaged one and those after it in its split are redone.
 Hub sources have no local files to hash; their settings (dataset id, split, data_files) identify them.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from data_prep.errors import progress_bar
 
@@ -29,13 +31,21 @@ def sha256_file(path: Path, on_block: Callable[[int], object] = lambda n: None) 
     return digest.hexdigest()
 
 
-def input_manifest(files: list[Path], names: list[str], progress: bool = False) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} for the corpus' local input files, with a bar over bytes if `progress`."""
+def input_manifest(files: list[Path], names: list[str], hashed: Collection[Path],
+                   progress: bool = False) -> dict[str, dict]:
+    """{name: {"bytes"[, "sha256"]}} for the corpus' local input files, the SHA-256 for those in `hashed`, with a
+    bar over their bytes if `progress`."""
     sizes = [path.stat().st_size for path in files]
-    with progress_bar(total=sum(sizes), desc="hash", unit="B", unit_scale=True, unit_divisor=1024,
-                      progress=progress and bool(files)) as bar:
-        return {name: {"bytes": size, "sha256": sha256_file(path, bar.update)}
+    with progress_bar(total=sum(size for path, size in zip(files, sizes) if path in hashed), desc="hash", unit="B",
+                      unit_scale=True, unit_divisor=1024, progress=progress and bool(hashed)) as bar:
+        return {name: {"bytes": size, **({"sha256": sha256_file(path, bar.update)} if path in hashed else {})}
                 for path, name, size in zip(files, names, sizes)}
+
+
+def as_recorded(files: list[Path], names: list[str], recorded: dict[str, dict], progress: bool = False) -> dict:
+    """The inputs now, in the form of an earlier record: every file's size, the SHA-256 of those it hashed."""
+    hashed = {path for path, name in zip(files, names) if "sha256" in recorded.get(name, {})}
+    return input_manifest(files, names, hashed, progress)
 
 
 def input_changes(old: dict[str, dict], new: dict[str, dict]) -> str:

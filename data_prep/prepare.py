@@ -10,7 +10,7 @@ Output directory:
     train_ngrams.u64        sampled hashes of the training text's 13-word sequences (the same)
     index.json              {"vocab_size", "eos_id", "newline_id", "tokenizer": "tokenizer.model",
                              "tokenizer_sha256", "source", "sources": [file names or hub ids], "settings",
-                             "inputs": {file name: {"bytes", "sha256"}},
+                             "inputs": {file name: {"bytes", "sha256" (if read)}},
                              "splits": {"train"|"val": {"tokens", "documents",
                                         "shards": [{"file", "tokens", "documents", "sha256"}]}},
                              "train_documents": "train_documents.u64", "val_copies_of_train": n,
@@ -20,7 +20,8 @@ Two passes over the documents: a scan (count, choose the split, sample lines for
 then tokenisation. The train/val split is by document (data_prep/split.py). `--exclude-overlap` cuts out of
 every document, in both passes, the text it shares with the given texts (data_prep/decontaminate.py).
 
-Resuming: `progress.json` records the settings, the inputs (name, size, SHA-256 of every local file),
+Resuming: `progress.json` records the settings, the inputs (name and size of every local file, SHA-256 of
+every one read),
 the tokenizer hash and every finished shard (with its SHA-256); a rerun with the same settings and
 inputs reuses the tokenizer and skips finished shards (their documents are read but not tokenised),
 and a rerun after completion does nothing. Every rerun re-checks the finished shards: a damaged one
@@ -43,7 +44,7 @@ from data_prep import decontaminate, doc_hashes, tokenizer
 from data_prep.cores import usable_cores
 from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
-from data_prep.manifest import input_changes, input_manifest, intact_prefix
+from data_prep.manifest import as_recorded, input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
 from data_prep.shards import SplitWriter, write_atomic, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
@@ -92,7 +93,13 @@ def _remove_outputs(out: Path) -> None:
             path.unlink()
 
 
-def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> tuple[dict | None, dict | None]:
+def _input_names(corpus: Corpus) -> list[str]:
+    """The names of `corpus.files` in index.json's inputs."""
+    return corpus.input_names or corpus.sources
+
+
+def _previous_run(out: Path, settings: dict, corpus: Corpus, overwrite: bool,
+                  progress_bars: bool) -> tuple[dict | None, dict | None]:
     """(finished index, progress) of an earlier run with the same settings and inputs, its damaged shards
     dropped from the progress (data_prep/manifest.py); see the module doc."""
     index, progress = _read_json(out / INDEX), _read_json(out / PROGRESS)
@@ -103,8 +110,9 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
             problem = f"an unreadable {name} (no settings in it)"
         elif found["settings"] != settings:
             problem = f"other settings ({_differences(found['settings'], settings)})"
-        elif "inputs" in found and found["inputs"] != inputs:  # not recorded by older versions
-            problem = f"other inputs ({input_changes(found['inputs'], inputs)})"
+        elif isinstance(found.get("inputs"), dict) and found["inputs"] != (  # not recorded by older versions
+                now := as_recorded(corpus.files, _input_names(corpus), found["inputs"], progress_bars)):
+            problem = f"other inputs ({input_changes(found['inputs'], now)})"
         else:
             continue
         if not overwrite:
@@ -118,7 +126,7 @@ def _previous_run(out: Path, settings: dict, inputs: dict, overwrite: bool) -> t
         _remove_outputs(out)
         return None, None
     if index is not None:
-        progress = {"settings": settings, "inputs": inputs, "tokenizer_sha256": index["tokenizer_sha256"],
+        progress = {"settings": settings, "inputs": index.get("inputs"), "tokenizer_sha256": index["tokenizer_sha256"],
                     "splits": {sp: {"shards": index["splits"][sp]["shards"], "documents": index["splits"][sp]["documents"]}
                                for sp in SPLITS}}
     if progress is None:
@@ -300,8 +308,7 @@ def prepare(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file on the way, no permission, a read-only file system
         raise DataError(f"--out {out}: cannot create it ({err.strerror or err})") from None
-    inputs = input_manifest(corpus.files, corpus.input_names or corpus.sources, progress)
-    done, state = _previous_run(out, settings, inputs, overwrite)
+    done, state = _previous_run(out, settings, corpus, overwrite, progress)
     if done is not None:
         print(f"{out} is already prepared with these settings; nothing to do")
         return done
@@ -314,7 +321,14 @@ def prepare(
     if report := decontaminate.report(scan_skips):
         warn(report)
     times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
-    if not reuse:
+    inputs = state.get("inputs") if state is not None else None  # checked by _previous_run
+    if inputs is None:  # a fresh run (or one recorded before inputs were): hash the files the scan read
+        inputs = input_manifest(corpus.files, _input_names(corpus), corpus.opened, progress)
+        times["hash"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+    if reuse:
+        state["inputs"] = inputs
+    else:
         state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
     times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
     skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, threads, progress)

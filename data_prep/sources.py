@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from data_prep import builtin, c4, gutenberg
 from data_prep.documents import Corpus, Document, Skips
@@ -16,12 +16,19 @@ SOURCES = (*LOCAL, "builtin", *HUB_DATASETS)
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 
 
-def text_documents(files: list[Path], names: list[str], skips: Skips) -> Iterator[Document]:
+def text_documents(files: Iterable[Path], names: list[str], skips: Skips) -> Iterator[Document]:
     """Plain text files, one document each; id = path relative to --src (`names`)."""
     for path, name in zip(files, names):
         text = read_text(path, skips)
         if text is not None:
             yield Document(name, text)
+
+
+def noting(files: list[Path], opened: set[Path]) -> Iterator[Path]:
+    """`files` in order, each added to `opened` when a reader takes it: a pass that --max-docs stops takes no more."""
+    for path in files:
+        opened.add(path)
+        yield path
 
 
 def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
@@ -47,14 +54,13 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
                           "text": (TEXT_SUFFIXES, "text")}[kind]
         files = find_files(root, suffixes, what, exclude)
         names = [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files]  # ids of books/texts
-        if kind == "gutenberg":
-            read = partial(gutenberg.file_documents, files, names)
-        elif kind == "c4":
+        if kind == "c4":
             c4.check_splits(names)
-            read = partial(c4.file_documents, files)
-        else:
-            read = partial(text_documents, files, names)
-        return Corpus(kind, names, read, size_hint=len(files) if kind != "c4" else None, files=files)
+        opened: set[Path] = set()
+        reader = {"gutenberg": partial(gutenberg.file_documents, names=names), "c4": c4.file_documents,
+                  "text": partial(text_documents, names=names)}[kind]
+        return Corpus(kind, names, lambda skips: reader(noting(files, opened), skips=skips),
+                      size_hint=len(files) if kind != "c4" else None, files=files, opened=opened)
     if kind == "builtin":
         if src:
             raise DataError("--src does not apply to --source builtin (Python's own documentation, offline)")
@@ -71,4 +77,4 @@ def open_source(kind: str, src: str | None = None, hub_split: str | None = None,
     given = [Path(f).expanduser() for f in ([data_files] if isinstance(data_files, str) else data_files or [])]
     local = given if given and all(p.is_file() for p in given) else []  # patterns, URLs: nothing to hash here
     return Corpus(kind, [label], lambda skips: to_documents(rows(), skips), files=local,
-                  input_names=[str(p) for p in local])
+                  input_names=[str(p) for p in local], opened=set(local))  # datasets reads them: all are hashed

@@ -1082,6 +1082,61 @@ def test_rerun_checks_inputs_and_redoes_damaged_shards(tmp_path: Path, capsys: p
         {f"d{i:02d}.txt" for i in range(12) if i != 3} | {"new.txt"}
 
 
+def test_max_docs_hashes_only_the_files_it_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-docs 30 of three C4 files of 20 rows reads a.jsonl and b.jsonl only: index.json records the size of all
+    three and the SHA-256 of those two (a large local C4 was hashed whole for its first documents). A rerun hashes
+    just those two; it is refused when a read file is edited (same size) or an unread one resized, not when an
+    unread one is edited in place. Without --max-docs every file is read and hashed."""
+    from data_prep import manifest
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for n, name in enumerate("abc"):
+        (src / f"{name}.jsonl").write_text("".join(json.dumps({"text": words(20 * n + i, 30)}) + "\n"
+                                                   for i in range(20)))
+    hashed: list[str] = []  # the input files hashed (not the shards)
+    real = manifest.sha256_file
+
+    def recording(path: Path, *args) -> str:
+        if path.parent == src:
+            hashed.append(path.name)
+        return real(path, *args)
+
+    monkeypatch.setattr(manifest, "sha256_file", recording)
+    kw = dict(max_docs=30, vocab_size=500, val_fraction=0.2, **QUIET)
+    out = tmp_path / "out"
+    index = prepare("c4", str(src), out, **kw)
+    sha = {name: hashlib.sha256((src / name).read_bytes()).hexdigest() for name in ("a.jsonl", "b.jsonl")}
+    assert index["inputs"] == {"a.jsonl": {"bytes": (src / "a.jsonl").stat().st_size, "sha256": sha["a.jsonl"]},
+                               "b.jsonl": {"bytes": (src / "b.jsonl").stat().st_size, "sha256": sha["b.jsonl"]},
+                               "c.jsonl": {"bytes": (src / "c.jsonl").stat().st_size}}
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
+    hashed.clear()
+    assert prepare("c4", str(src), out, **kw) == index
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
+
+    def flip_last_letter(path: Path) -> None:  # of the file's last document; same size: only the SHA-256 sees it
+        *rows, last = path.read_text().splitlines(keepends=True)
+        text = json.loads(last)["text"]
+        size = path.stat().st_size
+        path.write_text("".join(rows) + json.dumps({"text": text[:-1] + "yz"[text[-1] == "y"]}) + "\n")
+        assert path.stat().st_size == size
+
+    flip_last_letter(src / "c.jsonl")
+    assert prepare("c4", str(src), out, **kw) == index  # not read: the same preparation
+    flip_last_letter(src / "b.jsonl")
+    with pytest.raises(DataError, match=r"other inputs \(1 changed \(b\.jsonl\)\); pass --overwrite"):
+        prepare("c4", str(src), out, **kw)
+    index = prepare("c4", str(src), out, overwrite=True, **kw)
+    with open(src / "c.jsonl", "a") as f:
+        f.write(json.dumps({"text": words(99, 30)}) + "\n")
+    with pytest.raises(DataError, match=r"other inputs \(1 changed \(c\.jsonl\)\); pass --overwrite"):
+        prepare("c4", str(src), out, **kw)
+    hashed.clear()
+    full = prepare("c4", str(src), tmp_path / "full", **{**kw, "max_docs": None})
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl", "c.jsonl"] and all("sha256" in v for v in full["inputs"].values())
+
+
 def test_out_inside_src_is_not_read_as_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--out inside --src (C4 reads *.json, so the preparation's own index.json matched): a rerun finds the same
     inputs and the same preparation, with and without --overwrite."""
