@@ -17,8 +17,11 @@ A non-finite validation loss also stops the run, before that step's checkpoint i
 finite one is reported as perplexity inf (lm/perplexity.py). StepCheckpoints refuses NaN/inf weights.
 Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked; under DeepSpeed
 ZeRO-2 the gradients live in the engine's partitions (no `.grad`), so only the loss is checked too, and the engine
-skips a step whose gradient norm is not finite by itself. Neither skip counts against `max_bad_steps`, and either
-leaves the head state as it was (LMModule.optimizer_step drops what the step staged).
+skips a step whose gradient norm is not finite by itself. Either skip leaves the head state as it was
+(LMModule.optimizer_step drops what the step staged). A loss scaler's skips (16-mixed, DeepSpeed fp16) are how it
+finds its scale and do not count; in bf16 or fp32 a step DeepSpeed skipped had a non-finite gradient (`engine_skips`):
+it stops the run like any bad step (DeepSpeed runs take `max_bad_steps: 0`, lm/config.py), after the engine's skip,
+so weights, moments and head state are still the last good step's.
 The skip count is saved in checkpoints (callback state), so a resumed run keeps its budget.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ import lightning as L
 import torch
 
 from heads import HeadGroup, commit_states
+from lm.accumulation import ends_step
 from lm.errors import NonFiniteError
 
 
@@ -59,8 +63,10 @@ def owner(module: torch.nn.Module, name: str) -> str:
 class NonFiniteGuard(L.Callback):
     """See the module doc. `newest_checkpoint()` names the checkpoint a stopped run can resume from."""
 
-    def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None]) -> None:
-        self.max_bad_steps, self.newest_checkpoint = max_bad_steps, newest_checkpoint
+    def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None],
+                 engine_skips: bool = False) -> None:
+        """`engine_skips`: a step the DeepSpeed engine skipped is a bad step (bf16 or fp32; not fp16's loss scaler)."""
+        self.max_bad_steps, self.newest_checkpoint, self.engine_skips = max_bad_steps, newest_checkpoint, engine_skips
         self.skipped = 0
         self._loss: torch.Tensor | None = None  # the step's loss: the sum of its micro-batches' (each already / A)
 
@@ -108,7 +114,11 @@ class NonFiniteGuard(L.Callback):
             + (f"; last finite checkpoint: {ckpt}" if ckpt else "; no checkpoint written yet")
             + " (lower optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.engine_skips and ends_step(trainer, batch_idx) and not trainer.model.was_step_applied():
+            self.stop(f"non-finite training at step {trainer.global_step}: DeepSpeed's engine found the global "
+                      "gradient norm non-finite and skipped the update")  # trainer.model: the engine
         if self.max_bad_steps:
             pl_module.log("train/skipped_steps", float(self.skipped))
 

@@ -123,9 +123,17 @@ def tensorboard_logger(cfg: Config, resumed_step: int | None = None) -> StepLogg
     return logger
 
 
+def newest_checkpoint(cfg: Config, skipping: Callable[[Path, str], None]) -> tuple[Path, dict[str, Any]] | None:
+    """The run's newest loadable checkpoint and its contents (under DeepSpeed, which writes directories: the newest
+    complete checkpoint directory); `skipping(path, why)` for each damaged one passed over."""
+    if cfg.trainer.strategy == "deepspeed_stage_2":
+        return newest_deepspeed(ckpt_dir(cfg), skipping)
+    return newest_loadable(ckpt_dir(cfg), skipping)
+
+
 def last_finite(cfg: Config) -> Path | None:
     """The checkpoint a run stopped by the non-finite guard can resume from (all saved weights are finite)."""
-    found = newest_loadable(ckpt_dir(cfg), lambda *_: None)
+    found = newest_checkpoint(cfg, lambda *_: None)
     return found[0] if found else None
 
 
@@ -224,7 +232,9 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
         logger=logger, profiler=build_profiler(t),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
         # after the checkpoints: it saves a step only if they did not
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg)), DeadGradientCheck(), checkpoints,
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg),
+                                  engine_skips=deepspeed and not resolve_precision(t).startswith("16")),
+                   DeadGradientCheck(), checkpoints,
                    Preemption(checkpoints), *timer,
                    *([FinalStepValidates()] if validates_in_fit(cfg) else [])],
         enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
@@ -257,7 +267,7 @@ def resume_path(cfg: Config, resume: str | None) -> ResumePoint | None:
 
     deepspeed = cfg.trainer.strategy == "deepspeed_stage_2"  # DeepSpeed writes directories
     if resume == "last":
-        found = newest_deepspeed(ckpt_dir(cfg), skipping) if deepspeed else newest_loadable(ckpt_dir(cfg), skipping)
+        found = newest_checkpoint(cfg, skipping)
         if found is None:
             other = [p for p in step_files(ckpt_dir(cfg)) if p.is_dir() != deepspeed]  # the other strategy's kind
             if other:  # (it used to start from scratch, then fail to write over the first same-named step)

@@ -5,13 +5,15 @@ accelerator check; DDP's set-up instead), Lightning's device-index check (CPU de
 device_rank=None Lightning hands deepspeed.initialize on CPU (DeepSpeed compares it with 0), and
 lm.train.build_strategy's CUDA check. With
 trainer.devices > 1, Lightning starts the other ranks by running this process's command line again, which after
-runpy is the bare entry point: they run this harness around it instead.
+runpy is the bare entry point: they run this harness around it instead. NAN_GRADIENT_AT_STEP=n (environment) poisons
+one gradient at step n (`poison_gradient`).
 
     python tests/deepspeed_on_cpu.py train_lm.py --config ... trainer.strategy=deepspeed_stage_2
 """
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -61,6 +63,23 @@ def patch() -> None:
         return [sys.executable, __file__, *entry, *sys.argv[1:]]
 
     launcher._basic_subprocess_cmd = harness_command
+    if "NAN_GRADIENT_AT_STEP" in os.environ:
+        poison_gradient(int(os.environ["NAN_GRADIENT_AT_STEP"]))
+
+
+def poison_gradient(step: int) -> None:
+    """For tests of the non-finite guard: while trainer.global_step == `step`, the model's first parameter gets a NaN
+    gradient (a tensor hook, before DeepSpeed's reduction) and the loss stays finite."""
+    from lm.module import LMModule
+
+    setup = LMModule.setup
+
+    def poisoned_setup(self: Any, stage: str) -> None:
+        setup(self, stage)
+        next(self.model.parameters()).register_hook(
+            lambda grad: grad * float("nan") if self.trainer.global_step == step else grad)
+
+    LMModule.setup = poisoned_setup
 
 
 if __name__ == "__main__":

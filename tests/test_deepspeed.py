@@ -215,6 +215,30 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     assert all(p.dtype == torch.float32 and p.isfinite().all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_step_deepspeed_skipped_for_a_nonfinite_gradient_stops_the_run(tmp_path: Path, precision: str) -> None:
+    """The engine holds the gradients (the guard sees only the loss) and skips a step whose gradient norm is not finite:
+    in bf16 and fp32 that is a bad step, which stops the run (exit 3, the step and the last checkpoint named), as
+    trainer.max_bad_steps = 0 says; the run went on silently, every such step skipped. One NaN gradient at step 4
+    (a tensor hook, tests/deepspeed_on_cpu.py), the loss finite; the checkpoint of step 3 stays the newest."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    from tests.synthetic import run_overrides, write_prepared
+
+    data, run = write_prepared(tmp_path / "data"), tmp_path / "run"
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+                    NAN_GRADIENT_AT_STEP="3")  # trainer.global_step 3: the fourth step
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_on_cpu.py"), "train_lm.py", "--config",
+                           "configs/tiny.yaml", *run_overrides(data, run, max_steps=6, val_every=6, ckpt_every=3),
+                           "trainer.strategy=deepspeed_stage_2", f"trainer.precision={precision}"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-3000:]
+    assert last == ("error: non-finite training at step 4: DeepSpeed's engine found the global gradient norm non-finite "
+                    f"and skipped the update; stopped; last finite checkpoint: {run / 'checkpoints' / 'step0000003.ckpt'}"
+                    " (lower optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == ["step0000003.ckpt"]
+
+
 def test_consolidate_replaces_its_file_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A save that fails half-way (a full disk) leaves the previous consolidated file as it was and no partial file
     or temporary directory beside it (the DeepSpeed conversion itself stubbed: a few bytes of state)."""
