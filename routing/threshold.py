@@ -59,8 +59,9 @@ class RunningQuantileThreshold(StagedStatistics):
         per_head = logits.detach().transpose(0, 1).reshape(logits.shape[1], -1).float()  # [H, B*T]
         n = per_head.shape[1]
         rank = min(max(n - n * self._rho_q // self._rho_p, 1), n)  # ceil((1 - 1/ρ) n) = n - floor(n q / p)
-        stat = per_head.kthvalue(rank, dim=1).values  # [H]
-        larger = per_head.masked_fill(per_head <= stat[:, None], math.inf).amin(1)  # [H], inf: none larger
+        top = per_head.topk(n - rank + 1, dim=1, sorted=False).values  # [H, n - rank + 1]: every logit >= the statistic
+        stat = top.amin(1)  # [H]: the rank-th smallest (kthvalue, at half its time on CPU)
+        larger = top.masked_fill(top <= stat[:, None], math.inf).amin(1)  # [H], inf: none larger (all are in top)
         smaller = per_head.masked_fill(per_head >= stat[:, None], -math.inf).amax(1)  # [H], -inf: none smaller
         below = torch.where(smaller.isfinite(), smaller + (stat - smaller) / 2, stat - 1)
         cut = torch.where(larger.isfinite(), stat + (larger - stat) / 2, below)

@@ -201,6 +201,33 @@ def test_tied_top_logits_pass_the_threshold() -> None:
     assert 3.0 < threshold.tau[0] < 10.0 and threshold.tau[1] == 2.0
 
 
+def test_staged_cut_is_the_midpoint_around_the_quantile_by_sorting() -> None:
+    """stage's cut against its definition computed by sorting each head's logits: the statistic s = the
+    ceil((1 - 1/ρ) n)-th smallest, cut = midpoint of s and the next larger logit, else of s and the next smaller one,
+    else s - 1; on 400 random cases with and without ties (stage takes s with topk, not kthvalue: half the time)."""
+    import math
+    from fractions import Fraction
+
+    from routing.threshold import RunningQuantileThreshold
+
+    g = torch.Generator().manual_seed(0)
+    for case in range(400):
+        B, H, T = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g)), \
+            int(torch.randint(1, 60, (1,), generator=g))
+        rho = (1, 2, 2.5, 3, 8, 32)[case % 6]
+        logits = torch.randn(B, H, T, generator=g) if case % 2 else torch.randint(0, 3, (B, H, T), generator=g).float()
+        threshold = RunningQuantileThreshold(H, rho, 1.0)
+        threshold.stage(logits)
+        for head in range(H):
+            values = logits[:, head].flatten().sort().values.tolist()
+            n = len(values)
+            rank = min(max(math.ceil((1 - 1 / Fraction(rho)) * n), 1), n)
+            s = values[rank - 1]
+            larger, smaller = [v for v in values if v > s], [v for v in values if v < s]
+            cut = (s + (larger[0] - s) / 2 if larger else smaller[-1] + (s - smaller[-1]) / 2 if smaller else s - 1)
+            assert threshold.pending[head].item() == pytest.approx(cut, rel=1e-6, abs=1e-6), (case, head)
+
+
 @pytest.mark.parametrize("rho,n", [(3, 9), (3, 15), (7, 14), (19, 38), (8, 64), (2.5, 10)])
 def test_threshold_passes_exactly_one_in_rho(rho: float, n: int) -> None:
     """n distinct logits, n divisible by ρ: the first committed tau passes exactly n/ρ of them (the quantile's rank
