@@ -246,8 +246,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"trainer.keep_last_k must be >= 0 (0 = keep every checkpoint), got {t.keep_last_k}")
     if t.max_bad_steps < 0:
         raise ConfigError(f"trainer.max_bad_steps must be >= 0, got {t.max_bad_steps}")
-    if t.max_bad_steps and t.strategy == "deepspeed_stage_2":
-        raise ConfigError("trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0")
     if t.activation_checkpointing and t.compile:
         raise ConfigError("trainer.activation_checkpointing and trainer.compile cannot be combined (torch.compile "
                           "refuses the head groups' side effects inside a checkpointed block); set one of them false")

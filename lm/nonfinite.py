@@ -17,11 +17,13 @@ A non-finite validation loss also stops the run, before that step's checkpoint i
 finite one is reported as perplexity inf (lm/perplexity.py). StepCheckpoints refuses NaN/inf weights.
 Under `16-mixed` the GradScaler already skips steps with inf gradients, so only the loss is checked; under DeepSpeed
 ZeRO-2 the gradients live in the engine's partitions (no `.grad`), so only the loss is checked too, and the engine
-skips a step whose gradient norm is not finite by itself. Either skip leaves the head state as it was
-(LMModule.optimizer_step drops what the step staged). A loss scaler's skips (16-mixed, DeepSpeed fp16) are how it
-finds its scale and do not count; in bf16 or fp32 a step DeepSpeed skipped had a non-finite gradient (`engine_skips`):
-it stops the run like any bad step (DeepSpeed runs take `max_bad_steps: 0`, lm/config.py), after the engine's skip,
-so weights, moments and head state are still the last good step's.
+skips a step whose gradient norm is not finite by itself, leaving weights and moments as they were. Either skip leaves
+the head state as it was (LMModule.optimizer_step drops what the step staged). A loss scaler's skips (16-mixed,
+DeepSpeed fp16) are how it finds its scale and do not count. Under DeepSpeed the engine's skip is the skip: a bad step
+is one the engine skipped in bf16 or fp32 (`engine_skips`: its gradient was not finite) or, in any precision, one whose
+loss was not finite (its gradient then is not either); it counts against `max_bad_steps` or stops the run after the
+micro-batch that ends it, so weights, moments and head state are still the last good step's. A step with a non-finite
+loss that the engine applied all the same (finite gradients) cannot be undone and stops the run.
 The skip count is saved in checkpoints (callback state), so a resumed run keeps its budget.
 """
 from __future__ import annotations
@@ -63,12 +65,15 @@ def owner(module: torch.nn.Module, name: str) -> str:
 class NonFiniteGuard(L.Callback):
     """See the module doc. `newest_checkpoint()` names the checkpoint a stopped run can resume from."""
 
-    def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None],
+    def __init__(self, max_bad_steps: int, newest_checkpoint: Callable[[], Path | None], deepspeed: bool = False,
                  engine_skips: bool = False) -> None:
-        """`engine_skips`: a step the DeepSpeed engine skipped is a bad step (bf16 or fp32; not fp16's loss scaler)."""
-        self.max_bad_steps, self.newest_checkpoint, self.engine_skips = max_bad_steps, newest_checkpoint, engine_skips
+        """`deepspeed`: the DeepSpeed engine steps (and skips); `engine_skips`: a step it skipped is a bad step (bf16 or
+        fp32; not fp16's loss scaler)."""
+        self.max_bad_steps, self.newest_checkpoint = max_bad_steps, newest_checkpoint
+        self.deepspeed, self.engine_skips = deepspeed, engine_skips
         self.skipped = 0
         self._loss: torch.Tensor | None = None  # the step's loss: the sum of its micro-batches' (each already / A)
+        self._bad: str | None = None  # DeepSpeed: what was wrong with the step under way, judged once it ends
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
@@ -90,15 +95,23 @@ class NonFiniteGuard(L.Callback):
         what = f"loss {loss}" + (f", first non-finite gradient in {owner(pl_module, grad)}" if grad else "") + \
                (f", non-finite buffer {owner(pl_module, buffer)}" if buffer else "") + \
                (f", non-finite staged statistics {owner(pl_module, staged)}" if staged else "")
-        if buffer is None and self.skipped < self.max_bad_steps:
-            self.skipped += 1
-            for p in pl_module.parameters():
-                p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay as they were
-            commit_states(pl_module, keep=False)  # nor does the head state move
-            pl_module.print(f"warning: skipped step {step} ({what}); {self.skipped} of trainer.max_bad_steps="
-                            f"{self.max_bad_steps} used")
+        if buffer is not None or self.skipped >= self.max_bad_steps:
+            self.stop(f"non-finite training at step {step}: {what}")
+        if self.deepspeed:  # the engine will skip it (its gradient is not finite either): counted once the step ends
+            self._bad = what
             return
-        self.stop(f"non-finite training at step {step}: {what}")
+        self.count(pl_module, step, what)
+        for p in pl_module.parameters():
+            p.grad = None  # AdamW skips parameters without a gradient: weights and moments stay as they were
+        commit_states(pl_module, keep=False)  # nor does the head state move
+
+    def count(self, pl_module: L.LightningModule, step: int, what: str) -> None:
+        """Bad step `step` uses one of `max_bad_steps` (a warning line), or stops the run when none is left."""
+        if self.skipped >= self.max_bad_steps:
+            self.stop(f"non-finite training at step {step}: {what}")
+        self.skipped += 1
+        pl_module.print(f"warning: skipped step {step} ({what}); {self.skipped} of trainer.max_bad_steps="
+                        f"{self.max_bad_steps} used")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Finite weights can still compute NaN: a non-finite validation loss stops the run before that
@@ -116,9 +129,15 @@ class NonFiniteGuard(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.engine_skips and ends_step(trainer, batch_idx) and not trainer.model.was_step_applied():
-            self.stop(f"non-finite training at step {trainer.global_step}: DeepSpeed's engine found the global "
-                      "gradient norm non-finite and skipped the update")  # trainer.model: the engine
+        if self.deepspeed and ends_step(trainer, batch_idx):
+            bad, self._bad = self._bad, None
+            step, applied = trainer.global_step, trainer.model.was_step_applied()  # trainer.model: the engine
+            if applied and bad:
+                self.stop(f"non-finite training at step {step}: {bad}, but DeepSpeed's engine applied the update "
+                          "(every gradient finite)")
+            if not applied and (bad or self.engine_skips):
+                self.count(pl_module, step, (bad + "; DeepSpeed's engine skipped the update") if bad else
+                           "DeepSpeed's engine found the global gradient norm non-finite and skipped the update")
         if self.max_bad_steps:
             pl_module.log("train/skipped_steps", float(self.skipped))
 

@@ -232,7 +232,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
         logger=logger, profiler=build_profiler(t),
         # the guard runs first: a bad update is dropped or stops the run before anything is saved; Preemption
         # after the checkpoints: it saves a step only if they did not
-        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg),
+        callbacks=[NonFiniteGuard(t.max_bad_steps, lambda: last_finite(cfg), deepspeed=deepspeed,
                                   engine_skips=deepspeed and not resolve_precision(t).startswith("16")),
                    DeadGradientCheck(), checkpoints,
                    Preemption(checkpoints), *timer,

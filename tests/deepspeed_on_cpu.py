@@ -5,8 +5,8 @@ accelerator check; DDP's set-up instead), Lightning's device-index check (CPU de
 device_rank=None Lightning hands deepspeed.initialize on CPU (DeepSpeed compares it with 0), and
 lm.train.build_strategy's CUDA check. With
 trainer.devices > 1, Lightning starts the other ranks by running this process's command line again, which after
-runpy is the bare entry point: they run this harness around it instead. NAN_GRADIENT_AT_STEP=n (environment) poisons
-one gradient at step n (`poison_gradient`).
+runpy is the bare entry point: they run this harness around it instead. NAN_GRADIENT_AT_STEP=n[,m...] (environment)
+poisons one gradient at those steps, NAN_LOSS_AT_STEP=n[,m...] the loss (`poison`).
 
     python tests/deepspeed_on_cpu.py train_lm.py --config ... trainer.strategy=deepspeed_stage_2
 """
@@ -63,23 +63,28 @@ def patch() -> None:
         return [sys.executable, __file__, *entry, *sys.argv[1:]]
 
     launcher._basic_subprocess_cmd = harness_command
-    if "NAN_GRADIENT_AT_STEP" in os.environ:
-        poison_gradient(int(os.environ["NAN_GRADIENT_AT_STEP"]))
+    poison(*({int(n) for n in os.environ.get(name, "").split(",") if n} for name in ("NAN_GRADIENT_AT_STEP",
+                                                                                     "NAN_LOSS_AT_STEP")))
 
 
-def poison_gradient(step: int) -> None:
-    """For tests of the non-finite guard: while trainer.global_step == `step`, the model's first parameter gets a NaN
-    gradient (a tensor hook, before DeepSpeed's reduction) and the loss stays finite."""
+def poison(gradient_steps: set[int], loss_steps: set[int]) -> None:
+    """For tests of the non-finite guard: while trainer.global_step is in `gradient_steps`, the model's first parameter
+    gets a NaN gradient (a tensor hook, before DeepSpeed's reduction) and the loss stays finite; in `loss_steps` the
+    optimised loss is NaN (and so is every gradient)."""
     from lm.module import LMModule
 
-    setup = LMModule.setup
+    setup, losses = LMModule.setup, LMModule.losses
 
     def poisoned_setup(self: Any, stage: str) -> None:
         setup(self, stage)
         next(self.model.parameters()).register_hook(
-            lambda grad: grad * float("nan") if self.trainer.global_step == step else grad)
+            lambda grad: grad * float("nan") if self.trainer.global_step in gradient_steps else grad)
 
-    LMModule.setup = poisoned_setup
+    def poisoned_losses(self: Any, *batch: Any) -> Any:  # LMModule.train_losses and validation's
+        loss, ce, aux = losses(self, *batch)
+        return (loss * float("nan") if self.training and self.trainer.global_step in loss_steps else loss), ce, aux
+
+    LMModule.setup, LMModule.losses = poisoned_setup, poisoned_losses
 
 
 if __name__ == "__main__":

@@ -90,13 +90,6 @@ def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(over
     assert field in error_of(None, override)
 
 
-def test_skipping_bad_steps_is_refused_under_deepspeed() -> None:
-    """trainer.max_bad_steps > 0 skips steps, which deepspeed_stage_2 cannot do; 0 is allowed with it."""
-    assert error_of(None, "trainer.max_bad_steps=2", "trainer.strategy=deepspeed_stage_2") == \
-        "trainer.max_bad_steps > 0 (skipping steps) is not supported with deepspeed_stage_2; use 0"
-    assert load_config(None, "trainer.max_bad_steps=0", "trainer.strategy=deepspeed_stage_2").trainer.max_bad_steps == 0
-
-
 @pytest.mark.parametrize("values,message", [
     ({"model": {"d_model": "abc"}}, "model.d_model: Value 'abc' of type 'str' could not be converted to Integer"),
     ({"model": {"foo": 1}}, "model.foo: Key 'foo' not in 'ModelConfig'"),

@@ -25,6 +25,7 @@ from heads import commit_states
 from lm.config import ConfigError
 from tests import zero2_worker as worker
 from tests.conftest import child_env
+from tests.synthetic import run_overrides, write_prepared
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +184,6 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     from lm.checkpoint import CONSOLIDATED, load_model, read_checkpoint, read_deepspeed
     from lm.consolidate import main as consolidate
-    from tests.synthetic import run_overrides, write_prepared
 
     data, run = write_prepared(tmp_path / "data"), tmp_path / "run"
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
@@ -215,6 +215,22 @@ def test_lightnings_deepspeed_strategy_trains_validates_resumes_and_consolidates
     assert all(p.dtype == torch.float32 and p.isfinite().all() for p in model.parameters())
 
 
+def train_poisoned(data: Path, run: Path, steps: int, *flags: str, **poison: str) -> subprocess.CompletedProcess:
+    """train_lm.py on configs/tiny.yaml through Lightning's DeepSpeedStrategy (ZeRO-2) on one CPU rank, checkpointing
+    every step (all kept), with NaN gradients or losses at the trainer.global_step values `poison` names
+    (NAN_GRADIENT_AT_STEP / NAN_LOSS_AT_STEP, tests/deepspeed_on_cpu.py)."""
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+                    **poison)
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_on_cpu.py"), "train_lm.py", "--config",
+                           "configs/tiny.yaml", *run_overrides(data, run, max_steps=steps, val_every=6, ckpt_every=1),
+                           "trainer.keep_last_k=0", "trainer.strategy=deepspeed_stage_2", *flags],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def step_dirs(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step"))
+
+
 @pytest.mark.parametrize("precision,accumulate", [("bf16-mixed", 1), ("32-true", 1), ("bf16-mixed", 2)])
 def test_a_step_deepspeed_skipped_for_a_nonfinite_gradient_stops_the_run(tmp_path: Path, precision: str,
                                                                          accumulate: int) -> None:
@@ -225,22 +241,73 @@ def test_a_step_deepspeed_skipped_for_a_nonfinite_gradient_stops_the_run(tmp_pat
     micro-batches per step the engine reports "not applied" after the first of each (it steps only at the boundary):
     read there, the guard would stop at step 1."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
-    from tests.synthetic import run_overrides, write_prepared
-
     data, run = write_prepared(tmp_path / "data"), tmp_path / "run"
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
-                    NAN_GRADIENT_AT_STEP="3")  # trainer.global_step 3: the fourth step
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_on_cpu.py"), "train_lm.py", "--config",
-                           "configs/tiny.yaml", *run_overrides(data, run, max_steps=6, val_every=6, ckpt_every=3),
-                           "trainer.strategy=deepspeed_stage_2", f"trainer.precision={precision}",
-                           f"trainer.accumulate_grad_batches={accumulate}"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = train_poisoned(data, run, 6, f"trainer.precision={precision}",
+                          f"trainer.accumulate_grad_batches={accumulate}",
+                          NAN_GRADIENT_AT_STEP="3")  # trainer.global_step 3: the fourth step
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-3000:]
     assert last == ("error: non-finite training at step 4: DeepSpeed's engine found the global gradient norm non-finite "
                     f"and skipped the update; stopped; last finite checkpoint: {run / 'checkpoints' / 'step0000003.ckpt'}"
                     " (lower optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
-    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == ["step0000003.ckpt"]
+    assert step_dirs(run) == ["step0000001.ckpt", "step0000002.ckpt", "step0000003.ckpt"]
+
+
+def tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DeepSpeed checkpoint directory (module, fp32 master partitions, AdamW moments), by path."""
+    tag = (checkpoint / "latest").read_text().strip()
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(value: object, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}.{key}")
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+
+    for file in sorted((checkpoint / tag).glob("*.pt")):
+        walk(torch.load(file, map_location="cpu", weights_only=False), file.name)
+    return found
+
+
+def test_a_step_deepspeed_skipped_within_max_bad_steps_changes_nothing_and_the_run_goes_on(tmp_path: Path) -> None:
+    """trainer.max_bad_steps = 1 under DeepSpeed (fp32): the engine's skip of step 4 (one NaN gradient) is the skip, one
+    warning line counts it, and the run ends normally. Every tensor of the checkpoint of step 4 (weights, fp32 master
+    partitions, AdamW moments) equals step 3's, and step 5 moves them again."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    data, run = write_prepared(tmp_path / "data"), tmp_path / "run"
+    done = train_poisoned(data, run, 6, "trainer.precision=32-true", "trainer.max_bad_steps=1", NAN_GRADIENT_AT_STEP="3")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert ("warning: skipped step 4 (DeepSpeed's engine found the global gradient norm non-finite and skipped the "
+            "update); 1 of trainer.max_bad_steps=1 used") in done.stdout.splitlines()
+    assert step_dirs(run) == [f"step{n:07d}.ckpt" for n in range(1, 7)]
+    step3, step4, step5 = (tensors(run / "checkpoints" / f"step{n:07d}.ckpt") for n in (3, 4, 5))
+    assert step4.keys() == step3.keys() and len(step3) > 20
+    assert all(torch.equal(step4[key], step3[key]) for key in step3)
+    moved = [key for key in step3 if not torch.equal(step5[key], step4[key])]
+    assert any("optim_states" in key for key in moved) and any("model_states" in key for key in moved)
+
+
+def test_deepspeeds_bad_step_budget_counts_nonfinite_losses_and_survives_a_resume(tmp_path: Path) -> None:
+    """bf16, two micro-batches per step: a NaN loss at step 2 uses the one bad step allowed (the engine skips the
+    update, its gradient being NaN too); the budget is saved in the checkpoint, so after --resume a NaN gradient at
+    step 5 stops the run, naming step 4's checkpoint."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    data, run = write_prepared(tmp_path / "data"), tmp_path / "run"
+    flags = ("trainer.precision=bf16-mixed", "trainer.accumulate_grad_batches=2", "trainer.max_bad_steps=1")
+    done = train_poisoned(data, run, 4, *flags, NAN_LOSS_AT_STEP="1")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert ("warning: skipped step 2 (loss nan; DeepSpeed's engine skipped the update); 1 of trainer.max_bad_steps=1 "
+            "used") in done.stdout.splitlines()
+    done = train_poisoned(data, run, 6, *flags, "--resume", NAN_GRADIENT_AT_STEP="4")
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: non-finite training at step 5: DeepSpeed's engine found the global gradient norm non-finite and skipped "
+        f"the update; stopped after skipping 1 bad steps; last finite checkpoint: {run / 'checkpoints' / 'step0000004.ckpt'}"
+        " (lower optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
 
 
 def test_consolidate_replaces_its_file_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

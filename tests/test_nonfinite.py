@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -276,3 +277,23 @@ def test_a_run_whose_validation_turns_nan_keeps_only_finite_checkpoints(tmp_path
                                              r"checkpoint: \S+step0000001\.ckpt"):
         train(cfg)
     assert sorted(p.name for p in (out / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step0000001.ckpt"]
+
+
+def test_a_nonfinite_loss_deepspeed_applied_all_the_same_stops_the_run() -> None:
+    """Under DeepSpeed the engine's skip is the skip, so a step with a NaN loss within the budget is judged once it
+    ends; had the engine applied it (every gradient finite), nothing undoes it: the run stops, naming that. The
+    engine is a stand-in here (its real skips: tests/test_deepspeed.py)."""
+    module = Toy(bad=set())
+    trainer = SimpleNamespace(precision_plugin=object(), global_step=3, accumulate_grad_batches=1,
+                              strategy=SimpleNamespace(reduce_boolean_decision=lambda bad, all: bad),
+                              model=SimpleNamespace(was_step_applied=lambda: True))
+    guard = NonFiniteGuard(1, lambda: Path("step0000003.ckpt"), deepspeed=True, engine_skips=True)
+    guard.on_before_backward(trainer, module, torch.tensor(math.nan))
+    guard.on_before_optimizer_step(trainer, module, None)  # within the budget: not judged yet
+    trainer.global_step = 4  # the engine stepped
+    with pytest.raises(NonFiniteError) as err:
+        guard.on_train_batch_end(trainer, module, None, None, 0)
+    assert str(err.value) == ("non-finite training at step 4: loss nan, but DeepSpeed's engine applied the update "
+                              "(every gradient finite); stopped; last finite checkpoint: step0000003.ckpt (lower "
+                              "optim.lr, or set trainer.max_bad_steps to skip a few bad steps)")
+    assert guard.skipped == 0
