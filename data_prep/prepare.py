@@ -103,6 +103,14 @@ def _previous_run(out: Path, settings: dict, corpus: Corpus, overwrite: bool,
     """(finished index, progress) of an earlier run with the same settings and inputs, its damaged shards
     dropped from the progress (data_prep/manifest.py); see the module doc."""
     index, progress = _read_json(out / INDEX), _read_json(out / PROGRESS)
+    hashed: dict[frozenset, dict] = {}  # the inputs now, by the names a record hashed (both records: hashed once)
+
+    def inputs_now(recorded: dict[str, dict]) -> dict:
+        key = frozenset(name for name, entry in recorded.items() if "sha256" in entry)
+        if key not in hashed:
+            hashed[key] = as_recorded(corpus.files, _input_names(corpus), recorded, progress_bars)
+        return hashed[key]
+
     for name, found in ((INDEX, index), (PROGRESS, progress)):
         if found is None:
             continue
@@ -111,7 +119,7 @@ def _previous_run(out: Path, settings: dict, corpus: Corpus, overwrite: bool,
         elif found["settings"] != settings:
             problem = f"other settings ({_differences(found['settings'], settings)})"
         elif isinstance(found.get("inputs"), dict) and found["inputs"] != (  # not recorded by older versions
-                now := as_recorded(corpus.files, _input_names(corpus), found["inputs"], progress_bars)):
+                now := inputs_now(found["inputs"])):
             problem = f"other inputs ({input_changes(found['inputs'], now)})"
         else:
             continue

@@ -1114,6 +1114,10 @@ def test_max_docs_hashes_only_the_files_it_reads(tmp_path: Path, monkeypatch: py
     hashed.clear()
     assert prepare("c4", str(src), out, **kw) == index
     assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
+    hashed.clear()  # a run killed between writing index.json and removing progress.json left both: hashed once
+    (out / "progress.json").write_text((out / "index.json").read_text())
+    assert prepare("c4", str(src), out, **kw) == index
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
 
     def flip_last_letter(path: Path) -> None:  # of the file's last document; same size: only the SHA-256 sees it
         *rows, last = path.read_text().splitlines(keepends=True)
