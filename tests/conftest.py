@@ -29,15 +29,17 @@ TRITON_KERNELS = pytest.mark.skipif(TRITON_DEVICE is None, reason="compiled Trit
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # The test files with CUDA paths of their own (fused and varlen Triton kernels, flash-attn dispatch); the rest of
-# the suite runs on CPU tensors on any machine
+# the suite runs on CPU tensors on any machine, but for single tests marked `cuda`
 CUDA_FILES = ("test_gathered.py", "test_varlen.py", "test_attention.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """On a GPU, CUDA_FILES' tests run first (the order within each part kept): a session there with a time limit
-    (the GPU campaign's, bench/gpu_campaign.sh) has their results even if it stops before the end."""
+    """On a GPU, CUDA_FILES' tests and those marked `cuda` elsewhere run first (the order within each part kept): a
+    session there with a time limit (the GPU campaign's, bench/gpu_campaign.sh) has their results even if it stops
+    before the end (on the H200, 2026-11-29, the GPU run of test_train.py's deterministic kernels was among the 141
+    tests cut)."""
     if torch.cuda.is_available():
-        items.sort(key=lambda item: item.path.name not in CUDA_FILES)
+        items.sort(key=lambda item: item.path.name not in CUDA_FILES and item.get_closest_marker("cuda") is None)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -174,17 +174,25 @@ def test_the_campaigns_make_test_keeps_its_stand_in_venv(tmp_path: Path) -> None
 @pytest.mark.parametrize("gpu", [True, False])
 def test_on_a_gpu_the_tests_with_cuda_paths_run_first(gpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A campaign's test step can stop at its time limit: on a GPU, conftest's collection hook puts the test files
-    with CUDA paths of their own first (each part in its collected order), so their results come back; on CPU the
-    order is pytest's."""
+    with CUDA paths of their own first, and single tests marked `cuda` in other files (each part in its collected
+    order), so their results come back; on CPU the order is pytest's."""
     from types import SimpleNamespace
 
     import conftest
 
-    names = ["test_a.py", "test_varlen.py", "test_b.py", "test_gathered.py", "test_attention.py", "test_varlen.py"]
-    items = [SimpleNamespace(path=Path("tests") / name, nodeid=f"{name}::{i}") for i, name in enumerate(names)]
+    names = ["test_a.py", "test_varlen.py", "test_b.py", "test_gathered.py", "test_attention.py", "test_varlen.py",
+             "test_c.py"]
+    marked = {"test_b.py"}  # e.g. test_train.py's deterministic kernels on a GPU
+
+    def item(i: int, name: str) -> SimpleNamespace:
+        return SimpleNamespace(path=Path("tests") / name, nodeid=f"{name}::{i}",
+                               get_closest_marker=lambda mark: object() if mark == "cuda" and name in marked else None)
+
+    items = [item(i, name) for i, name in enumerate(names)]
     monkeypatch.setattr(conftest.torch.cuda, "is_available", lambda: gpu)
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     order = [item.nodeid for item in items]
-    assert order == (["test_varlen.py::1", "test_gathered.py::3", "test_attention.py::4", "test_varlen.py::5",
-                      "test_a.py::0", "test_b.py::2"] if gpu else [f"{name}::{i}" for i, name in enumerate(names)])
+    assert order == (["test_varlen.py::1", "test_b.py::2", "test_gathered.py::3", "test_attention.py::4",
+                      "test_varlen.py::5", "test_a.py::0", "test_c.py::6"] if gpu
+                     else [f"{name}::{i}" for i, name in enumerate(names)])
     assert set(conftest.CUDA_FILES) <= {path.name for path in Path(__file__).parent.glob("test_*.py")}

@@ -620,8 +620,8 @@ def test_a_deepspeed_directory_saved_again_loses_its_mark_until_the_new_save_com
     assert skipped == ["step0000010.ckpt"] and chosen == tmp_path / "last.ckpt" and entries["global_step"] == 10
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the fused kernels' deterministic mode needs a GPU; no GPU here"))])
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernels' deterministic mode needs a GPU; no GPU here")])])
 def test_deterministic_runs_in_torch_deterministic_mode_and_repeat_exactly(data: Path, tmp_path: Path,
                                                                          accelerator: str) -> None:
     """trainer.deterministic=true trains a MoSA hybrid under torch.use_deterministic_algorithms (which the fused
