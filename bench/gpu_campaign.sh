@@ -13,8 +13,8 @@
 # which are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
 #   timing  alone on the GPU: MoSA Table 2's Tiny pair and the IsoFLOP pair (bench/resources.py, T = 1024,
-#           batch 64, bf16), head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast), and the
-#           IsoFLOP pair's training steps under Lightning's PyTorch profiler (operators by CUDA time)
+#           batch 64, bf16), the IsoFLOP pair's training steps under Lightning's PyTorch profiler (operators by CUDA
+#           time), and head groups at T = 1k/4k/8k (bench/heads.py --device cuda, bf16 autocast)
 #   mfu     dense Tiny and Small trained on C4 (bf16, eager and compiled), MFU from their logs (flops.mfu)
 #   tests   `make test` with CUDA (Triton compiled, no interpreter; pytest-xdist when installed; the CUDA test
 #           files first, tests/conftest.py), and beside it,
@@ -121,8 +121,8 @@ profile() {  # where the IsoFLOP pair's step time goes (MoSA 3.2x dense's on the
     # of each (batch 64, T = 1024, bf16, C4) under trainer.profiler=pytorch, its operator table (by CUDA time)
     local run=(data.batch_size=64 data.val_batches=1 optim.warmup_steps=2 trainer.max_steps=6 trainer.val_every=1000
                trainer.ckpt_every=1000 trainer.log_every=2 trainer.profiler=pytorch) name
+    train profile_mosa_isoflop configs/tiny.yaml "${run[@]}" "$ISOFLOP_HEADS"  # first: the one in question
     train profile_dense configs/tiny.yaml "${run[@]}"
-    train profile_mosa_isoflop configs/tiny.yaml "${run[@]}" "$ISOFLOP_HEADS"
     for name in profile_dense profile_mosa_isoflop; do
         [ -f $R/$name/profile/fit-pytorch.txt ] || continue
         { echo "## $name"; echo; echo '```'; cat $R/$name/profile/fit-pytorch.txt; echo '```'; } > $C/$name.md
@@ -181,12 +181,13 @@ timing)
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_table2.md
     step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
+    # before the heads, which keep each finished T when stopped: a profile cut short has no table
+    step profile 120 bash -c profile
     # the 5 dense heads the IsoFLOP model replaces; mosa-lean: mosa-threshold with the fused kernels off, to see
     # which of the two is faster on a GPU where the kernels take the heads (c <= 64; <= 128 on H100/H200, since
     # 2026-11-30; c = 256 at T = 8192 runs the lean core either way)
     step heads 90 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
         --variants dense mosa-threshold mosa-lean --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md
-    step profile 120 bash -c profile
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
