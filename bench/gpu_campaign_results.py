@@ -9,7 +9,10 @@ gpu_table2.md (bench/resources.py, Tiny pair), gpu_isoflop_heads.md (the IsoFLOP
 gpu_mfu.md (flops.mfu of the MFU runs), gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with
 gpu_c4_dense_vs_mosa.png (the short C4 run), gpu_profile.md (the IsoFLOP pair's operator tables from Lightning's
 PyTorch profiler). A part the campaign did not produce is written as missing, with the
-step's status line, never left out.
+step's status line, never left out; but where these calls produced none of a report's inputs (a phase not run, or
+every step of it skipped for time) and the results folder already holds that report from an earlier campaign, the
+earlier report is kept and the reason printed, so that a later session running part of the campaign does not
+overwrite earlier measurements with "missing".
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from flops.cli import ROOT, script_parser
@@ -182,26 +186,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         args.results.mkdir(parents=True, exist_ok=True)
+        Report = tuple[list[str], list[str], Callable[[], list[str]]]  # its inputs, its steps, the report
+
+        def benchmark(title: str, steps: list[str], files: list[str]) -> Report:
+            return files, steps, lambda: copied(title, c, steps, files)
+
         mfu = [f"mfu_{size}_{mode}" for size in ("tiny", "small") for mode in ("eager", "compiled")]
-        reports = {
-            "gpu_tests.md": tests_report(c),
-            "gpu_table2.md": copied("MoSA Table 2, Tiny, T = 1024, batch 64, bf16: 9 dense vs 4 dense + 17 MoSA (rho 32)",
-                                    c, ["table2"], ["gpu_table2.md"]),
-            "gpu_isoflop_heads.md": copied("IsoFLOP Tiny (4 dense + 276 MoSA, rho 32) vs dense, and head groups at "
-                                           "T = 1k/4k/8k", c, ["isoflop", "heads"],
-                                           ["gpu_isoflop_resources.md", "gpu_heads.md"]),
-            "gpu_mfu.md": copied("Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", c, mfu,
-                                 ["gpu_mfu.md"]),
-            "gpu_deepspeed.md": copied("DeepSpeed ZeRO-2 and DDP on one GPU: stopped by SIGTERM, resumed, compared", c,
-                                       ["resume_check", "consolidate"],
-                                       ["resume_deepspeed_stage_2.md", "resume_ddp.md", "deepspeed_consolidate.md"]),
-            "gpu_c4.md": c4_report(c, args.results),
-            "gpu_profile.md": copied("Where the IsoFLOP pair's training step goes: Lightning's PyTorch profiler, 3 steps "
-                                     "of Tiny dense and 4 dense + 276 MoSA (rho 32), batch 64, T = 1024, bf16", c,
-                                     ["profile"], ["profile_dense.md", "profile_mosa_isoflop.md"]),
+        c4_runs = ["c4_dense", "c4_mosa_isoflop"]
+        reports: dict[str, Report] = {
+            "gpu_tests.md": (["tests.xml", "tests.log"], ["make-test"], lambda: tests_report(c)),
+            "gpu_table2.md": benchmark("MoSA Table 2, Tiny, T = 1024, batch 64, bf16: 9 dense vs 4 dense + 17 MoSA "
+                                       "(rho 32)", ["table2"], ["gpu_table2.md"]),
+            "gpu_isoflop_heads.md": benchmark("IsoFLOP Tiny (4 dense + 276 MoSA, rho 32) vs dense, and head groups at "
+                                              "T = 1k/4k/8k", ["isoflop", "heads"],
+                                              ["gpu_isoflop_resources.md", "gpu_heads.md"]),
+            "gpu_mfu.md": benchmark("Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", mfu,
+                                    ["gpu_mfu.md"]),
+            "gpu_deepspeed.md": benchmark("DeepSpeed ZeRO-2 and DDP on one GPU: stopped by SIGTERM, resumed, compared",
+                                          ["resume_check", "consolidate"],
+                                          ["resume_deepspeed_stage_2.md", "resume_ddp.md", "deepspeed_consolidate.md"]),
+            "gpu_c4.md": ([f"{run}.{kind}" for run in c4_runs for kind in ("metrics.json", "log")], c4_runs,
+                          lambda: c4_report(c, args.results)),
+            "gpu_profile.md": benchmark("Where the IsoFLOP pair's training step goes: Lightning's PyTorch profiler, 3 "
+                                        "steps of Tiny dense and 4 dense + 276 MoSA (rho 32), batch 64, T = 1024, bf16",
+                                        ["profile"], ["profile_dense.md", "profile_mosa_isoflop.md"]),
         }
-        for name, lines in reports.items():
-            (args.results / name).write_text("\n".join(lines).rstrip() + "\n")
+        status = (read(c / "status.txt") or "").splitlines()
+        for name, (inputs, steps, report) in reports.items():
+            if (args.results / name).is_file() and not any((c / part).is_file() for part in inputs):
+                ran = [line for line in status if line.split(" ")[0] in steps]
+                print(f"kept {args.results / name}: these calls produced none of its inputs ("
+                      + ("; ".join(ran) if ran else "its steps did not run") + ")")
+                continue
+            (args.results / name).write_text("\n".join(report()).rstrip() + "\n")
             print(f"wrote {args.results / name}")
     return 0
 

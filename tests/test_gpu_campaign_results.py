@@ -105,6 +105,28 @@ def test_a_truncated_junit_file_is_reported_missing_and_the_other_reports_writte
     assert "**Missing**: no junit file; the end of the log:" in (tmp_path / "r2" / "gpu_tests.md").read_text()
 
 
+def test_a_report_these_calls_produced_nothing_for_keeps_the_earlier_one(tmp_path: Path, capsys) -> None:
+    """A later session that runs part of the campaign (no MFU runs, every MFU step skipped for time; no timing phase)
+    keeps the earlier campaign's reports of those parts instead of overwriting them with "missing", and says so; the
+    parts it did produce are rewritten."""
+    c = _campaign(tmp_path)
+    (c / "status.txt").write_text((c / "status.txt").read_text() + "mfu_tiny_eager skipped\n")
+    out = tmp_path / "r"
+    out.mkdir()
+    for name in ("gpu_mfu.md", "gpu_isoflop_heads.md", "gpu_table2.md"):
+        (out / name).write_text(f"earlier {name}\n")
+    assert results.main([str(c), "--results", str(out)]) == 0
+    assert (out / "gpu_mfu.md").read_text() == "earlier gpu_mfu.md\n"
+    assert (out / "gpu_isoflop_heads.md").read_text() == "earlier gpu_isoflop_heads.md\n"
+    assert "| Wall-time/step | 100 | 90 |" in (out / "gpu_table2.md").read_text()  # produced: rewritten
+    assert results.main([str(c), "--results", str(tmp_path / "fresh")]) == 0  # nothing earlier: written as missing
+    assert "**Missing**: `gpu_mfu.md`" in (tmp_path / "fresh" / "gpu_mfu.md").read_text()
+    printed = capsys.readouterr().out
+    assert f"kept {out / 'gpu_mfu.md'}: these calls produced none of its inputs (mfu_tiny_eager skipped)\n" in printed
+    assert f"kept {out / 'gpu_isoflop_heads.md'}: these calls produced none of its inputs (its steps did not run)\n" \
+        in printed
+
+
 def test_not_a_campaign_is_one_line(tmp_path: Path, capsys) -> None:
     assert results.main([str(tmp_path), "--results", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path}: not a campaign output (no campaign/environment.txt)\n"
