@@ -9,7 +9,8 @@ ranks' statistics once per step (routing/distributed.py).
 Tolerance: relative RMS 1e-5 per tensor after 5 steps (float summation order of the reduce-scatter).
 The same ranks' checkpoint, saved as Lightning's DeepSpeedStrategy saves it, resumes and consolidates (lm.consolidate);
 Lightning's DeepSpeedStrategy itself trains train_lm.py on 1 and 2 CPU ranks (tests/deepspeed_on_cpu.py); the
-engine's gradient norm is logged."""
+engine's gradient norm is logged; a step the engine skips (NaN gradient or loss) counts against trainer.max_bad_steps
+or stops the run (lm/nonfinite.py)."""
 from __future__ import annotations
 
 import json
