@@ -30,11 +30,13 @@
 # (re-packed after every step, so a call stopped at its limit still returns what finished) and the log to
 # $OUT/campaign.log; back on the CPU machine `python -m bench.gpu_campaign_results <each call's campaign.tgz>` turns
 # them into bench/results/gpu_*.md. BUDGET_S (default 560) is this call's time: a step that cannot finish in what
-# is left is skipped, and says so.
+# is left is skipped, and says so. BACKGROUND=0 leaves out the runs beside the tests (measured on 2026-11-29; their
+# earlier reports are then kept), so that the tests finish sooner and the next call has more of the session's time.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_campaign_out}
 BUDGET_S=${BUDGET_S:-560}
+BACKGROUND=${BACKGROUND:-1}  # 0: the tests phase runs the tests alone (no ZeRO-2/DDP resume checks, no C4 runs)
 END=$(( $(date +%s) + BUDGET_S ))
 C=/tmp/campaign            # result files (packed into $OUT/campaign.tgz)
 R=/tmp/campaign_runs       # run directories (checkpoints stay here)
@@ -150,13 +152,15 @@ export -f train background_checks consolidate c4_runs profile; export DATA R C I
 
 for phase in $PHASES; do case $phase in
 tests)
-    setsid bash -c background_checks & checks=$!  # own process groups: killed whole if they overrun
-    setsid bash -c c4_runs & c4=$!
+    if (( BACKGROUND )); then
+        setsid bash -c background_checks & checks=$!  # own process groups: killed whole if they overrun
+        setsid bash -c c4_runs & c4=$!
+    fi
     # what the run should cover (gpu_tests.md lists the files whose collected tests did not all get a result)
     python3 -m pytest --collect-only -q -q -p no:cacheprovider tests 2>/dev/null | grep -E '^tests/\S+\.py: [0-9]+$' \
         > $C/collected.txt
     XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
-    TESTS_S=$(( $(left) - 40 ))  # all but the wait for the checks beside it (on the H200, 16 cores: > 240 s)
+    TESTS_S=$(( $(left) - 40 * BACKGROUND ))  # all but the wait for the checks beside it (on the H200, 16 cores: > 240 s)
     # pytest-timeout >= 2.3 ends the session between tests 30 s before that, in time to print its summary and write
     # the junit file (on the H200, timeout's SIGINT and then SIGKILL stopped it at the step's limit instead)
     SESSION=$(python3 -m pytest --help 2>/dev/null | grep -q session-timeout && echo "--session-timeout $(( TESTS_S > 50 ? TESTS_S - 30 : 20 ))")
@@ -168,10 +172,12 @@ tests)
     fi
     unset PYTEST_ADDOPTS
     tail -30 $C/tests.log
-    step wait-background 200 bash -c "while kill -0 $checks 2>/dev/null || kill -0 $c4 2>/dev/null; do sleep 1; done"
-    kill -KILL -- -$checks -$c4 2>/dev/null  # overran: a training run defers SIGTERM to the end of its step
-    salvage
-    cat $C/resume_*.md 2>/dev/null
+    if (( BACKGROUND )); then
+        step wait-background 200 bash -c "while kill -0 $checks 2>/dev/null || kill -0 $c4 2>/dev/null; do sleep 1; done"
+        kill -KILL -- -$checks -$c4 2>/dev/null  # overran: a training run defers SIGTERM to the end of its step
+        salvage
+        cat $C/resume_*.md 2>/dev/null
+    fi
     ;;
 timing)
     # bench/resources.py rewrites its table after every round, bench/heads.py after every T: a step stopped at its
