@@ -11,10 +11,12 @@ pick compiles for that architecture, and how much shared memory per block it nee
 than the device has fails with Triton's OutOfResources. It cannot show that results are right (tests/, in
 Triton's interpreter) or fast (bench/ on a GPU).
 
-Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots) and
-bf16 (TF32 dots) at h' = 16, 32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
+Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots, no
+tensor cores) and bf16 (bf16 MMAs where both tiles are stored in bf16, TF32 ones on fp32 intermediates) at h' = 16,
+32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
 deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64, 128
-and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v. Each process compiles for one
+and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v, the MMA instructions (by input type)
+from the PTX. Each process compiles for one
 architecture (Triton caches a kernel's target per process).
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ def compile_only(arch: int, record: list[dict]) -> Iterator[None]:
         seconds = round(time.perf_counter() - start, 1)
         record.append(dict(kernel=self.fn.__name__, shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
                            stages=kernel.metadata.num_stages, cubin="cubin" in kernel.asm, seconds=seconds,
-                           **registers(kernel.asm["ptx"], arch)))
+                           mma=mma_inputs(kernel.asm["ptx"]), **registers(kernel.asm["ptx"], arch)))
         return kernel
 
     driver.set_active(CompileOnlyDriver())
@@ -94,6 +96,13 @@ def registers(ptx: str, arch: int) -> dict:
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
 
 
+def mma_inputs(ptx: str) -> dict[str, int]:
+    """Tensor-core MMA instructions in a kernel's PTX (mma.sync, Hopper's wgmma), counted by their input type
+    ("bf16", "tf32", ...): which of its dots run at the 16-bit rate. Static counts: a loop's body counts once."""
+    found = re.findall(r"\b(?:wgmma\.mma_async|mma)\.sync\.aligned\.m\d+n\d+k\d+(?:\.row\.col)?\.\w+\.(\w+)\.", ptx)
+    return {kind: found.count(kind) for kind in sorted(set(found))}
+
+
 def dispatched(case: dict, arch: int) -> bool:
     """Whether heads/gathered_triton.fits sends such gathered heads to the fused kernels on an sm_<arch> GPU."""
     from heads.gathered_triton import fits
@@ -111,7 +120,7 @@ def gathered_cases(quick: bool, arch: int) -> list[dict]:
                for dt in ("float32", "bfloat16") for d in (16, 32, 64, 128, 256)}
     cases = [case(c, d, dt) for (d, dt), c in largest.items() if c is not None]
     if not quick:
-        cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")]
+        cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")] + [case(32, 64, "bfloat16")]  # IsoFLOP Tiny's heads
         top = largest[(64, "bfloat16")]  # MoSAIC's masks and deterministic mode at the largest 16-bit heads of h' = 64
         cases += [case(top, 64, "bfloat16", masks=True), case(top, 64, "bfloat16", deterministic=True)]
         cases += [case(c, d, dt) for c, d, dt in ((64, 64, "float32"), (128, 64, "bfloat16"), (128, 128, "bfloat16"),
@@ -189,12 +198,13 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              f"Machine: {platform.machine()} CPU, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
              f"triton {triton.__version__}  ",
              f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). Registers and spills "
-             "per thread from `ptxas -v`. ok = compiled to a cubin "
+             "per thread from `ptxas -v`; MMA instructions = tensor-core instructions in the PTX by input type (static counts: "
+             "a loop body counts once; none = FMA dots, e.g. exact fp32). ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
              "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
              "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "
-             "| compile s | ok |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| MMA instructions by input type | compile s | ok |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         if r["family"] == "gathered":
             case = f"c={r['c']} h'={r['d']} {r['dtype']}" + (" masks" if r["masks"] else "") + (
@@ -203,7 +213,9 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
             case = f"h'={r['d']} {r['dtype']}"
         lines.append(f"| {r['family']} | {case} | {r['kernel']} | {'yes' if r['dispatched'] else 'no'} | "
                      f"{r['shared'] / 1024:.0f} | {r['warps']} | {r['stages']} | {r['registers']} | "
-                     f"{r['spill_stores']} / {r['spill_loads']} | {r['seconds']} | {'yes' if r['ok'] else '**no**'} |")
+                     f"{r['spill_stores']} / {r['spill_loads']} | "
+                     f"{', '.join(f'{kind} {n}' for kind, n in r['mma'].items()) or '-'} | {r['seconds']} | "
+                     f"{'yes' if r['ok'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 

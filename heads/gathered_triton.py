@@ -133,7 +133,11 @@ def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.c
 def _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT: tl.constexpr, HD: tl.constexpr, D: tl.constexpr,
                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """X[rows] @ W^Q_i^T, @ W^K_i^T, @ W^V_i^T: three [BLOCK_C, BLOCK_D] fp32 tiles (zero beyond h'), each gathered
-    block of X loaded once. W^QKV [3*H*h', h] is row-major by (q|k|v, head, h'): W^Q_i's rows start at i*h'."""
+    block of X loaded once. W^QKV [3*H*h', h] is row-major by (q|k|v, head, h'): W^Q_i's rows start at i*h'.
+    X and W share one dtype (in_autocast_dtype), so the dots take them as stored: 16-bit tiles run the tensor cores'
+    16-bit MMA with fp32 accumulation, whose products are exact, as TF32 products of the same values upcast would be
+    (bf16's 8 and fp16's 11 significant bits fit in TF32's 11), at twice the TF32 rate on A100/H100 (sm_90 PTX:
+    m16n8k16 bf16 MMAs where fp32 tiles took twice as many m16n8k8 TF32 ones, bench/results/triton_aot_sm90.md)."""
     q = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     k = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     v = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
@@ -141,13 +145,12 @@ def _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT: tl.constexpr, HD: tl.c
     for h0 in range(0, HD, BLOCK_H):
         hh = h0 + tl.arange(0, BLOCK_H)
         hmask = hh < HD
-        xs = tl.load(X + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :],
-                     other=0.0).to(tl.float32)
+        xs = tl.load(X + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
         wq = W + wrow + hh[:, None]  # [BLOCK_H, BLOCK_D]: W^Q_i^T
         wmask = dmask[None, :] & hmask[:, None]
-        q += tl.dot(xs, tl.load(wq, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
-        k += tl.dot(xs, tl.load(wq + H * D * HD, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
-        v += tl.dot(xs, tl.load(wq + 2 * H * D * HD, mask=wmask, other=0.0).to(tl.float32), input_precision=DOT)
+        q += tl.dot(xs, tl.load(wq, mask=wmask, other=0.0), input_precision=DOT)
+        k += tl.dot(xs, tl.load(wq + H * D * HD, mask=wmask, other=0.0), input_precision=DOT)
+        v += tl.dot(xs, tl.load(wq + 2 * H * D * HD, mask=wmask, other=0.0), input_precision=DOT)
     return q, k, v
 
 
