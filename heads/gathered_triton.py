@@ -67,7 +67,8 @@ FWD_STAGES = 2
 def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, DOT: tl.constexpr, HD: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """SRC[rows] @ W_sel: [BLOCK_C, BLOCK_D] fp32, where output column n reads W[wcol[n] * w_col_stride +
-    h * w_h_stride] (wcol < 0: a zero column)."""
+    h * w_h_stride] (wcol < 0: a zero column). SRC and W share one dtype: the dots take the tiles as stored
+    (_project_qkv)."""
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     for h0 in range(0, HD, BLOCK_H):
         hh = h0 + tl.arange(0, BLOCK_H)
@@ -75,7 +76,7 @@ def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, DOT: tl
         xs = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
         w = tl.load(W + wcol[None, :] * w_col_stride + hh[:, None] * w_h_stride,
                     mask=(wcol >= 0)[None, :] & hmask[:, None], other=0.0)
-        acc += tl.dot(xs.to(tl.float32), w.to(tl.float32), input_precision=DOT)
+        acc += tl.dot(xs, w, input_precision=DOT)
     return acc
 
 
@@ -361,6 +362,9 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight:
               v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """dy [B*T, h] -> (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O) in the inputs' dtypes."""
     n = _sizes(x, idx, qkv_weight)
+    # dy is the gradient of y.to(x.dtype) (gathered_heads_triton): its values are x.dtype's, so this cast is exact
+    # and dG = dY[b, I] W^O_i runs on stored 16-bit tiles, like the forward's projections
+    dy = dy.to(x.dtype)
     x, idx, qkv_weight, out_weight, dy = (t.contiguous() for t in (x, idx, qkv_weight, out_weight, dy))
     f32 = dict(device=x.device, dtype=torch.float32)
     dqkv = torch.empty(3, n["H"], n["B"], n["c"], n["d"], **f32)
