@@ -6,8 +6,8 @@ block, spilling at most 4 KB of registers per thread. Before heads/gathered_trit
 the first backward. Since the backward takes RoPE's partner columns from registers it needs 192 KB there, and
 `fits` sends them to the kernels on H100 only (A100: 163 KB). sm_86 is the tightest: the forward runs two pipeline
 stages (heads/gathered_triton.FWD_STAGES) so that the largest fp32 head fits its 99 KB (three needed 108 KB).
-Exact fp32 kernels use no tensor cores; in bf16 the forwards' dots of stored 16-bit tiles are bf16 MMAs (the gathered
-forward's X W^QKV ran as TF32 MMAs of upcast tiles, at half the rate, before 2026-11-30)."""
+Exact fp32 kernels use no tensor cores; in bf16 the dots of stored 16-bit tiles are bf16 MMAs (the gathered kernels'
+X W^QKV and dY W^O ran as TF32 MMAs of upcast tiles, at half the rate, before 2026-11-30)."""
 from __future__ import annotations
 
 import json
@@ -51,6 +51,6 @@ def test_kernels_compile_for_sm80_sm86_and_sm90_within_shared_memory(tmp_path: P
             assert r["spill_stores"] <= 4096, f"sm_{arch}: {r}"  # A100 bf16 at c = 64: 1.8 KB; fp32 at c = 64: 70 KB
             if r["dtype"] == "float32":  # exact fp32 dots (torch's default matmul precision): FMA, no tensor cores
                 assert not r["mma"], f"sm_{arch}: {r}"
-            elif (r["family"], r["kernel"]) in {("gathered", "_attn_fwd"), ("varlen", "_fwd")}:
-                # 16-bit tiles as stored: the forward's X W^QKV dots (and varlen's Q K^T) at the 16-bit MMA rate
+            elif (r["family"], r["kernel"]) in {("gathered", "_attn_fwd"), ("gathered", "_attn_bwd"), ("varlen", "_fwd")}:
+                # 16-bit tiles as stored: X W^QKV, dY W^O (and varlen's Q K^T) at the 16-bit MMA rate
                 assert r["mma"].get("bf16", 0) > 0, f"sm_{arch}: {r}"
