@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import KeyValidationError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, KeyValidationError, OmegaConfBaseException
 
 from heads import ConfigError, GroupContext, make_options
 from lm.sanity import config_warnings, warn
@@ -291,7 +291,9 @@ def _one_line(err: OmegaConfBaseException) -> str:
                 "model.layer_heads.1=[{type: dense, count: 4}] or model.layer_heads={1: [...]} (items only once "
                 "the layer has a mix)")
     if getattr(err, "object_type", None) is HeadGroupConfig and "." not in str(key):  # merged from a YAML list item
-        return f"model.heads / model.layer_heads: a head group's {key}: {message}"
+        hint = (f" (a head group has type, count and options; its type's options go under options, e.g. "
+                f"{{type: mosa, count: 8, options: {{{key}: ...}}}})") if isinstance(err, ConfigKeyError) else ""
+        return f"model.heads / model.layer_heads: a head group's {key}: {message}{hint}"
     return f"{key}: {message}" if key else message
 
 

@@ -33,6 +33,11 @@ def test_unknown_key(tmp_path: Path) -> None:
     # a misspelt key of a head group in a YAML list: OmegaConf knows no path for it, the message says where to look
     assert error_of(write(tmp_path, "model: {heads: [{type: dense, count: 4, option: {}}]}\n")).startswith(
         "model.heads / model.layer_heads: a head group's option: Key 'option' not in 'HeadGroupConfig'")
+    # a type's option written beside type and count: the message says where options go
+    assert error_of(None, "model.heads=[{type: mosa, count: 2, sparsity: 4}]") == (
+        "model.heads / model.layer_heads: a head group's sparsity: Key 'sparsity' not in 'HeadGroupConfig' (a head "
+        "group has type, count and options; its type's options go under options, e.g. "
+        "{type: mosa, count: 8, options: {sparsity: ...}})")
 
 
 def test_wrong_type(tmp_path: Path) -> None:
