@@ -362,7 +362,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, qkv_weight:
               v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """dy [B*T, h] -> (dx [B, T, h], dgate [B, H, c], dW^QKV, dW^O) in the inputs' dtypes."""
     n = _sizes(x, idx, qkv_weight)
-    # dy is the gradient of y.to(x.dtype) (gathered_heads_triton): its values are x.dtype's, so this cast is exact
+    # dy is the gradient of y.to(x.dtype) (gathered_heads_triton): in eager mode its values are x.dtype's, so this cast
+    # is exact (under torch.compile inductor may pass on an unrounded fp32 value; the cast rounds it as eager would),
     # and dG = dY[b, I] W^O_i runs on stored 16-bit tiles, like the forward's projections
     dy = dy.to(x.dtype)
     x, idx, qkv_weight, out_weight, dy = (t.contiguous() for t in (x, idx, qkv_weight, out_weight, dy))
