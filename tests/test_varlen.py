@@ -192,8 +192,8 @@ def test_disabled_turns_the_cuda_kernels_off() -> None:
 
 def _backend(name: str, dtype: torch.dtype, d: int) -> varlen.VarlenBackend:
     if name == "triton":
-        if dtype != torch.float32 and INTERPRET:
-            pytest.skip("Triton's interpreter computes bf16/fp16 tl.dot wrongly; fp32 is checked on CPU")
+        if dtype == torch.bfloat16 and INTERPRET:
+            pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly; fp32 and fp16 are checked on CPU")
         if not (CUDA or INTERPRET):
             pytest.skip("no GPU for compiled Triton kernels, and TRITON_INTERPRET is off")
         return _triton()
@@ -210,12 +210,13 @@ KERNEL_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-6}
 
 
 @pytest.mark.parametrize("name,dtype,d", [("triton", torch.float32, 24), ("triton", torch.float32, 72),
-                                          ("triton", torch.bfloat16, 64),
+                                          ("triton", torch.bfloat16, 64), ("triton", torch.float16, 64),
                                           ("flash", torch.bfloat16, 64), ("flash", torch.float16, 64)])
 def test_kernels_match_torch_varlen(name: str, dtype: torch.dtype, d: int) -> None:
     """A backend's kernels against the float64 contract: forward out and lse, and the backward given the
     same (out, lse); empty, one-row and multi-block segments, head dims padded inside the kernel (24, 72); fp32 at
-    h' = 72 (padded to 128) takes the kernels' 16-row blocks (heads/varlen_triton._meta)."""
+    h' = 72 (padded to 128) takes the kernels' 16-row blocks (heads/varlen_triton._meta). Triton in fp16 runs in the
+    interpreter too (the 16-bit dots; rel RMS 2e-4 to 3e-4 there), bf16 on a GPU only."""
     backend = _backend(name, dtype, d)
     if name == "triton":
         from heads.varlen_triton import _meta
