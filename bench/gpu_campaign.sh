@@ -197,10 +197,12 @@ timing)
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
+    # Tiny compiled first: the one run the H200 campaign of 2026-11-29 did not finish (39 s of budget left); a phase
+    # cut short keeps the earlier campaign's rows of the runs it did not reach (bench/gpu_campaign_results.mfu_report)
+    step mfu_tiny_compiled 90 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
     step mfu_tiny_eager 40 bash -c 'train "$@"' _ mfu_tiny_eager configs/tiny.yaml "${MFU[@]}"
     step mfu_small_eager 45 bash -c 'train "$@"' _ mfu_small_eager configs/small.yaml "${MFU[@]}"
     step mfu_small_compiled 90 bash -c 'train "$@"' _ mfu_small_compiled configs/small.yaml "${MFU[@]}" trainer.compile=true
-    step mfu_tiny_compiled 90 bash -c 'train "$@"' _ mfu_tiny_compiled configs/tiny.yaml "${MFU[@]}" trainer.compile=true
     done=$(for r in $R/mfu_*; do [ -f $r/.campaign_done ] && echo $r; done)  # one unfinished run would void the table
     [ -n "$done" ] && timeout 25 python3 -m flops.mfu $done > $C/gpu_mfu.md 2>&1; cat $C/gpu_mfu.md
     ;;

@@ -9,7 +9,8 @@ gpu_table2.md (bench/resources.py, Tiny pair), gpu_isoflop_heads.md (the IsoFLOP
 gpu_mfu.md (flops.mfu of the MFU runs), gpu_deepspeed.md (bench/resume_check.py for ZeRO-2 and DDP), gpu_c4.md with
 gpu_c4_dense_vs_mosa.png (the short C4 run), gpu_profile.md (the IsoFLOP pair's operator tables from Lightning's
 PyTorch profiler). A part the campaign did not produce is written as missing, with the
-step's status line, never left out; but where these calls produced none of a report's inputs (a phase not run, or
+step's status line, never left out (gpu_mfu.md keeps, marked, the earlier report's rows of runs this campaign did
+not measure); but where these calls produced none of a report's inputs (a phase not run, or
 every step of it skipped for time) and the results folder already holds that report from an earlier campaign, the
 earlier report is kept and the reason printed, so that a later session running part of the campaign does not
 overwrite earlier measurements with "missing".
@@ -111,6 +112,36 @@ def copied(title: str, c: Path, steps: list[str], files: list[str]) -> list[str]
     return lines
 
 
+EARLIER = " (earlier campaign)"  # marks an MFU row kept from the previous gpu_mfu.md
+
+
+def mfu_run(row: str) -> str:
+    """The run of a row of flops.mfu's table, e.g. "mfu_tiny_compiled" of "| /tmp/campaign_runs/mfu_tiny_compiled |
+    ..." (a row kept earlier keeps its name)."""
+    return row.split("|")[1].strip().removesuffix(EARLIER).rsplit("/", 1)[-1]
+
+
+def mfu_rows(text: str) -> list[str]:
+    """The data rows of flops.mfu's table in a report or its output."""
+    return [line for line in text.splitlines() if line.startswith("| ") and mfu_run(line).startswith("mfu_")]
+
+
+def mfu_report(title: str, c: Path, steps: list[str], earlier: str | None) -> list[str]:
+    """The MFU runs of this campaign (flops.mfu's table); rows of the `earlier` report for runs this one did not
+    measure are kept, marked, below this campaign's (a partial MFU phase measures the missing run first)."""
+    lines = "\n".join(copied(title, c, steps, ["gpu_mfu.md"])).splitlines()
+    new = read(c / "gpu_mfu.md")
+    measured = {mfu_run(row) for row in mfu_rows(new or "")}
+    kept = [row if EARLIER in row else row.replace(" |", EARLIER + " |", 1)
+            for row in mfu_rows(earlier or "") if mfu_run(row) not in measured]
+    if not (new and measured and kept):
+        return lines
+    last = max(i for i, line in enumerate(lines) if line in mfu_rows(new))
+    note = ["", f"Rows marked{EARLIER} are kept from the previous gpu_mfu.md: this campaign did not measure those runs "
+            "(the status lines above); their machine, versions and commands are in that file's git history."]
+    return lines[: last + 1] + kept + note + lines[last + 1:]
+
+
 def c4_report(c: Path, results: Path) -> list[str]:
     lines = header("Short C4 run: dense Tiny vs the IsoFLOP MoSA hybrid", c, ["c4_dense", "c4_mosa_isoflop"])
     lines += ["Both trained side by side during the test run (the same GPU contention), with the settings of "
@@ -200,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             "gpu_isoflop_heads.md": benchmark("IsoFLOP Tiny (4 dense + 276 MoSA, rho 32) vs dense, and head groups at "
                                               "T = 1k/4k/8k", ["isoflop", "heads"],
                                               ["gpu_isoflop_resources.md", "gpu_heads.md"]),
-            "gpu_mfu.md": benchmark("Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", mfu,
-                                    ["gpu_mfu.md"]),
+            "gpu_mfu.md": (["gpu_mfu.md"], mfu, lambda: mfu_report(
+                "Training MFU, dense Tiny and Small, bf16, eager and compiled (flops.mfu)", c, mfu,
+                read(args.results / "gpu_mfu.md"))),
             "gpu_deepspeed.md": benchmark("DeepSpeed ZeRO-2 and DDP on one GPU: stopped by SIGTERM, resumed, compared",
                                           ["resume_check", "consolidate"],
                                           ["resume_deepspeed_stage_2.md", "resume_ddp.md", "deepspeed_consolidate.md"]),

@@ -218,3 +218,40 @@ def test_on_a_gpu_the_tests_with_cuda_paths_run_first(gpu: bool, monkeypatch: py
                       "test_varlen.py::5", "test_a.py::0", "test_c.py::6"] if gpu
                      else [f"{name}::{i}" for i, name in enumerate(names)])
     assert set(conftest.CUDA_FILES) <= {path.name for path in Path(__file__).parent.glob("test_*.py")}
+
+
+MFU_HEAD = ("| run | device | precision | compiled | params (M) | tokens/s | GFLOP / token | achieved TFLOP/s "
+            "| peak TFLOP/s per device | MFU |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|\n")
+
+
+def mfu_row(run: str, mfu: str) -> str:
+    return (f"| /tmp/campaign_runs/{run} | 1 x NVIDIA H200 | bf16-mixed | True | 27.87 | 1,000 | 0.185 | 175.2 | 989 "
+            f"| {mfu} |")
+
+
+def test_a_partial_mfu_phase_keeps_the_earlier_rows_of_the_runs_it_did_not_measure(tmp_path: Path) -> None:
+    """The missing run measured alone (mfu_tiny_compiled) is added to the earlier table; the earlier rows of the other
+    runs stay, marked; a row this campaign measured again replaces the earlier one; a third campaign keeps the marks."""
+    c = _campaign(tmp_path)
+    (c / "gpu_mfu.md").write_text(MFU_HEAD + mfu_row("mfu_tiny_compiled", "25.0%") + "\n"
+                                  + mfu_row("mfu_tiny_eager", "18.0%") + "\n")
+    (c / "status.txt").write_text("mfu_tiny_compiled exit 0 60s\nmfu_tiny_eager exit 0 30s\nmfu_small_eager skipped\n")
+    out = tmp_path / "r"
+    out.mkdir()
+    earlier = [mfu_row("mfu_small_compiled", "41.4%"), mfu_row("mfu_small_eager", "31.9%"),
+               mfu_row("mfu_tiny_eager", "17.7%")]
+    (out / "gpu_mfu.md").write_text("# earlier\n\n" + MFU_HEAD + "\n".join(earlier) + "\n")
+    assert results.main([str(c), "--results", str(out)]) == 0
+    report = (out / "gpu_mfu.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| /tmp/")]
+    marked = [row.replace(" |", " (earlier campaign) |", 1) for row in earlier[:2]]
+    assert rows == [mfu_row("mfu_tiny_compiled", "25.0%"), mfu_row("mfu_tiny_eager", "18.0%"), *marked]
+    assert "Rows marked (earlier campaign) are kept from the previous gpu_mfu.md" in report
+    assert "mfu_small_eager: (bench/gpu_campaign.sh, not a timed step); status: mfu_small_eager skipped" in report
+
+    (c / "gpu_mfu.md").write_text(MFU_HEAD + mfu_row("mfu_small_eager", "32.0%") + "\n")  # a third campaign
+    assert results.main([str(c), "--results", str(out)]) == 0
+    rows = [line for line in (out / "gpu_mfu.md").read_text().splitlines() if line.startswith("| /tmp/")]
+    runs = ["mfu_small_eager", "mfu_tiny_compiled", "mfu_tiny_eager", "mfu_small_compiled"]
+    assert [results.mfu_run(r) for r in rows] == runs
+    assert rows[0].endswith("| 32.0% |") and all(r.count("(earlier campaign)") == 1 for r in rows[1:])
