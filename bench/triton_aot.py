@@ -120,7 +120,8 @@ def gathered_cases(quick: bool, arch: int) -> list[dict]:
                for dt in ("float32", "bfloat16") for d in (16, 32, 64, 128, 256)}
     cases = [case(c, d, dt) for (d, dt), c in largest.items() if c is not None]
     if not quick:
-        cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")] + [case(32, 64, "bfloat16")]  # IsoFLOP Tiny's heads
+        cases += [case(17, 32, dt) for dt in ("float32", "bfloat16")]
+        cases += [case(32, 64, "bfloat16")]  # IsoFLOP Tiny's heads (rho = 32 at T = 1024)
         top = largest[(64, "bfloat16")]  # MoSAIC's masks and deterministic mode at the largest 16-bit heads of h' = 64
         cases += [case(top, 64, "bfloat16", masks=True), case(top, 64, "bfloat16", deterministic=True)]
         cases += [case(c, d, dt) for c, d, dt in ((64, 64, "float32"), (128, 64, "bfloat16"), (128, 128, "bfloat16"),
@@ -198,8 +199,8 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              f"Machine: {platform.machine()} CPU, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
              f"triton {triton.__version__}  ",
              f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). Registers and spills "
-             "per thread from `ptxas -v`; MMA instructions = tensor-core instructions in the PTX by input type (static counts: "
-             "a loop body counts once; none = FMA dots, e.g. exact fp32). ok = compiled to a cubin "
+             "per thread from `ptxas -v`; MMA instructions = tensor-core instructions in the PTX by input type "
+             "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32). ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
              "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
              "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "

@@ -51,6 +51,7 @@ def test_kernels_compile_for_sm80_sm86_and_sm90_within_shared_memory(tmp_path: P
             assert r["spill_stores"] <= 4096, f"sm_{arch}: {r}"  # A100 bf16 at c = 64: 1.8 KB; fp32 at c = 64: 70 KB
             if r["dtype"] == "float32":  # exact fp32 dots (torch's default matmul precision): FMA, no tensor cores
                 assert not r["mma"], f"sm_{arch}: {r}"
-            elif (r["family"], r["kernel"]) in {("gathered", "_attn_fwd"), ("gathered", "_attn_bwd"), ("varlen", "_fwd")}:
+            elif (r["family"], r["kernel"]) in {("gathered", "_attn_fwd"), ("gathered", "_attn_bwd"),
+                                                ("varlen", "_fwd")}:
                 # 16-bit tiles as stored: X W^QKV, dY W^O (and varlen's Q K^T) at the 16-bit MMA rate
                 assert r["mma"].get("bf16", 0) > 0, f"sm_{arch}: {r}"
