@@ -16,7 +16,7 @@ tensor cores) and bf16 (bf16 MMAs where both tiles are stored in bf16, TF32 ones
 32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
 deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64, 128
 and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v, the MMA instructions (by input type)
-from the PTX. Each process compiles for one
+and atomics (by memory order) from the PTX. Each process compiles for one
 architecture (Triton caches a kernel's target per process).
 """
 from __future__ import annotations
@@ -68,7 +68,8 @@ def compile_only(arch: int, record: list[dict]) -> Iterator[None]:
         seconds = round(time.perf_counter() - start, 1)
         record.append(dict(kernel=self.fn.__name__, shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
                            stages=kernel.metadata.num_stages, cubin="cubin" in kernel.asm, seconds=seconds,
-                           mma=mma_inputs(kernel.asm["ptx"]), **registers(kernel.asm["ptx"], arch)))
+                           mma=mma_inputs(kernel.asm["ptx"]), atomics=atomic_orders(kernel.asm["ptx"]),
+                           **registers(kernel.asm["ptx"], arch)))
         return kernel
 
     driver.set_active(CompileOnlyDriver())
@@ -101,6 +102,13 @@ def mma_inputs(ptx: str) -> dict[str, int]:
     ("bf16", "tf32", ...): which of its dots run at the 16-bit rate. Static counts: a loop's body counts once."""
     found = re.findall(r"\b(?:wgmma\.mma_async|mma)\.sync\.aligned\.m\d+n\d+k\d+(?:\.row\.col)?\.\w+\.(\w+)\.", ptx)
     return {kind: found.count(kind) for kind in sorted(set(found))}
+
+
+def atomic_orders(ptx: str) -> dict[str, int]:
+    """Atomic instructions in a kernel's PTX counted by memory order ("relaxed", "acq_rel", ...): on sm_90 an acq_rel
+    add compiles to a fence, a returning atomic and an L1 invalidation, a relaxed one to a bare reduction (RED)."""
+    found = re.findall(r"\b(?:atom|red)\.global\.(?:\w+\.)?(relaxed|acquire|release|acq_rel)\.", ptx)
+    return {order: found.count(order) for order in sorted(set(found))}
 
 
 def dispatched(case: dict, arch: int) -> bool:
@@ -200,12 +208,13 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              f"triton {triton.__version__}  ",
              f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). Registers and spills "
              "per thread from `ptxas -v`; MMA instructions = tensor-core instructions in the PTX by input type "
-             "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32). ok = compiled to a cubin "
+             "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32); atomics = atomic instructions "
+             "by memory order (acq_rel fences every add). ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
              "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
              "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "
-             "| MMA instructions by input type | compile s | ok |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---|"]
+             "| MMA instructions by input type | atomics by memory order | compile s | ok |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|"]
     for r in rows:
         if r["family"] == "gathered":
             case = f"c={r['c']} h'={r['d']} {r['dtype']}" + (" masks" if r["masks"] else "") + (
@@ -215,7 +224,8 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
         lines.append(f"| {r['family']} | {case} | {r['kernel']} | {'yes' if r['dispatched'] else 'no'} | "
                      f"{r['shared'] / 1024:.0f} | {r['warps']} | {r['stages']} | {r['registers']} | "
                      f"{r['spill_stores']} / {r['spill_loads']} | "
-                     f"{', '.join(f'{kind} {n}' for kind, n in r['mma'].items()) or '-'} | {r['seconds']} | "
+                     f"{', '.join(f'{kind} {n}' for kind, n in r['mma'].items()) or '-'} | "
+                     f"{', '.join(f'{order} {n}' for order, n in r['atomics'].items()) or '-'} | {r['seconds']} | "
                      f"{'yes' if r['ok'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 

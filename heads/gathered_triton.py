@@ -24,10 +24,11 @@ RoPE's rotate-half pairs column j with j ± r/2: the kernels take the partner co
 (tl.gather along h'), for the rotation in the forward and its transpose in the backward.
 
 Determinism: the only atomics are _scatter's. By default it runs one program per (b, column block, head), so
-the order in which heads add into a row of Y or dX varies between runs (results agree up to fp32 rounding).
-Under torch.use_deterministic_algorithms(True) (trainer.deterministic) it runs one program per (b, column
-block) that walks the heads in order, with a barrier between heads, so every row receives its terms in the
-same order: bitwise reproducible. (Within one head a token holds at most one slot with a non-zero term;
+the order in which heads add into a row of Y or dX varies between runs (results agree up to fp32 rounding); its adds
+are relaxed atomics (on sm_90 bare REDG reductions; Triton's default acq_rel put a fence and an L1 invalidation
+around every add instruction until 2026-11-30). Under torch.use_deterministic_algorithms(True)
+(trainer.deterministic) it runs one program per (b, column block) that walks the heads in order, with a barrier
+between heads and acq_rel adds, so every row receives its terms in the same order: bitwise reproducible. (Within one head a token holds at most one slot with a non-zero term;
 padding slots add exact zeros.) Everything else is deterministic in both modes.
 On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
@@ -185,10 +186,10 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
 @triton.jit
 def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_term_stride, w_head_stride,
              w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr, DOT: tl.constexpr,
-             BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+             SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order.
     U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at W + t*w_term_stride + i*w_head_stride + d*w_d_stride +
-    col*w_h_stride."""
+    col*w_h_stride. SEM: the adds' memory order (_scatter_add)."""
     b = tl.program_id(0)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = hh < HD
@@ -206,7 +207,7 @@ def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_ter
             w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
                         mask=dmask[:, None] & hmask[None, :], other=0.0)
             acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
-        tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :])
+        tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :], sem=SEM)
         tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
 
 
@@ -306,11 +307,14 @@ def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch.Tensor, strides: tuple[int, ...],
                  n: dict) -> None:
     """out[B*T, h] += scatter over heads of u[t, i] @ W_{t,i} (see _scatter); one program per head, or one per
-    sequence walking all heads in order when torch's deterministic mode is on."""
-    per_program = n["H"] if torch.are_deterministic_algorithms_enabled() else 1
+    sequence walking all heads in order when torch's deterministic mode is on. The adds are relaxed atomics (a sum
+    whose order is free needs no memory ordering; Triton's default, acq_rel, fences every add), except in
+    deterministic mode, which keeps acq_rel so that each head's adds are ordered before the next head's."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    per_program = n["H"] if deterministic else 1
     grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
     _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
-                   HD=n["h"], D=n["d"], TERMS=u.shape[0], **n["consts"])
+                   HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed", **n["consts"])
 
 
 def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,

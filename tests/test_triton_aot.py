@@ -7,7 +7,9 @@ the first backward. Since the backward takes RoPE's partner columns from registe
 `fits` sends them to the kernels on H100 only (A100: 163 KB). sm_86 is the tightest: the forward runs two pipeline
 stages (heads/gathered_triton.FWD_STAGES) so that the largest fp32 head fits its 99 KB (three needed 108 KB).
 Exact fp32 kernels use no tensor cores; in bf16 the dots of stored 16-bit tiles are bf16 MMAs (the gathered kernels'
-X W^QKV and dY W^O ran as TF32 MMAs of upcast tiles, at half the rate, before 2026-11-30)."""
+X W^QKV and dY W^O ran as TF32 MMAs of upcast tiles, at half the rate, before 2026-11-30). The scatter's atomic adds
+are relaxed (before 2026-11-30 acq_rel: on sm_90 a MEMBAR.ALL.GPU, a returning ATOMG and a CCTL.IVALL L1 invalidation
+per add instruction, where relaxed adds compile to bare REDG reductions)."""
 from __future__ import annotations
 
 import json
@@ -55,3 +57,5 @@ def test_kernels_compile_for_sm80_sm86_and_sm90_within_shared_memory(tmp_path: P
                                                 ("varlen", "_fwd")}:
                 # 16-bit tiles as stored: X W^QKV, dY W^O (and varlen's Q K^T) at the 16-bit MMA rate
                 assert r["mma"].get("bf16", 0) > 0, f"sm_{arch}: {r}"
+            # the scatter's adds (default mode: the test's set) are relaxed: no fence per add; nothing else is atomic
+            assert set(r["atomics"]) == ({"relaxed"} if r["kernel"] == "_scatter" else set()), f"sm_{arch}: {r}"
