@@ -65,18 +65,18 @@ FWD_STAGES = 2
 
 
 @triton.jit
-def _gather_project(SRC, W, rows, smask, wcol, w_col_stride, w_h_stride, DOT: tl.constexpr, HD: tl.constexpr,
+def _gather_project(SRC, W, rows, smask, col0, dd, dmask, w_h_stride, DOT: tl.constexpr, HD: tl.constexpr,
                     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """SRC[rows] @ W_sel: [BLOCK_C, BLOCK_D] fp32, where output column n reads W[wcol[n] * w_col_stride +
-    h * w_h_stride] (wcol < 0: a zero column). SRC and W share one dtype: the dots take the tiles as stored
-    (_project_qkv)."""
+    """SRC[rows] @ W_sel: [BLOCK_C, BLOCK_D] fp32, where output column n < D reads W[col0 + n + h * w_h_stride]
+    (columns beyond dmask: zero). Consecutive columns are adjacent in W, so the tile loads as vectors (a column index
+    computed by tl.where had hidden that: one 2-byte load per element). SRC and W share one dtype: the dots take the
+    tiles as stored (_project_qkv)."""
     acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
     for h0 in range(0, HD, BLOCK_H):
         hh = h0 + tl.arange(0, BLOCK_H)
         hmask = hh < HD
         xs = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
-        w = tl.load(W + wcol[None, :] * w_col_stride + hh[:, None] * w_h_stride,
-                    mask=(wcol >= 0)[None, :] & hmask[:, None], other=0.0)
+        w = tl.load(W + col0 + dd[None, :] + hh[:, None] * w_h_stride, mask=dmask[None, :] & hmask[:, None], other=0.0)
         acc += tl.dot(xs, w, input_precision=DOT)
     return acc
 
@@ -226,8 +226,7 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
     a = tl.dot(p, v, input_precision=DOT)
     # dG = dY[b, I] W^O_i: W^O [h, H*h'], column i*h' + d of row c at c*H*h' + i*h' + d
-    dg = _gather_project(DY, WO, rows, smask, tl.where(dmask, i * D + dd, -1), 1, H * D, DOT, HD, BLOCK_C, BLOCK_D,
-                         BLOCK_H)
+    dg = _gather_project(DY, WO, rows, smask, i * D, dd, dmask, H * D, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H)
     tl.store(DGATE + base + slots, tl.sum(a * dg, 1), mask=smask)  # dL/dr_j = <A_j, dG_j>
     tl.store(GO + rowoff + dd[None, :], a * gate[:, None], mask=omask)  # G for dW^O
     da = dg * gate[:, None]
