@@ -24,18 +24,19 @@ def gapped_positions(T: int, device: str) -> torch.Tensor:
     return 7 + t + t // 3 + 5 * torch.arange(BATCH, device=device)[:, None]
 
 
-def problem(T: int, sparsity: int, heads: int, seed: int = 0, device: str = "cpu", head_dim: int = HEAD_DIM) -> dict:
+def problem(T: int, sparsity: int, heads: int, seed: int = 0, device: str = "cpu", head_dim: int = HEAD_DIM,
+            d_model: int = D_MODEL) -> dict:
     """Random x, weights, selection (about T/ρ candidates per head, capacity T/ρ: overflow and padding)
     and raw router scores, on `device` (the same draws on any device); every float tensor requires grad."""
     g = torch.Generator().manual_seed(seed)
     c = max(T // sparsity, 2)
     sel = earliest_first(torch.rand(BATCH, heads, T, generator=g) < 1.2 / sparsity, c)
     leaf = lambda *shape, std=1.0: (torch.randn(*shape, generator=g) * std).to(device).requires_grad_()  # noqa: E731
-    return dict(x=leaf(BATCH, T, D_MODEL), r=torch.rand(BATCH, heads, c, generator=g).to(device).requires_grad_(),
-                w_qkv=leaf(3 * heads * head_dim, D_MODEL, std=0.3), w_o=leaf(D_MODEL, heads * head_dim, std=0.3),
+    return dict(x=leaf(BATCH, T, d_model), r=torch.rand(BATCH, heads, c, generator=g).to(device).requires_grad_(),
+                w_qkv=leaf(3 * heads * head_dim, d_model, std=0.3), w_o=leaf(d_model, heads * head_dim, std=0.3),
                 sel=Selection(sel.idx.to(device), sel.valid.to(device)),
                 positions=gapped_positions(T, device),
-                cot=torch.randn(BATCH, T, D_MODEL, generator=g).to(device))
+                cot=torch.randn(BATCH, T, d_model, generator=g).to(device))
 
 
 def run_lean(p: dict, rope: RotaryEmbedding) -> torch.Tensor:
@@ -194,6 +195,37 @@ def test_triton_16bit_tiles_match_reference(T: int, sparsity: int, heads: int, h
     for name, fast, r in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], (y, *grads), (ref, *ref_grads)):
         rel_rms = ((fast.double() - r).pow(2).mean() / r.pow(2).mean()).sqrt().item()
         assert rel_rms < 2e-3, f"{name}: rel RMS {rel_rms:.2e}"
+
+
+@TRITON_KERNELS
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_triton_kernels_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model width h = 80: three column blocks of BLOCK_H = 32 in every kernel's loop or grid over h, the last ragged
+    (the other tests have h = 32, one block). Output and every gradient vs the reference, in the default grid and in
+    deterministic mode (one scatter program per sequence over all heads: bitwise equal over two runs)."""
+    from heads.gathered_triton import BLOCK_H, gathered_heads_triton
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    p = problem(100, 8, 3, device=TRITON_DEVICE, d_model=80)
+    assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
+    ref = run_reference(p, rope)
+    expected = [ref, *torch.autograd.grad((ref * p["cot"]).sum(), leaves)]
+    runs = []
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for _ in range(2 if deterministic else 1):
+            y = gathered_heads_triton(p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"],
+                                      p["w_o"], rope)
+            runs.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves)])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, ref, fast in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], expected, runs[0]):
+        rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 @TRITON_KERNELS
