@@ -130,13 +130,13 @@ def mfu_report(title: str, c: Path, steps: list[str], earlier: str | None) -> li
     """The MFU runs of this campaign (flops.mfu's table); rows of the `earlier` report for runs this one did not
     measure are kept, marked, below this campaign's (a partial MFU phase measures the missing run first)."""
     lines = "\n".join(copied(title, c, steps, ["gpu_mfu.md"])).splitlines()
-    new = read(c / "gpu_mfu.md")
-    measured = {mfu_run(row) for row in mfu_rows(new or "")}
+    new = mfu_rows(read(c / "gpu_mfu.md") or "")
+    measured = {mfu_run(row) for row in new}
     kept = [row if EARLIER in row else row.replace(" |", EARLIER + " |", 1)
             for row in mfu_rows(earlier or "") if mfu_run(row) not in measured]
-    if not (new and measured and kept):
+    if not (measured and kept):
         return lines
-    last = max(i for i, line in enumerate(lines) if line in mfu_rows(new))
+    last = max(i for i, line in enumerate(lines) if line in new)
     note = ["", f"Rows marked{EARLIER} are kept from the previous gpu_mfu.md: this campaign did not measure those runs "
             "(the status lines above); their machine, versions and commands are in that file's git history."]
     return lines[: last + 1] + kept + note + lines[last + 1:]

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,18 +98,22 @@ def registers(ptx: str, arch: int) -> dict:
                 spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))
 
 
+def _counted(pattern: str, ptx: str) -> dict[str, int]:
+    """How often each value of `pattern`'s group occurs in the PTX, by value (static counts: a loop body counts
+    once)."""
+    return dict(sorted(Counter(re.findall(pattern, ptx)).items()))
+
+
 def mma_inputs(ptx: str) -> dict[str, int]:
     """Tensor-core MMA instructions in a kernel's PTX (mma.sync, Hopper's wgmma), counted by their input type
-    ("bf16", "tf32", ...): which of its dots run at the 16-bit rate. Static counts: a loop's body counts once."""
-    found = re.findall(r"\b(?:wgmma\.mma_async|mma)\.sync\.aligned\.m\d+n\d+k\d+(?:\.row\.col)?\.\w+\.(\w+)\.", ptx)
-    return {kind: found.count(kind) for kind in sorted(set(found))}
+    ("bf16", "tf32", ...): which of its dots run at the 16-bit rate."""
+    return _counted(r"\b(?:wgmma\.mma_async|mma)\.sync\.aligned\.m\d+n\d+k\d+(?:\.row\.col)?\.\w+\.(\w+)\.", ptx)
 
 
 def atomic_orders(ptx: str) -> dict[str, int]:
     """Atomic instructions in a kernel's PTX counted by memory order ("relaxed", "acq_rel", ...): on sm_90 an acq_rel
     add compiles to a fence, a returning atomic and an L1 invalidation, a relaxed one to a bare reduction (RED)."""
-    found = re.findall(r"\b(?:atom|red)\.global\.(?:\w+\.)?(relaxed|acquire|release|acq_rel)\.", ptx)
-    return {order: found.count(order) for order in sorted(set(found))}
+    return _counted(r"\b(?:atom|red)\.global\.(?:\w+\.)?(relaxed|acquire|release|acq_rel)\.", ptx)
 
 
 def dispatched(case: dict, arch: int) -> bool:
@@ -208,8 +213,8 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              f"triton {triton.__version__}  ",
              f"Shared-memory limit per block on sm_{arch}: {limit} bytes ({limit / 1024:.0f} KB). Registers and spills "
              "per thread from `ptxas -v`; MMA instructions = tensor-core instructions in the PTX by input type "
-             "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32); atomics = atomic instructions "
-             "by memory order (acq_rel fences every add). ok = compiled to a cubin "
+             "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32); atomics = atomic "
+             "instructions by memory order (acq_rel fences every add). ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
              "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
              "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "

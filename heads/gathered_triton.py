@@ -28,8 +28,9 @@ the order in which heads add into a row of Y or dX varies between runs (results 
 are relaxed atomics (on sm_90 bare REDG reductions; Triton's default acq_rel put a fence and an L1 invalidation
 around every add instruction until 2026-11-30). Under torch.use_deterministic_algorithms(True)
 (trainer.deterministic) it runs one program per (b, column block) that walks the heads in order, with a barrier
-between heads and acq_rel adds, so every row receives its terms in the same order: bitwise reproducible. (Within one head a token holds at most one slot with a non-zero term;
-padding slots add exact zeros.) Everything else is deterministic in both modes.
+between heads and acq_rel adds, so every row receives its terms in the same order: bitwise reproducible. (Within one
+head a token holds at most one slot with a non-zero term; padding slots add exact zeros.) Everything else is
+deterministic in both modes.
 On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations

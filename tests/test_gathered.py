@@ -128,6 +128,17 @@ def test_saves_no_gathered_tensor() -> None:
     assert max(t.numel() for t in saved) < gathered / 3
 
 
+GRADS = ["y", "dx", "dr", "dW_qkv", "dW_o"]  # the output, then the gradients w.r.t. x, r, W^QKV, W^O
+
+
+def assert_rel_rms(got: list[torch.Tensor], expected: list[torch.Tensor], tol: float) -> None:
+    """Each of GRADS within relative RMS error `tol` of its expected value (compared in fp64)."""
+    for name, fast, ref in zip(GRADS, got, expected):
+        fast, ref = fast.double(), ref.double()
+        rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        assert rel_rms < tol, f"{name}: rel RMS {rel_rms:.2e}"
+
+
 def fused_against_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float) -> None:
     """The fused kernels (heads/gathered_triton.py) on TRITON_DEVICE in fp32 vs the reference: output and, through the
     fused backward, every gradient including the router scores."""
@@ -192,9 +203,7 @@ def test_triton_16bit_tiles_match_reference(T: int, sparsity: int, heads: int, h
                               half["w_o"], rope)
     assert y.dtype == torch.float16
     grads = torch.autograd.grad((y.float() * p["cot"]).sum(), [half[k] for k in names])
-    for name, fast, r in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], (y, *grads), (ref, *ref_grads)):
-        rel_rms = ((fast.double() - r).pow(2).mean() / r.pow(2).mean()).sqrt().item()
-        assert rel_rms < 2e-3, f"{name}: rel RMS {rel_rms:.2e}"
+    assert_rel_rms([y, *grads], [ref, *ref_grads], 2e-3)
 
 
 @TRITON_KERNELS
@@ -221,9 +230,7 @@ def test_triton_kernels_over_several_column_blocks(deterministic: bool, monkeypa
             runs.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves)])
     finally:
         torch.use_deterministic_algorithms(False)
-    for name, ref, fast in zip(["y", "dx", "dr", "dW_qkv", "dW_o"], expected, runs[0]):
-        rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
-        assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
+    assert_rel_rms(runs[0], expected, REL_RMS_TOL)
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 
