@@ -201,11 +201,14 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Causal agent attention (Agent Attention eq. 3 / eq. 7's 2nNC + 2NnC terms, as 2ijk products):
     8hh'T + 4h'mT (aggregation: m = T // b agents over T keys) + 4h'Tm (broadcast: T queries over m
     agents) + 4h'T*min(w, T) (local window) + 2Kh'T (option dwc = K: the causal depthwise convolution over V,
-    eq. 7's k^2 NC term with K taps). Pooling and the agent biases' additions not counted (elementwise). Params:
+    eq. 7's k^2 NC term with K taps). Variant published (eq. 6 over the whole sequence): m = max(1, T // b) agents
+    and no window term. Pooling and the agent biases' additions not counted (elementwise). Params:
     dense's 4hh' + (K + 1)h' for the convolution's taps and bias + 2 x (option bias) distance buckets of B1 and B2.
     An algorithmic count: the fast path scores each block of b queries against 2b window keys whatever w, 8h'Tb
     where this counts 4h'Tw (1.06x this at h = 512, b = w = 64, T = 1024; more when w < b)."""
     m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc", 0))
+    if o.get("variant", "causal") == "published":
+        m, w = max(m, 1), 0
     dwc = (2 * K * hd * T, (K + 1) * hd) if K else (0, 0)
     params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias", 0))
     return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w + dwc[0]), params=n * params)
@@ -217,7 +220,8 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     S = Q~ K^T, eq. 7) + 2h'Tm (routing logits Q Q~^T, the same product as the shared expert's scores) + if
     shared: 2h'mT (landmark values, eq. 8) + 2h'Tm (shared expert A V~, eq. 9) + 4h'T*s*min(k, T) (routed
     experts; s at most the landmarks a query can route to, min(m, (T - 1) // b - L + 1): none when the local
-    blocks cover every block) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Pooling, top-k and
+    blocks cover every block) + 4h'T*min(L b, T) (own block and the L - 1 before it, option local_blocks). Variant
+    published (Alg. 1 over the whole sequence): m = max(1, T // b), s at most m, no local term. Pooling, top-k and
     gathers not counted. Params: dense's 4hh'. An algorithmic count: with the shared expert heads/mita.py takes
     the routing decisions from S and Q Q~^T computed once more without autograd (+4h'mT); its grouped layout pads
     each expert's queries to multiples of b (on CPU the groups this routing needs, 1.04x this at h = 512,
@@ -226,8 +230,11 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     b, k, L = int(o.require("block")), int(o.require("k")), int(o.get("local_blocks", 1))
     m = T // b
     s = min(int(o.require("s")), max(min(m, (T - 1) // b - L + 1), 0))  # the landmarks before the local blocks
-    shared = 4 * hd * m * T if o.get("shared", True) else 0
     local = min(L * b, T)
+    if o.get("variant", "causal") == "published":
+        m = max(m, 1)
+        s, local = min(int(o.require("s")), m), 0
+    shared = 4 * hd * m * T if o.get("shared", True) else 0
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local
     return Work(flops=n * (8 * h * hd * T + attend), params=n * 4 * h * hd)
 

@@ -36,6 +36,13 @@ The next two are choices, not forced by causality:
   its taps start N(0, init_std) and its bias 0, like every other weight (lm/model.py).
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged (with `dwc` or
 `bias`, the convolution's taps and bias and the agent-bias tables come on top).
+
+Option `variant: published` is eq. 6 as published, NOT causal (flagged like MoSA's expert choice; evaluate it
+leak-free, lm/leakfree.py): a fixed number n = seq_len // b of agents (the training length's, at least 1, as the
+paper fixes n), A = AdaptiveAvgPool(Q) over the whole sequence (routing.landmarks.adaptive_pool), aggregation
+over every key, broadcast to every query, no local window (option `window` is the causal variant's); `dwc: K`
+is centred (rows t - (K-1)//2 .. t + K//2, the paper's 3 x 3 kernel read along the sequence) and `bias: N` takes
+the signed distances to an agent's last row in T5's bidirectional buckets (N // 2 per direction).
 """
 from __future__ import annotations
 
@@ -52,7 +59,10 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.kv_cache import BlockKV, one_token
 from heads.local import window_blocks
-from routing.landmarks import block_ends, block_pool, distance_buckets, prefix_mask
+from routing.landmarks import (adaptive_pool, adaptive_windows, block_ends, block_pool, distance_buckets, prefix_mask,
+                               signed_distance_buckets)
+
+VARIANTS = ("causal", "published")
 
 
 @dataclass
@@ -61,6 +71,11 @@ class AgentOptions(HeadOptions):
     window: int = 64  # w, causal local window (keys t-w < p <= t), 1 <= w <= b
     dwc: int = 0  # K: taps of the causal depthwise convolution over V added to the output (eq. 6's DWC); 0 = none
     bias: int = 0  # distance buckets of the agent biases B1, B2 (eq. 5), learned per head; 0 = none
+    variant: str = "causal"  # "causal" | "published" (eq. 6 over the whole sequence: NOT causal)
+
+    @property
+    def causal(self) -> bool:
+        return self.variant == "causal"
 
     def kv_per_head(self, seq_len: int) -> int:
         """Every token (a future agent aggregates over its whole prefix) plus one (A_j, V_A_j) key-value pair per
@@ -73,13 +88,20 @@ class AgentOptions(HeadOptions):
 
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
-        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16], "dwc": [0, 1, 3], "bias": [0, 1, 4]}
+        return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16, 64], "dwc": [0, 1, 3, 4],
+                "bias": [0, 1, 4, 5], "variant": list(VARIANTS)}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"agent: options.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         if self.block < 1:
             raise ConfigError(f"agent: options.block must be >= 1, got {self.block}")
-        if not 1 <= self.window <= self.block:
+        if not self.causal:
+            if self.window != AgentOptions.window:
+                raise ConfigError("agent: options.window is the causal variant's local window; variant 'published' "
+                                  "(eq. 6) has none: leave window out")
+        elif not 1 <= self.window <= self.block:
             raise ConfigError(f"agent: options.window must be in [1, block={self.block}], got {self.window}")
         if self.dwc < 0:
             raise ConfigError(f"agent: options.dwc must be >= 0 (0 = no convolution), got {self.dwc}")
@@ -93,7 +115,8 @@ class AgentOptions(HeadOptions):
 
 @register("agent")
 class AgentHeads(DenseHeads):
-    """Causal agent attention heads: pooled-block agents plus a local window, one softmax."""
+    """Agent attention heads: pooled-block agents plus a local window, one softmax; causal unless the option
+    variant is published (eq. 6 over the whole sequence)."""
 
     Options = AgentOptions
     beyond_training = "keeps every token and adds an agent per block (its cache grows with the length)"
@@ -109,8 +132,10 @@ class AgentHeads(DenseHeads):
 
     def _bias(self, which: int, d: torch.Tensor) -> torch.Tensor:
         """Agent bias B1 (which = 0: agent j over key p, d = e_j - p) or B2 (which = 1: query t over agent j,
-        d = t - e_j) of every head at the token distances d[...] -> [H, ...] (routing.landmarks.distance_buckets)."""
-        return self.agent_bias[which][:, distance_buckets(d, self.options.bias, self.ctx.seq_len)]
+        d = t - e_j) of every head at the token distances d[...] -> [H, ...] (routing.landmarks.distance_buckets;
+        signed_distance_buckets for the published variant, where d < 0 is visible)."""
+        buckets = distance_buckets if self.causal else signed_distance_buckets
+        return self.agent_bias[which][:, buckets(d, self.options.bias, self.ctx.seq_len)]
 
     def _biased(self, which: int, d: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """The additive mask of one softmax -> [H, ...visible.shape]: the agent bias at the distances d (the first
@@ -118,44 +143,62 @@ class AgentHeads(DenseHeads):
         bias = self._bias(which, d)
         return F.pad(bias, (0, visible.shape[-1] - bias.shape[-1])).masked_fill(~visible, float("-inf"))
 
+    def _dwc_lead(self) -> int:
+        """Rows before t that DWC's first tap reads: K - 1 (causal: rows t-K+1 .. t), (K - 1) // 2 (published: the
+        kernel centred, rows t - (K-1)//2 .. t + K//2)."""
+        return self.options.dwc - 1 if self.causal else (self.options.dwc - 1) // 2
+
     def _dwc(self, v: torch.Tensor) -> torch.Tensor:
-        """DWC(V) made causal: v[B, H, T, h'] -> [B, H, T, h'], row t = bias + sum_i w_i * v[t - K + 1 + i] over
-        the rows >= 0 (zero-padded on the left: F.conv1d's cross-correlation over rows t-K+1 .. t)."""
+        """DWC(V): v[B, H, T, h'] -> [B, H, T, h'], row t = bias + sum_i w_i * v[t - lead + i] over the rows in
+        0 .. T-1 (zero-padded: F.conv1d's cross-correlation; lead = `_dwc_lead`, K - 1 when causal)."""
         B, H, T, d = v.shape
-        y = self.dwc(F.pad(v.permute(0, 1, 3, 2).reshape(B, H * d, T), (self.options.dwc - 1, 0)))
+        lead = self._dwc_lead()
+        y = self.dwc(F.pad(v.permute(0, 1, 3, 2).reshape(B, H * d, T), (lead, self.options.dwc - 1 - lead)))
         return y.view(B, H, d, T).permute(0, 1, 3, 2)
 
     def _dwc_reference(self, vi: torch.Tensor, i: int) -> torch.Tensor:
-        """Head i's causal DWC, tap by tap: vi[B, T, h'] -> bias + sum_j w_j * v[t - (K - 1 - j)] (rows >= 0)."""
+        """Head i's DWC, tap by tap: vi[B, T, h'] -> bias + sum_j w_j * v[t - (lead - j)] (rows in 0 .. T-1)."""
         K, d = self.options.dwc, self.ctx.head_dim
         w, bias = self.dwc.weight[i * d : (i + 1) * d, 0], self.dwc.bias[i * d : (i + 1) * d]  # [h', K], [h']
         out = bias.expand_as(vi).clone()
         T = vi.shape[1]
         for j in range(K):
-            shift = K - 1 - j  # tap j reads the row `shift` tokens back (none for rows t < shift)
-            if shift < T:
+            shift = self._dwc_lead() - j  # tap j reads the row `shift` tokens back (ahead if < 0), where one exists
+            if 0 <= shift < T:
                 out[:, shift:] += w[:, j] * vi[:, : T - shift]
+            elif -T < shift < 0:
+                out[:, :shift] += w[:, j] * vi[:, -shift:]
         return out
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         T, b, w = x.shape[1], self.options.block, self.options.window
-        n, rows = T // b, torch.arange(T, device=x.device)
-        ends = torch.tensor([(j + 1) * b - 1 for j in range(n)], device=x.device, dtype=torch.long)
-        agent_visible = ends[None, :] <= rows[:, None]  # [T, n]: agent j complete at t
-        local = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - w)  # [T, T]
+        rows = torch.arange(T, device=x.device)
+        if self.causal:  # agent j pools block j, rows jb .. (j+1)b - 1, and aggregates over the keys up to its end
+            n = T // b
+            starts = torch.arange(n, device=x.device) * b
+            stops = keys_to = starts + b
+            agent_visible = stops[None, :] - 1 <= rows[:, None]  # [T, n]: agent j complete at t
+            local = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - w)  # [T, T]
+        else:  # published: seq_len // b agents pooling windows over the whole sequence, every key, every query
+            n = self._published_agents()
+            starts, stops = adaptive_windows(n, T, x.device)
+            keys_to = torch.full_like(stops, T)
+            agent_visible = torch.ones(T, n, dtype=torch.bool, device=x.device)
+            local = torch.zeros(T, T, dtype=torch.bool, device=x.device)  # no window
+        ends = stops - 1  # [n] e_j, an agent's position (its window's last row) for the biases
         scale = self.ctx.head_dim**-0.5
         heads = []
         for i in range(self.count):
             qi, ki, vi = q[:, i], k[:, i], v[:, i]  # [B, T, h']
             agents, agent_values = [], []
             for j in range(n):  # agent aggregation, one agent at a time
-                a = qi[:, j * b : (j + 1) * b].mean(1)  # [B, h'] pooled queries of block j
-                s = torch.einsum("bd,btd->bt", a, ki[:, : ends[j] + 1]) * scale  # keys <= e_j
+                a = qi[:, starts[j] : stops[j]].mean(1)  # [B, h'] pooled queries of agent j's window
+                s = torch.einsum("bd,btd->bt", a, ki[:, : keys_to[j]]) * scale  # causal: keys <= e_j
                 if self.options.bias:  # + B1[j, p], by the distance e_j - p
-                    s = s + self._bias(0, ends[j] - torch.arange(ends[j] + 1, device=x.device))[i]
+                    s = s + self._bias(0, ends[j] - torch.arange(keys_to[j], device=x.device))[i]
                 agents.append(a)
-                agent_values.append(torch.einsum("bt,btd->bd", s.softmax(-1), vi[:, : ends[j] + 1]))
+                agent_values.append(torch.einsum("bt,btd->bd", s.softmax(-1), vi[:, : keys_to[j]]))
             A = torch.stack(agents, 1) if n else qi[:, :0]  # [B, n, h']
             VA = torch.stack(agent_values, 1) if n else vi[:, :0]
             scores = torch.cat((qi @ A.transpose(-1, -2), qi @ ki.transpose(-1, -2)), -1) * scale  # [B, T, n+T]
@@ -168,6 +211,9 @@ class AgentHeads(DenseHeads):
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
+        if not self.causal:
+            out = self._published(q, k, v)
+            return self._merge(out + self._dwc(v) if self.options.dwc else out)
         B, H, T, d = q.shape
         b, w = self.options.block, self.options.window
         n = T // b
@@ -192,9 +238,26 @@ class AgentHeads(DenseHeads):
         out = out.reshape(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
         return self._merge(out + self._dwc(v) if self.options.dwc else out)
 
+    def _published_agents(self) -> int:
+        """n of the published variant: the training length's seq_len // b, fixed (at least 1), as the paper fixes n."""
+        return max(1, self.ctx.seq_len // self.options.block)
+
+    def _published(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Eq. 5 over the whole sequence (variant published): q, k, v [B, H, T, h'] -> [B, H, T, h']."""
+        T = q.shape[2]
+        n = self._published_agents()
+        A = adaptive_pool(q, n)  # [B, H, n, h']
+        rows, ends = torch.arange(T, device=q.device), adaptive_windows(n, T, q.device)[1] - 1
+        b1 = b2 = None
+        if self.options.bias:  # additive [H, n, T] and [H, T, n]
+            b1, b2 = self._bias(0, ends[:, None] - rows), self._bias(1, rows[:, None] - ends)
+        return attend(q, A, attend(A, k, v, mask=b1), mask=b2)  # broadcast of the aggregation
+
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BlockKV:
         """All T keys/values, the current block's queries, and each completed block's (A_j, V_A_j)."""
+        if not self.causal:
+            raise ValueError("agent: variant 'published' is not causal and cannot be decoded incrementally")
         cache = BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, None, device, dtype)
         if self.options.bias:  # the cache builds each agent's V_A_j as blocks complete: with B1
             cache.aggregation_bias = functools.partial(self._bias, 0)

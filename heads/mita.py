@@ -32,6 +32,13 @@ Deviations from the paper, and why:
   k >= T, s >= T // b and shared false, MiTA is exactly dense causal attention (tested).
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged
 (MiTA App. C's algorithmic generalisation).
+
+Option `variant: published` is Algorithm 1 as published, NOT causal (flagged like MoSA's expert choice; evaluate
+it leak-free, lm/leakfree.py): a fixed number m = seq_len // b of landmarks (the training length's, at least 1),
+Q~ = AdaptiveAvgPool(Q, m) over the whole sequence (routing.landmarks.adaptive_pool), each expert the top-k of
+all T keys, landmark values over all keys, every landmark routable and shared with every query, and no local term
+(option `local_blocks` is the causal variant's). With k >= T and `shared: false` it is bidirectional (non-causal)
+dense attention.
 """
 from __future__ import annotations
 
@@ -50,10 +57,12 @@ from heads.kv_cache import BlockKV, one_token
 from heads.local import block_windows
 from heads.lse_attention import attention_lse, merge
 from heads.rows import flat_rows, gather_rows
-from routing.landmarks import block_pool, earlier_blocks, landmark_topk, prefix_mask, route
+from routing.landmarks import (adaptive_pool, adaptive_windows, block_pool, earlier_blocks, landmark_topk, prefix_mask,
+                               route)
 from routing.selection import earliest_topk
 
 NEG_INF = float("-inf")
+VARIANTS = ("causal", "published")
 
 
 @dataclass
@@ -63,6 +72,11 @@ class MiTAOptions(HeadOptions):
     s: int = 1  # routed experts per query (besides the shared one)
     shared: bool = True  # include the shared (compressed) expert, eqs. 8-9
     local_blocks: int = 1  # L: a query attends causally to its own block and the L - 1 before it
+    variant: str = "causal"  # "causal" | "published" (Algorithm 1 over the whole sequence: NOT causal)
+
+    @property
+    def causal(self) -> bool:
+        return self.variant == "causal"
 
     def kv_per_head(self, seq_len: int) -> int:
         """Every token (a future landmark gathers its k keys from the whole prefix) plus one landmark per completed
@@ -77,13 +91,18 @@ class MiTAOptions(HeadOptions):
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
         return {"block": [1, 2, 3, 5, 8, 16], "k": [1, 2, 5, 8, 64], "s": [1, 2, 3], "shared": [True, False],
-                "local_blocks": [1, 2, 3]}
+                "local_blocks": [1, 2, 3], "variant": list(VARIANTS)}
 
     def validate(self, ctx: GroupContext) -> None:
         super().validate(ctx)
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"mita: options.variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
         for name in ("block", "k", "s", "local_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"mita: options.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.causal and self.local_blocks != MiTAOptions.local_blocks:
+            raise ConfigError("mita: options.local_blocks is the causal variant's local term; variant 'published' "
+                              "(Algorithm 1) has none: leave local_blocks out")
 
     def validate_length(self, head: str, seq_len: int) -> None:
         super().validate_length(head, seq_len)
@@ -93,7 +112,8 @@ class MiTAOptions(HeadOptions):
 
 @register("mita")
 class MiTAHeads(DenseHeads):
-    """Causal MiTA heads: shared landmark expert + top-s routed top-k experts + local block(s)."""
+    """MiTA heads: shared landmark expert + top-s routed top-k experts + local block(s); causal unless the
+    option variant is published."""
 
     Options = MiTAOptions
     beyond_training = "keeps every token and adds a landmark per block (its cache grows with the length)"
@@ -101,18 +121,27 @@ class MiTAHeads(DenseHeads):
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         T, (b, kk, s) = x.shape[1], (self.options.block, self.options.k, self.options.s)
-        n, rows = T // b, torch.arange(T, device=x.device)
+        rows = torch.arange(T, device=x.device)
         scale = self.ctx.head_dim**-0.5
-        ends = rows[b - 1 :: b][:n]  # [n] e_j
-        landmark_sees = rows[None, :] <= ends[:, None]  # [n, T]
-        L = self.options.local_blocks
-        eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n] routing
-        done = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None]  # [T, n] shared: ended before t's block
-        local = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T]: local blocks
+        if self.causal:  # landmark j pools block j and sees the keys up to the block's end e_j
+            n = T // b
+            starts = torch.arange(n, device=x.device) * b
+            stops = starts + b
+            landmark_sees = rows[None, :] < stops[:, None]  # [n, T]
+            L = self.options.local_blocks
+            eligible = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None] - (L - 1)  # [T, n] routing
+            done = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None]  # [T, n] shared: before t's block
+            local = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T] L blocks
+        else:  # published: m fixed landmarks pooling windows over the whole sequence; everything visible, no local term
+            n = self._published_landmarks()
+            starts, stops = adaptive_windows(n, T, x.device)
+            landmark_sees = torch.ones(n, T, dtype=torch.bool, device=x.device)
+            eligible = done = torch.ones(T, n, dtype=torch.bool, device=x.device)
+            local = torch.zeros(T, T, dtype=torch.bool, device=x.device)
         heads = []
         for i in range(self.count):
             qi, ki, vi = q[:, i], k[:, i], v[:, i]  # [B, T, h']
-            lq = torch.stack([qi[:, j * b : (j + 1) * b].mean(1) for j in range(n)], 1) if n else qi[:, :0]
+            lq = torch.stack([qi[:, starts[j] : stops[j]].mean(1) for j in range(n)], 1) if n else qi[:, :0]
             S = (lq @ ki.transpose(-1, -2) * scale).masked_fill(~landmark_sees, NEG_INF)  # [B, n, T]
             lv = S.softmax(-1) @ vi if n else vi[:, :0]  # eq. 8: landmark values [B, n, h']
             expert = torch.zeros_like(S, dtype=torch.bool)  # eq. 7: I_j as a mask over keys
@@ -136,20 +165,33 @@ class MiTAHeads(DenseHeads):
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Algorithm 1 made causal: landmarks and experts batched, queries grouped by routed expert
         (padded per expert) for one batched attention per expert, merged with the shared + own-block
-        softmax by log-sum-exp (Alg. 1 line 16)."""
+        softmax by log-sum-exp (Alg. 1 line 16). Variant published: the same over the whole sequence, with
+        the shared expert alone in place of shared + own block."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
         B, H, T, d = q.shape
         b, scale = self.options.block, d**-0.5
-        n = T // b
-        lq = block_pool(q, b)  # [B, H, n, d] landmark queries (Alg. 1 line 2)
-        visible, eligible = prefix_mask(n, T, b, q.device), earlier_blocks(T, n, b, q.device, self.options.local_blocks)
+        if self.causal:
+            n = T // b
+            lq = block_pool(q, b)  # [B, H, n, d] landmark queries (Alg. 1 line 2)
+            visible = prefix_mask(n, T, b, q.device)
+            eligible = earlier_blocks(T, n, b, q.device, self.options.local_blocks)
+        else:  # published: every key visible to every landmark, every landmark routable from every query
+            n = self._published_landmarks()
+            lq = adaptive_pool(q, n)
+            visible = torch.ones(n, T, dtype=torch.bool, device=q.device)
+            eligible = torch.ones(T, n, dtype=torch.bool, device=q.device)
         with torch.no_grad():  # the routing decisions are indices: no gradient, nothing saved
             S = (lq @ k.transpose(-1, -2) * scale).masked_fill(~visible, NEG_INF)  # line 4
             idx, idx_ok = landmark_topk(S, self.options.k)  # [B, H, n, k'] experts' key rows (line 6)
             sel, sel_ok = route(q @ lq.transpose(-1, -2) * scale, eligible, self.options.s)  # [B, H, T, s'] (line 13)
         lv = attention_lse(lq, k, v, visible, scale)[0] if self.options.shared and n else None  # line 9, eq. 8
-        out, lse = self._shared_and_local(q, k, v, lq, lv, earlier_blocks(T, n, b, q.device), scale)
-        if T > b * self.options.local_blocks:  # else no query has an eligible landmark: shared + local only
+        if self.causal:
+            out, lse = self._shared_and_local(q, k, v, lq, lv, earlier_blocks(T, n, b, q.device), scale)
+        elif lv is not None:  # line 11: the shared expert alone
+            out, lse = attention_lse(q, lq, lv, eligible, scale)
+        else:  # route-only: an empty part, which the routed experts' merge replaces
+            out, lse = torch.zeros_like(q), q.new_full((B, H, T), NEG_INF, dtype=accumulator(q.dtype))
+        if not self.causal or T > b * self.options.local_blocks:  # else no query has an eligible landmark
             # The varlen kernels take no logit offset (s' = 1 only), and their segment sizes are data-dependent
             # (host syncs): under torch.compile the static grouped layout runs instead.
             use_varlen = sel.shape[-1] == 1 and not torch.compiler.is_compiling()
@@ -162,10 +204,16 @@ class MiTAHeads(DenseHeads):
                 out = merge((out, *out_e.unbind(-2)), (lse, *lse_e.unbind(-1)))[0]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
 
+    def _published_landmarks(self) -> int:
+        """m of the published variant: the training length's seq_len // b, fixed (at least 1), as Alg. 1's m."""
+        return max(1, self.ctx.seq_len // self.options.block)
+
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BlockKV:
         """All T keys/values, the current block's queries, and per completed block its landmark
         query q~_j, landmark value v~_j and expert's top-k key rows I_j."""
+        if not self.causal:
+            raise ValueError("mita: variant 'published' is not causal and cannot be decoded incrementally")
         return BlockKV.empty(batch, self.count, max_len, self.ctx.head_dim, self.options.block, self.options.k,
                              device, dtype)
 

@@ -7,12 +7,16 @@ only *completed* blocks give a landmark, so n = T // b and a trailing partial bl
 Landmark j is complete at row e_j = (j+1)b - 1 and only ever looks at keys at rows <= e_j.
 Layout: x[B, H, T, d]; landmarks [B, H, n, d]. Rows are assumed to be in increasing position order
 (as for every causal head).
+The papers' own, non-causal pooling (variant "published" of both heads) is `adaptive_pool`: n landmarks
+averaging n windows that cover the whole sequence (MiTA Alg. 1 line 2, AdaptiveAvgPool; agent attention's
+A = Pooling(Q)), so every landmark may hold tokens after any given query.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from routing.selection import earliest_topk
 
@@ -21,6 +25,20 @@ def block_pool(x: torch.Tensor, block: int) -> torch.Tensor:
     """x[B, H, T, d] -> [B, H, T // block, d], the mean of each completed block (MiTA Alg. 1 line 2)."""
     n = x.shape[-2] // block
     return x[..., : n * block, :].unflatten(-2, (n, block)).mean(-2)
+
+
+def adaptive_windows(n: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n] first and [n] one-past-last rows of AdaptiveAvgPool's n windows over T rows: floor(jT / n) and
+    ceil((j+1)T / n) (PyTorch's rule; windows overlap when n does not divide T, and repeat rows when n > T)."""
+    j = torch.arange(n, device=device)
+    return j * T // n, -(-(j + 1) * T // n)
+
+
+def adaptive_pool(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[B, H, T, d] -> [B, H, n, d], the means over `adaptive_windows(n, T)` (MiTA Alg. 1 line 2 as published:
+    the windows cover the whole sequence, future rows included)."""
+    B, H, T, d = x.shape
+    return F.adaptive_avg_pool1d(x.reshape(B * H, T, d).transpose(1, 2), n).transpose(1, 2).reshape(B, H, n, d)
 
 
 def block_ends(n: int, block: int, device: torch.device) -> torch.Tensor:
@@ -44,6 +62,13 @@ def distance_buckets(d: torch.Tensor, buckets: int, max_distance: int) -> torch.
     span = math.log(max(max_distance, exact + 1) / exact)
     far = exact + (torch.log(d.clamp(min=exact).double() / exact) / span * (buckets - exact)).long()
     return torch.where(d < exact, d, far.clamp(max=buckets - 1))
+
+
+def signed_distance_buckets(d: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
+    """Bucket of a signed token distance, T5's bidirectional rule: `buckets` // 2 buckets of distance_buckets
+    for d >= 0, as many after them for d < 0 (a key or query after the agent). For the published agent biases."""
+    half = buckets // 2
+    return distance_buckets(d.abs(), half, max_distance) + half * (d < 0)
 
 
 def earlier_blocks(T: int, n: int, block: int, device: torch.device, local_blocks: int = 1) -> torch.Tensor:

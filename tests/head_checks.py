@@ -15,6 +15,17 @@ def tiny_options(head_type: str) -> dict:
     return head_class(head_type).Options.example()
 
 
+# The methods that are not causal as published, each behind its option: MoSA's expert choice, agent attention and
+# MiTA over the whole sequence (the published agent variant has no local window: `window` back to its default).
+AS_PUBLISHED = {"mosa": {"selection": "expert_choice"}, "agent": {"variant": "published", "window": 64},
+                "mita": {"variant": "published"}}
+
+
+def published_options(head_type: str) -> dict:
+    """tiny_options(head_type) switched to the type's published, non-causal method (AS_PUBLISHED)."""
+    return {**tiny_options(head_type), **AS_PUBLISHED[head_type]}
+
+
 def decodable_types() -> set[str]:
     """The registered head types with a KV cache (new_cache does not raise NotImplementedError)."""
     from heads import REGISTRY

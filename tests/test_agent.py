@@ -1,5 +1,6 @@
 """Causal agent attention (heads/agent.py): fast vs reference, reduction to dense when no agent is
-complete and the window covers everything, agents are really used, causality in a hybrid mix."""
+complete and the window covers everything, agents are really used, causality in a hybrid mix; the published
+(non-causal) variant: fast vs reference, eq. 6 written with torch's operators, its leak measured, decoding refused."""
 from __future__ import annotations
 
 import pytest
@@ -182,3 +183,80 @@ def test_flop_formula_lets_isoflop_match_it_to_dense() -> None:
 
     result = solve(baseline("tiny"), "agent", dense_heads=4, options={"block": 64, "window": 64})
     assert result.budget_used <= 1 and result.sparse_heads > 5  # cheaper per head than the 5 dense heads replaced
+
+
+# variant published (eq. 6 over the whole sequence, NOT causal): training length, a shorter and a longer input (the
+# n = seq_len // b agents then pool windows of other sizes, overlapping where n does not divide T), DWC of odd and
+# even width, biases with an odd bucket count, one agent (block = seq_len; no bias: one agent makes both constant)
+@pytest.mark.parametrize("seq_len,T,block,dwc,bias", [(32, 32, 8, 0, 0), (32, 20, 8, 3, 4), (32, 45, 5, 4, 5),
+                                                      (16, 7, 16, 1, 0), (8, 3, 2, 0, 3)])
+def test_published_fast_matches_reference(seq_len: int, T: int, block: int, dwc: int, bias: int) -> None:
+    options = {"block": block, "dwc": dwc, "bias": bias, "variant": "published"}
+    group = make_group("agent", options, seq_len, std=0.3, dtype=torch.float64)
+    assert_match(fast_vs_reference(group, T), TOL, TOL)
+
+
+def test_signed_distance_buckets_are_t5_bidirectional_buckets() -> None:
+    """routing.landmarks.signed_distance_buckets, worked by hand: 8 buckets = 4 per sign (T5's bidirectional rule),
+    each side distance_buckets(|d|, 4, 64): 2 exact (0, 1), then log-spaced 2 + floor(ln(|d|/2) / ln(32) * 2), the
+    last bucket beyond; d < 0 adds 4."""
+    from routing.landmarks import signed_distance_buckets
+
+    d = torch.tensor([0, 1, -1, 2, -2, 7, 63, -63, 100, -100])
+    assert signed_distance_buckets(d, 8, 64).tolist() == [0, 1, 5, 2, 6, 2, 3, 7, 3, 7]
+    assert signed_distance_buckets(d, 1, 64).tolist() == [0] * len(d)  # one bucket: a constant bias
+    assert signed_distance_buckets(d, 2, 64).tolist() == [0, 0, 1, 0, 1, 0, 0, 1, 0, 1]  # only the sign
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")  # the copy it warns of is wanted
+@pytest.mark.parametrize("K", [3, 4])
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_published_is_eq_6_over_the_whole_sequence(impl: str, K: int) -> None:
+    """Eq. 6 written with torch's own operators, from the group's projections and tables: A = AdaptiveAvgPool1d(n)(Q)
+    with n = seq_len // b, V_A = softmax(A K^T / sqrt(h') + B1) V, O = softmax(Q A^T / sqrt(h') + B2) V_A + DWC(V),
+    DWC a depthwise conv1d with padding 'same' (centred; for even K one more tap ahead), B1 and B2 by the signed
+    distances between agent j's last row ceil((j+1)T/n) - 1 and each key and query; the heads through W^O."""
+    import torch.nn.functional as F
+
+    from routing.landmarks import signed_distance_buckets
+
+    seq_len, T, b, N, H, d = 24, 19, 5, 6, 2, 8
+    group = make_group("agent", {"block": b, "dwc": K, "bias": N, "variant": "published", "impl": impl}, seq_len,
+                       count=H, head_dim=d, dtype=torch.float64)
+    x, positions = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
+    q, k, v = group._qkv(x, positions)  # [B, H, T, h']
+    n, scale = seq_len // b, d**-0.5
+    A = torch.nn.AdaptiveAvgPool1d(n)(q.flatten(0, 1).transpose(1, 2)).transpose(1, 2).view(2, H, n, d)
+    ends = torch.tensor([-(-(j + 1) * T // n) - 1 for j in range(n)])
+    rows = torch.arange(T)
+    B1 = group.agent_bias[0][:, signed_distance_buckets(ends[:, None] - rows, N, seq_len)]  # [H, n, T]
+    B2 = group.agent_bias[1][:, signed_distance_buckets(rows[:, None] - ends, N, seq_len)]  # [H, T, n]
+    VA = (A @ k.transpose(-1, -2) * scale + B1).softmax(-1) @ v
+    O = (q @ A.transpose(-1, -2) * scale + B2).softmax(-1) @ VA
+    conv = F.conv1d(v.transpose(2, 3).reshape(2, H * d, T), group.dwc.weight, group.dwc.bias, padding="same",
+                    groups=H * d).view(2, H, d, T).transpose(2, 3)
+    want = group.out((O + conv).transpose(1, 2).reshape(2, T, H * d))
+    with torch.no_grad():
+        out = group(x, positions)
+    assert (out - want).abs().max().item() <= TOL * want.abs().max().item()
+
+
+def test_published_is_flagged_leaks_and_refuses_to_decode() -> None:
+    """The published variant is declared not causal, the shared causality check measures its leak (rows <= t
+    move when later tokens change: every agent pools the whole sequence), and decoding is refused in one line."""
+    heads = [{"type": "dense", "count": 1},
+             {"type": "agent", "count": 2, "options": {"block": 8, "variant": "published"}}]
+    model = lm.build_model(tiny_config(heads=heads, init_std=0.3).model).double()
+    assert not model.causal
+    tokens = torch.randint(0, 97, (2, 64))
+    assert min(future_leak(model, tokens, t, 97) for t in (0, 30, 62)) > 1e-2
+    with pytest.raises(ValueError, match="^agent: variant 'published' is not causal and cannot be decoded"):
+        model.blocks[0].attn.groups[1].new_cache(1, 64)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"variant": "bidirectional"}, "options.variant must be one of causal, published, got 'bidirectional'"),
+    ({"variant": "published", "window": 8}, "options.window is the causal variant's local window")])
+def test_bad_variant_options_say_what_is_wrong(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])

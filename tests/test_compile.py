@@ -12,20 +12,23 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from heads import REGISTRY, commit_states
 from lm.module import LMModule, compiled
 from tests.conftest import spy_on_compile, tiny_config
-from tests.head_checks import tiny_options
+from tests.head_checks import published_options, tiny_options
 
 T = 32
 
 
-# every head type with its example options, and MoSA's other selections (quota and predictor size their slots from
-# a per-position quota, which once made a data-dependent size that fullgraph tracing refused)
+# every head type with its example options, MoSA's other selections (quota and predictor size their slots from
+# a per-position quota, which once made a data-dependent size that fullgraph tracing refused), and the published
+# variants of agent attention and MiTA
 COMPILED = [(t, tiny_options(t)) for t in sorted(REGISTRY)] + [
-    ("mosa", {"sparsity": 4, "selection": s}) for s in ("quota", "predictor", "expert_choice")]
+    ("mosa", {"sparsity": 4, "selection": s}) for s in ("quota", "predictor", "expert_choice")] + [
+    (t, published_options(t)) for t in ("agent", "mita")]
 
 
 @pytest.mark.slow  # ~5-10 s per case (dynamo + AOT tracing), ~1.5 min in all
 @pytest.mark.parametrize("head_type, options", COMPILED,
-                         ids=[t + "".join(f"-{v}" for k, v in o.items() if k == "selection") for t, o in COMPILED])
+                         ids=[t + "".join(f"-{v}" for k, v in o.items() if k in ("selection", "variant"))
+                              for t, o in COMPILED])
 def test_training_step_compiles_fullgraph(head_type: str, options: dict) -> None:
     """A 1-layer model (1 dense + 2 heads of the type): the step compiles with fullgraph=True (a graph
     break raises) under aot_eager, which traces forward and backward exactly as inductor receives them

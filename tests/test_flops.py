@@ -46,6 +46,10 @@ def test_agent_and_mita_formulas_in_numbers() -> None:
     assert (mita.flops, mita.params) == (343_932_928, 131_072)
     # no shared expert, m = 8: + 2,097,152 + one expert of 32 keys 8,388,608 + own block of 128 33,554,432
     assert group_cost("mita", h, hd, T, 1, {"block": 128, "k": 32, "s": 1, "shared": False}).flops == 312_475_648
+    # published (over the whole sequence): no window / local term; agent 8,388,608 + DWC 393,216
+    assert group_cost("agent", h, hd, T, 1, {"block": 64, "dwc": 3, "variant": "published"}).flops == 277_217_280
+    # MiTA: scores and routing 4,194,304 + shared 4,194,304 + s = 2 experts of 64 keys 33,554,432
+    assert group_cost("mita", h, hd, T, 1, {"block": 64, "k": 64, "s": 2, "variant": "published"}).flops == 310_378_496
 
 
 def test_kv_entries_and_short_sequences() -> None:
@@ -163,6 +167,19 @@ def test_analytic_matches_flop_counter(heads: list[dict], elementwise_per_head: 
     assert abs(counted - expected) <= tol * expected, (counted, expected)
     assert cost.params == model.num_params()
     assert cost.kv_total == model.kv_total()
+
+
+def test_published_agent_fast_path_executes_its_count() -> None:
+    """Agent attention as published (eq. 6, no window) on its fast path, CPU: the matmul and convolution FLOPs of a
+    forward pass equal the analytic count + the vocabulary projection exactly: projections, A K^T and its V, Q A^T
+    and its V_A (two SDPA calls), the DWC as a depthwise convolution (2Kh'T per head)."""
+    torch.manual_seed(0)
+    heads = [{"type": "dense", "count": 1}, {"type": "agent", "count": 3,
+                                             "options": {"block": 8, "dwc": 3, "variant": "published"}}]
+    cfg = tiny_config(heads, d_model=32, head_dim=8, seq_len=64).model
+    B, cost = 2, model_cost(cfg)
+    counted = _counted(lm.build_model(cfg), torch.randint(0, cfg.vocab_size, (B, cfg.seq_len)))
+    assert counted == B * (cost.flops_per_pass + cost.lm_head_flops)
 
 
 @pytest.mark.parametrize("mode,spans,full", [("compress", (12,), False), ("compress", (12, 9, 12), False),

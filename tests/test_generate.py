@@ -237,7 +237,9 @@ def test_routing_stores_at_most_its_analytic_kv_count(capacity_factor: float) ->
 def test_non_causal_heads_refuse_to_decode() -> None:
     for heads in ([{"type": "mosaic", "count": 4, "options": {"priority": "random"}}],
                   [{"type": "mosa", "count": 4, "options": {"selection": "expert_choice"}}],
-                  [{"type": "routing", "count": 2, "options": {"assignment": "topk"}}]):
+                  [{"type": "routing", "count": 2, "options": {"assignment": "topk"}}],
+                  [{"type": "agent", "count": 2, "options": {"block": 8, "variant": "published"}}],
+                  [{"type": "mita", "count": 2, "options": {"block": 8, "k": 8, "variant": "published"}}]):
         with pytest.raises(ValueError, match="not causal"):
             new_cache(model_for(heads), 1, T)
 

@@ -143,18 +143,18 @@ def test_an_empty_sequence_is_refused_in_one_line(head_type: str, impl: str) -> 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_causal_in_training_mode(head_type: str) -> None:
     """The training-time paths (MoSAIC's training priorities, batch statistics) leak no future token either; a
-    non-causal option is flagged as such (the faithful expert choice), and leaks in training mode as in eval."""
+    non-causal option is flagged as such (AS_PUBLISHED), and leaks in training mode as in eval."""
     import lm
     from lm.causality import future_leak
     from tests.conftest import tiny_config
-    from tests.head_checks import tiny_options
+    from tests.head_checks import AS_PUBLISHED, published_options, tiny_options
 
     heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]
     model = lm.build_model(tiny_config(heads, init_std=0.3).model).double()  # float64: any leak is above rounding
     assert model.causal
     assert future_leak(model, torch.randint(0, 97, (2, 64)), t=None, vocab_size=97, training=True) <= 1e-12
-    if head_type == "mosa":
-        heads[1]["options"]["selection"] = "expert_choice"
+    if head_type in AS_PUBLISHED:
+        heads[1]["options"] = published_options(head_type)
         leaky = lm.build_model(tiny_config(heads, init_std=0.3).model)
         assert not leaky.causal
         assert future_leak(leaky, torch.randint(0, 97, (2, 64)), t=27, vocab_size=97, training=True) > 1e-2

@@ -1,6 +1,7 @@
 """Causal MiTA (heads/mita.py, routing/landmarks.py): fast vs reference (s = 1 and s > 1 with
 overlapping experts, odd lengths, no complete landmark), reduction to dense causal attention,
-causality in a hybrid mix, config errors, the routed experts' grouped layout under unbalanced routing."""
+causality in a hybrid mix, config errors, the routed experts' grouped layout under unbalanced routing; the published
+(non-causal) variant: fast vs reference, Algorithm 1 written query by query, its leak measured, decoding refused."""
 from __future__ import annotations
 
 import pytest
@@ -203,3 +204,85 @@ def test_tied_expert_scores_go_to_the_earliest_key() -> None:
     wide = torch.cat([scores, torch.full((1, 1, 1, 300), float("-inf"))], -1)
     for k, chosen in [(6, [134, 45, 59, 69, 89, 23]), (7, [134, 45, 59, 69, 89, 23, 122])]:  # k = 7: 122 ties 150
         assert landmark_topk(scores, k)[0][0, 0, 0].tolist() == landmark_topk(wide, k)[0][0, 0, 0].tolist() == chosen
+
+
+# variant published (Algorithm 1 over the whole sequence, NOT causal): the training length, shorter and longer inputs
+# (m = seq_len // b landmarks pooling windows of other sizes), s > 1 with overlapping experts, route-only, one landmark
+@pytest.mark.parametrize("seq_len,T,options", [
+    (64, 64, {"block": 8, "k": 6, "s": 1}),
+    (64, 45, {"block": 8, "k": 12, "s": 2}),
+    (32, 70, {"block": 5, "k": 70, "s": 3}),
+    (64, 33, {"block": 8, "k": 5, "s": 2, "shared": False}),
+    (16, 9, {"block": 16, "k": 4}),
+])
+def test_published_fast_matches_reference(seq_len: int, T: int, options: dict) -> None:
+    group = make_group("mita", {**options, "variant": "published"}, seq_len, std=None, dtype=torch.float64)
+    assert_match(fast_vs_reference(group, T), TOL, TOL)
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_published_is_algorithm_1(impl: str) -> None:
+    """Algorithm 1 (s = 1) written query by query with torch's operators: Q~ = AdaptiveAvgPool1d(m)(Q), m =
+    seq_len // b; S = K Q~^T / sqrt(h') over all T keys; expert j = the top-k keys of S[:, j];
+    v~_j = softmax(S[:, j]) V; query t goes to e(t) = argmax_j q_t . q~_j and attends, in one softmax, to
+    [q~_1..q~_m | K[I_e(t)]] with values [v~_1..v~_m | V[I_e(t)]] (eqs. 10-12); the heads through W^O."""
+    seq_len, T, b, kk, H, d = 32, 27, 6, 5, 2, 8
+    group = make_group("mita", {"block": b, "k": kk, "variant": "published", "impl": impl}, seq_len, count=H,
+                       head_dim=d, dtype=torch.float64)
+    x, positions = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
+    q, k, v = group._qkv(x, positions)  # [B, H, T, h']
+    m, scale = seq_len // b, d**-0.5
+    heads = []
+    for i in range(H):
+        rows = []
+        for bi in range(2):
+            lq = torch.nn.AdaptiveAvgPool1d(m)(q[bi, i].T).T  # [m, h']
+            S = k[bi, i] @ lq.T * scale  # [T, m]
+            experts = S.topk(kk, dim=0).indices.T  # [m, k]
+            lv = S.softmax(0).T @ v[bi, i]  # [m, h']
+            out = []
+            for t in range(T):
+                e = int((lq @ q[bi, i, t]).argmax())
+                keys, values = torch.cat((lq, k[bi, i, experts[e]])), torch.cat((lv, v[bi, i, experts[e]]))
+                out.append((keys @ q[bi, i, t] * scale).softmax(0) @ values)
+            rows.append(torch.stack(out))
+        heads.append(torch.stack(rows))
+    want = group.out(torch.cat(heads, -1))
+    with torch.no_grad():
+        got = group(x, positions)
+    assert (got - want).abs().max().item() <= TOL * want.abs().max().item()
+
+
+@pytest.mark.parametrize("impl", ["fast", "reference"])
+def test_published_full_experts_without_shared_are_bidirectional_attention(impl: str) -> None:
+    """Published, k >= T and no shared expert: every expert holds every key, so each query attends to all T keys,
+    past and future: non-causal dense attention with the group's own projections."""
+    T = 40
+    group = make_group("mita", {"block": 8, "k": T, "shared": False, "variant": "published", "impl": impl}, T,
+                       dtype=torch.float64)
+    x, positions = torch.randn(2, T, 32, dtype=torch.float64), torch.arange(T).expand(2, T)
+    with torch.no_grad():
+        q, k, v = group._qkv(x, positions)
+        want = group._merge(((q @ k.transpose(-1, -2)) * group.ctx.head_dim**-0.5).softmax(-1) @ v)
+        assert (group(x, positions) - want).abs().max().item() <= TOL * want.abs().max().item()
+
+
+def test_published_is_flagged_leaks_and_refuses_to_decode() -> None:
+    """The published variant is declared not causal, the shared causality check measures its leak (landmarks pool,
+    and experts rank, the whole sequence), and decoding is refused in one line."""
+    heads = [{"type": "dense", "count": 1},
+             {"type": "mita", "count": 2, "options": {"block": 8, "k": 6, "variant": "published"}}]
+    model = lm.build_model(tiny_config(heads=heads, init_std=0.3).model).double()
+    assert not model.causal
+    tokens = torch.randint(0, 97, (2, 64))
+    assert min(future_leak(model, tokens, t, 97) for t in (0, 30, 62)) > 1e-2
+    with pytest.raises(ValueError, match="^mita: variant 'published' is not causal and cannot be decoded"):
+        model.blocks[0].attn.groups[1].new_cache(1, 64)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"variant": "global"}, "options.variant must be one of causal, published, got 'global'"),
+    ({"variant": "published", "local_blocks": 2}, "options.local_blocks is the causal variant's local term")])
+def test_bad_variant_options_say_what_is_wrong(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(heads=[{"type": "mita", "count": 2, "options": options}])
