@@ -25,6 +25,7 @@ citing the paper.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -143,7 +144,7 @@ def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Work:
 def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head, with k = ceil(T / rho), the
     tokens heads/fixed.py selects (every multiple of rho below T; T / rho when rho divides T, as in App. C)."""
-    k = -(-T // o.require("sparsity"))
+    k = math.ceil(T / o.require("sparsity"))  # an int for an int or float rho (FixedOptions.kv_per_head's rule)
     return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k), params=n * 4 * h * hd)
 
 

@@ -66,8 +66,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Defaults: MoSA App. H's recipe (C4, batch 64), like the model's and the optimizer's, so that an experiment
-    config that sets only its heads trains like configs/tiny.yaml's dense baseline."""
+    """Defaults: MoSA App. H's recipe (C4, batch 64), like the model's and the optimizer's (whose cosine decay after
+    the warm-up is ours: OptimConfig), so that an experiment config that sets only its heads trains like
+    configs/tiny.yaml's dense baseline."""
 
     path: str = "data/c4"  # a directory written by data_prep.prepare (index.json + shards)
     batch_size: int = 64  # sequences per device and micro-batch (global batch = batch_size x devices x accumulation)

@@ -23,6 +23,7 @@ def test_app_c_per_head_formulas() -> None:
     mosa = 8 * h * hd * k + 4 * hd * k**2 + 2 * h * T + hd * k
     assert group_cost("mosa", h, hd, T, 3, {"sparsity": 8}).flops == 3 * mosa
     assert group_cost("fixed", h, hd, T, 1, {"sparsity": 8}).flops == 8 * h * hd * k + 4 * hd * k**2
+    assert type(group_cost("fixed", h, hd, T, 1, {"sparsity": 8.0}).flops) is int  # rho as YAML's 8.0: still an int
     # App. C: rho (6hh'k + 4h'k^2) + 2h'T, i.e. one routing head ~ rho fixed heads
     assert group_cost("routing", h, hd, T, 1, {"sparsity": 8}).flops == 8 * (6 * h * hd * k + 4 * hd * k**2) + 2 * hd * T
     # rho = 200 does not divide T: heads/routing_attn.py still keeps 200 clusters (of k = 5), not T // k = 204
