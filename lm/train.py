@@ -343,20 +343,23 @@ def sigterm_interrupts(trainer: L.Trainer, finish: Callable[[], None] = lambda: 
 def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L.LightningModule], resume: str | None,
               overwrite: bool) -> tuple[L.LightningModule, L.Trainer, StepCheckpoints, str | None]:
     """What every training entry point does before fitting: check the data and the devices (one-line errors before
-    any Lightning set-up, and before the run directory is claimed), claim trainer.out_dir (lm/run_dir.py), remove
-    temp files an interrupted write left, find the checkpoint to resume from (a --resume-from that rewinds sets
-    the abandoned steps' checkpoints aside), seed, build the module (one model line) and the Trainer (TensorBoard
+    any Lightning set-up, and before the run directory is claimed; so is a --resume-from checkpoint), claim
+    trainer.out_dir (lm/run_dir.py), remove temp files an interrupted write left, find the checkpoint to resume from
+    (a --resume-from that rewinds sets the abandoned steps' checkpoints aside), seed, build the module (one model line) and the Trainer (TensorBoard
     drops what an interrupted run logged after the checkpoint). Returns (module, trainer, its StepCheckpoints,
     the checkpoint path or None)."""
     data.check()
     check_devices(cfg.trainer)
     check_host_memory(cfg)
     strategy = build_strategy(cfg)  # a start refused by these checks leaves trainer.out_dir unclaimed
+    # so does a --resume-from checkpoint that is missing or does not fit (claim rewrites the run's config and record)
+    point = resume_path(cfg, resume) if resume != "last" else None
     claim(cfg, resume is not None, overwrite)
     if rank_zero_only.rank == 0:
         for path in remove_temp_files(ckpt_dir(cfg)) + remove_temp_files(Path(cfg.trainer.out_dir)):
             say(f"warning: removed {path}, left by an interrupted write")
-    point = resume_path(cfg, resume)
+    if resume == "last":  # the newest checkpoint of the claimed directory
+        point = resume_path(cfg, resume)
     if point is not None and resume != "last" and rank_zero_only.rank == 0:
         moved = set_aside_after(ckpt_dir(cfg), point.step, Path(point.path))
         if moved:

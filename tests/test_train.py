@@ -717,6 +717,28 @@ def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(traine
     assert path.name == "step0000010.ckpt" and ckpt["global_step"] == 10
 
 
+@pytest.mark.parametrize("why", ["missing", "another model"])
+def test_a_refused_resume_from_leaves_the_run_record_as_it_was(trained: tuple[Path, dict], data: Path,
+                                                               tmp_path: Path, why: str) -> None:
+    """--resume-from a checkpoint that does not exist, or of another model, is refused in one line before the run
+    directory is claimed: its config.yaml and run.json keep the settings it was trained with (they were rewritten
+    with the refused command's, e.g. its max_steps and learning rate, and a `resumed` time)."""
+    import shutil
+
+    from heads import ConfigError
+    from lm.train import train
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    before = {name: (out / name).read_bytes() for name in ("config.yaml", "run.json")}
+    ckpt = out / "checkpoints" / ("none.ckpt" if why == "missing" else "step0000020.ckpt")
+    layers = [] if why == "missing" else ["model.n_layers=3"]
+    cfg = load_config(None, *run_overrides(data, out, max_steps=99), "optim.lr=1e-3", *layers)
+    with pytest.raises(ConfigError, match="^--resume-from: "):
+        train(cfg, resume=str(ckpt))
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
 def test_resume_from_a_last_ckpt_older_than_the_newest_step_keeps_it(trained: tuple[Path, dict], data: Path,
                                                                        tmp_path: Path) -> None:
     """A kill between writing step 30 and linking last.ckpt leaves last.ckpt at step 20. --resume-from last.ckpt
