@@ -33,12 +33,19 @@ def is_network_error(err: BaseException | None) -> bool:
     return False
 
 
+NETWORK_HINT = "check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
+
+
+def first_line(err: BaseException) -> str:
+    """`err` as one short line: its type and the first line of its message (at most 200 characters)."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+
+
 def _fail(action: str, err: Exception, hint: str | None) -> DataError:
     """One line for a failed load or stream; the network hint only for connection/offline errors."""
     if is_network_error(err):
-        hint = "check the network and HF_DATASETS_OFFLINE/HF_HUB_OFFLINE"
-    first_line = (str(err).strip().splitlines() or [""])[0][:200]
-    return DataError(f"{action} failed ({type(err).__name__}: {first_line})" + (f"; {hint}" if hint else ""))
+        hint = NETWORK_HINT
+    return DataError(f"{action} failed ({first_line(err)})" + (f"; {hint}" if hint else ""))
 
 
 def stream_rows(path: str, name: str | None, split: str, data_files: str | list[str] | None = None,

@@ -35,6 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from data_prep import tokenizer as sp_codec
+from data_prep.hub import NETWORK_HINT, first_line, is_network_error
 from lm.cli import check_output, exit_without_eval_extra
 
 try:
@@ -244,9 +245,18 @@ def evaluate_tasks(model: Any, tasks: list[str], manager: Any, limit: float | No
     """simple_evaluate of any lm-eval model object (ours, or a baseline) on `tasks`."""
     from lm_eval import simple_evaluate
 
-    with bars_on_terminal_only():
-        results = simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    try:
+        with bars_on_terminal_only():
+            results = simple_evaluate(model=model, tasks=tasks, task_manager=manager, limit=limit,
+                                      num_fewshot=num_fewshot, log_samples=False, bootstrap_iters=0)
+    except Exception as err:  # a task's dataset that cannot be read: one line; anything else stays a traceback
+        if is_network_error(err):
+            raise ValueError(f"a task's dataset could not be downloaded ({first_line(err)}); {NETWORK_HINT}, or "
+                             "evaluate on local task files (--include-path)") from None
+        if isinstance(err, FileNotFoundError):
+            raise ValueError(f"a task's data file is missing ({first_line(err)}); check its task YAML's data_files "
+                             "(bench.eval_quickstart writes absolute paths: rerun it after moving the files)") from None
+        raise
     if results is None:
         raise ValueError("lm-eval returned no results")
     return results

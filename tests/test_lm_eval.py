@@ -349,6 +349,33 @@ def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> No
         assert_one_line_error(main(args), capsys, message)
 
 
+def test_a_task_dataset_that_cannot_be_read_is_one_line(setup, tmp_path: Path, capsys) -> None:
+    """A local task whose data file is gone (bench.eval_quickstart writes absolute paths, so moving the files does
+    that), and a task whose dataset is on the hub while offline: one line each, exit status 2 (they were
+    tracebacks of 50-60 lines)."""
+    import os
+    import subprocess
+    import sys
+
+    _, ckpt, _, _ = setup
+    tasks = _write_tasks(tmp_path)
+    (tasks / "mc.jsonl").unlink()
+    assert_one_line_error(main(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks)]), capsys,
+                          "a task's data file is missing (FileNotFoundError: ")
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    local_files = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+    assert local_files in MC_YAML
+    (hub / "hub.yaml").write_text(MC_YAML.replace("local_mc", "hub_mc").replace(
+        local_files, "dataset_path: sparse-heads-lm/no-such-dataset\n").format())
+    offline = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # read when datasets is imported
+    done = subprocess.run([sys.executable, "-m", "lm.lm_eval", "--ckpt", str(ckpt), "--tasks", "hub_mc",
+                           "--include-path", str(hub)], capture_output=True, text=True, env=offline, timeout=300)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert err[0].startswith("error: a task's dataset could not be downloaded (") and "HF_HUB_OFFLINE" in err[0]
+
+
 def assert_one_line_error(rc: int, capsys, message: str) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0], err
