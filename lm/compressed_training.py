@@ -28,7 +28,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import IterableDataset
 
 from heads import ConfigError
@@ -38,7 +37,7 @@ from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
 from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
-from lm.train import ckpt_dir, fit_and_finish, process_group_released, start_run
+from lm.train import fit_and_finish, finish_run, process_group_released, start_run
 
 
 class LayoutSampler:
@@ -238,12 +237,11 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
     if cfg.trainer.compile:  # refused here, not at config load, so that such checkpoints still load for evaluation
         raise ConfigError("trainer.compile is not supported with a compression section: every batch has its own "
                           "layout (prefix spans, t), which would need a graph of its own; set trainer.compile=false")
-    data, t = CompressedDataModule(cfg), cfg.trainer
+    data = CompressedDataModule(cfg)
     with process_group_released():
         module, trainer, checkpoints, ckpt = start_run(cfg, data, CompressedModule, resume, overwrite)
         fit_and_finish(trainer, module, data, checkpoints, ckpt)
-    rank_zero_info(f"checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | metrics {Path(t.out_dir) / 'metrics.json'}")
-    return module.metrics()
+    return finish_run(cfg, trainer, module)
 
 
 def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:

@@ -434,8 +434,14 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
             with sigterm_interrupts(trainer):
                 trainer.validate(module, datamodule=data, verbose=False)
         fit_and_finish(trainer, module, data, checkpoints, ckpt)
+    return finish_run(cfg, trainer, module)
+
+
+def finish_run(cfg: Config, trainer: L.Trainer, module: LMModule) -> dict[str, Any]:
+    """What every training entry point does after fitting: draw the validation curve (val_curve.png, from two
+    validations on), print one line naming the run's outputs, and return the metrics written to metrics.json."""
     out = Path(cfg.trainer.out_dir)
-    curve = None  # drawn from two validations on
+    curve = None
     if trainer.is_global_zero:
         curve = plot_val_curves({"": module.val_history}, out / "val_curve.png", title=out.name)
     rank_zero_info(

@@ -454,14 +454,14 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     the memory matters: each document repeats its own random 6-token pattern, so the suffix's first
     tokens follow from the (compressed) prefix. A quarter of the batches keep the prefix uncompressed
     (full_prob). On training windows the loss falls and is lower with the memory, compressed or full, than
-    without it; the validation loss is logged; the checkpoint reloads."""
+    without it; the validation loss is logged (and drawn); the checkpoint reloads."""
     rng = np.random.default_rng(0)
     path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
     cfg = make(regime="random", ramp_steps=20, max_depth=2, full_prob=0.25).comp
     full = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
     full.compression = cfg
     # on CPU: the equalities below are fp32 ones (on a GPU, auto would train in bf16-mixed)
-    for key, value in dict(accelerator="cpu", max_steps=100, val_every=100, ckpt_every=100, log_every=50,
+    for key, value in dict(accelerator="cpu", max_steps=100, val_every=50, ckpt_every=100, log_every=50,
                            out_dir=str(tmp_path / "run")).items():
         setattr(full.trainer, key, value)
     full.data.path, full.data.batch_size, full.data.val_batches = path, 8, 2
@@ -479,6 +479,7 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     assert after < evaluate(model, evalset, without) - 0.04
     assert evaluate(model, evalset, Layout((12,), 0, 8, full=True)) < evaluate(model, evalset, without) - 0.04
     assert (tmp_path / "run" / "config.yaml").is_file()  # the run directory is claimed (lm/run_dir.py)
+    assert (tmp_path / "run" / "val_curve.png").is_file()  # two validations: the curve, as train_lm.py draws it
     with pytest.raises(ConfigError, match="already holds a run"):
         train_compressed(full)
 
