@@ -37,6 +37,7 @@ import hashlib
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -310,40 +311,54 @@ def prepare(
         settings["exclude_overlap"] = decontaminate.settings(exclude_overlap, sequences)
         corpus = decontaminate.without_overlap(corpus, sequences)
     out = Path(out)
+    with _output_dir(out):
+        done, state = _previous_run(out, settings, corpus, overwrite, progress)
+        if done is not None:
+            print(f"{out} is already prepared with these settings; nothing to do")
+            return done
+        times["hash"], clock = time.perf_counter() - clock, time.perf_counter()  # inputs and finished shards
+
+        model_file = out / TOKENIZER
+        reuse = state is not None and _tokenizer_matches(model_file, state.get("tokenizer_sha256"))
+        sampler = None if reuse else LineSampler(sample_chars)
+        n_docs, scan_skips = _scan(corpus, splitter, sampler, progress)
+        if report := decontaminate.report(scan_skips):
+            warn(report)
+        times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
+        inputs = state.get("inputs") if state is not None else None  # checked by _previous_run
+        if inputs is None:  # a fresh run (or one recorded before inputs were): hash the files the scan read
+            inputs = input_manifest(corpus.files, _input_names(corpus), corpus.opened, progress)
+            times["hash"] += time.perf_counter() - clock
+            clock = time.perf_counter()
+        if reuse:
+            state["inputs"] = inputs
+        else:
+            state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
+        times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
+        skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, threads, progress)
+        index = _finish(out, corpus, state, splitter, skips, hashes)
+        times["tokenise"] = time.perf_counter() - clock
+        _report(out, index, times)
+        return index
+
+
+@contextmanager
+def _output_dir(out: Path) -> Iterator[None]:
+    """Create --out (a one-line DataError where it cannot be); a DataError that stops a first preparation before
+    anything is written there removes the empty directory again (a refused command leaves nothing behind)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a file on the way, no permission, a read-only file system
         raise DataError(f"--out {out}: cannot create it ({err.strerror or err})") from None
-    done, state = _previous_run(out, settings, corpus, overwrite, progress)
-    if done is not None:
-        print(f"{out} is already prepared with these settings; nothing to do")
-        return done
-    times["hash"], clock = time.perf_counter() - clock, time.perf_counter()  # inputs and finished shards
-
-    model_file = out / TOKENIZER
-    reuse = state is not None and _tokenizer_matches(model_file, state.get("tokenizer_sha256"))
-    sampler = None if reuse else LineSampler(sample_chars)
-    n_docs, scan_skips = _scan(corpus, splitter, sampler, progress)
-    if report := decontaminate.report(scan_skips):
-        warn(report)
-    times["scan"], clock = time.perf_counter() - clock, time.perf_counter()
-    inputs = state.get("inputs") if state is not None else None  # checked by _previous_run
-    if inputs is None:  # a fresh run (or one recorded before inputs were): hash the files the scan read
-        inputs = input_manifest(corpus.files, _input_names(corpus), corpus.opened, progress)
-        times["hash"] += time.perf_counter() - clock
-        clock = time.perf_counter()
-    if reuse:
-        state["inputs"] = inputs
-    else:
-        state = _train_tokenizer(out, settings, inputs, sampler, splitter, threads)
-    times["tokenizer"], clock = time.perf_counter() - clock, time.perf_counter()
-    skips, hashes = _tokenise(corpus, out, state, splitter, scan_skips, n_docs, threads, progress)
-    index = _finish(out, corpus, state, splitter, skips, hashes)
-    times["tokenise"] = time.perf_counter() - clock
-    _report(out, index, times)
-    return index
+    try:
+        yield
+    except DataError:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
 
 
 def _report(out: Path, index: dict, times: dict[str, float]) -> None:

@@ -590,6 +590,18 @@ def test_tiny_corpus_forces_one_validation_document() -> None:
         copies.finalize()
 
 
+def test_a_refused_first_preparation_leaves_no_empty_out_directory(tmp_path: Path) -> None:
+    """One document is too few for a train/validation split: refused in one line, and the --out directory the
+    preparation created is gone again; an --out that existed before stays."""
+    src = write_texts(tmp_path / "src", {"only.txt": words(0, 40)})
+    for out, existed in ((tmp_path / "new", False), (tmp_path / "old", True)):
+        if existed:
+            out.mkdir()
+        with pytest.raises(DataError, match="at least 2 distinct documents"):
+            prepare("text", str(src), out, vocab_size=500, **QUIET)
+        assert out.is_dir() == existed
+
+
 def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(16)})
     kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)
