@@ -18,6 +18,7 @@ import json
 import math
 import resource
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,6 +64,9 @@ def saved_tokens_seen(checkpoint: dict[str, Any]) -> int:
     return checkpoint["global_step"] * saved["data"]["batch_size"] * saved["model"]["seq_len"] * world
 
 
+PROGRESS_LINE_SECONDS = 30.0  # LMModule.progress_line: at most one line per this many seconds
+
+
 class LMModule(L.LightningModule):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -78,6 +82,7 @@ class LMModule(L.LightningModule):
         self._head_stats: dict[str, torch.Tensor] = {}  # this step's head_stats(), when it logs them
         self._val_sums = torch.zeros(2, dtype=torch.float64)  # [sum of token CE, token count]
         self._tokens_at = (0, 0)  # (step, tokens seen by then): tokens_seen counts on from the resumed step
+        self._last_line = time.perf_counter()  # when progress_line last printed (or training started)
         self.train_losses = compiled(self.losses) if cfg.trainer.compile else self.losses
 
     def build(self, cfg: Config) -> torch.nn.Module:
@@ -191,6 +196,23 @@ class LMModule(L.LightningModule):
         self.log("train/peak_mem_mib", self._peak_mem / 2**20)
         if self._timed[0]:
             self.log("train/tokens_per_s", self.tokens_per_s(), prog_bar=True)
+        if ends_step(self.trainer, batch_idx):
+            self.progress_line()
+
+    def progress_line(self) -> None:
+        """Without a progress bar (stderr not a terminal: a log file, a batch job), one line at a
+        trainer.log_every step, at most every PROGRESS_LINE_SECONDS: step, training loss, tokens/s and the training
+        time left at that rate (validations and checkpoints not counted), so that a log shows a run is alive
+        between validations (the presets validate every 1000 steps: hours apart on a CPU)."""
+        step, now = self.trainer.global_step, time.perf_counter()
+        if (self.trainer.progress_bar_callback is not None or step % self.cfg.trainer.log_every
+                or now - self._last_line < PROGRESS_LINE_SECONDS or not self._timed[0]):
+            return
+        self._last_line = now
+        rate = self.tokens_per_s()
+        left = (self.trainer.max_steps - step) * self.tokens_per_step / rate
+        self.print(f"step {step:>6}/{self.trainer.max_steps} | train loss {float(self._last_train_loss):.4f} | "
+                   f"{rate:8.0f} tokens/s | training left {timedelta(seconds=round(left))}")
 
     def tokens_per_s(self) -> float:
         batches, seconds = self._timed

@@ -717,6 +717,25 @@ def test_resume_from_an_earlier_step_sets_the_abandoned_checkpoints_aside(traine
     assert path.name == "step0000010.ckpt" and ckpt["global_step"] == 10
 
 
+def test_a_run_without_a_progress_bar_prints_a_progress_line_every_log_every_steps(data: Path, tmp_path: Path,
+                                                                                    capsys, monkeypatch) -> None:
+    """stderr is not a terminal here (pytest captures it), so no bar: at every trainer.log_every step (the time floor
+    set to 0 s) one line with the step of max_steps, the step's training loss, tokens/s and the training time left;
+    the loss is the one metrics.json reports for the last step."""
+    import re
+
+    import lm.module
+    from lm.train import train
+
+    monkeypatch.setattr(lm.module, "PROGRESS_LINE_SECONDS", 0.0)
+    metrics = train(load_config(None, *run_overrides(data, tmp_path / "run", max_steps=12, log_every=4,
+                                                     val_every=12, ckpt_every=12)))
+    pattern = r"step +(\d+)/12 \| train loss (\d+\.\d{4}) \| +\d+ tokens/s \| training left (\d+:\d\d:\d\d)"
+    lines = [m.groups() for line in capsys.readouterr().out.splitlines() if (m := re.fullmatch(pattern, line))]
+    assert [int(step) for step, _, _ in lines] == [4, 8, 12]
+    assert float(lines[-1][1]) == pytest.approx(metrics["train_loss"], abs=1e-4) and lines[-1][2] == "0:00:00"
+
+
 @pytest.mark.parametrize("why", ["missing", "another model"])
 def test_a_refused_resume_from_leaves_the_run_record_as_it_was(trained: tuple[Path, dict], data: Path,
                                                                tmp_path: Path, why: str) -> None:
