@@ -1,6 +1,7 @@
 """Causal agent attention (heads/agent.py): fast vs reference, reduction to dense when no agent is
 complete and the window covers everything, agents are really used, causality in a hybrid mix; the published
-(non-causal) variant: fast vs reference, eq. 6 written with torch's operators, its leak measured, decoding refused."""
+(non-causal) variant: fast vs reference, eq. 6 written with torch's operators (option errors: tests/test_config.py;
+its leak and refused decoding: tests/test_head_contract_random.py)."""
 from __future__ import annotations
 
 import pytest
@@ -239,24 +240,3 @@ def test_published_is_eq_6_over_the_whole_sequence(impl: str, K: int) -> None:
     with torch.no_grad():
         out = group(x, positions)
     assert (out - want).abs().max().item() <= TOL * want.abs().max().item()
-
-
-def test_published_is_flagged_leaks_and_refuses_to_decode() -> None:
-    """The published variant is declared not causal, the shared causality check measures its leak (rows <= t
-    move when later tokens change: every agent pools the whole sequence), and decoding is refused in one line."""
-    heads = [{"type": "dense", "count": 1},
-             {"type": "agent", "count": 2, "options": {"block": 8, "variant": "published"}}]
-    model = lm.build_model(tiny_config(heads=heads, init_std=0.3).model).double()
-    assert not model.causal
-    tokens = torch.randint(0, 97, (2, 64))
-    assert min(future_leak(model, tokens, t, 97) for t in (0, 30, 62)) > 1e-2
-    with pytest.raises(ValueError, match="^agent: variant 'published' is not causal and cannot be decoded"):
-        model.blocks[0].attn.groups[1].new_cache(1, 64)
-
-
-@pytest.mark.parametrize("options,message", [
-    ({"variant": "bidirectional"}, "options.variant must be one of causal, published, got 'bidirectional'"),
-    ({"variant": "published", "window": 8}, "options.window is the causal variant's local window")])
-def test_bad_variant_options_say_what_is_wrong(options: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        tiny_config(heads=[{"type": "agent", "count": 2, "options": options}])

@@ -124,6 +124,18 @@ def test_head_option_beyond_the_sequence_length(head: str, option: str, value: i
     load_config(None, "model.seq_len=64", heads.replace(str(value), "64"))  # equal to T is allowed
 
 
+@pytest.mark.parametrize("head,options,message", [
+    ("agent", "{variant: bidirectional}", "agent: options.variant must be one of causal, published, got 'bidirectional'"),
+    ("agent", "{variant: published, window: 8}", "agent: options.window is the causal variant's local window; variant "
+                                                 "'published' (eq. 6) has none: leave window out"),
+    ("mita", "{variant: global}", "mita: options.variant must be one of causal, published, got 'global'"),
+    ("mita", "{variant: published, local_blocks: 2}", "mita: options.local_blocks is the causal variant's local term; "
+                                                      "variant 'published' (Algorithm 1) has none: leave local_blocks out")])
+def test_a_published_variant_s_options_name_what_is_wrong(head: str, options: str, message: str) -> None:
+    """agent attention's and MiTA's variant option, and the causal variant's options the published one refuses."""
+    assert message in error_of(None, f"model.heads=[{{type: {head}, count: 2, options: {options}}}]")
+
+
 def test_unknown_head_type_and_option(tmp_path: Path) -> None:
     msg = error_of(write(tmp_path, "model: {heads: [{type: dense_ish, count: 4}]}\n"))
     assert "dense_ish" in msg and "dense" in msg.replace("dense_ish", "")  # names the known types

@@ -26,7 +26,7 @@ import torch
 
 from heads import REGISTRY, ConfigError, GroupContext, HeadGroup, HeadOptions, make_options
 from heads.base import frozen_state
-from tests.head_checks import fast_and_reference, make_group
+from tests.head_checks import AS_PUBLISHED, fast_and_reference, make_group, published_options
 
 CASES = 40  # accepted configurations per head type
 DRAWS = 50 * CASES  # ... out of at most this many draws
@@ -147,7 +147,7 @@ def test_causal_in_training_mode(head_type: str) -> None:
     import lm
     from lm.causality import future_leak
     from tests.conftest import tiny_config
-    from tests.head_checks import AS_PUBLISHED, published_options, tiny_options
+    from tests.head_checks import tiny_options
 
     heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]
     model = lm.build_model(tiny_config(heads, init_std=0.3).model).double()  # float64: any leak is above rounding
@@ -158,6 +158,26 @@ def test_causal_in_training_mode(head_type: str) -> None:
         leaky = lm.build_model(tiny_config(heads, init_std=0.3).model)
         assert not leaky.causal
         assert future_leak(leaky, torch.randint(0, 97, (2, 64)), t=27, vocab_size=97, training=True) > 1e-2
+
+
+@pytest.mark.parametrize("head_type", sorted(AS_PUBLISHED))
+def test_a_method_not_causal_as_published_is_flagged_leaks_and_refuses_to_decode(head_type: str) -> None:
+    """Each method kept as published although it is not causal (AS_PUBLISHED): the model declares it, the shared
+    causality check measures its leak in eval mode at two rows (outputs move when later tokens change; not row 0:
+    under MoSA's expert choice row 0 attends only to itself, so it moves only when its own membership flips), and
+    decoding it is refused in one line naming the option."""
+    import lm
+    from lm.causality import future_leak
+    from tests.conftest import tiny_config
+
+    torch.manual_seed(0)
+    heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 2, "options": published_options(head_type)}]
+    model = lm.build_model(tiny_config(heads, init_std=0.3).model).double()
+    assert not model.causal
+    tokens = torch.randint(0, 97, (2, 64))
+    assert min(future_leak(model, tokens, t, 97) for t in (10, 30)) > 1e-2
+    with pytest.raises(ValueError, match=rf"^{head_type}: .+ is not causal and cannot be decoded incrementally$"):
+        model.blocks[0].attn.groups[1].new_cache(1, 64)
 
 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))

@@ -1,7 +1,8 @@
 """Causal MiTA (heads/mita.py, routing/landmarks.py): fast vs reference (s = 1 and s > 1 with
 overlapping experts, odd lengths, no complete landmark), reduction to dense causal attention,
 causality in a hybrid mix, config errors, the routed experts' grouped layout under unbalanced routing; the published
-(non-causal) variant: fast vs reference, Algorithm 1 written query by query, its leak measured, decoding refused."""
+(non-causal) variant: fast vs reference, Algorithm 1 written query by query (option errors: tests/test_config.py;
+its leak and refused decoding: tests/test_head_contract_random.py)."""
 from __future__ import annotations
 
 import pytest
@@ -265,24 +266,3 @@ def test_published_full_experts_without_shared_are_bidirectional_attention(impl:
         q, k, v = group._qkv(x, positions)
         want = group._merge(((q @ k.transpose(-1, -2)) * group.ctx.head_dim**-0.5).softmax(-1) @ v)
         assert (group(x, positions) - want).abs().max().item() <= TOL * want.abs().max().item()
-
-
-def test_published_is_flagged_leaks_and_refuses_to_decode() -> None:
-    """The published variant is declared not causal, the shared causality check measures its leak (landmarks pool,
-    and experts rank, the whole sequence), and decoding is refused in one line."""
-    heads = [{"type": "dense", "count": 1},
-             {"type": "mita", "count": 2, "options": {"block": 8, "k": 6, "variant": "published"}}]
-    model = lm.build_model(tiny_config(heads=heads, init_std=0.3).model).double()
-    assert not model.causal
-    tokens = torch.randint(0, 97, (2, 64))
-    assert min(future_leak(model, tokens, t, 97) for t in (0, 30, 62)) > 1e-2
-    with pytest.raises(ValueError, match="^mita: variant 'published' is not causal and cannot be decoded"):
-        model.blocks[0].attn.groups[1].new_cache(1, 64)
-
-
-@pytest.mark.parametrize("options,message", [
-    ({"variant": "global"}, "options.variant must be one of causal, published, got 'global'"),
-    ({"variant": "published", "local_blocks": 2}, "options.local_blocks is the causal variant's local term")])
-def test_bad_variant_options_say_what_is_wrong(options: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        tiny_config(heads=[{"type": "mita", "count": 2, "options": options}])
