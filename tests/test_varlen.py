@@ -110,6 +110,8 @@ MITA_CASES = [
     (257, {"block": 16, "k": 300}),  # k > T: young experts have fewer valid keys than k
     (101, {"block": 8, "k": 5, "shared": False}),
     (100, {"block": 8, "k": 6, "local_blocks": 2}),
+    (90, {"block": 8, "k": 6, "variant": "published"}),  # every query routed, merged with the shared expert alone
+    (90, {"block": 8, "k": 6, "shared": False, "variant": "published"}),  # ... with an empty part (lse -inf)
 ]
 
 
