@@ -44,7 +44,7 @@ def trained(entry: dict[str, Any], overrides: list[str]) -> bool:
     metrics = Path(entry["out_dir"]) / "metrics.json"
     if not metrics.is_file():
         return False
-    max_steps = load_config(entry["config"], *overrides).trainer.max_steps
+    max_steps = load_config(entry["config"], *overrides, warnings=False).trainer.max_steps  # training prints them
     return read_json(metrics).get("step", 0) >= max_steps
 
 

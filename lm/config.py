@@ -371,9 +371,10 @@ def _apply_keyword(merged: DictConfig, key: str, value: Any) -> None:
         OmegaConf.update(merged, key, value, merge=True)
 
 
-def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any) -> Config:
+def load_config(path: str | Path | None = None, *dotlist: str, warnings: bool = True, **overrides: Any) -> Config:
     """Defaults <- YAML file <- dotted CLI strings ("model.n_layers=4") <- keyword overrides
-    (`model__n_layers=4` or `**{"model.n_layers": 4}`, Python values as they are), validated into a Config."""
+    (`model__n_layers=4` or `**{"model.n_layers": 4}`, Python values as they are), validated into a Config;
+    `warnings=False` reads a config without printing its suspect settings (lm/sanity.py) again."""
     schema = OmegaConf.structured(Config)
     layers = []
     if path is not None:
@@ -414,7 +415,8 @@ def load_config(path: str | Path | None = None, *dotlist: str, **overrides: Any)
     except (ValueError, yaml.YAMLError) as err:  # an override that is not key=value or not valid YAML
         raise ConfigError(f"overrides {' '.join(dotlist)}: {' '.join(str(err).split())}") from None
     for message in config_warnings(validate(cfg)):
-        warn(message)
+        if warnings:
+            warn(message)
     return cfg
 
 

@@ -108,6 +108,15 @@ def test_a_bad_dict_is_one_config_error_naming_the_key(values: dict, message: st
     assert str(info.value) == message
 
 
+def test_a_config_read_again_without_warnings_prints_nothing(capsys) -> None:
+    """load_config prints a suspect setting's warning; with warnings=False (a sweep runner checking a point's
+    max_steps, before training prints them) the same config loads silently and equal."""
+    suspect = ("trainer.max_steps=10", "optim.warmup_steps=50")
+    loud = load_config(None, *suspect)
+    assert "warning: optim.warmup_steps=50 >= trainer.max_steps=10" in capsys.readouterr().err
+    assert load_config(None, *suspect, warnings=False) == loud and capsys.readouterr().err == ""
+
+
 def test_bounds_that_mean_something_are_allowed() -> None:
     """min_lr_ratio 1 (a constant rate after warm-up) and keep_last_k 0 (keep every checkpoint), as documented."""
     cfg = load_config(None, "optim.min_lr_ratio=1.0", "trainer.keep_last_k=0")
