@@ -102,6 +102,36 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
     assert logged_steps(killed) == logged_steps(full) == list(range(1, STEPS + 1))
 
 
+def test_resume_continues_the_random_draws_of_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head that draws random numbers in training (MoSAIC's random priority, torch.rand per step): a run resumed
+    after step 3 of 6 ends with the weights and RNG state of the uninterrupted run, bit for bit, because the
+    checkpoint's RNG states are restored (the runs above train dense heads, which draw nothing after
+    initialisation, so they pass with or without that restore), and not without it."""
+    import shutil
+
+    import lm.module
+    from lm.config import load_config
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    heads = "model.heads=[{type: dense, count: 1}, {type: mosaic, count: 4, options: {sparsity: 4, priority: random}}]"
+
+    def run(out: Path, steps: int, resume: str | None = None) -> dict:
+        train(load_config(None, *run_overrides(data, out, max_steps=steps, ckpt_every=3, val_every=3), heads),
+              resume=resume)
+        return load(out / "checkpoints" / "last.ckpt")
+
+    full = run(tmp_path / "full", 6)
+    run(tmp_path / "part", 3)
+    shutil.copytree(tmp_path / "part", tmp_path / "unrestored")
+    resumed = run(tmp_path / "part", 6, resume="last")
+    assert all(torch.equal(v, resumed["state_dict"][k]) for k, v in full["state_dict"].items())
+    assert torch.equal(full["rng"]["torch"], resumed["rng"]["torch"])
+    monkeypatch.setattr(lm.module, "set_rng_state", lambda state: None)  # the control: without the restore ...
+    unrestored = run(tmp_path / "unrestored", 6, resume="last")  # ... the same resume ends elsewhere
+    assert not all(torch.equal(v, unrestored["state_dict"][k]) for k, v in full["state_dict"].items())
+
+
 class Unpicklable:
     def __reduce__(self):  # noqa: ANN204
         raise RuntimeError("disk full")
