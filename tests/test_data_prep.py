@@ -373,8 +373,14 @@ def test_split_is_by_document_hash_independent_of_order_and_max_docs(tmp_path: P
     prepare("c4", str(tmp_path / "fwd"), tmp_path / "first30", max_docs=30, **kw)
     val_all, val_rev = set(documents_of(tmp_path / "all", "val")), set(documents_of(tmp_path / "rev_out", "val"))
     val_30 = set(documents_of(tmp_path / "first30", "val"))
-    expected = {r["text"] for r in rows if Splitter(0.25).by_hash(c4.text_id(r["text"])) == "val"}
-    assert val_all == val_rev == expected and 0 < len(expected) < 60
+    # the rule written out (data_prep/split.py): validation iff the id's 8-byte blake2b ("split"), as a fraction of
+    # 2^64, is below --val-fraction; about a quarter of the 60 (15, a binomial's 3 sigma either side: 4 .. 26)
+    def to_val(doc_id: str) -> bool:
+        digest = hashlib.blake2b(doc_id.encode(), digest_size=8, person=b"split").digest()
+        return int.from_bytes(digest, "big") < 0.25 * 2**64
+
+    expected = {r["text"] for r in rows if to_val(c4.text_id(r["text"]))}
+    assert val_all == val_rev == expected and 4 <= len(expected) <= 26
     assert val_30 == expected & {r["text"] for r in rows[:30]} and val_30
 
 

@@ -284,9 +284,9 @@ def test_every_registered_formula_has_a_name_in_the_registry() -> None:
 
 @pytest.mark.parametrize("head_type", sorted(REGISTRY))
 def test_params_and_kv_formulas_match_the_built_model(head_type: str) -> None:
-    """Every type's formula states the parameters of the module it describes, exactly, and group_cost the module's
-    KV entries (FLOPs of masked or banded kernels are checked against the counter above where the executed work
-    is the counted one)."""
+    """Every type's formula states the parameters of the module it describes, exactly, and group_cost reports the
+    model's KV entries (FLOPs of masked or banded kernels are checked against the counter above where the executed
+    work is the counted one)."""
     from tests.head_checks import tiny_options
 
     heads = [{"type": "dense", "count": 1}, {"type": head_type, "count": 3, "options": tiny_options(head_type)}]
@@ -294,6 +294,8 @@ def test_params_and_kv_formulas_match_the_built_model(head_type: str) -> None:
     model = lm.build_model(cfg)
     cost = model_cost(cfg)
     assert cost.params == model.num_params()
+    # wiring only: both sides read Options.kv_per_head (the built caches hold exactly that many entries:
+    # tests/test_generate.py), except the selective types, whose model counts its slots itself
     assert cost.kv_total == model.kv_total()
 
 
