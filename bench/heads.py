@@ -56,7 +56,9 @@ VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get 
     "fixed": ("fixed", {}),
     "routing": ("routing", {}),
     "mita": ("mita", {}),
+    "mita-published": ("mita", {"variant": "published"}),  # Algorithm 1 over the whole sequence: not causal
     "agent": ("agent", {}),
+    "agent-published": ("agent", {"variant": "published"}),  # eq. 5 over the whole sequence, fixed n: not causal
     "local": ("local", {}),
     "topk": ("topk", {}),
 }
