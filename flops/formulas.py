@@ -32,6 +32,7 @@ from typing import Any, Callable
 from heads.base import REGISTRY, ConfigError, GroupContext, make_options
 from routing.capacity import slot_capacity, token_choice_capacity
 from routing.expert_choice import tokens_per_head
+from routing.landmarks import published_count
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     where this counts 4h'Tw (1.06x this at h = 512, b = w = 64, T = 1024; more when w < b)."""
     m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc", 0))
     if o.get("variant", "causal") == "published":
-        m, w = max(m, 1), 0
+        m, w = published_count(T, int(o.require("block"))), 0
     dwc = (2 * K * hd * T, (K + 1) * hd) if K else (0, 0)
     params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias", 0))
     return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w + dwc[0]), params=n * params)
@@ -233,7 +234,7 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     s = min(int(o.require("s")), max(min(m, (T - 1) // b - L + 1), 0))  # the landmarks before the local blocks
     local = min(L * b, T)
     if o.get("variant", "causal") == "published":
-        m = max(m, 1)
+        m = published_count(T, b)
         s, local = min(int(o.require("s")), m), 0
     shared = 4 * hd * m * T if o.get("shared", True) else 0
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local

@@ -60,7 +60,7 @@ from heads.dense import DenseHeads
 from heads.kv_cache import BlockKV, one_token
 from heads.local import window_blocks
 from routing.landmarks import (adaptive_pool, adaptive_windows, block_ends, block_pool, distance_buckets, prefix_mask,
-                               signed_distance_buckets)
+                               published_count, signed_distance_buckets)
 
 VARIANTS = ("causal", "published")
 
@@ -88,6 +88,7 @@ class AgentOptions(HeadOptions):
 
     @classmethod
     def grid(cls) -> dict[str, list[Any]]:
+        # window 64, the default, is the only one variant published accepts (it has no window)
         return {"block": [1, 2, 3, 5, 8, 16], "window": [1, 2, 3, 5, 8, 16, 64], "dwc": [0, 1, 3, 4],
                 "bias": [0, 1, 4, 5], "variant": list(VARIANTS)}
 
@@ -162,8 +163,9 @@ class AgentHeads(DenseHeads):
         w, bias = self.dwc.weight[i * d : (i + 1) * d, 0], self.dwc.bias[i * d : (i + 1) * d]  # [h', K], [h']
         out = bias.expand_as(vi).clone()
         T = vi.shape[1]
+        lead = self._dwc_lead()
         for j in range(K):
-            shift = self._dwc_lead() - j  # tap j reads the row `shift` tokens back (ahead if < 0), where one exists
+            shift = lead - j  # tap j reads the row `shift` tokens back (ahead if < 0), where one exists
             if 0 <= shift < T:
                 out[:, shift:] += w[:, j] * vi[:, : T - shift]
             elif -T < shift < 0:
@@ -181,7 +183,7 @@ class AgentHeads(DenseHeads):
             agent_visible = stops[None, :] - 1 <= rows[:, None]  # [T, n]: agent j complete at t
             local = (rows[None, :] <= rows[:, None]) & (rows[None, :] > rows[:, None] - w)  # [T, T]
         else:  # published: seq_len // b agents pooling windows over the whole sequence, every key, every query
-            n = self._published_agents()
+            n = published_count(self.ctx.seq_len, b)
             starts, stops = adaptive_windows(n, T, x.device)
             keys_to = torch.full_like(stops, T)
             agent_visible = torch.ones(T, n, dtype=torch.bool, device=x.device)
@@ -238,14 +240,10 @@ class AgentHeads(DenseHeads):
         out = out.reshape(B, H, nb * b, d)[:, :, :T]  # [B, H, T, d]
         return self._merge(out + self._dwc(v) if self.options.dwc else out)
 
-    def _published_agents(self) -> int:
-        """n of the published variant: the training length's seq_len // b, fixed (at least 1), as the paper fixes n."""
-        return max(1, self.ctx.seq_len // self.options.block)
-
     def _published(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Eq. 5 over the whole sequence (variant published): q, k, v [B, H, T, h'] -> [B, H, T, h']."""
         T = q.shape[2]
-        n = self._published_agents()
+        n = published_count(self.ctx.seq_len, self.options.block)
         A = adaptive_pool(q, n)  # [B, H, n, h']
         rows, ends = torch.arange(T, device=q.device), adaptive_windows(n, T, q.device)[1] - 1
         b1 = b2 = None

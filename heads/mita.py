@@ -59,7 +59,7 @@ from heads.local import block_windows
 from heads.lse_attention import attention_lse, merge
 from heads.rows import flat_rows, gather_rows
 from routing.landmarks import (adaptive_pool, adaptive_windows, block_pool, earlier_blocks, landmark_topk, prefix_mask,
-                               route)
+                               published_count, route)
 from routing.selection import earliest_topk
 
 NEG_INF = float("-inf")
@@ -134,7 +134,7 @@ class MiTAHeads(DenseHeads):
             done = torch.arange(n, device=x.device)[None, :] < (rows // b)[:, None]  # [T, n] shared: before t's block
             local = (rows[None, :] <= rows[:, None]) & (rows[None, :] // b > rows[:, None] // b - L)  # [T, T] L blocks
         else:  # published: m fixed landmarks pooling windows over the whole sequence; everything visible, no local term
-            n = self._published_landmarks()
+            n = published_count(self.ctx.seq_len, b)
             starts, stops = adaptive_windows(n, T, x.device)
             landmark_sees = torch.ones(n, T, dtype=torch.bool, device=x.device)
             eligible = done = torch.ones(T, n, dtype=torch.bool, device=x.device)
@@ -177,7 +177,7 @@ class MiTAHeads(DenseHeads):
             visible = prefix_mask(n, T, b, q.device)
             eligible = earlier_blocks(T, n, b, q.device, self.options.local_blocks)
         else:  # published: every key visible to every landmark, every landmark routable from every query
-            n = self._published_landmarks()
+            n = published_count(self.ctx.seq_len, b)
             lq = adaptive_pool(q, n)
             visible = torch.ones(n, T, dtype=torch.bool, device=q.device)
             eligible = torch.ones(T, n, dtype=torch.bool, device=q.device)
@@ -204,10 +204,6 @@ class MiTAHeads(DenseHeads):
                 out_e, lse_e = self._routed(q, k, v, idx, idx_ok, sel, sel_ok, scale, exact_groups=exact)
                 out = merge((out, *out_e.unbind(-2)), (lse, *lse_e.unbind(-1)))[0]
         return self.out(out.transpose(1, 2).reshape(B, T, H * d))
-
-    def _published_landmarks(self) -> int:
-        """m of the published variant: the training length's seq_len // b, fixed (at least 1), as Alg. 1's m."""
-        return max(1, self.ctx.seq_len // self.options.block)
 
     def new_cache(self, batch: int, max_len: int, device: torch.device | str = "cpu",
                   dtype: torch.dtype = torch.float32) -> BlockKV:

@@ -414,9 +414,9 @@ def load_config(path: str | Path | None = None, *dotlist: str, warnings: bool = 
         raise
     except (ValueError, yaml.YAMLError) as err:  # an override that is not key=value or not valid YAML
         raise ConfigError(f"overrides {' '.join(dotlist)}: {' '.join(str(err).split())}") from None
-    for message in config_warnings(validate(cfg)):
-        if warnings:
-            warn(message)
+    validate(cfg)
+    for message in config_warnings(cfg) if warnings else []:
+        warn(message)
     return cfg
 
 

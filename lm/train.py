@@ -345,8 +345,8 @@ def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L
     """What every training entry point does before fitting: check the data and the devices (one-line errors before
     any Lightning set-up, and before the run directory is claimed; so is a --resume-from checkpoint), claim
     trainer.out_dir (lm/run_dir.py), remove temp files an interrupted write left, find the checkpoint to resume from
-    (a --resume-from that rewinds sets the abandoned steps' checkpoints aside), seed, build the module (one model line) and the Trainer (TensorBoard
-    drops what an interrupted run logged after the checkpoint). Returns (module, trainer, its StepCheckpoints,
+    (a --resume-from that rewinds sets the abandoned steps' checkpoints aside), seed, build the module (one model
+    line) and the Trainer (TensorBoard drops what an interrupted run logged after the checkpoint). Returns (module, trainer, its StepCheckpoints,
     the checkpoint path or None)."""
     data.check()
     check_devices(cfg.trainer)

@@ -34,6 +34,12 @@ def adaptive_windows(n: int, T: int, device: torch.device) -> tuple[torch.Tensor
     return j * T // n, -(-(j + 1) * T // n)
 
 
+def published_count(seq_len: int, block: int) -> int:
+    """The fixed number of landmarks (agents) of the published variants: the training length's seq_len // block, at
+    least 1, whatever length they then run at (the papers fix m, resp. n)."""
+    return max(1, seq_len // block)
+
+
 def adaptive_pool(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[B, H, T, d] -> [B, H, n, d], the means over `adaptive_windows(n, T)` (MiTA Alg. 1 line 2 as published:
     the windows cover the whole sequence, future rows included)."""
