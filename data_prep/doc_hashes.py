@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.shards import write_atomic
+from data_prep.atomic import atomic_write
 
 FILE = "train_documents.u64"
 NGRAM_FILE = "train_ngrams.u64"
@@ -101,9 +101,9 @@ class SplitHashes:
         validation documents are exact copies of a training one, and the share of the validation split's
         sampled sequences that occur in the training split (None without any)."""
         train = np.unique(np.frombuffer(self.by_split["train"], dtype=np.uint64))
-        write_atomic(out / FILE, train.astype("<u8").tobytes())
+        atomic_write(out / FILE, lambda f: f.write(train.astype("<u8").tobytes()))
         train_ngrams = np.unique(np.concatenate([np.zeros(0, np.uint64), *self.ngrams["train"]]))
-        write_atomic(out / NGRAM_FILE, train_ngrams.astype("<u8").tobytes())
+        atomic_write(out / NGRAM_FILE, lambda f: f.write(train_ngrams.astype("<u8").tobytes()))
         val_ngrams = np.concatenate([np.zeros(0, np.uint64), *self.ngrams["val"]])
         return {
             "train_documents": FILE,

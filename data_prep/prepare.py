@@ -47,7 +47,8 @@ from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import as_recorded, input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
-from data_prep.shards import SplitWriter, write_atomic, write_json
+from data_prep.atomic import atomic_write, is_temp
+from data_prep.shards import SplitWriter, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
 
@@ -89,7 +90,7 @@ def _remove_outputs(out: Path) -> None:
     """Delete what an earlier preparation wrote to `out` (only our own file names)."""
     for path in out.iterdir():
         ours = path.name in (INDEX, PROGRESS, TOKENIZER, doc_hashes.FILE, doc_hashes.NGRAM_FILE) or (
-            path.name.endswith(".bin") and path.name.split("_")[0] in SPLITS) or path.name.endswith(".tmp")
+            path.name.endswith(".bin") and path.name.split("_")[0] in SPLITS) or is_temp(path)
         if ours and path.is_file():
             path.unlink()
 
@@ -206,7 +207,7 @@ def _train_tokenizer(out: Path, settings: dict, inputs: dict, sampler: LineSampl
     """Train on the sampled training lines, save tokenizer.model, and start a fresh progress record."""
     lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
     model = tokenizer.train(lines, settings["vocab_size"], threads)
-    write_atomic(out / TOKENIZER, model)
+    atomic_write(out / TOKENIZER, lambda f: f.write(model))
     state = {"settings": settings, "inputs": inputs, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
              "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
     write_json(out / PROGRESS, state)

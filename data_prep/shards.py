@@ -7,31 +7,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file next to `path`, fsync, then rename over it (never a half-written file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+from data_prep.atomic import atomic_write
 
 
 def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+    text = (json.dumps(obj, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(text))
 
 
 def write_shard(path: Path, tokens: np.ndarray) -> str:
     """Write the tokens as little-endian uint16 and return the SHA-256 of the bytes written."""
     data = tokens.astype("<u2", copy=False).tobytes()
-    write_atomic(path, data)
+    atomic_write(path, lambda f: f.write(data))
     return hashlib.sha256(data).hexdigest()
 
 

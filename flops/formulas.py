@@ -19,18 +19,17 @@ takes them from the head type's own `Options.kv_per_head` (heads/), as the built
 Adding a head type: write ONE function below the marker line that precedes the later types (topk ... mita),
     @formula("name")
     def name(h: int, hd: int, T: int, n: int, o: Options) -> Work: ...
-stating FLOPs and parameters, reading its options with `o.get("field", default)` / `o.require("field")`, and
-citing the paper.
+stating FLOPs and parameters, reading its options with `o.get("field")` (the head type's Options dataclass supplies every default) /
+`o.require("field")`, and citing the paper.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from heads.base import REGISTRY, ConfigError, GroupContext, make_options
-from routing.capacity import slot_capacity, token_choice_capacity
+from routing.capacity import slot_capacity
 from routing.expert_choice import tokens_per_head
 from routing.landmarks import published_count
 
@@ -132,20 +131,17 @@ def mosa(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     heads/mosa.py ("threshold", "quota", "predictor") compute on their capacity, ceil(capacity_factor * k)
     slots (= k at the default capacity_factor 1), and "predictor" adds its classifier z = x W^p + b:
     2hT FLOPs and h + 1 params per head; expert-choice TopK uses exactly k."""
-    k = sparse_k(T, o.require("sparsity"))
-    selection = o.get("selection", "threshold")
-    if selection != "expert_choice":
-        k = min(T, slot_capacity(k, o.get("capacity_factor", 1.0)))
-    predictor = n * (2 * h * T) if selection == "predictor" else 0
-    return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + predictor,
-                params=n * (4 * h * hd + h) + (n * (h + 1) if selection == "predictor" else 0))
+    k = kv_per_head(o, GroupContext(h, hd, T))  # the slots it computes on (MoSAOptions.kv_per_head)
+    predictor = o.get("selection") == "predictor"
+    return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k) + (n * 2 * h * T if predictor else 0),
+                params=n * (4 * h * hd + h) + (n * (h + 1) if predictor else 0))
 
 
 @formula("fixed")
 def fixed(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """App. C: fixed strided sparse attention on k tokens, 8hh'k + 4h'k^2 per head, with k = ceil(T / rho), the
     tokens heads/fixed.py selects (every multiple of rho below T; T / rho when rho divides T, as in App. C)."""
-    k = math.ceil(T / o.require("sparsity"))  # an int for an int or float rho (FixedOptions.kv_per_head's rule)
+    k = kv_per_head(o, GroupContext(h, hd, T))  # the tokens it selects (FixedOptions.kv_per_head)
     return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k), params=n * 4 * h * hd)
 
 
@@ -158,8 +154,8 @@ def routing(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     ceil(capacity_factor * k) slots (= k at the default 1.0)."""
     clusters = int(o.require("sparsity"))  # heads/routing_attn.py keeps rho centroids, whatever T
     k = sparse_k(T, clusters)
-    if o.get("assignment", "nearest") == "nearest":
-        k = min(T, slot_capacity(k, o.get("capacity_factor", 1.0)))
+    if o.get("assignment") == "nearest":
+        k = min(T, slot_capacity(k, o.get("capacity_factor")))
     return Work(flops=n * (6 * h * hd * T + 4 * hd * k * k * clusters + 2 * hd * T), params=n * 3 * h * hd)
 
 
@@ -194,7 +190,7 @@ def mosaic(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     slots, 8hh'k + 4h'k^2 + h'k (output scaled by the router probability), plus the token-choice
     router X W^r with W^r in R^{h x n}: 2hT per head, as MoSA's. Softmax and top-s not counted.
     Params: 4hh' + h per head (projections + router column)."""
-    k = min(token_choice_capacity(T, float(o.require("sparsity")), float(o.get("capacity_factor", 1.0))), T)
+    k = kv_per_head(o, GroupContext(h, hd, T))  # its slots (MosaicOptions.kv_per_head)
     return Work(flops=n * (8 * h * hd * k + 4 * hd * k * k + 2 * h * T + hd * k), params=n * (4 * h * hd + h))
 
 
@@ -208,11 +204,11 @@ def agent(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     dense's 4hh' + (K + 1)h' for the convolution's taps and bias + 2 x (option bias) distance buckets of B1 and B2.
     An algorithmic count: the fast path scores each block of b queries against 2b window keys whatever w, 8h'Tb
     where this counts 4h'Tw (1.06x this at h = 512, b = w = 64, T = 1024; more when w < b)."""
-    m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc", 0))
-    if o.get("variant", "causal") == "published":
+    m, w, K = T // int(o.require("block")), min(int(o.require("window")), T), int(o.get("dwc"))
+    if o.get("variant") == "published":
         m, w = published_count(T, int(o.require("block"))), 0
     dwc = (2 * K * hd * T, (K + 1) * hd) if K else (0, 0)
-    params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias", 0))
+    params = 4 * h * hd + dwc[1] + 2 * int(o.get("bias"))
     return Work(flops=n * (8 * h * hd * T + 8 * hd * m * T + 4 * hd * T * w + dwc[0]), params=n * params)
 
 
@@ -229,14 +225,14 @@ def mita(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     each expert's queries to multiples of b (on CPU the groups this routing needs, 1.04x this at h = 512,
     b = k = 64, s = 1; on CUDA where the varlen path is not taken, s > 1 or torch.compile, a static
     ceil(T s / b) + m groups, up to about twice the routed pairs)."""
-    b, k, L = int(o.require("block")), int(o.require("k")), int(o.get("local_blocks", 1))
+    b, k, L = int(o.require("block")), int(o.require("k")), int(o.get("local_blocks"))
     m = T // b
     s = min(int(o.require("s")), max(min(m, (T - 1) // b - L + 1), 0))  # the landmarks before the local blocks
     local = min(L * b, T)
-    if o.get("variant", "causal") == "published":
+    if o.get("variant") == "published":
         m = published_count(T, b)
         s, local = min(int(o.require("s")), m), 0
-    shared = 4 * hd * m * T if o.get("shared", True) else 0
+    shared = 4 * hd * m * T if o.get("shared") else 0
     attend = 4 * hd * m * T + shared + 4 * hd * T * s * min(k, T) + 4 * hd * T * local
     return Work(flops=n * (8 * h * hd * T + attend), params=n * 4 * h * hd)
 

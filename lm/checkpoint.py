@@ -19,13 +19,14 @@ import re
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from data_prep.atomic import atomic_write, is_temp, temp_path
 from heads import ConfigError
 from lm.accumulation import ends_step
 from lm.config import Config, from_dict
@@ -38,27 +39,6 @@ REQUIRED = ("state_dict", "config")  # what every train_lm.py checkpoint holds (
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used; the message is one line naming the file and the problem."""
-
-
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Run `write(f)` on `<dir>/.<name>.tmp<pid>`, fsync it, then os.replace() it onto `path`: a reader
-    (or a resumed run after kill -9) sees either the old file or the complete new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # still there only if writing failed
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -129,7 +109,7 @@ class StepCheckpoints(L.Callback):
             trainer.save_checkpoint(path, weights_only=False)
             mark_complete(trainer, path)
         if self.link_last and trainer.is_global_zero:
-            tmp = last.with_name(f".{last.name}.tmp{os.getpid()}")
+            tmp = temp_path(last)
             tmp.unlink(missing_ok=True)
             os.link(step_path, tmp)
             os.replace(tmp, last)
@@ -311,8 +291,8 @@ def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> t
 
 
 def remove_temp_files(directory: Path) -> list[Path]:
-    """Delete `.<name>.tmp<pid>` files that `atomic_write` leaves when the process is killed mid-write."""
-    found = sorted(directory.glob(".*.tmp*")) if directory.is_dir() else []
+    """Delete the temporary files that `atomic_write` leaves when the process is killed mid-write."""
+    found = sorted(p for p in directory.iterdir() if is_temp(p)) if directory.is_dir() else []
     for path in found:
         path.unlink(missing_ok=True)
     return found

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from lm.checkpoint import CONSOLIDATED, CheckpointError, atomic_write, read_checkpoint, read_deepspeed
+from data_prep.atomic import atomic_write
+from lm.checkpoint import CONSOLIDATED, CheckpointError, read_checkpoint, read_deepspeed
 
 KEPT = ("state_dict", "config", "run", "global_step", "epoch", "tokens_seen", "val_history",
         "pytorch-lightning_version")  # what readers use; DeepSpeed's bookkeeping and Lightning's loop states are dropped

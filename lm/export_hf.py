@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from data_prep.atomic import temp_path
 from data_prep.tokenizer import EOS_ID
 from lm.cli import exit_without_eval_extra
 from lm.generate import TOKENIZER_HELP, load_for_generation
@@ -63,7 +64,7 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
     # a vocabulary padded beyond the tokenizer: `generate` never emits an id the tokenizer cannot decode
     hf.generation_config.suppress_tokens = list(range(sp.get_piece_size(), model.cfg.vocab_size)) or None
 
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = temp_path(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf.save_pretrained(tmp)

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from data_prep.atomic import atomic_write
 from heads import HeadGroup, commit_states
 from lm.accumulation import ends_step, micro_index
-from lm.checkpoint import atomic_write, rng_state, set_rng_state
+from lm.checkpoint import rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model, checkpoint_blocks
 from lm.run_dir import provenance

@@ -23,8 +23,8 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
 
+from data_prep.atomic import atomic_write
 from heads import ConfigError
-from lm.checkpoint import atomic_write
 from lm.config import Config, from_dict, to_yaml
 from lm.errors import DataError
 from lm.resume_settings import reported_here

@@ -321,8 +321,10 @@ def test_counting_refuses_missing_options_and_sparsities_below_one() -> None:
     default) is a one-line ConfigError naming the type and option, not a TypeError; so is k for rho < 1."""
     with pytest.raises(ConfigError, match="^compression: option 't' is required to count FLOPs$"):
         group_cost("compression", h, hd, T, 4, {})
-    with pytest.raises(ConfigError, match="^mosa: option 'sparsity' is required to count FLOPs$"):
-        group_cost("mosa", h, hd, T, 1, {"sparsity": None})
+    with pytest.raises(ConfigError, match="^head type 'mosa': option sparsity must be an int, got None$"):
+        group_cost("mosa", h, hd, T, 1, {"sparsity": None})  # its slots come from MoSAOptions.kv_per_head
+    with pytest.raises(ConfigError, match="^local: option 'window' is required to count FLOPs$"):
+        group_cost("local", h, hd, T, 1, {"window": None})
     with pytest.raises(ConfigError, match="^sparsity must be >= 1, got 0.5$"):
         sparse_k(T, 0.5)
     assert sparse_k(T, 1) == T

@@ -309,7 +309,7 @@ def test_atomic_write_fsyncs_the_data_renames_then_fsyncs_the_directory(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Durable across a power loss, not just a kill: the new file's data reaches the disk before the rename, and
     the rename itself (the directory entry) after it."""
-    import lm.checkpoint as ckpt
+    import data_prep.atomic as atomic
 
     path = tmp_path / "last.ckpt"
     tmp = path.with_name(f".last.ckpt.tmp{os.getpid()}")
@@ -326,9 +326,9 @@ def test_atomic_write_fsyncs_the_data_renames_then_fsyncs_the_directory(tmp_path
         events.append(f"replace {Path(src).name} -> {Path(dst).name}")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "fsync", fsync)
-    monkeypatch.setattr(ckpt.os, "replace", replace)
-    ckpt.atomic_write(path, lambda f: f.write(b"new"))
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    atomic.atomic_write(path, lambda f: f.write(b"new"))
     assert events == ["fsync tmp", f"replace {tmp.name} -> last.ckpt", "fsync dir"]
     assert path.read_bytes() == b"new"
 
@@ -336,7 +336,7 @@ def test_atomic_write_fsyncs_the_data_renames_then_fsyncs_the_directory(tmp_path
 def test_atomic_write_swaps_the_file_instead_of_rewriting_it(tmp_path: Path) -> None:
     """A hard link to the old checkpoint (a copy kept by `ln`, a backup) still holds the old bytes: the new file
     is a new inode renamed over the name, never the old one overwritten in place."""
-    from lm.checkpoint import atomic_write
+    from data_prep.atomic import atomic_write
 
     path, kept = tmp_path / "last.ckpt", tmp_path / "kept.ckpt"
     path.write_bytes(b"old")
