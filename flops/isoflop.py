@@ -5,6 +5,9 @@ largest number n of sparse heads of one type such that the model's FLOPs per pas
 the baseline's. Sparsity 1 is the dense baseline itself (Table 5's first column).
 
     python -m flops.isoflop --size tiny --head mosa --sparsity 8 --dense-heads 4 --json
+    python -m flops.isoflop --config configs/quickstart.yaml --head mosa --sparsity 8 --dense-heads 1
+
+With --config, the baseline is that YAML's model (it must be dense: one dense head group in every layer).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from flops.formulas import Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
 from heads.base import REGISTRY, ConfigError, make_options
-from lm.config import HeadGroupConfig, ModelConfig
+from lm.config import HeadGroupConfig, ModelConfig, load_config
 
 
 @dataclass(frozen=True)
@@ -154,18 +157,21 @@ def parse_options(texts: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.isoflop")
-    p.add_argument("--size", default="tiny", help=f"dense baseline preset: {', '.join(SIZES)}")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--size", help=f"dense baseline preset: {', '.join(SIZES)} (default tiny)")
+    where.add_argument("--config", help="dense baseline: the model of this YAML config (configs/*.yaml)")
     p.add_argument("--head", required=True, help="sparse head type (a registered head, heads/__init__.py)")
     p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head (default: the head "
                    "type's own option, e.g. mosa's 8; 1 = the dense baseline, for any type)")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
     for name in ("seq-len", "hidden", "layers", "heads", "head-dim"):
-        p.add_argument(f"--{name}", type=int, help="override the preset")
+        p.add_argument(f"--{name}", type=int, help="override the preset's or config's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:
-        base = baseline(a.size, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
+        config = load_config(a.config, warnings=False).model if a.config else None
+        base = baseline(None if config else a.size or "tiny", config, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
         options = parse_options(a.option)
         r = solve(base, a.head, a.sparsity, a.dense_heads, options)
     except ConfigError as err:
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = (f"rho={r.sparsity}, k={r.k}" if r.sparsity is not None
                  else ", ".join(f"{key}={value}" for key, value in options.items()) or "default options")
         print(
-            f"{a.size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
+            f"{a.config or a.size or 'tiny'}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
             f"FLOPs/pass {r.flops_per_pass / 1e9:.2f}G of {r.baseline_flops_per_pass / 1e9:.2f}G "
             f"({100 * r.budget_used:.2f}%); KV/layer {r.kv_per_layer} (dense {r.baseline_kv_total // base.n_layers}); "
             f"params {r.params / 1e6:.1f}M (dense {r.baseline_params / 1e6:.1f}M)"

@@ -36,7 +36,7 @@ def baseline(
     if size is not None and size not in SIZES:
         raise ConfigError(f"unknown size {size!r}; known sizes: {', '.join(SIZES)}")
     if size is None and (base.layer_heads or any(g.type != "dense" for g in base.heads)):
-        raise ConfigError("--size base needs a dense baseline config (one dense head group, no model.layer_heads); "
+        raise ConfigError("the baseline must be a dense config (one dense head group, no model.layer_heads); "
                           f"this one has {', '.join(sorted({g.type for g in base.heads}))} heads"
                           + (" and layer_heads" if base.layer_heads else ""))
     shape = dict(SIZES[size]) if size else dict(

@@ -15,7 +15,7 @@ from flops.isoflop import solve
 from flops.model import model_cost
 from flops.presets import baseline
 from heads.base import ConfigError
-from lm.config import HeadGroupConfig
+from lm.config import HeadGroupConfig, load_config
 
 SPARSITIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
@@ -203,6 +203,30 @@ def test_cli_text_names_the_sparse_group(args: list[str], shape: str, capsys: py
     """The one-line summary shows rho and k for types with a sparsity, else the options given."""
     assert isoflop_main(["--size", "tiny", *args]) == 0
     assert f"tiny: 4 dense + {shape}; FLOPs/pass" in capsys.readouterr().out
+
+
+def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--config takes the baseline from a YAML's model: configs/tiny.yaml is the Tiny preset, so both give the same
+    point; its shape overrides apply; a config with sparse heads, a missing file, or --config with --size: one line."""
+    monkeypatch.chdir(ROOT)
+    args = ["--head", "mosa", "--sparsity", "8", "--json"]
+    assert isoflop_main(["--size", "tiny", *args]) == 0
+    preset = json.loads(capsys.readouterr().out)
+    assert isoflop_main(["--config", "configs/tiny.yaml", *args]) == 0
+    assert json.loads(capsys.readouterr().out) == preset and preset["sparse_heads"] == 69
+    assert isoflop_main(["--config", "configs/quickstart.yaml", "--head", "mosa", "--sparsity", "8", "--dense-heads",
+                         "1", "--seq-len", "128"]) == 0
+    quick = load_config("configs/quickstart.yaml", warnings=False).model
+    want = solve(baseline(None, quick, seq_len=128), "mosa", 8, 1)
+    assert capsys.readouterr().out.startswith(f"configs/quickstart.yaml: 1 dense + {want.sparse_heads} mosa heads")
+    for bad, message in [(["--config", "configs/experiments/mosa_hybrid.yaml"], "error: the baseline must be a dense "
+                          "config (one dense head group, no model.layer_heads); this one has dense, mosa heads"),
+                         (["--config", "nothere.yaml"], "error: config file not found: nothere.yaml")]:
+        assert isoflop_main([*bad, "--head", "mosa"]) == 2
+        assert capsys.readouterr().err.strip() == message
+    with pytest.raises(SystemExit):
+        isoflop_main(["--config", "configs/tiny.yaml", "--size", "tiny", "--head", "mosa"])
+    assert "not allowed with argument --config" in capsys.readouterr().err
 
 
 def test_solve_refuses_a_baseline_that_is_not_one_dense_group() -> None:

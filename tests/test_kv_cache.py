@@ -127,7 +127,8 @@ def test_a_chunk_after_the_prefill_is_refused_or_exact(head: str) -> None:
         outputs.append(group(x[:, 20:22], positions[:, 20:22], cache=cache))
         fed = 22
     except ValueError as err:
-        assert head in STEPWISE and str(err) == f"{head}: decoding takes one token per call after the prefill, got 2"
+        assert head in STEPWISE, f"{head} refuses a chunk after the prefill ({err}): add it to STEPWISE if it must"
+        assert str(err) == f"{head}: decoding takes one token per call after the prefill, got 2"
         fed = 20
     assert head not in STEPWISE or fed == 20, f"{head} took a chunk, though listed as refusing one"
     outputs += [group(x[:, t : t + 1], positions[:, t : t + 1], cache=cache) for t in range(fed, 32)]

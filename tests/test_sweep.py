@@ -98,7 +98,7 @@ def test_preset_size_refuses_a_config_with_another_shape(tmp_path: Path, capsys)
     capsys.readouterr()
     assert sweep_main(["--size", "base", "--base", "configs/experiments/mosa_hybrid.yaml", "--heads", "mosa",
                        "--sparsity", "1,8", "--out", str(tmp_path / "f")]) == 2
-    assert capsys.readouterr().err.strip() == ("error: --size base needs a dense baseline config (one dense head group, "
+    assert capsys.readouterr().err.strip() == ("error: the baseline must be a dense config (one dense head group, "
                                                "no model.layer_heads); this one has dense, mosa heads")
 
 
