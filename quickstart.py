@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
                         "prepare the data again if its settings changed")
     parser.add_argument("overrides", nargs="*", help="dotted overrides of configs/quickstart.yaml")
     args = parser.parse_intermixed_args(argv)
-    from data_prep import DataError as PrepError
     from lm.errors import DataError, Interrupted, NonFiniteError
 
     try:
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # continue the run in the directory, if any (--resume), or --overwrite it
         resume = "last" if holds_run(Path(cfg.trainer.out_dir)) and not args.fresh else None
         metrics = train(cfg, resume=resume, validate_first=True, overwrite=args.fresh)
-    except (ConfigError, DataError, PrepError, NonFiniteError, Interrupted) as err:
+    except (ConfigError, DataError, NonFiniteError, Interrupted) as err:
         print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
         return status_of(err)  # as train_lm.py's
     out = Path(cfg.trainer.out_dir)

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flops.cli import hardware, output_file, positive_int, script_parser
 from heads import ConfigError
 from lm.checkpoint import load_model
 from lm.config import HeadGroupConfig, ModelConfig, validate_model
 from lm.data import DataError, ValWindows, open_split
+from lm.leakfree import evaluate
 from lm.model import DecoderLM, build_model
 from lm.perplexity import perplexity
 
@@ -46,18 +46,6 @@ def swap_heads(model: DecoderLM, head_type: str, options: dict[str, Any]) -> Dec
     swapped = build_model(cfg)
     swapped.load_state_dict(model.state_dict())
     return swapped.eval()
-
-
-@torch.no_grad()
-def val_loss(model: DecoderLM, windows: ValWindows, batch_size: int) -> float:
-    """Mean token cross-entropy over the fixed validation windows."""
-    total, count = 0.0, 0
-    for start in range(0, len(windows), batch_size):
-        x, y = map(torch.stack, zip(*(windows[i] for i in range(start, min(start + batch_size, len(windows))))))
-        logits = model(x.long())
-        total += F.cross_entropy(logits.flatten(0, 1), y.long().flatten(), reduction="sum").item()
-        count += y.numel()
-    return total / count
 
 
 def _parse(spec: str, names: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, int]:
@@ -101,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for head_type, options in variants:
             model = dense.eval() if head_type == "dense" else swap_heads(dense, head_type, options)
             t0 = time.perf_counter()
-            loss = val_loss(model, windows, args.batch_size)
+            loss = evaluate(model, windows.tokens().split(args.batch_size), leak_free=False)["loss"]
             rows.append((head_type, options, loss, time.perf_counter() - t0))
             print(f"{head_type:6s} {options} val loss {loss:.4f} ppl {perplexity(loss):.2f}", flush=True)
     except (ConfigError, DataError) as err:

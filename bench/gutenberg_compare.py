@@ -193,12 +193,9 @@ def distinct(rows: Iterable[dict[str, Any]], key: str, quote: bool = False) -> s
 def eval_windows(cfg: Any, windows: int) -> Any:
     """The `windows` evenly spaced validation windows of T + 1 tokens [N, T+1] (the same for every
     run on the same data and seq_len)."""
-    import torch
-
     from lm.data import ValWindows, open_split
 
-    val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
-    return torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))]).long()
+    return ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows).tokens()
 
 
 def read_rows(stem: Path) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,8 @@ from tqdm import tqdm
 
 
 class DataError(ValueError):
-    """Bad input to data preparation; the message is one line saying what is wrong and what to do."""
+    """Bad data, raw or prepared (data preparation's input, a training run's shards); the message is one line saying
+    what is wrong and what to do."""
 
 
 def warn(message: str) -> None:

@@ -56,8 +56,6 @@ def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, floa
     """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows
     (default: the data.val_batches * data.batch_size windows that training validated on). A DeepSpeed run's
     checkpoint directory is made one file first (<out_dir>/consolidated.ckpt, lm.consolidate)."""
-    import torch
-
     from lm.checkpoint import is_deepspeed_dir, load_model
     from lm.consolidate import consolidate
     from lm.data import ValWindows, open_split
@@ -70,8 +68,7 @@ def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, floa
     model, cfg = load_model(last)
     windows = windows or cfg.data.val_batches * cfg.data.batch_size
     val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
-    full = torch.stack([torch.cat([x, y[-1:]]) for x, y in (val[i] for i in range(len(val)))])  # [N, T+1]
-    result = evaluate(model, full.long().split(cfg.data.batch_size), leak_free=True)
+    result = evaluate(model, val.tokens().split(cfg.data.batch_size), leak_free=True)
     (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({**result, "windows": windows}, indent=1))
     return result
 

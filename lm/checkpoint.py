@@ -312,6 +312,11 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
                               "lm.compressed_training.load_compressed, sample with lm.compressed_generate.CompressedGenerator "
                               "(Python; there is no command line for it)")
     model = build_model(cfg.model)
-    prefix = "model."
-    model.load_state_dict({k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)})
+    model.load_state_dict(model_weights(ckpt))
     return model, cfg
+
+
+def model_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's own state dict in a training checkpoint (the LightningModule's `model.` entries, prefix removed)."""
+    prefix = "model."
+    return {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}

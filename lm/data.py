@@ -170,6 +170,10 @@ class ValWindows(Dataset):
         window = torch.from_numpy(self.stream.read(int(self.starts[i]), self.seq_len + 1))
         return window[:-1], window[1:]
 
+    def tokens(self) -> torch.Tensor:
+        """Every window whole, int64 [N, T+1], as lm.leakfree.evaluate takes them (inputs w[:, :-1], targets w[:, 1:])."""
+        return torch.stack([torch.from_numpy(self.stream.read(int(s), self.seq_len + 1)) for s in self.starts]).long()
+
 
 class LMDataModule(L.LightningDataModule):
     """Train/val loaders over a prepared directory. `data.batch_size` is per device."""

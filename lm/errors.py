@@ -2,9 +2,9 @@
 config is reported before the slow imports)."""
 from __future__ import annotations
 
+from data_prep.errors import DataError  # one error type for bad data, from raw input to prepared shards
 
-class DataError(ValueError):
-    """A problem with the prepared data; the message is one line naming what is wrong."""
+__all__ = ["DataError", "Interrupted", "NonFiniteError"]
 
 
 class NonFiniteError(RuntimeError):

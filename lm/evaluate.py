@@ -106,7 +106,7 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
         raise DataError(f"--input {src} was tokenised with another tokenizer than the checkpoint's")
     try:
         stream = TokenStream(src, split, shards, sp.get_piece_size())
-    except ValueError as err:  # lm.errors.DataError, whose messages name training's option
+    except ValueError as err:  # a DataError whose message names training's option
         raise DataError(str(err).replace("data.path: ", "--input: ", 1)) from None
     if len(stream) == 0:
         raise DataError(f"--input {src}: split {split!r} is empty")

@@ -358,6 +358,9 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     val = ValWindows(open_split(data, "val", cfg.model), 32, 5)
     assert val.starts[0] == 0 and val.starts[-1] == 4000 - 33 and np.all(np.diff(val.starts) > 0)
     assert torch.equal(val[2][0], ValWindows(open_split(data, "val", cfg.model), 32, 5)[2][0])
+    whole = val.tokens()  # [N, T+1] for lm.leakfree.evaluate: window i's inputs, then its last target
+    assert whole.shape == (5, 33) and whole.dtype == torch.int64
+    assert all(torch.equal(whole[i], torch.cat([val[i][0], val[i][1][-1:]]).long()) for i in range(5))
     # over 2 ranks every window is validated once, also when 2 does not divide the count (Lightning's
     # DistributedSampler would pad rank 1 with a repeat of window 0; use_distributed_sampler is off)
     ranks = [ValWindows(open_split(data, "val", cfg.model), 32, 5, rank=r, world_size=2).starts for r in (0, 1)]
