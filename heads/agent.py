@@ -173,6 +173,9 @@ class AgentHeads(DenseHeads):
         return out
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Eq. 6 as the module docstring states it: pooled agents A, aggregation V_A = softmax(A K^T + B1 + M) V, then
+        one softmax of each query over the agents (+ B2) and its local window (causal), or over all agents with no
+        window (variant published), plus DWC(V); one head and one agent at a time, with explicit masks."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         T, b, w = x.shape[1], self.options.block, self.options.window
         rows = torch.arange(T, device=x.device)

@@ -120,6 +120,8 @@ class MiTAHeads(DenseHeads):
     beyond_training = "keeps every token and adds a landmark per block (its cache grows with the length)"
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Algorithm 1 / eqs. 5-12 as the module docstring states them (causal, or over the whole sequence for
+        variant published), one head at a time, experts, routing and local blocks as explicit masks over the keys."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
         T, (b, kk, s) = x.shape[1], (self.options.block, self.options.k, self.options.s)
         rows = torch.arange(T, device=x.device)

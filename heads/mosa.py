@@ -167,6 +167,9 @@ class MoSAHeads(HeadGroup):
         return y
 
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """§2.2 per head: r = σ(X W^r), the selection I (option `selection`), X^s = X[I], A = softmax(Q K^T / sqrt(h')
+        + M) V at RoPE positions I, diag(r_I) A W^O scattered back to I, summed over heads (eq. 3), with
+        heads/gathered.py's plain reference."""
         logits = self.router_logits(x)  # [B, H, T]
         scores = self.selection_scores(x, logits)
         B, H, T = logits.shape

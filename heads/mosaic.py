@@ -168,6 +168,9 @@ class MosaicHeads(HeadGroup):
 
     # ---- reference: explicit loops over sequences and heads --------------------------------------
     def forward_reference(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """App. E per head: the tokens that chose it (top-s of p_t, by `priority` when over capacity, padded by
+        `padded`), masked causal attention on them at their RoPE positions, diag(gate) A W^O scattered back (eq. 3),
+        one head at a time."""
         B, T, h = x.shape
         d, o = self.ctx.head_dim, self.options
         weights, chosen = self._route(x)
