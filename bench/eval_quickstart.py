@@ -40,7 +40,7 @@ except ImportError as err:
 from lm.data import TokenStream
 from lm.evaluate import TokenDoc, evaluate_documents, read_documents, summarize
 from lm.checkpoint import read_checkpoint
-from lm.generate import load_for_generation
+from lm.loading import load_for_generation
 from lm.lm_eval import SparseHeadsLM, evaluate_tasks, task_manager
 from lm.training_overlap import training_overlap
 

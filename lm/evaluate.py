@@ -41,7 +41,7 @@ from data_prep.errors import DataError
 from data_prep.sources import open_source
 from lm.cli import check_output, check_png
 from lm.data import TokenStream
-from lm.generate import TOKENIZER_HELP, load_for_generation
+from lm.loading import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
 from lm.perplexity import perplexity
 from lm.scoring import Scores, progress_bar, score

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from data_prep.atomic import temp_path
 from data_prep.tokenizer import EOS_ID
 from lm.cli import exit_without_eval_extra
-from lm.generate import TOKENIZER_HELP, load_for_generation
+from lm.loading import TOKENIZER_HELP, load_for_generation
 
 try:
     from lm.hf_model import SparseHeadsConfig, SparseHeadsForCausalLM

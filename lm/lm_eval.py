@@ -46,7 +46,8 @@ except ImportError as err:
         raise
     exit_without_eval_extra("lm.lm_eval", "lm-evaluation-harness", err)
 
-from lm.generate import TOKENIZER_HELP, decodable, generate, load_for_generation, sample
+from lm.generate import decodable, generate, sample
+from lm.loading import TOKENIZER_HELP, load_for_generation
 from lm.sanity import warn
 from lm.scoring import progress_bar, score
 from lm.training_overlap import TRAIN_DATA_HELP, check_train_data, training_overlap

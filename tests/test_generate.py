@@ -384,7 +384,8 @@ def test_cli_sampling_flags_reach_the_sampler(tmp_path, capsys, monkeypatch: pyt
     """--temperature, --top-k, --top-p and --seed decode as `generate` does with them and a generator seeded so;
     another seed draws otherwise; --top-k 1 is greedy; --compile decodes through `decode_step`."""
     import lm.generate as gen
-    from lm.generate import load_for_generation, main
+    from lm.generate import main
+    from lm.loading import load_for_generation
 
     ckpt, _ = _checkpoint(tmp_path)
     model, sp, _ = load_for_generation(str(ckpt))
@@ -487,7 +488,7 @@ def test_tokenizer_must_be_the_checkpoints(tmp_path) -> None:
     import hashlib
     import shutil
 
-    from lm.generate import load_for_generation
+    from lm.loading import load_for_generation
 
     ckpt, _ = _checkpoint(tmp_path)
     proto = (tmp_path / "data" / "tokenizer.model").read_bytes()

@@ -168,7 +168,7 @@ def test_overwrite_deletes_only_the_runs_outputs(run: tuple[Path, Path], tmp_pat
 
 def test_checkpoint_carries_its_tokenizer(run: tuple[Path, Path], tmp_path: Path) -> None:
     """Decoding elsewhere: the checkpoint alone, without the data directory it was trained on."""
-    from lm.generate import load_for_generation
+    from lm.loading import load_for_generation
 
     data, out = run
     ckpt = tmp_path / "copy.ckpt"
