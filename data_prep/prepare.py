@@ -48,7 +48,7 @@ from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import as_recorded, input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
 from data_prep.atomic import atomic_write, is_temp
-from data_prep.shards import SplitWriter, write_json
+from data_prep.shards import SHARD_NAME, SplitWriter, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
 
@@ -86,12 +86,16 @@ def _differences(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
 
 
+def _ours(path: Path) -> bool:
+    """Whether `path` has a name a preparation writes (the records, the tokenizer, shards, temporary files)."""
+    return path.is_file() and (path.name in (INDEX, PROGRESS, TOKENIZER, doc_hashes.FILE, doc_hashes.NGRAM_FILE)
+                               or bool(SHARD_NAME.match(path.name)) or is_temp(path))
+
+
 def _remove_outputs(out: Path) -> None:
     """Delete what an earlier preparation wrote to `out` (only our own file names)."""
     for path in out.iterdir():
-        ours = path.name in (INDEX, PROGRESS, TOKENIZER, doc_hashes.FILE, doc_hashes.NGRAM_FILE) or (
-            path.name.endswith(".bin") and path.name.split("_")[0] in SPLITS) or is_temp(path)
-        if ours and path.is_file():
+        if _ours(path):
             path.unlink()
 
 
@@ -274,8 +278,8 @@ def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: S
     write_json(out / INDEX, index)
     (out / PROGRESS).unlink()
     listed = {s["file"] for split in SPLITS for s in index["splits"][split]["shards"]}
-    for stale in out.glob("*_*.bin"):
-        if stale.name.split("_")[0] in SPLITS and stale.name not in listed:
+    for stale in out.iterdir():
+        if SHARD_NAME.match(stale.name) and stale.name not in listed:
             stale.unlink()
     return index
 
@@ -349,6 +353,11 @@ def _output_dir(out: Path) -> Iterator[None]:
     anything is written there removes the empty directory again (a refused command leaves nothing behind)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and not (out / INDEX).exists() and not (out / PROGRESS).exists():
+        foreign = sorted(p.name for p in out.iterdir() if not _ours(p))
+        if foreign:  # never delete or overwrite what another program keeps there (train_*.bin names included)
+            raise DataError(f"--out {out} holds files that are no preparation's ({', '.join(foreign[:3])}"
+                            f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)

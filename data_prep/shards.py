@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from data_prep.atomic import atomic_write
+
+
+SHARD_NAME = re.compile(r"^(train|val)_\d{5}\.bin$")  # SplitWriter's names
 
 
 def write_json(path: Path, obj: Any) -> None:

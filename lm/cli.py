@@ -56,9 +56,10 @@ def status_of(err: Exception) -> int:
     return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM if isinstance(err, Interrupted) else 2
 
 
-def check_output(option: str, path: str | None) -> None:
+def check_output(option: str, path: str | None, inputs: dict[str, str | None] | None = None) -> None:
     """A one-line ValueError unless `path` (None: not given) can be written, checked before the work that writes it:
-    its directory must exist, and it must not be a directory itself."""
+    its directory must exist, it must not be a directory itself, nor any of the command's `inputs` ({option: path},
+    e.g. the checkpoint; a hard link of one counts as the same file)."""
     if path is None:
         return
     target = Path(path)
@@ -66,11 +67,14 @@ def check_output(option: str, path: str | None) -> None:
         raise ValueError(f"{option} {path}: directory {target.resolve().parent} does not exist")
     if target.is_dir():
         raise ValueError(f"{option} {path} is a directory; give a file name")
+    for name, given in (inputs or {}).items():
+        if given is not None and target.exists() and Path(given).exists() and target.samefile(given):
+            raise ValueError(f"{option} {path} is {name} {given}: writing it would destroy that input; give another file")
 
 
-def check_png(option: str, path: str | None) -> None:
+def check_png(option: str, path: str | None, inputs: dict[str, str | None] | None = None) -> None:
     """`check_output`, and a plot's file name must end in .png (matplotlib picks the format by it)."""
-    check_output(option, path)
+    check_output(option, path, inputs)
     if path is not None and Path(path).suffix.lower() != ".png":
         raise ValueError(f"{option} {path}: the plot is a PNG; give a file name ending in .png")
 

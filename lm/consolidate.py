@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="the checkpoint file to write")
     args = ap.parse_args(argv)
     try:
-        check_output("OUT", args.out)
+        check_output("OUT", args.out, {"DIRECTORY": args.directory})
         kept = consolidate(args.directory, args.out)
     except (ValueError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

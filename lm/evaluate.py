@@ -203,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--stride must be in 1..{context} (--context), got {stride}")
         if args.batch_size < 1 or (args.max_docs is not None and args.max_docs < 1):
             raise ValueError("--batch-size and --max-docs must be >= 1")
-        check_output("--out", args.out)
-        check_png("--curve", args.curve)
+        inputs = {"--ckpt": args.ckpt, "--input": args.input, "--tokenizer": args.tokenizer}
+        check_output("--out", args.out, inputs)
+        check_png("--curve", args.curve, inputs)
         fmt = guess_format(Path(args.input)) if args.format == "auto" else args.format
         if args.split is not None and fmt != "prepared":
             raise ValueError(f"--split applies to prepared directories only; --input {args.input} is read "

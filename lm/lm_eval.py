@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 from collections import defaultdict
 from contextlib import contextmanager
@@ -132,6 +133,10 @@ class SparseHeadsLM(TemplateLM):
         contexts = [list(ctx) or [self.eot_token_id] for _, ctx, _ in requests]
         seqs = [ctx + list(cont) for ctx, (_, _, cont) in zip(contexts, requests)]
         firsts = [len(ctx) for ctx in contexts]
+        if cut := sum(len(seq) > self.seq_len for seq in seqs):  # few-shot prompts, long passages
+            warn(f"loglikelihood: {cut} of {len(requests)} requests are longer than the model's seq_len {self.seq_len}: "
+                 f"their continuations are scored from at most {self.seq_len} tokens of history, the rest of the "
+                 "context cut on the left")
         strides = [len(cont) if 0 < len(cont) <= self.seq_len else max(1, self.seq_len // 2) for _, _, cont in requests]
         scores = self._score(seqs, firsts, strides, disable_tqdm)
         return [(-float(s.nll.sum()), bool(s.greedy.all())) for s in scores]
@@ -218,6 +223,10 @@ def run(ckpt: str, tasks: list[str], include_path: str | None = None, limit: flo
     """lm-eval's simple_evaluate on our checkpoint, with `training_data`: which task documents are in the
     checkpoint's training data (`train_data`: default the directory it recorded); ValueError (one line) for
     bad input."""
+    if limit is not None and not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"--limit must be > 0 (documents per task, or a fraction of them below 1), got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     manager = task_manager(tasks, include_path)
     model = SparseHeadsLM(ckpt, tokenizer=tokenizer, batch_size=batch_size, leak_free=leak_free)
     check_train_data(model.run, train_data)  # before the evaluation, not after it
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         batch_size_arg(args.batch_size)  # before the task index and the checkpoint load
-        check_output("--output", args.output)
+        check_output("--output", args.output, {"--ckpt": args.ckpt, "--tokenizer": args.tokenizer})
         results = run(args.ckpt, [t for t in args.tasks.split(",") if t], args.include_path, args.limit,
                       args.batch_size, args.num_fewshot, args.leak_free, args.tokenizer, args.train_data)
     except ValueError as err:

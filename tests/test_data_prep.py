@@ -608,6 +608,26 @@ def test_a_refused_first_preparation_leaves_no_empty_out_directory(tmp_path: Pat
         assert out.is_dir() == existed
 
 
+def test_an_out_holding_other_files_is_refused_and_foreign_files_are_never_deleted(tmp_path: Path) -> None:
+    """An --out that holds no preparation but other files (a shard-like train_backup.bin among them) is refused in one
+    line, every file untouched; files added to a prepared --out survive a rerun with --overwrite and new settings."""
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(12)})
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("train_backup.bin", "val_old.bin", "tokenizer.model", "notes.txt"):
+        (other / name).write_bytes(name.encode())
+    with pytest.raises(DataError, match=r"^--out .*other holds files that are no preparation's \(notes.txt, "
+                                        r"train_backup.bin, val_old.bin\); choose an empty or new directory$"):
+        prepare("text", str(src), other, vocab_size=500, val_fraction=0.2, **QUIET)
+    assert sorted((p.name, p.read_bytes()) for p in other.iterdir()) == sorted(
+        (n, n.encode()) for n in ("train_backup.bin", "val_old.bin", "tokenizer.model", "notes.txt"))
+    out = tmp_path / "out"
+    prepare("text", str(src), out, vocab_size=500, val_fraction=0.2, **QUIET)
+    (out / "train_backup.bin").write_bytes(b"mine")
+    index = prepare("text", str(src), out, vocab_size=520, val_fraction=0.2, overwrite=True, **QUIET)
+    assert index["vocab_size"] == 520 and (out / "train_backup.bin").read_bytes() == b"mine"
+
+
 def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(16)})
     kw = dict(vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import math
 import shutil
 from pathlib import Path
@@ -246,9 +247,18 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
         (["--ckpt", str(ckpt), "--input", str(damaged)], f"--input: shard {damaged / 'val_00000.bin'} listed in index.json is missing"),
         (["--ckpt", str(ckpt), "--input", str(other), "--split", "nope"], "index.json has no usable split 'nope'"),
     ]
+    # an output that is an input (or a hard link of one, as last.ckpt is of its step file) would be destroyed
+    os.link(ckpt, tmp_path / "linked.ckpt")
+    cases += [
+        (["--ckpt", str(ckpt), "--input", ok, "--out", str(tmp_path / "linked.ckpt")],
+         f"--out {tmp_path / 'linked.ckpt'} is --ckpt {ckpt}: writing it would destroy that input; give another file"),
+        (["--ckpt", str(ckpt), "--input", ok, "--out", ok], f"--out {ok} is --input {ok}: writing it would destroy"),
+    ]
+    before = ckpt.read_bytes()
     for args, message in cases:
         rc, _, err = run(capsys, *args)
         assert rc == 2 and message in err and err.count("\n") == 1, (args, err)
+    assert ckpt.read_bytes() == before and (tmp_path / "ok.txt").read_text() == "hello there\n"
 
 
 def test_cli_refuses_another_tokenizer_than_the_checkpoints(corpus: Path, tmp_path: Path, capsys) -> None:

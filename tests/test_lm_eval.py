@@ -252,7 +252,8 @@ def test_progress_bars_stay_out_of_logs(setup, capsys) -> None:
     lm = setup[3]
     capsys.readouterr()
     lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (english(2, 12),), 0)])
-    lm.loglikelihood([Instance("loglikelihood", {}, (english(4, 2), " word"), 0)])  # lm-eval's tokenising bar too
+    short = " ".join(english(4, 1).split()[:5])  # within the window: no warning that its context was cut
+    lm.loglikelihood([Instance("loglikelihood", {}, (short, " word"), 0)])  # lm-eval's tokenising bar too
     lm.generate_until([Instance("generate_until", {}, (english(3, 1), {"until": [], "max_gen_toks": 2}), 0)])
     assert capsys.readouterr().err == ""
 
@@ -336,15 +337,26 @@ def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> No
     printed = capsys.readouterr()
     assert "local_mc" in printed.out and "local_mc" in json.loads(out.read_text())["results"]
     # stderr is not a terminal here: no bar frames from datasets (a new data file: its split is generated) or
-    # lm-eval (building the requests), only the training-data line
-    assert printed.err.splitlines() == [line for line in printed.err.splitlines() if line.startswith("local_mc: ")]
+    # lm-eval (building the requests), only the warning that some prompts are longer than the model's window
+    # (seq_len 32 here) and the training-data line
+    lines = printed.err.splitlines()
+    assert lines[0] == ("warning: loglikelihood: 3 of 9 requests are longer than the model's seq_len 32: their "
+                        "continuations are scored from at most 32 tokens of history, the rest of the context cut on the left")
+    assert lines[1:] and lines[1:] == [line for line in lines[1:] if line.startswith("local_mc: ")]
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "bad.yaml").write_text("task: x\ndoc_to_text: [unclosed\n")
     cases = [(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(broken)], "does not parse"),
              (["--ckpt", str(root / "missing.ckpt"), "--tasks", "local_mc", "--include-path", str(tasks)], "checkpoint not found"),
              (["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--output",
-               str(tmp_path / "nodir" / "r.json")], "--output " + str(tmp_path / "nodir" / "r.json") + ": directory")]
+               str(tmp_path / "nodir" / "r.json")], "--output " + str(tmp_path / "nodir" / "r.json") + ": directory"),
+             (["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--output", str(ckpt)],
+              f"--output {ckpt} is --ckpt {ckpt}: writing it would destroy that input"),
+             *[(["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--limit", value],
+                f"--limit must be > 0 (documents per task, or a fraction of them below 1), got {float(value)}")
+               for value in ("0", "-2", "nan")],
+             (["--ckpt", str(ckpt), "--tasks", "local_mc", "--include-path", str(tasks), "--num-fewshot", "-1"],
+              "--num-fewshot must be >= 0, got -1")]
     for args, message in cases:
         assert_one_line_error(main(args), capsys, message)
 
