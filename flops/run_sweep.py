@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from flops.cli import script_parser
+from flops.cli import positive_int, script_parser
 from flops.json_files import read_json, read_status, read_sweep
 from heads.base import ConfigError
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.run_sweep")
     p.add_argument("sweep", type=Path, help="directory written by python -m flops.sweep")
     p.add_argument("--only", help="comma-separated point names (default: all)")
-    p.add_argument("--leakfree-windows", type=int, help="validation windows for the leak-free evaluation "
+    p.add_argument("--leakfree-windows", type=positive_int, help="validation windows for the leak-free evaluation "
                    "(default: the val_batches * batch_size windows of training's validation)")
     p.add_argument("--lock", type=Path, help="hold this lock file (flock) while training each point, e.g. /tmp/cpu_heavy.lock")
     p.add_argument("overrides", nargs="*", help="dotted overrides passed to train_lm.py")

@@ -143,10 +143,25 @@ def check_devices(t: TrainerConfig) -> None:
     if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
+    if t.num_nodes > 1 and not cluster_launched():
+        raise ConfigError(f"trainer.num_nodes={t.num_nodes}, but this process was not launched on a cluster: start it on "
+                          "every node with MASTER_ADDR, MASTER_PORT and NODE_RANK set, or through SLURM, torchrun, LSF "
+                          "or MPI (alone it would wait for the other nodes forever)")
     cores = usable_cores()
     if lightning_accelerator(t) == "cpu" and t.devices > cores:
         say(f"warning: trainer.devices={t.devices} on CPU starts {t.devices} training processes on {cores} core(s): "
             f"each gets less than a core, and the run is slower than with trainer.devices={cores}")
+
+
+def cluster_launched() -> bool:
+    """Whether a multi-node launch set this process up: Lightning's SLURM, torchrun, LSF or MPI environment, or the
+    variables of a manual launch (MASTER_ADDR and NODE_RANK; Kubeflow sets MASTER_ADDR too)."""
+    from lightning.fabric.plugins.environments import (LSFEnvironment, MPIEnvironment, SLURMEnvironment,
+                                                       TorchElasticEnvironment)
+
+    if any(env.detect() for env in (SLURMEnvironment, TorchElasticEnvironment, LSFEnvironment, MPIEnvironment)):
+        return True
+    return "MASTER_ADDR" in os.environ and ("NODE_RANK" in os.environ or "RANK" in os.environ)
 
 
 def check_host_memory(cfg: Config) -> None:

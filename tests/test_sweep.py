@@ -273,7 +273,10 @@ def test_damaged_sweep_files_are_one_line_errors(tmp_path: Path, capsys: pytest.
     cases = [(aggregate_main, [str(tmp_path / "sw")], "config.yaml is damaged (no trainer.max_steps: ")]
     cases += [(aggregate_main, [str(tmp_path / "sw")], "status.json is damaged (the entry of 'dense_s1' is not an object"),
               (run_main, [str(tmp_path / "sw")], "status.json is damaged (the entry of 'dense_s1' is not an object"),
-              (run_main, [str(tmp_path / "sw"), "--leakfree-windows", "x"], "--leakfree-windows: invalid int value"),
+              (run_main, [str(tmp_path / "sw"), "--leakfree-windows", "x"], "--leakfree-windows: expected a positive integer, got 'x'"),
+              # checked before any point trains (a negative count failed only after training the point)
+              (run_main, [str(tmp_path / "sw"), "--leakfree-windows", "-1"], "--leakfree-windows: expected a positive integer, got '-1'"),
+              (run_main, [str(tmp_path / "sw"), "--leakfree-windows", "0"], "--leakfree-windows: expected a positive integer, got '0'"),
               (sweep_main, ["--heads", "mosa", "--sparsity", "4", "--out", str(status)], "is a file, not a directory")]
     for i, (main, args, message) in enumerate(cases):
         if i == 1:

@@ -847,3 +847,27 @@ def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str],
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     check_devices(TrainerConfig(accelerator="cpu", devices=2))
     assert "training processes on 1 core(s)" in capsys.readouterr().err
+
+
+def test_more_nodes_without_a_cluster_launch_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.num_nodes > 1 in a process no cluster launched would wait for the other nodes forever (a fuzzing audit
+    found the run hanging after claiming its directory): a one-line ConfigError; a manual launch's variables, or
+    torchrun's, let it through."""
+    from lm.config import TrainerConfig
+    from lm.train import check_devices
+
+    for name in ("MASTER_ADDR", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_JOB_NAME", "TORCHELASTIC_RUN_ID",
+                 "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    t = TrainerConfig(accelerator="cpu", devices=1, num_nodes=2)
+    with pytest.raises(ConfigError, match=r"^trainer.num_nodes=2, but this process was not launched on a cluster: "):
+        check_devices(t)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("NODE_RANK", "1")
+    check_devices(t)
+    monkeypatch.delenv("NODE_RANK")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")  # torchrun also sets RANK, LOCAL_RANK, GROUP_RANK, ...
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("GROUP_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    check_devices(t)
+    check_devices(TrainerConfig(accelerator="cpu", devices=1, num_nodes=1))
