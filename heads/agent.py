@@ -112,6 +112,8 @@ class AgentOptions(HeadOptions):
     def validate_length(self, head: str, seq_len: int) -> None:
         super().validate_length(head, seq_len)
         self.at_most(head, "block", seq_len, "no block would complete, so there would be no agents")
+        self.at_most(head, "dwc", seq_len, "the convolution's taps past the sequence are weights no token ever uses")
+        self.at_most(head, "bias", seq_len, "more distance buckets than distances: weights no pair ever uses")
 
 
 @register("agent")

@@ -109,6 +109,13 @@ class MiTAOptions(HeadOptions):
         super().validate_length(head, seq_len)
         self.at_most(head, "block", seq_len, "no block would complete, so there would be no landmarks")
         self.at_most(head, "k", seq_len, "every expert would hold all the keys")
+        blocks = -(-seq_len // self.block)
+        if self.local_blocks > blocks:
+            raise ConfigError(f"{head}: options.local_blocks = {self.local_blocks} > the {blocks} block(s) of model.seq_len "
+                              f"{seq_len}: the local term alone would be dense attention")
+        if self.s > max(1, seq_len // self.block):
+            raise ConfigError(f"{head}: options.s = {self.s} > the {max(1, seq_len // self.block)} landmark(s) of "
+                              f"model.seq_len {seq_len}: a query cannot route to more experts than there are")
 
 
 @register("mita")

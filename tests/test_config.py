@@ -117,6 +117,19 @@ def test_a_config_read_again_without_warnings_prints_nothing(capsys) -> None:
     assert load_config(None, *suspect, warnings=False) == loud and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("options,message", [
+    ("{block: 16, k: 8, local_blocks: 5}", "mita: options.local_blocks = 5 > the 4 block(s) of model.seq_len 64: the "
+                                           "local term alone would be dense attention"),
+    ("{block: 16, k: 8, s: 5}", "mita: options.s = 5 > the 4 landmark(s) of model.seq_len 64: a query cannot route to "
+                                "more experts than there are")])
+def test_mita_local_blocks_and_routes_beyond_the_sequence(options: str, message: str) -> None:
+    """MiTA's local blocks past the sequence's blocks, or more routes than landmarks: refused (a fuzzing audit found
+    local_blocks 100 and s 100 accepted at T = 64); as many as there are is allowed."""
+    heads = f"model.heads=[{{type: mita, count: 2, options: {options}}}]"
+    assert message in error_of(None, "model.seq_len=64", heads)
+    load_config(None, "model.seq_len=64", heads.replace(": 5}", ": 4}"))
+
+
 def test_bounds_that_mean_something_are_allowed() -> None:
     """min_lr_ratio 1 (a constant rate after warm-up) and keep_last_k 0 (keep every checkpoint), as documented."""
     cfg = load_config(None, "optim.min_lr_ratio=1.0", "trainer.keep_last_k=0")
@@ -124,6 +137,7 @@ def test_bounds_that_mean_something_are_allowed() -> None:
 
 
 @pytest.mark.parametrize("head,option,value", [("topk", "k", 65), ("local", "window", 65), ("agent", "block", 65),
+                                               ("agent", "dwc", 65), ("agent", "bias", 1000),
                                                ("mita", "block", 65), ("mita", "k", 100)])
 def test_head_option_beyond_the_sequence_length(head: str, option: str, value: int) -> None:
     """k > T and its kind (a window, block or expert size over model.seq_len) would degenerate the head: refused."""
