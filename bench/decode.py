@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from flops.cli import command_line, hardware, output_file, positive_int, script_parser, torch_device, use_device
-from heads import commit_states
-from lm.config import HeadGroupConfig, ModelConfig
+from heads import ConfigError, commit_states
+from lm.config import HeadGroupConfig, ModelConfig, validate_model
 from lm.generate import Cache, cache_fill, cache_nbytes, decode_step, format_fill, kv_bytes_analytic, new_cache
 from lm.model import DecoderLM, build_model
 
@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="also decode through lm.generate.decode_step (torch.compile), in the same rounds")
     ap.add_argument("--out", type=output_file, default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
+    try:  # the options against each length (k > T): one line, as a config load gives, before any work
+        for L in args.lengths:
+            for cfg in configs(args.d_model, args.head_dim, args.layers, args.vocab, L + args.new_tokens,
+                               args.sparsity).values():
+                validate_model(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     use_device(args.device)
     torch.manual_seed(0)
     rows = []

@@ -68,9 +68,9 @@ LEAN = {"mosa-lean"}  # variants run inside heads.gathered.fused_disabled() (the
 
 def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
     """(heads, forward FLOPs, options) of `variant` FLOP-matched to args.dense_heads dense heads; ValueError if
-    not even one head fits."""
+    not even one head fits, or the options do not fit T (k > T: a config load's one line)."""
     from flops.formulas import group_cost
-    from heads import head_class
+    from heads import GroupContext, head_class, make_options
 
     budget = group_cost("dense", args.d_model, args.head_dim, T, args.dense_heads).flops
     head_type, options = VARIANTS[variant]
@@ -78,6 +78,7 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
         return args.dense_heads, budget, {}
     if "sparsity" in {f.name for f in dataclasses.fields(head_class(head_type).Options)}:
         options = {**options, "sparsity": args.sparsity}
+    make_options(head_type, options, GroupContext(args.d_model, args.head_dim, T)).validate_length(head_type, T)
     per_head = group_cost(head_type, args.d_model, args.head_dim, T, 1, options).flops
     n = budget // per_head
     if n == 0:

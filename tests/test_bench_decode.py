@@ -52,8 +52,8 @@ def test_report_states_the_real_command_and_machine(tmp_path, monkeypatch) -> No
     from flops.cli import hardware
 
     out = tmp_path / "decode.md"
-    argv = ["--lengths", "8", "--new-tokens", "1", "--d-model", "16", "--head-dim", "8", "--layers", "1", "--vocab", "20",
-            "--repeats", "1", "--out", str(out)]
+    argv = ["--lengths", "16", "--new-tokens", "1", "--sparsity", "16", "--d-model", "16", "--head-dim", "8", "--layers",
+            "1", "--vocab", "20", "--repeats", "1", "--out", str(out)]  # rho and MoSAIC's 17 within T = 17
     for threads, prefix in [(None, ""), ("2", "OMP_NUM_THREADS=2 ")]:
         if threads is None:
             monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -63,6 +63,19 @@ def test_heads_variant_without_a_head_is_one_line(capsys: pytest.CaptureFixture[
     assert one_error_line(capsys) == "error: mita: not even one head fits the FLOP budget of 1 dense head(s) at T = 64"
 
 
+def test_options_that_do_not_fit_the_length_are_one_line_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    """rho > T (k < 1 token per head), as a config load refuses it: bench.heads and bench.decode published tables for
+    such heads (a fuzzing audit)."""
+    from bench.decode import main as decode_main
+    from bench.heads import main as heads_main
+
+    assert heads_main([*TINY_HEADS, "--variants", "dense", "mosa-threshold", "--sparsity", "128"]) == 2
+    assert one_error_line(capsys) == "error: mosa: options.sparsity = 128 > model.seq_len 64"
+    assert decode_main(["--lengths", "16", "--new-tokens", "1", "--sparsity", "64", "--d-model", "32", "--head-dim",
+                        "8", "--layers", "1"]) == 2
+    assert one_error_line(capsys) == "error: model.heads: mosa: options.sparsity = 64 > model.seq_len 17"
+
+
 def test_heads_failed_worker_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The worker's own last stderr line reaches the caller (was: CalledProcessError, the worker's stderr lost)."""
     from bench import heads
