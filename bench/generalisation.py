@@ -33,17 +33,21 @@ from lm.model import DecoderLM, build_model
 from lm.perplexity import perplexity
 
 
-def swap_heads(model: DecoderLM, head_type: str, options: dict[str, Any]) -> DecoderLM:
-    """A copy of `model` whose dense groups are `head_type` groups (same counts) with `options`,
-    carrying the dense weights unchanged (strict state-dict load)."""
+def swapped_config(cfg: ModelConfig, head_type: str, options: dict[str, Any]) -> ModelConfig:
+    """`cfg` with its dense groups made `head_type` groups (same counts) with `options`, validated against the model's
+    length (k <= T, ...): a one-line ConfigError."""
     def swap(groups: list[HeadGroupConfig]) -> list[HeadGroupConfig]:
         return [HeadGroupConfig(head_type, g.count, dict(options)) if g.type == "dense" else g for g in groups]
 
-    cfg: ModelConfig = dataclasses.replace(
-        model.cfg, heads=swap(model.cfg.heads), layer_heads={i: swap(m) for i, m in model.cfg.layer_heads.items()}
-    )
-    validate_model(cfg)  # the options against the model's length (k <= T, ...): one-line ConfigError
-    swapped = build_model(cfg)
+    swapped = dataclasses.replace(cfg, heads=swap(cfg.heads), layer_heads={i: swap(m) for i, m in cfg.layer_heads.items()})
+    validate_model(swapped)
+    return swapped
+
+
+def swap_heads(model: DecoderLM, head_type: str, options: dict[str, Any]) -> DecoderLM:
+    """A copy of `model` whose dense groups are `head_type` groups (same counts) with `options`,
+    carrying the dense weights unchanged (strict state-dict load)."""
+    swapped = build_model(swapped_config(model.cfg, head_type, options))
     swapped.load_state_dict(model.state_dict())
     return swapped.eval()
 
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         variants += [("mita", {**_parse(s, *mita), "shared": False}) for s in args.mita_no_shared]
         variants += [("agent", _parse(s, ("block", "window"))) for s in args.agent]
         variants += [("local", {"window": w}) for w in args.local]
+        for head_type, options in variants[1:]:  # every variant's options, before the first is evaluated
+            swapped_config(cfg.model, head_type, options)
         rows = []
         for head_type, options in variants:
             model = dense.eval() if head_type == "dense" else swap_heads(dense, head_type, options)
