@@ -48,11 +48,10 @@ from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import as_recorded, input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
 from data_prep.atomic import atomic_write, is_temp
-from data_prep.shards import SHARD_NAME, SplitWriter, write_json
+from data_prep.shards import DTYPE, FORMAT, SHARD_NAME, SplitWriter, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
 
-FORMAT = "data_prep/2"  # 2: a literal U+2581 is encoded as its bytes (data_prep/tokenizer.py)
 SPLITS = ("train", "val")
 INDEX, PROGRESS, TOKENIZER = "index.json", "progress.json", "tokenizer.model"
 ENCODE_BATCH_CHARS = 4_000_000  # documents are tokenised in batches of about this many characters
@@ -266,7 +265,7 @@ def _finish(out: Path, corpus: Corpus, state: dict, splitter: Splitter, skips: S
     vocab_size = tokenizer.load((out / TOKENIZER).read_bytes()).vocab_size()
     index = {
         "format": FORMAT, "vocab_size": vocab_size, "eos_id": tokenizer.EOS_ID,
-        "newline_id": tokenizer.NEWLINE_ID, "dtype": "uint16", "tokenizer": TOKENIZER,
+        "newline_id": tokenizer.NEWLINE_ID, "dtype": DTYPE, "tokenizer": TOKENIZER,
         "tokenizer_type": tokenizer.MODEL_TYPE, "tokenizer_sha256": state["tokenizer_sha256"],
         "source": corpus.kind, "sources": corpus.sources, "settings": state["settings"], "inputs": state["inputs"],
         "splits": {split: {"tokens": sum(s["tokens"] for s in state["splits"][split]["shards"]),

@@ -16,6 +16,8 @@ import numpy as np
 from data_prep.atomic import atomic_write
 
 
+FORMAT = "data_prep/2"  # index.json's format; 2: a literal U+2581 is encoded as its bytes (data_prep/tokenizer.py)
+DTYPE = "uint16"  # the shards' tokens, little-endian
 SHARD_NAME = re.compile(r"^(train|val)_\d{5}\.bin$")  # SplitWriter's names
 
 

@@ -411,6 +411,14 @@ def test_data_errors(tmp_path: Path, data: Path) -> None:
         edited = write_prepared(tmp_path / name)
         (edited / "index.json").write_text(text)
         assert data_error(edited).startswith(f"data.path: {edited / 'index.json'} is not a valid index (")
+    # shards of another layout, or from a newer data_prep, are not read as uint16 tokens of this one
+    for name, change in (("newer", {"format": "data_prep/99"}), ("foreign", {"format": "other/1"}),
+                         ("wide", {"dtype": "uint32"})):
+        edited = write_prepared(tmp_path / name)
+        index = json.loads((edited / "index.json").read_text())
+        (edited / "index.json").write_text(json.dumps({**index, **change}))
+        assert data_error(edited).startswith(f"data.path: {edited / 'index.json'} is format "), name
+        assert "this version reads data_prep/1 to data_prep/2 with uint16 tokens" in data_error(edited)
 
 
 def test_token_ids_must_be_below_the_vocabulary_size(tmp_path: Path) -> None:
