@@ -352,9 +352,10 @@ def _output_dir(out: Path) -> Iterator[None]:
     anything is written there removes the empty directory again (a refused command leaves nothing behind)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and not (out / INDEX).exists() and not (out / PROGRESS).exists():
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    if names and not ({INDEX, PROGRESS} & names or any(map(SHARD_NAME.match, names))):  # no earlier preparation
         foreign = sorted(p.name for p in out.iterdir() if not _ours(p))
-        if foreign:  # never delete or overwrite what another program keeps there (train_*.bin names included)
+        if foreign:  # never overwrite what another program keeps there (a tokenizer.model or train_*.bin of its own)
             raise DataError(f"--out {out} holds files that are no preparation's ({', '.join(foreign[:3])}"
                             f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
     created = not out.exists()
