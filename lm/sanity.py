@@ -15,6 +15,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from heads import make_options
+from heads.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from lm.config import Config, DataConfig, ModelConfig
@@ -44,6 +45,9 @@ def config_warnings(cfg: Config) -> list[str]:
         out.append(f"model.heads: {', '.join(leaky)} not causal (a paper's faithful rule): the validation loss logged "
                    f"while training is teacher-forced and sees future tokens; python -m lm.evaluate --ckpt ... "
                    f"measures it leak-free")
+    if m.rope_fraction > 0 and RotaryEmbedding(m.head_dim, m.rope_fraction, m.rope_base).rot_dim == 0:
+        out.append(f"model.rope_fraction={m.rope_fraction} rotates 0 of head_dim {m.head_dim} dimensions (rounded down to "
+                   f"an even count): the heads get no position information; use at least {2 / m.head_dim:g}, or 0")
     if o.warmup_steps >= t.max_steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
                    f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")

@@ -143,6 +143,9 @@ def check_devices(t: TrainerConfig) -> None:
     if t.accelerator in ("gpu", "cuda") and t.devices > torch.cuda.device_count():
         raise ConfigError(f"trainer.accelerator={t.accelerator} with trainer.devices={t.devices}, but this machine has "
                           f"{torch.cuda.device_count()} CUDA GPU(s); use trainer.accelerator=cpu or auto")
+    if resolve_precision(t) == "16-mixed" and lightning_accelerator(t) == "cpu":
+        raise ConfigError("trainer.precision=16-mixed needs a GPU (Lightning runs bf16-mixed on CPU instead, and the "
+                          "run would record a precision it did not use); on CPU use 32-true (or bf16-mixed, ~20x slower)")
     if t.num_nodes > 1 and not cluster_launched():
         raise ConfigError(f"trainer.num_nodes={t.num_nodes}, but this process was not launched on a cluster: start it on "
                           "every node with MASTER_ADDR, MASTER_PORT and NODE_RANK set, or through SLURM, torchrun, LSF "

@@ -63,6 +63,18 @@ def test_a_compression_prefix_other_than_the_suffix_length_warns(capsys: pytest.
     assert "compression.prefix_len=256 != model.seq_len=128" in line
 
 
+def test_a_rope_fraction_that_rounds_to_no_rotation_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    """rope_fraction 0.05 of head_dim 16 rotates floor(0.8) = 0 dimensions: RoPE silently off (a fuzzing audit);
+    the smallest fraction that rotates a pair, and 0 itself (no RoPE, asked for), are silent."""
+    load_config(None, "model.head_dim=16", "model.rope_fraction=0.05")
+    assert capsys.readouterr().err == ("warning: model.rope_fraction=0.05 rotates 0 of head_dim 16 dimensions (rounded "
+                                       "down to an even count): the heads get no position information; use at least "
+                                       "0.125, or 0\n")
+    for fraction in ("0.125", "0.0"):
+        load_config(None, "model.head_dim=16", f"model.rope_fraction={fraction}")
+        assert capsys.readouterr().err == ""
+
+
 def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
     """Training accepts it (k is rounded, App. F), the IsoFLOP solver refuses it: say so instead of silently
     differing."""

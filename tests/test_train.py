@@ -879,3 +879,15 @@ def test_more_nodes_without_a_cluster_launch_are_refused(monkeypatch: pytest.Mon
         monkeypatch.setenv(name, value)
     check_devices(t)
     check_devices(TrainerConfig(accelerator="cpu", devices=1, num_nodes=1))
+
+
+def test_fp16_mixed_precision_on_cpu_is_refused() -> None:
+    """Lightning runs 16-mixed as bf16-mixed on CPU, with only its own warning: the run's config.yaml said 16-mixed and
+    its metrics.json bf16-mixed (a fuzzing audit). Refused in one line; bf16-mixed and 32-true pass."""
+    from lm.config import TrainerConfig
+    from lm.train import check_devices
+
+    with pytest.raises(ConfigError, match=r"^trainer.precision=16-mixed needs a GPU \(Lightning runs bf16-mixed on CPU"):
+        check_devices(TrainerConfig(accelerator="cpu", precision="16-mixed"))
+    for precision in ("bf16-mixed", "32-true", "auto"):
+        check_devices(TrainerConfig(accelerator="cpu", precision=precision))
