@@ -381,15 +381,20 @@ def load_config(path: str | Path | None = None, *dotlist: str, warnings: bool = 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
+        top_level = f"{p}: the top level must be a mapping with sections model, data, optim, trainer"
         try:
-            layer = OmegaConf.load(p)
             raw = yaml.safe_load(p.read_text())  # None: empty or only comments ({} asks for the defaults)
+            if raw is not None and not isinstance(raw, dict):  # a scalar or a list: OmegaConf's errors misname it
+                raise ConfigError(f"{top_level} (this file holds {'a list' if isinstance(raw, list) else 'one value'})")
+            layer = OmegaConf.load(p)
+        except ConfigError:
+            raise
         except Exception as err:  # yaml.YAMLError has multi-line messages: the problem and its line
             where = getattr(err, "problem_mark", None)
             what = getattr(err, "problem", None) or type(err).__name__
             raise ConfigError(f"{p}: not valid YAML: {what}" + (f" (line {where.line + 1})" if where else "")) from None
         if not isinstance(layer, DictConfig):
-            raise ConfigError(f"{p}: the top level must be a mapping with sections model, data, optim, trainer")
+            raise ConfigError(top_level)
         if raw is None:  # would train the defaults unasked
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         if wrong := _wrong_shape(schema, layer):  # OmegaConf's merge says neither the key nor the file

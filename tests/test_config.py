@@ -190,6 +190,9 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
         assert error_of(write(tmp_path, nothing)).endswith(
             "c.yaml: the file sets nothing (empty, or only comments; {} to mean the defaults)")
     assert load_config(write(tmp_path, "{}\n")) == load_config()  # the defaults, asked for
+    top = "c.yaml: the top level must be a mapping with sections model, data, optim, trainer"
+    for text, holds in (("just a string\n", "one value"), ("42\n", "one value"), ("- model\n", "a list")):
+        assert error_of(write(tmp_path, text)).endswith(f"{top} (this file holds {holds})")  # an AttributeError before
     assert "model.heads" in error_of(None, "model.heads=[{type: dense")  # a bad YAML value on the command line
     assert error_of(None, "model.n_layers") == "override 'model.n_layers' is not key=value (e.g. model.n_layers=4)"
 
