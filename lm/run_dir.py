@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data_prep.atomic import atomic_write
 from heads import ConfigError
@@ -143,15 +145,30 @@ def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]
     return fixed, free
 
 
+def _recorded(out: Path, name: str) -> Any:
+    """The run's RECORD (a dict) or CONFIG (a Config) in `out`; a one-line ConfigError if it was damaged."""
+    path = out / name
+    try:
+        if name == RECORD:
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+            return record
+        return from_dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException, ConfigError) as err:
+        raise ConfigError(f"--resume: {path} is damaged ({' '.join(str(err).split())[:200]}); restore it, or pass "
+                          "--overwrite to start again") from None
+
+
 def check_resume(cfg: Config, out: Path, here: dict[str, Any]) -> list[str]:
     """ConfigError if the run in `out` was trained on other data, another tokenizer or another model;
     the resumable fields that changed otherwise."""
-    record = json.loads((out / RECORD).read_text())
+    record = _recorded(out, RECORD)
     for key, what in (("tokenizer_sha256", "tokenizer"), ("data_sha256", "data")):
         if record.get(key) != here[key]:
             raise ConfigError(f"--resume: {out} was trained on another {what} (sha256 {str(record.get(key))[:12]}, "
                               f"{here['data_path']} has {str(here[key])[:12]}); use --overwrite to start again")
-    fixed, free = config_changes(from_dict(OmegaConf.to_container(OmegaConf.load(out / CONFIG))), cfg)  # type: ignore[arg-type]
+    fixed, free = config_changes(_recorded(out, CONFIG), cfg)
     if fixed:
         raise ConfigError(f"--resume: {out} was trained with a different config ({'; '.join(fixed)}); "
                           f"use --overwrite to start again")
@@ -184,7 +201,7 @@ def claim(cfg: Config, resume: bool, overwrite: bool) -> None:
     tokenizer = here.pop("tokenizer_model")
     record = {**here, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": sys.argv}
     if resume and (out / RECORD).is_file():
-        record = {**json.loads((out / RECORD).read_text()), "data_path": here["data_path"], "resumed": record["started"]}
+        record = {**_recorded(out, RECORD), "data_path": here["data_path"], "resumed": record["started"]}
     text = to_yaml(cfg)
     atomic_write(out / CONFIG, lambda f: f.write(text.encode()))
     atomic_write(out / RECORD, lambda f: f.write(json.dumps(record, indent=1).encode()))

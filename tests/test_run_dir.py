@@ -149,6 +149,25 @@ def test_resume_checks_data_tokenizer_and_config(run: tuple[Path, Path], tmp_pat
         claim(load_config(None, *overrides(data, out)), True, True)
 
 
+def test_a_damaged_run_record_or_config_is_one_line_on_resume(run: tuple[Path, Path], tmp_path: Path) -> None:
+    """run.json or config.yaml edited by hand into no JSON / no YAML / a list: --resume says which file, in one line
+    (a JSONDecodeError or ParserError traceback before), and leaves both as they were."""
+    data, out = run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    cfg = load_config(None, *overrides(data, copy))
+    for name, text, why in (("run.json", '{"started": ', "Expecting value"), ("run.json", "[]", "a JSON list"),
+                            ("config.yaml", "model: [unclosed\n", "expected ',' or ']'")):
+        kept = (copy / name).read_text()
+        (copy / name).write_text(text)
+        with pytest.raises(ConfigError, match=rf"^--resume: {copy / name} is damaged \(.*{why}.*\); restore it, or "
+                                              r"pass --overwrite to start again$"):
+            claim(cfg, True, False)
+        assert (copy / name).read_text() == text
+        (copy / name).write_text(kept)
+    claim(cfg, True, False)  # restored: resumes
+
+
 def test_overwrite_deletes_only_the_runs_outputs(run: tuple[Path, Path], tmp_path: Path) -> None:
     data, _ = run
     out = tmp_path / "run"
