@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.json_files import read_json, read_status, read_sweep
+from flops.json_files import read_status, read_sweep
+from lm.run_files import read_json
 from heads.base import ConfigError
 
 COLUMNS = [

@@ -2,32 +2,11 @@
 a missing file gives the default, a damaged one a one-line ConfigError naming it, never a traceback."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from heads.base import ConfigError
-
-MISSING = object()
-
-
-def read_json(path: Path, default: Any = MISSING, keys: tuple[str, ...] = ()) -> Any:
-    """The JSON object in `path` (which must hold `keys`); `default` if the file does not exist
-    (ConfigError if no default is given)."""
-    if not path.is_file():
-        if default is MISSING:
-            raise ConfigError(f"{path} not found")
-        return default
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError) as err:
-        raise ConfigError(f"{path} is damaged ({type(err).__name__}: {' '.join(str(err).split())}); "
-                          "restore or delete it") from None
-    missing = [k for k in keys if not isinstance(value, dict) or k not in value]
-    if not isinstance(value, dict) or missing:
-        raise ConfigError(f"{path} is damaged (not a JSON object{' with ' + ', '.join(missing) if missing else ''}); "
-                          "restore or delete it")
-    return value
+from lm.run_files import read_json
 
 
 POINT_KEYS = ("name", "config", "out_dir", "causal")  # what run_sweep and aggregate read of every point

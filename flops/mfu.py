@@ -19,12 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from flops.cli import script_parser
-from flops.json_files import read_json
 from flops.model import mfu, model_cost, peak_flops, training_flops
-from lm.config import from_dict
+from lm.run_files import read_json, read_run_config
 
 
 class RunError(ValueError):
@@ -38,7 +35,7 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
     for path in (config, metrics):
         if not path.is_file():
             raise RunError(f"{run}: no {path.name} (not a training run directory, or no validation written yet)")
-    cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config)))  # type: ignore[arg-type]
+    cfg = read_run_config(config)
     if cfg.compression is not None:
         raise RunError(f"{run}: a compression run; its FLOPs per token depend on the layout (flops.model.compressed_flops)")
     m = read_json(metrics)

@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from heads.base import ConfigError
 from lm.cli import check_png
+from lm.run_files import read_json
 
 
 def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "") -> Path | None:
@@ -69,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         if not metrics.is_file():
             print(f"error: {run}: no metrics.json (not a training run directory, or no validation yet)", file=sys.stderr)
             return 2
-        histories[label] = json.loads(metrics.read_text()).get("history", [])
+        try:
+            history = read_json(metrics, keys=("history",))["history"]
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        histories[label] = history
     if plot_val_curves(histories, args.out, args.title) is None:
         print("error: no run has two validations to draw a curve through", file=sys.stderr)
         return 2

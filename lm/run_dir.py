@@ -20,16 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from data_prep.atomic import atomic_write
 from heads import ConfigError
-from lm.config import Config, from_dict, to_yaml
+from lm.config import Config, to_yaml
 from lm.errors import DataError
 from lm.resume_settings import reported_here
+from lm.run_files import read_json, read_run_config
 
 CONFIG, RECORD, TOKENIZER = "config.yaml", "run.json", "tokenizer.model"
 CHUNK = 1 << 20  # bytes read from each end of a shard for the data fingerprint
@@ -147,17 +146,11 @@ def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]
 
 def _recorded(out: Path, name: str) -> Any:
     """The run's RECORD (a dict) or CONFIG (a Config) in `out`; a one-line ConfigError if it was damaged."""
-    path = out / name
+    advice = "restore it, or pass --overwrite to start again"
     try:
-        if name == RECORD:
-            record = json.loads(path.read_text())
-            if not isinstance(record, dict):
-                raise ValueError(f"a JSON {type(record).__name__}, not an object")
-            return record
-        return from_dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
-    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException, ConfigError) as err:
-        raise ConfigError(f"--resume: {path} is damaged ({' '.join(str(err).split())[:200]}); restore it, or pass "
-                          "--overwrite to start again") from None
+        return read_json(out / RECORD, advice=advice) if name == RECORD else read_run_config(out / CONFIG, advice)
+    except ConfigError as err:
+        raise ConfigError(f"--resume: {err}") from None
 
 
 def check_resume(cfg: Config, out: Path, here: dict[str, Any]) -> list[str]:

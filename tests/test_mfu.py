@@ -69,6 +69,10 @@ def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert mfu.main([str(damaged)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{damaged / 'metrics.json'} is damaged" in err
+    (damaged / "config.yaml").write_text("model: [unclosed\n")  # a 34-line ParserError traceback before
+    assert mfu.main([str(damaged)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {damaged / 'config.yaml'} is damaged (") and "restore it" in err
 
 
 def _run_dir(path: Path, config: str | None, metrics: dict) -> Path:

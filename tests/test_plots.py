@@ -56,6 +56,17 @@ def test_a_directory_without_metrics_is_named(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().err == f"error: {tmp_path / 'nothing'}: no metrics.json (not a training run directory, or no validation yet)\n"
 
 
+def test_a_damaged_metrics_file_is_named(tmp_path: Path, capsys) -> None:
+    """metrics.json cut short, or holding a list: one line naming it (a JSONDecodeError / AttributeError before)."""
+    for text in ('{"history": [', "[]"):
+        run = tmp_path / "run"
+        run.mkdir(exist_ok=True)
+        (run / "metrics.json").write_text(text)
+        assert plots.main([str(run), "--out", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run / 'metrics.json'} is damaged (") and err.count("\n") == 1
+
+
 def test_an_unwritable_or_non_png_out_is_one_line_before_reading_the_runs(tmp_path: Path, capsys) -> None:
     """--out onto a directory, into a missing one, or not ending in .png (matplotlib picks the format by it) stops
     with one line (they were a matplotlib traceback after the runs were read)."""

@@ -156,7 +156,7 @@ def test_a_damaged_run_record_or_config_is_one_line_on_resume(run: tuple[Path, P
     copy = tmp_path / "run"
     shutil.copytree(out, copy)
     cfg = load_config(None, *overrides(data, copy))
-    for name, text, why in (("run.json", '{"started": ', "Expecting value"), ("run.json", "[]", "a JSON list"),
+    for name, text, why in (("run.json", '{"started": ', "Expecting value"), ("run.json", "[]", "not a JSON object"),
                             ("config.yaml", "model: [unclosed\n", "expected ',' or ']'")):
         kept = (copy / name).read_text()
         (copy / name).write_text(text)
