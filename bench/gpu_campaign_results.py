@@ -177,6 +177,8 @@ def gather(sources: list[Path], into: Path) -> Path:
     c.mkdir()
     status, environments, logs = [], [], []
     for source in sources:
+        if not source.exists():
+            raise NotACampaign(f"{source} not found")
         with tempfile.TemporaryDirectory() as one:
             folder = source
             if source.is_file():

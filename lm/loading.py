@@ -26,6 +26,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     One-line ValueError on failure."""
     from heads import ConfigError
     from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
+    from lm.nonfinite import first_nonfinite, owner
 
     path = Path(ckpt)
     if not path.exists():  # a directory gets read_checkpoint's own line
@@ -41,6 +42,10 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
     except RuntimeError as err:  # weights that do not fit the config (read_checkpoint handled damaged files)
         raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
+    bad = first_nonfinite(list(model.state_dict().items()))
+    if bad is not None:  # a diverged run's weights: every sample and score would be NaN
+        raise ValueError(f"{path}: {owner(model, bad)} holds NaN/inf values (a diverged run's checkpoint); use an "
+                         "earlier one")
     run = saved.get("run", {})
     return Loaded(model.eval(), load_tokenizer(path, run, cfg, tokenizer), run)
 

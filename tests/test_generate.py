@@ -451,6 +451,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     torch.save(state, bad)
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(b"not a checkpoint")
+    diverged = tmp_path / "nan.ckpt"  # loads, but its samples would be a traceback from torch.multinomial
+    state = torch.load(ckpt, weights_only=False)
+    name = next(k for k in state["state_dict"] if k.endswith("attn.groups.0.qkv.weight"))
+    state["state_dict"][name][0, 0] = float("nan")
+    torch.save(state, diverged)
+    assert main(["--ckpt", str(diverged), "--prompt", "the"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {diverged}: {name.removeprefix('model.')} (dense heads) holds NaN/inf values")
+    assert main(["--ckpt", str(ckpt), "--prompt", "the", "--seed", str(2**64)]) == 2
+    assert capsys.readouterr().err == f"error: --seed must be in [0, 2**64), got {2**64}\n"
     (tmp_path / "data" / "tokenizer.model").rename(tmp_path / "tok.model")
     cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "truncated or not a torch file"),
              (bad, "incompatible checkpoint"), (ckpt, "tokenizer not found")]

@@ -255,3 +255,5 @@ def test_a_partial_mfu_phase_keeps_the_earlier_rows_of_the_runs_it_did_not_measu
     runs = ["mfu_small_eager", "mfu_tiny_compiled", "mfu_tiny_eager", "mfu_small_compiled"]
     assert [results.mfu_run(r) for r in rows] == runs
     assert rows[0].endswith("| 32.0% |") and all(r.count("(earlier campaign)") == 1 for r in rows[1:])
+    assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(tmp_path / "r")]) == 2  # a mistyped path
+    assert capsys.readouterr().err == f"error: {tmp_path / 'campaign.tgz'} not found\n"
