@@ -130,6 +130,8 @@ def test_a_report_these_calls_produced_nothing_for_keeps_the_earlier_one(tmp_pat
 def test_not_a_campaign_is_one_line(tmp_path: Path, capsys) -> None:
     assert results.main([str(tmp_path), "--results", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path}: not a campaign output (no campaign/environment.txt)\n"
+    assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(tmp_path / "r")]) == 2  # a mistyped path
+    assert capsys.readouterr().err == f"error: {tmp_path / 'campaign.tgz'} not found\n"
 
 
 def test_two_calls_are_merged(tmp_path: Path) -> None:
@@ -255,5 +257,3 @@ def test_a_partial_mfu_phase_keeps_the_earlier_rows_of_the_runs_it_did_not_measu
     runs = ["mfu_small_eager", "mfu_tiny_compiled", "mfu_tiny_eager", "mfu_small_compiled"]
     assert [results.mfu_run(r) for r in rows] == runs
     assert rows[0].endswith("| 32.0% |") and all(r.count("(earlier campaign)") == 1 for r in rows[1:])
-    assert results.main([str(tmp_path / "campaign.tgz"), "--results", str(tmp_path / "r")]) == 2  # a mistyped path
-    assert capsys.readouterr().err == f"error: {tmp_path / 'campaign.tgz'} not found\n"
