@@ -102,7 +102,7 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
     found = str(index.get("format", FORMAT))
     name, _, version = found.partition("/")
     if name != "data_prep" or not version.isdigit() or int(version) > known or index.get("dtype", DTYPE) != DTYPE:
-        raise DataError(f"data.path: {index_file} is format {found!r} with {index.get('dtype')!r} tokens; this version "
+        raise DataError(f"data.path: {index_file} is format {found!r} with {index.get('dtype', DTYPE)!r} tokens; this version "
                         f"reads data_prep/1 to {FORMAT} with {DTYPE} tokens (prepare it again with {PREPARE_HINT})")
     if vocab > model.vocab_size:
         raise DataError(
