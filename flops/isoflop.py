@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     try:
-        config = load_config(a.config, warnings=False).model if a.config else None
+        loaded = load_config(a.config, warnings=False) if a.config else None
+        if loaded is not None and loaded.compression is not None:
+            raise ConfigError(f"{a.config} has a compression section: its FLOPs depend on the layout "
+                              "(flops.model.compressed_flops); give a dense model's config")
+        config = loaded.model if loaded else None
         base = baseline(None if config else a.size or "tiny", config, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
         options = parse_options(a.option)
         r = solve(base, a.head, a.sparsity, a.dense_heads, options)

@@ -112,7 +112,7 @@ class MiTAOptions(HeadOptions):
         blocks = -(-seq_len // self.block)
         if self.local_blocks > blocks:
             raise ConfigError(f"{head}: options.local_blocks = {self.local_blocks} > the {blocks} block(s) of model.seq_len "
-                              f"{seq_len}: the local term alone would be dense attention")
+                              f"{seq_len}: more local blocks than the sequence has")
         if self.s > max(1, seq_len // self.block):
             raise ConfigError(f"{head}: options.s = {self.s} > the {max(1, seq_len // self.block)} landmark(s) of "
                               f"model.seq_len {seq_len}: a query cannot route to more experts than there are")

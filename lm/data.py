@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from data_prep.shards import DTYPE, FORMAT
+from data_prep.shards import format_problem
 from lm.config import DataConfig, ModelConfig
 from lm.sanity import validation_warnings, vocab_warnings, warn
 from lm.errors import DataError
@@ -98,12 +98,8 @@ def open_split(path: str | Path, split: str, model: ModelConfig) -> TokenStream:
         vocab, shards = int(index["vocab_size"]), index["splits"].get(split, {}).get("shards", [])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise DataError(f"data.path: {index_file} is not a valid index ({type(err).__name__}: {err})") from None
-    known = int(FORMAT.split("/")[1])
-    found = str(index.get("format", FORMAT))
-    name, _, version = found.partition("/")
-    if name != "data_prep" or not version.isdigit() or int(version) > known or index.get("dtype", DTYPE) != DTYPE:
-        raise DataError(f"data.path: {index_file} is format {found!r} with {index.get('dtype', DTYPE)!r} tokens; this version "
-                        f"reads data_prep/1 to {FORMAT} with {DTYPE} tokens (prepare it again with {PREPARE_HINT})")
+    if problem := format_problem(index):
+        raise DataError(f"data.path: {index_file} {problem} (prepare it again with {PREPARE_HINT})")
     if vocab > model.vocab_size:
         raise DataError(
             f"data.path: {directory} has vocab_size {vocab} > model.vocab_size {model.vocab_size}; "

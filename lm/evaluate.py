@@ -38,6 +38,7 @@ import torch
 from data_prep import tokenizer as sp_codec
 from data_prep.documents import StrictSkips
 from data_prep.errors import DataError
+from data_prep.shards import format_problem
 from data_prep.sources import open_source
 from lm.cli import check_output, check_png
 from lm.data import TokenStream
@@ -102,6 +103,8 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
         shards, sha = index["splits"][split]["shards"], index["tokenizer_sha256"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"--input {src}: index.json has no usable split {split!r} ({type(err).__name__}: {err})") from None
+    if problem := format_problem(index):
+        raise DataError(f"--input {src / 'index.json'} {problem}")
     if hashlib.sha256(sp.serialized_model_proto()).hexdigest() != sha:
         raise DataError(f"--input {src} was tokenised with another tokenizer than the checkpoint's")
     try:

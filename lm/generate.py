@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        if not 0 <= args.seed < 2**64:  # torch.Generator's seeds
-            raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+        if not -2**63 <= args.seed < 2**64:  # torch.Generator's seeds
+            raise ValueError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
         check_sampling(args.temperature, args.top_k, args.top_p, flags=True)
         check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)

@@ -133,10 +133,10 @@ class SparseHeadsLM(TemplateLM):
         contexts = [list(ctx) or [self.eot_token_id] for _, ctx, _ in requests]
         seqs = [ctx + list(cont) for ctx, (_, _, cont) in zip(contexts, requests)]
         firsts = [len(ctx) for ctx in contexts]
-        if cut := sum(len(seq) > self.seq_len for seq in seqs):  # few-shot prompts, long passages
-            warn(f"loglikelihood: {cut} of {len(requests)} requests are longer than the model's seq_len {self.seq_len}: "
-                 f"their continuations are scored from at most {self.seq_len} tokens of history, the rest of the "
-                 "context cut on the left")
+        if cut := sum(len(seq) > self.seq_len + 1 for seq in seqs):  # T inputs predict T + 1 tokens: more are cut
+            warn(f"loglikelihood: {cut} of {len(requests)} requests are longer than the {self.seq_len + 1} tokens of "
+                 f"one window (seq_len {self.seq_len}): their continuations are scored from at most {self.seq_len} "
+                 "tokens of history, the rest of the context cut on the left")
         strides = [len(cont) if 0 < len(cont) <= self.seq_len else max(1, self.seq_len // 2) for _, _, cont in requests]
         scores = self._score(seqs, firsts, strides, disable_tqdm)
         return [(-float(s.nll.sum()), bool(s.greedy.all())) for s in scores]

@@ -38,6 +38,9 @@ def read_run_config(path: Path, advice: str = "restore it") -> Config:
     """The Config a run saved as `path` (<trainer.out_dir>/config.yaml), validated; a damaged file's error ends with
     `advice`."""
     try:
-        return from_dict(OmegaConf.to_container(OmegaConf.load(path)))  # type: ignore[arg-type]
+        values = OmegaConf.to_container(OmegaConf.load(path))
+        if not isinstance(values, dict) or not values:  # a list; an empty file would read as the defaults
+            raise ValueError(f"holds {'no settings' if not values else 'a ' + type(values).__name__}, not a config")
+        return from_dict(values)
     except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as err:  # ConfigError is a ValueError
         raise ConfigError(f"{path} is damaged ({' '.join(str(err).split())[:200]}); {advice}") from None

@@ -118,8 +118,8 @@ def test_a_config_read_again_without_warnings_prints_nothing(capsys) -> None:
 
 
 @pytest.mark.parametrize("options,message", [
-    ("{block: 16, k: 8, local_blocks: 5}", "mita: options.local_blocks = 5 > the 4 block(s) of model.seq_len 64: the "
-                                           "local term alone would be dense attention"),
+    ("{block: 16, k: 8, local_blocks: 5}", "mita: options.local_blocks = 5 > the 4 block(s) of model.seq_len 64: "
+                                           "more local blocks than the sequence has"),
     ("{block: 16, k: 8, s: 5}", "mita: options.s = 5 > the 4 landmark(s) of model.seq_len 64: a query cannot route to "
                                 "more experts than there are")])
 def test_mita_local_blocks_and_routes_beyond_the_sequence(options: str, message: str) -> None:

@@ -207,8 +207,11 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
     index = json.loads((other / "index.json").read_text())
     index["tokenizer_sha256"] = "0" * 64
     (other / "index.json").write_text(json.dumps(index))
-    damaged = tmp_path / "damaged"
+    damaged, newer = tmp_path / "damaged", tmp_path / "newer"
     shutil.copytree(corpus, damaged)
+    shutil.copytree(corpus, newer)
+    (newer / "index.json").write_text(json.dumps({**json.loads((corpus / "index.json").read_text()),
+                                                  "format": "data_prep/99"}))
     (damaged / "val_00000.bin").unlink()
     ok = str(tmp_path / "ok.txt")
     cases = [
@@ -246,6 +249,8 @@ def test_cli_bad_input_is_one_line(corpus: Path, tmp_path: Path, capsys) -> None
          f"--input {tmp_path}: not a prepared directory (no index.json"),
         (["--ckpt", str(ckpt), "--input", str(damaged)], f"--input: shard {damaged / 'val_00000.bin'} listed in index.json is missing"),
         (["--ckpt", str(ckpt), "--input", str(other), "--split", "nope"], "index.json has no usable split 'nope'"),
+        (["--ckpt", str(ckpt), "--input", str(newer)], f"--input {newer / 'index.json'} is format 'data_prep/99' with "
+                                                       "'uint16' tokens; this version reads data_prep/1 to data_prep/2"),
     ]
     # an output that is an input (or a hard link of one, as last.ckpt is of its step file) would be destroyed
     os.link(ckpt, tmp_path / "linked.ckpt")

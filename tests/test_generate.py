@@ -460,7 +460,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"error: {diverged}: {name.removeprefix('model.')} (dense heads) holds NaN/inf values")
     assert main(["--ckpt", str(ckpt), "--prompt", "the", "--seed", str(2**64)]) == 2
-    assert capsys.readouterr().err == f"error: --seed must be in [0, 2**64), got {2**64}\n"
+    assert capsys.readouterr().err == f"error: --seed must be in [-2**63, 2**64), got {2**64}\n"
     (tmp_path / "data" / "tokenizer.model").rename(tmp_path / "tok.model")
     cases = [(tmp_path / "missing.ckpt", "checkpoint not found"), (junk, "truncated or not a torch file"),
              (bad, "incompatible checkpoint"), (ckpt, "tokenizer not found")]

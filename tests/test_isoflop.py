@@ -221,7 +221,10 @@ def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: 
     assert capsys.readouterr().out.startswith(f"configs/quickstart.yaml: 1 dense + {want.sparse_heads} mosa heads")
     for bad, message in [(["--config", "configs/experiments/mosa_hybrid.yaml"], "error: the baseline must be a dense "
                           "config (one dense head group, no model.layer_heads); this one has dense, mosa heads"),
-                         (["--config", "nothere.yaml"], "error: config file not found: nothere.yaml")]:
+                         (["--config", "nothere.yaml"], "error: config file not found: nothere.yaml"),
+                         (["--config", "configs/experiments/compression.yaml"], "error: configs/experiments/"
+                          "compression.yaml has a compression section: its FLOPs depend on the layout "
+                          "(flops.model.compressed_flops); give a dense model's config")]:
         assert isoflop_main([*bad, "--head", "mosa"]) == 2
         assert capsys.readouterr().err.strip() == message
     with pytest.raises(SystemExit):

@@ -340,8 +340,9 @@ def test_cli_runs_and_bad_input_is_one_line(setup, tmp_path: Path, capsys) -> No
     # lm-eval (building the requests), only the warning that some prompts are longer than the model's window
     # (seq_len 32 here) and the training-data line
     lines = printed.err.splitlines()
-    assert lines[0] == ("warning: loglikelihood: 3 of 9 requests are longer than the model's seq_len 32: their "
-                        "continuations are scored from at most 32 tokens of history, the rest of the context cut on the left")
+    assert lines[0] == ("warning: loglikelihood: 3 of 9 requests are longer than the 33 tokens of one window (seq_len "
+                        "32): their continuations are scored from at most 32 tokens of history, the rest of the context "
+                        "cut on the left")
     assert lines[1:] and lines[1:] == [line for line in lines[1:] if line.startswith("local_mc: ")]
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -157,7 +157,9 @@ def test_a_damaged_run_record_or_config_is_one_line_on_resume(run: tuple[Path, P
     shutil.copytree(out, copy)
     cfg = load_config(None, *overrides(data, copy))
     for name, text, why in (("run.json", '{"started": ', "Expecting value"), ("run.json", "[]", "not a JSON object"),
-                            ("config.yaml", "model: [unclosed\n", "expected ',' or ']'")):
+                            ("config.yaml", "model: [unclosed\n", "expected ',' or ']'"),
+                            ("config.yaml", "- model\n", "holds a list, not a config"),
+                            ("config.yaml", "", "holds no settings, not a config")):  # not the defaults
         kept = (copy / name).read_text()
         (copy / name).write_text(text)
         with pytest.raises(ConfigError, match=rf"^--resume: {copy / name} is damaged \(.*{why}.*\); restore it, or "

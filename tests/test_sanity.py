@@ -69,7 +69,7 @@ def test_a_rope_fraction_that_rounds_to_no_rotation_warns(capsys: pytest.Capture
     load_config(None, "model.head_dim=16", "model.rope_fraction=0.05")
     assert capsys.readouterr().err == ("warning: model.rope_fraction=0.05 rotates 0 of head_dim 16 dimensions (rounded "
                                        "down to an even count): the heads get no position information; use at least "
-                                       "0.125, or 0\n")
+                                       "2/16, or 0\n")
     for fraction in ("0.125", "0.0"):
         load_config(None, "model.head_dim=16", f"model.rope_fraction={fraction}")
         assert capsys.readouterr().err == ""
