@@ -354,7 +354,7 @@ def _output_dir(out: Path) -> Iterator[None]:
         raise DataError(f"--out {out} exists and is not a directory")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     if names and not ({INDEX, PROGRESS} & names or any(map(SHARD_NAME.match, names))):  # no earlier preparation
-        foreign = sorted(p.name for p in out.iterdir() if not _ours(p))
+        foreign = sorted(name for name in names if not _ours(out / name))
         if foreign:  # never delete what another program keeps there (train_*.bin names included)
             raise DataError(f"--out {out} holds files that are no preparation's ({', '.join(foreign[:3])}"
                             f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")

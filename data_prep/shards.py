@@ -15,9 +15,11 @@ import numpy as np
 
 from data_prep.atomic import atomic_write
 
-
 FORMAT = "data_prep/2"  # index.json's format; 2: a literal U+2581 is encoded as its bytes (data_prep/tokenizer.py)
 DTYPE = "uint16"  # the shards' tokens, little-endian
+SHARD_NAME = re.compile(r"^(train|val)_\d{5,}\.bin$")  # SplitWriter's names
+
+
 def format_problem(index: dict) -> str | None:
     """Why an index.json's shards cannot be read as this version's (another layout, a newer data_prep), else None."""
     found, dtype = str(index.get("format", FORMAT)), index.get("dtype", DTYPE)
@@ -25,9 +27,6 @@ def format_problem(index: dict) -> str | None:
     if name == "data_prep" and version.isdigit() and int(version) <= int(FORMAT.split("/")[1]) and dtype == DTYPE:
         return None
     return f"is format {found!r} with {dtype!r} tokens; this version reads data_prep/1 to {FORMAT} with {DTYPE} tokens"
-
-
-SHARD_NAME = re.compile(r"^(train|val)_\d{5,}\.bin$")  # SplitWriter's names
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 
 from flops.cli import script_parser
 from flops.json_files import read_status, read_sweep
-from lm.run_files import read_json
 from heads.base import ConfigError
+from lm.run_files import read_json
 
 COLUMNS = [
     "sweep", "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",

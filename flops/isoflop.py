@@ -169,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name}", type=int, help="override the preset's or config's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
+    size = None if a.config else a.size or "tiny"  # (no default in the parser: --size tiny would pass with --config)
     try:
         loaded = load_config(a.config, warnings=False) if a.config else None
         if loaded is not None and loaded.compression is not None:
             raise ConfigError(f"{a.config} has a compression section: its FLOPs depend on the layout "
                               "(flops.model.compressed_flops); give a dense model's config")
-        config = loaded.model if loaded else None
-        base = baseline(None if config else a.size or "tiny", config, n_layers=a.layers, d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
+        base = baseline(size, loaded.model if loaded else None, n_layers=a.layers,
+                        d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
         options = parse_options(a.option)
         r = solve(base, a.head, a.sparsity, a.dense_heads, options)
     except ConfigError as err:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = (f"rho={r.sparsity}, k={r.k}" if r.sparsity is not None
                  else ", ".join(f"{key}={value}" for key, value in options.items()) or "default options")
         print(
-            f"{a.config or a.size or 'tiny'}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
+            f"{a.config or size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
             f"FLOPs/pass {r.flops_per_pass / 1e9:.2f}G of {r.baseline_flops_per_pass / 1e9:.2f}G "
             f"({100 * r.budget_used:.2f}%); KV/layer {r.kv_per_layer} (dense {r.baseline_kv_total // base.n_layers}); "
             f"params {r.params / 1e6:.1f}M (dense {r.baseline_params / 1e6:.1f}M)"

@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterator
 
 from flops.cli import positive_int, script_parser
 from flops.json_files import read_status, read_sweep
-from lm.run_files import read_json
 from heads.base import ConfigError
+from lm.run_files import read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
