@@ -57,14 +57,15 @@ def input_changes(old: dict[str, dict], new: dict[str, dict]) -> str:
     return ", ".join(parts)
 
 
-def shard_problem(out: Path, shard: dict) -> str | None:
-    """Why a finished shard cannot be used (missing, wrong size, hash mismatch), or None."""
+def shard_problem(out: Path, shard: dict, on_block: Callable[[int], object] = lambda n: None) -> str | None:
+    """Why a finished shard cannot be used (missing, wrong size, hash mismatch), or None; `on_block` as in
+    sha256_file."""
     path = out / shard["file"]
     if not path.is_file():
         return "missing"
     if path.stat().st_size != 2 * shard["tokens"]:
         return f"{path.stat().st_size} bytes, expected {2 * shard['tokens']}"
-    if "sha256" in shard and sha256_file(path) != shard["sha256"]:
+    if "sha256" in shard and sha256_file(path, on_block) != shard["sha256"]:
         return "SHA-256 mismatch"
     return None
 

@@ -133,9 +133,10 @@ def _previous_run(out: Path, settings: dict, corpus: Corpus, overwrite: bool,
                             "pass --overwrite to replace it, or choose another --out")
         _remove_outputs(out)
         return None, None
-    if index is not None and (problem := _incomplete(out, index)):
+    if index is not None and (problems := incomplete(out, index)):
         if not overwrite:  # every shard depends on the tokenizer: redoing it means redoing everything
-            raise DataError(f"--out {out} holds a preparation whose {problem}; pass --overwrite to prepare it again")
+            raise DataError(f"--out {out} holds a preparation whose {' and whose '.join(problems)}; "
+                            "pass --overwrite to prepare it again")
         _remove_outputs(out)
         return None, None
     if index is not None:
@@ -164,17 +165,17 @@ def _tokenizer_matches(model: Path, sha256: str | None) -> bool:
     return model.is_file() and hashlib.sha256(model.read_bytes()).hexdigest() == sha256
 
 
-def _incomplete(out: Path, index: dict) -> str | None:
+def incomplete(out: Path, index: dict) -> list[str]:
     """What a finished preparation in `out` lacks besides its shards (checked by intact_prefix): its tokenizer (the
-    one its shards were made with) and the training text's hash files its index names; None if nothing."""
-    model = out / TOKENIZER
+    one its shards were made with) and the training text's hash files its index names; empty if nothing."""
+    model, found = out / TOKENIZER, []
     if not model.is_file():
-        return f"{TOKENIZER} is missing"
-    if not _tokenizer_matches(model, index.get("tokenizer_sha256")):
-        return f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)"
+        found.append(f"{TOKENIZER} is missing")
+    elif not _tokenizer_matches(model, index.get("tokenizer_sha256")):
+        found.append(f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)")
     named = [index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")]
-    missing = [name for name in named if name and not (out / name).is_file()]
-    return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else None
+    found += [f"{name} is missing" for name in named if name and not (out / name).is_file()]
+    return found
 
 
 def _documents(corpus: Corpus, skips: Skips, desc: str, total: int | None, progress: bool) -> Iterator[Document]:

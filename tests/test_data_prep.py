@@ -1223,3 +1223,60 @@ def test_hub_route_hashes_local_data_files(tmp_path: Path) -> None:
     path.write_text("".join(json.dumps({"text": words(i, 30)}) + "\n" for i in range(20, 40)))
     with pytest.raises(DataError, match=rf"^--out .* holds a preparation with other inputs \(1 changed \({re.escape(str(path))}\)\)"):
         prepare("c4-hub", "json", tmp_path / "out", **kw)
+
+
+def test_verify_reads_every_byte_and_names_each_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """data_prep.verify: exit 0 on an intact preparation; 1 with one line per problem (a shard's bytes changed at
+    the same size, which training's size check cannot see; a shard cut short; a tokenizer swapped; a hash file
+    gone); 2 with one line for a directory that holds no finished preparation, or an index of another format.
+    A shard whose index entry has no SHA-256 is warned about, its size still checked."""
+    from data_prep.verify import main as verify
+
+    src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(8)})
+    out = tmp_path / "out"
+    index = prepare("text", str(src), out, vocab_size=500, val_fraction=0.2, shard_tokens=800, **QUIET)
+    train, val = index["splits"]["train"]["shards"], index["splits"]["val"]["shards"]
+    tokens = sum(s["tokens"] for s in train + val)
+    capsys.readouterr()
+    assert verify([str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out == (f"{out}: intact ({len(train) + len(val)} shards, {tokens:,} tokens; tokenizer "
+                                       "and hash files as index.json records)\n")
+
+    first, last = out / train[0]["file"], out / val[-1]["file"]
+    first.write_bytes(bytes(2 * train[0]["tokens"]))  # same size, other bytes
+    last.write_bytes(last.read_bytes()[:-2])
+    (out / "tokenizer.model").write_bytes(b"another")
+    (out / "train_documents.u64").unlink()
+    assert verify([str(out)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "damaged: tokenizer.model is not the one its shards were made with (SHA-256 differs from index.json's)",
+        "damaged: train_documents.u64 is missing",
+        f"damaged: {first.name}: SHA-256 mismatch",
+        f"damaged: {last.name}: {2 * val[-1]['tokens'] - 2} bytes, expected {2 * val[-1]['tokens']}",
+        f"{out}: 4 problem(s); rerun the data_prep.prepare command that made it: it redoes damaged shards "
+        "(a damaged tokenizer or hash file: with --overwrite)"]
+    (out / "tokenizer.model").unlink()
+    assert verify([str(out)]) == 1
+    assert "damaged: tokenizer.model is missing" in capsys.readouterr().err
+
+    prepare("text", str(src), out, vocab_size=500, val_fraction=0.2, shard_tokens=800, overwrite=True, **QUIET)
+    capsys.readouterr()
+    unhashed = json.loads((out / "index.json").read_text())
+    del unhashed["splits"]["train"]["shards"][0]["sha256"]
+    (out / "index.json").write_text(json.dumps(unhashed))
+    first.write_bytes(bytes(2 * train[0]["tokens"]))  # unseen without its hash: only the size is checked
+    assert verify([str(out)]) == 0
+    assert capsys.readouterr().err == (f"warning: 1 shard(s) have no SHA-256 in the index ({first.name}): "
+                                       "only their sizes are checked\n")
+
+    (out / "index.json").write_text(json.dumps({**unhashed, "format": "data_prep/9"}))
+    assert verify([str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {out / 'index.json'} is format 'data_prep/9' with 'uint16' tokens; "
+                                       "this version reads data_prep/1 to data_prep/2 with uint16 tokens\n")
+    for directory, message in ((src, f"{src} holds no index.json: not a finished preparation"),
+                               (tmp_path / "none", f"{tmp_path / 'none'} is not a directory")):
+        assert verify([str(directory)]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"
+    (out / "index.json").write_text("{")
+    assert verify([str(out)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out / 'index.json'} is not a valid index (JSONDecodeError")
