@@ -84,7 +84,11 @@ mkdir -p $VENV/bin && printf '#!/bin/sh\nexec python3 "$@"\n' > $VENV/bin/python
 train() {  # train NAME CONFIG OVERRIDES...: train_lm.py into $R/NAME, keep its metrics, curve and log
     local name=$1 config=$2; shift 2
     [ -f $R/$name/.campaign_done ] && { echo "$name: done in an earlier call"; return 0; }
-    python3 train_lm.py --config "$config" data.path=$DATA trainer.out_dir=$R/$name --overwrite "$@" > $C/$name.log 2>&1
+    local command=(python3 train_lm.py --config "$config" data.path=$DATA trainer.out_dir=$R/$name --overwrite "$@")
+    local a line=""
+    for a in "${command[@]}"; do [[ $a == *" "* ]] && line+=" '$a'" || line+=" $a"; done
+    echo "== $name (untimed):$line" > $C/$name.log  # the command line for the report (gpu_campaign_results)
+    "${command[@]}" >> $C/$name.log 2>&1
     local rc=$?
     (( rc == 0 )) && touch $R/$name/.campaign_done  # metrics.json alone also marks a run stopped after a validation
     cp $R/$name/metrics.json $C/$name.metrics.json 2>/dev/null; cp $R/$name/val_curve.png $C/$name.png 2>/dev/null

@@ -36,9 +36,11 @@ def read(path: Path) -> str | None:
 
 
 def header(title: str, c: Path, steps: list[str]) -> list[str]:
-    """Title, environment.txt, and each step's command line (the campaign log) and status line (status.txt)."""
-    log = (read(c.parent / "campaign.log") or "") + (read(c / "tests.log") or "")  # make-test's lines go to tests.log
-    commands = {m.group(1): m.group(2) for m in re.finditer(r"^== (\S+) \(limit \d+s\): (.*)$", log, re.M)}
+    """Title, environment.txt, and each step's command line (the campaign log, or the first line of the step's own
+    log for the untimed training runs) and status line (status.txt)."""
+    paths = [c.parent / "campaign.log", c / "tests.log", *(c / f"{step}.log" for step in steps)]  # make-test: tests.log
+    log = "\n".join(read(path) or "" for path in paths)
+    commands = {m.group(1): m.group(2) for m in re.finditer(r"^== (\S+) \((?:limit \d+s|untimed)\): (.*)$", log, re.M)}
     status = (read(c / "status.txt") or "").splitlines()
     lines = [f"# {title}", "", "Machine and versions (environment.txt of `bash bench/gpu_campaign.sh`):", "", "```",
              (read(c / "environment.txt") or "missing").strip(), "```", ""]

@@ -40,6 +40,7 @@ from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curves
 from lm.preemption import Preemption, received_sigterm
+from lm.progress_bar import progress_bars
 from lm.run_dir import claim, missing_tokenizer, tokenizer_sha256
 from lm.step_logger import StepLogger
 
@@ -254,7 +255,7 @@ def build_trainer(cfg: Config, checkpoints: StepCheckpoints, strategy: Any, resu
                                   engine_skips=deepspeed and not resolve_precision(t).startswith("16")),
                    DeadGradientCheck(), checkpoints,
                    Preemption(checkpoints), *timer,
-                   *([FinalStepValidates()] if validates_in_fit(cfg) else [])],
+                   *([FinalStepValidates()] if validates_in_fit(cfg) else []), *progress_bars(sys.stderr.isatty())],
         enable_checkpointing=False, default_root_dir=t.out_dir, enable_model_summary=False,  # lm.train.model_line
         use_distributed_sampler=False,  # the loaders split over ranks themselves (lm/data.py), each window once
         # DeepSpeed writes its own sharded checkpoint directories.

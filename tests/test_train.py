@@ -891,3 +891,21 @@ def test_fp16_mixed_precision_on_cpu_is_refused() -> None:
         check_devices(TrainerConfig(accelerator="cpu", precision="16-mixed"))
     for precision in ("bf16-mixed", "32-true", "auto"):
         check_devices(TrainerConfig(accelerator="cpu", precision=precision))
+
+
+def test_progress_bar_counts_the_whole_run() -> None:
+    """The Rich bar (when stderr is a terminal) counts the run's micro-batches out of max_steps x accumulation,
+    also on a resume (Lightning's total is the loader's remaining length: "40/9"), labelled "train" (Lightning's label
+    reads "Epoch 0/-2" with max_epochs unset); without a terminal there is no bar."""
+    import lightning as L
+
+    from lm.progress_bar import StepProgressBar, progress_bars
+
+    pytest.importorskip("rich", reason="the Rich bar needs the rich package")
+    (bar,) = progress_bars(True)
+    trainer = L.Trainer(max_steps=7, accumulate_grad_batches=3, callbacks=[bar], logger=False,
+                        enable_checkpointing=False, accelerator="cpu")
+    bar.setup(trainer, LMModule(load_config(None)), "fit")  # what Trainer.fit does first
+    assert isinstance(bar, StepProgressBar) and trainer.progress_bar_callback is bar
+    assert bar.total_train_batches == 21 and bar._get_train_description(trainer.current_epoch) == "train"
+    assert progress_bars(False) == []
