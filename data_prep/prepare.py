@@ -208,13 +208,14 @@ def _scan(corpus: Corpus, splitter: Splitter, sampler: LineSampler | None, progr
 
 def _train_tokenizer(out: Path, settings: dict, inputs: dict, sampler: LineSampler, splitter: Splitter,
                      threads: int) -> dict:
-    """Train on the sampled training lines, save tokenizer.model, and start a fresh progress record."""
+    """Train on the sampled training lines, start a fresh progress record and save tokenizer.model, in that order:
+    a tokenizer.model is never in --out without a record of it (a lone one is another program's, see _output_dir)."""
     lines = sampler.lines(exclude={d for d, split in splitter.forced.items() if split == "val"})
     model = tokenizer.train(lines, settings["vocab_size"], threads)
-    atomic_write(out / TOKENIZER, lambda f: f.write(model))
     state = {"settings": settings, "inputs": inputs, "tokenizer_sha256": hashlib.sha256(model).hexdigest(),
              "splits": {split: {"shards": [], "documents": 0} for split in SPLITS}}
     write_json(out / PROGRESS, state)
+    atomic_write(out / TOKENIZER, lambda f: f.write(model))
     return state
 
 
@@ -355,8 +356,9 @@ def _output_dir(out: Path) -> Iterator[None]:
         raise DataError(f"--out {out} exists and is not a directory")
     names = {p.name for p in out.iterdir()} if out.is_dir() else set()
     if names and not ({INDEX, PROGRESS} & names or any(map(SHARD_NAME.match, names))):  # no earlier preparation
-        foreign = sorted(name for name in names if not _ours(out / name))
-        if foreign:  # never delete what another program keeps there (train_*.bin names included)
+        # a tokenizer.model without a record of ours is another one (ours is written after progress.json)
+        foreign = sorted(name for name in names if not _ours(out / name) or name == TOKENIZER)
+        if foreign:  # never delete or replace what another program keeps there (train_*.bin names included)
             raise DataError(f"--out {out} holds files that are no preparation's ({', '.join(foreign[:3])}"
                             f"{', ...' if len(foreign) > 3 else ''}); choose an empty or new directory")
     created = not out.exists()

@@ -609,18 +609,24 @@ def test_a_refused_first_preparation_leaves_no_empty_out_directory(tmp_path: Pat
 
 
 def test_an_out_holding_other_files_is_refused_and_foreign_files_are_never_deleted(tmp_path: Path) -> None:
-    """An --out that holds no preparation but other files (a shard-like train_backup.bin among them) is refused in one
-    line, every file untouched; files added to a prepared --out survive a rerun with --overwrite and new settings."""
+    """An --out that holds no preparation but other files (a shard-like train_backup.bin among them, or only a
+    tokenizer.model: a preparation records its own first) is refused in one line, every file untouched; files added
+    to a prepared --out survive a rerun with --overwrite and new settings."""
     src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(12)})
     other = tmp_path / "other"
     other.mkdir()
     for name in ("train_backup.bin", "val_old.bin", "tokenizer.model", "notes.txt"):
         (other / name).write_bytes(name.encode())
     with pytest.raises(DataError, match=r"^--out .*other holds files that are no preparation's \(notes.txt, "
-                                        r"train_backup.bin, val_old.bin\); choose an empty or new directory$"):
+                                        r"tokenizer.model, train_backup.bin, ...\); choose an empty or new directory$"):
         prepare("text", str(src), other, vocab_size=500, val_fraction=0.2, **QUIET)
     assert sorted((p.name, p.read_bytes()) for p in other.iterdir()) == sorted(
         (n, n.encode()) for n in ("train_backup.bin", "val_old.bin", "tokenizer.model", "notes.txt"))
+    for name in ("train_backup.bin", "val_old.bin", "notes.txt"):
+        (other / name).unlink()
+    with pytest.raises(DataError, match=r"^--out .*other holds files that are no preparation's \(tokenizer.model\)"):
+        prepare("text", str(src), other, vocab_size=500, val_fraction=0.2, **QUIET)
+    assert (other / "tokenizer.model").read_bytes() == b"tokenizer.model"
     out = tmp_path / "out"
     prepare("text", str(src), out, vocab_size=500, val_fraction=0.2, **QUIET)
     (out / "train_backup.bin").write_bytes(b"mine")
