@@ -80,5 +80,6 @@ def main(argv: list[str] | None = None) -> int:
           "hash files as index.json records)")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
