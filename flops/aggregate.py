@@ -12,6 +12,9 @@ summarised as mean ± sample standard deviation over the done ones; points of di
 are never pooled (a hybrid and a pure sweep of one size are two experiments). The PNG has one panel per
 sweep (titled by its size, and its directory when two sweeps share a size), a line per head type with
 error bars, each starting at that sweep's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
+The markdown opens with each sweep's command and training length (unless --note replaces that). Done points of one
+sweep that trained for different lengths (a point rerun with `run_sweep --only NAME trainer.max_steps=...`) are not
+comparable at equal FLOPs per pass: a warning on stderr, above the tables and in the PNG's title names them.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from lm.run_files import read_json
 
 COLUMNS = [
     "sweep", "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
-    "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "val_ppl", "leakfree_ppl", "ppl",
-    "tokens_per_s",
+    "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "tokens", "val_ppl", "leakfree_ppl",
+    "ppl", "tokens_per_s",
 ]
 
 
@@ -74,12 +77,41 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
         out = Path(e["out_dir"])
         m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
-        row.update(sweep=label or manifest["size"], size=manifest["size"], step=m.get("step"), max_steps=max_steps(e), val_ppl=m.get("val_ppl"),
-                   leakfree_ppl=lf.get("leakfree_ppl"), tokens_per_s=m.get("tokens_per_s"))
+        row.update(sweep=label or manifest["size"], size=manifest["size"], step=m.get("step"), max_steps=max_steps(e),
+                   tokens=m.get("tokens_seen"), val_ppl=m.get("val_ppl"), leakfree_ppl=lf.get("leakfree_ppl"),
+                   tokens_per_s=m.get("tokens_per_s"))
         row["ppl"] = row["val_ppl"] if e["causal"] else row["leakfree_ppl"]
         row["status"] = point_status(status.get(e["name"], {}).get("status"), row["step"], row["max_steps"], row["ppl"])
         rows.append(row)
     return rows
+
+
+def unequal_training(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per sweep whose done points trained for different lengths (steps or tokens), naming them."""
+    lines = []
+    for sweep in dict.fromkeys(r["sweep"] for r in rows):
+        done = [r for r in rows if r["sweep"] == sweep and r["status"] == "done"]
+        lengths: dict[tuple[Any, Any], list[str]] = {}
+        for r in done:
+            lengths.setdefault((r["max_steps"], r["tokens"]), []).append(r["name"])
+        if len(lengths) > 1:
+            parts = [f"{', '.join(names[:3])}{' ...' * (len(names) > 3)}: {steps} steps, {tokens or 0:,} tokens"
+                     for (steps, tokens), names in sorted(lengths.items(), key=lambda kv: -len(kv[1]))]
+            lines.append(f"sweep {sweep}: its finished points trained for different lengths ({'; '.join(parts)}); "
+                         "their perplexities are not comparable at equal FLOPs per pass: train them to one length")
+    return lines
+
+
+def default_note(sweeps: list[Path], rows: list[dict[str, Any]]) -> str:
+    """Each sweep's command (sweep.json) and its done points' training length, and the machine."""
+    lines = []
+    for sweep, label in zip(sweeps, sweep_labels(sweeps)):
+        command = read_sweep(sweep / "sweep.json", keys=("points", "size")).get("command", "(not recorded)")
+        done = [r for r in rows if r["sweep"] == label and r["status"] == "done"]
+        length = ", ".join(dict.fromkeys(f"{r['max_steps']} steps ({r['tokens'] or 0:,} tokens)" for r in done))
+        lines.append(f"- IsoFLOP sweep `{sweep}` ({label}): `{command}`; each finished point trained "
+                     f"{length or '(none finished)'}")
+    return "\n".join(lines + [f"- machine: {platform.platform()}"])
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -132,7 +164,7 @@ def cell(g: dict[str, Any] | None) -> str:
 
 def markdown(rows: list[dict[str, Any]], note: str) -> str:
     s = summary(rows)
-    lines = [note, ""]
+    lines = [note, ""] + [line for warning in unequal_training(rows) for line in (f"**Warning: {warning}.**", "")]
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         mine = [r for r in rows if r["sweep"] == sweep]
         sparsities = sorted({r["sparsity"] for r in mine})
@@ -143,7 +175,9 @@ def markdown(rows: list[dict[str, Any]], note: str) -> str:
         lines += [f"| {h} | " + " | ".join(cell(s.get((sweep, "dense" if r == 1 else h, r))) for r in sparsities) + " |"
                   for h in heads]
         lines.append("")
-    lines += ["All points:", "", "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    lines += ["All points (tokens_per_s as measured during the sweep's training: on a shared or busy machine it is not "
+              "comparable between points; time points side by side with bench/throughput.py):", "",
+              "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -205,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    sizes = ", ".join(dict.fromkeys(r["size"] for r in rows))
-    note = a.note or f"IsoFLOP sweep(s) {', '.join(f'`{s}`' for s in a.sweeps)} ({sizes}); {platform.platform()}"
-    out.with_suffix(".md").write_text(markdown(rows, note))
-    plot(rows, out.with_suffix(".png"), "IsoFLOP curves (equal FLOPs per pass)")
+    for line in unequal_training(rows):
+        print(f"warning: {line}", file=sys.stderr)
+    out.with_suffix(".md").write_text(markdown(rows, a.note or default_note(a.sweeps, rows)))
+    unequal = " - WARNING: points trained for different lengths" if unequal_training(rows) else ""
+    plot(rows, out.with_suffix(".png"), f"IsoFLOP curves (equal FLOPs per pass){unequal}")
     counts = {k: sum(r["status"] == k for r in rows) for k in dict.fromkeys(r["status"] for r in rows)}
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, {out.with_suffix('.png')} "
           f"({', '.join(f'{n} {k}' for k, n in counts.items())})")

@@ -161,6 +161,14 @@ def command_line(program: list[str], argv: list[str] | None = None) -> str:
     return shlex.join([*threads, "python", *program, *(sys.argv[1:] if argv is None else argv)])
 
 
+def flop_count(value: float) -> str:
+    """A FLOP count with 2 decimals in G (MoSA Table 4's 54.76G, 1130.65G), or in M or k below 1G (micro's 41.94M)."""
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{prefix}"
+    return f"{value:.0f}"
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     with contextlib.suppress(OSError):

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from flops.cli import positive_int, script_parser
+from flops.cli import flop_count, positive_int, script_parser
 from flops.formulas import Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
     for name in ("seq-len", "hidden", "layers", "heads", "head-dim"):
         p.add_argument(f"--{name}", type=int, help="override the preset's or config's")
+    p.add_argument("--vocab-size", type=positive_int, help="override the preset's or config's vocabulary (parameters "
+                   "count it: the sweep's or a run's model.vocab_size)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     size = None if a.config else a.size or "tiny"  # (no default in the parser: --size tiny would pass with --config)
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                               "(flops.model.compressed_flops); give a dense model's config")
         base = baseline(size, loaded.model if loaded else None, n_layers=a.layers,
                         d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
+        if a.vocab_size is not None:
+            base = dataclasses.replace(base, vocab_size=a.vocab_size)
         options = parse_options(a.option)
         r = solve(base, a.head, a.sparsity, a.dense_heads, options)
     except ConfigError as err:
@@ -191,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                  else ", ".join(f"{key}={value}" for key, value in options.items()) or "default options")
         print(
             f"{a.config or size}: {r.dense_heads} dense + {r.sparse_heads} {r.head} heads ({shape}); "
-            f"FLOPs/pass {r.flops_per_pass / 1e9:.2f}G of {r.baseline_flops_per_pass / 1e9:.2f}G "
+            f"FLOPs/pass {flop_count(r.flops_per_pass)} of {flop_count(r.baseline_flops_per_pass)} "
             f"({100 * r.budget_used:.2f}%); KV/layer {r.kv_per_layer} (dense {r.baseline_kv_total // base.n_layers}); "
-            f"params {r.params / 1e6:.1f}M (dense {r.baseline_params / 1e6:.1f}M)"
+            f"params {r.params / 1e6:.2f}M (dense {r.baseline_params / 1e6:.2f}M)"
         )
     return 0
 

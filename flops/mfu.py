@@ -63,7 +63,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         util = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f}"
         lines.append(f"| {r['run']} | {r['devices']} x {r['device']} | {r['precision']} | {r['compile']} | {params} "
-                     f"| {r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.3f} | {r['achieved'] / 1e12:.3f} "
+                     f"| {r['tokens_per_s']:,.0f} | {r['flops_per_token'] / 1e9:.4g} | {r['achieved'] / 1e12:.4g} "
                      f"| {peak} | {util} |")
     return "\n".join(lines) + "\n"
 

@@ -205,6 +205,21 @@ def test_cli_text_names_the_sparse_group(args: list[str], shape: str, capsys: py
     assert f"tiny: 4 dense + {shape}; FLOPs/pass" in capsys.readouterr().out
 
 
+def test_cli_text_reads_at_every_size(capsys: pytest.CaptureFixture) -> None:
+    """FLOPs in G with 2 decimals (Table 4's), in M below 1G (micro's read "0.04G of 0.04G" before), parameters in M
+    with 2 decimals; --vocab-size sets the vocabulary the parameters count (a sweep's model.vocab_size)."""
+    assert isoflop_main(["--size", "tiny", "--head", "mosa", "--sparsity", "32"]) == 0
+    assert ("FLOPs/pass 54.72G of 54.76G (99.93%); KV/layer 12928 (dense 9216); params 241.84M (dense 27.87M)"
+            in capsys.readouterr().out)
+    args = ["--size", "micro", "--head", "mosa", "--sparsity", "8", "--dense-heads", "2"]
+    assert isoflop_main(args) == 0
+    default = capsys.readouterr().out
+    assert "FLOPs/pass 41.90M of 41.94M (99.91%)" in default and "params 1.53M (dense 1.14M)" in default
+    assert isoflop_main([*args, "--vocab-size", "2048"]) == 0
+    assert "FLOPs/pass 41.90M of 41.94M (99.91%); KV/layer 1072 (dense 768); params 0.77M (dense 0.38M)" in \
+        capsys.readouterr().out
+
+
 def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """--config takes the baseline from a YAML's model: configs/tiny.yaml is the Tiny preset, so both give the same
     point; its shape overrides apply; a config with sparse heads, a missing file, or --config with --size: one line."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import lm
-from flops.aggregate import collect, curves, sweep_labels
+from flops.aggregate import collect, curves, sweep_labels, unequal_training
 from flops.aggregate import main as aggregate_main
 from flops.model import model_cost
 from flops.run_sweep import main as run_main
@@ -32,6 +32,19 @@ def _sweep(tmp_path: Path, *extra: str) -> dict:
     args = ["--size", "micro", "--heads", "mosa,fixed", "--sparsity", "1,4,16", "--dense-heads", "2", "--out", str(out)]
     assert sweep_main([*args, *extra, "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]) == 0
     return json.loads((out / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("heads, message", [
+    ("mosa,bogus", "unknown head type 'bogus' in --heads; known: agent, dense, fixed"),
+    ("local", "flops.sweep varies sparsity, which local heads do not have (their options: impl, window); FLOP-match "
+              "one setting with `python -m flops.isoflop --head local --option KEY=VALUE`"),
+])
+def test_sweep_refuses_head_types_it_cannot_sweep(tmp_path: Path, heads: str, message: str, capsys) -> None:
+    """With --sparsity 1 alone no sparse point is solved: an unknown type, or one without a sparsity, was dropped
+    silently (only dense_s1 written). Refused in one line, nothing written."""
+    assert sweep_main(["--size", "micro", "--heads", heads, "--sparsity", "1", "--out", str(tmp_path / "sw")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {message}")
+    assert not (tmp_path / "sw").exists()
 
 
 def test_sweep_writes_flop_matched_loadable_configs(tmp_path: Path) -> None:
@@ -136,7 +149,8 @@ def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_r
 def _fake_metrics(entry: dict, ppl: float, step: int = 3) -> None:
     out = Path(entry["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps({"step": step, "val_ppl": ppl, "tokens_per_s": 1000.0}))
+    (out / "metrics.json").write_text(json.dumps({"step": step, "tokens_seen": 1024 * step, "val_ppl": ppl,
+                                                  "tokens_per_s": 1000.0}))
 
 
 def test_runner_skips_finished_and_records_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -219,6 +233,37 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     md = out.with_suffix(".md").read_text()
     assert "| mosa | 30.00 | 28.00 | 27.00 |" in md and "| fixed | 30.00 | 33.00 | - |" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "Warning" not in md and unequal_training(rows) == []
+
+
+def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, capsys) -> None:
+    """A point rerun longer (`run_sweep --only mosa_s4 trainer.max_steps=5`) is done at its own length, but its
+    perplexity is not comparable with the others': warned on stderr, above the tables and in the PNG title. The
+    default note records the sweep's command and the points' length."""
+    manifest = _sweep(tmp_path)
+    points = {e["name"]: e for e in manifest["points"]}
+    for name in ("dense_s1", "mosa_s16", "fixed_s4"):
+        _fake_metrics(points[name], 30.0)
+    longer = Path(points["mosa_s4"]["out_dir"])
+    longer.mkdir(parents=True)
+    (longer / "config.yaml").write_text(Path(points["mosa_s4"]["config"]).read_text().replace("max_steps: 3",
+                                                                                               "max_steps: 5"))
+    _fake_metrics(points["mosa_s4"], 20.0, step=5)
+    rows = collect(tmp_path / "sw")
+    assert [r["status"] for r in rows] == ["done"] * 4 + ["not run"]
+    warning = ("sweep micro: its finished points trained for different lengths (dense_s1, mosa_s16, fixed_s4: 3 steps, "
+               "3,072 tokens; mosa_s4: 5 steps, 5,120 tokens); their perplexities are not comparable at equal FLOPs "
+               "per pass: train them to one length")
+    assert unequal_training(rows) == [warning]
+    capsys.readouterr()
+    out = tmp_path / "isoflop"
+    assert aggregate_main([str(tmp_path / "sw"), "--out", str(out)]) == 0
+    assert f"warning: {warning}\n" in capsys.readouterr().err
+    md = out.with_suffix(".md").read_text()
+    assert f"**Warning: {warning}.**" in md
+    assert md.startswith(f"- IsoFLOP sweep `{tmp_path / 'sw'}` (micro): `python -m flops.sweep --size micro --heads "
+                         "mosa,fixed")
+    assert "each finished point trained 3 steps (3,072 tokens), 5 steps (5,120 tokens)" in md
 
 
 def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, capsys,
