@@ -209,8 +209,10 @@ def run(a: argparse.Namespace) -> int:
                     status[name] = {"status": "running", "pid": pid}
                     save()
 
+                earlier = status.get(name, {}).get("seconds", 0.0)  # a partial, interrupted or failed run's: resumed
                 status[name] = train_point(entry, a.overrides, running)
                 times.append(status[name]["seconds"])
+                status[name]["seconds"] = round(earlier + status[name]["seconds"], 1)  # over all runs of the point
             else:
                 status[name] = finished(status.get(name))
             if status[name]["status"] == "interrupted":

@@ -590,3 +590,21 @@ def test_sweep_json_files_that_are_missing_or_no_object_are_one_line(tmp_path: P
         sweep_json.write_text(json.dumps(manifest))
         assert main([str(tmp_path / "sw")]) == 2
         assert capsys.readouterr().err == f"error: {status_json} is damaged (not a JSON object); restore or delete it\n"
+
+
+def test_a_resumed_point_records_its_training_time_over_all_runs(tmp_path: Path, capsys,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A point stopped early (partial, interrupted or failed) and resumed by a later run_sweep records the seconds of
+    both runs (the resumed run's alone before: 6.3 s for a point trained 25.7 + 6.3 s)."""
+    _sweep(tmp_path)
+    trained, _ = _fake_training(monkeypatch)
+    status_file = tmp_path / "sw" / "status.json"
+    status_file.write_text(json.dumps({"dense_s1": {"status": "interrupted", "signal": "SIGTERM", "rc": -15,
+                                                    "seconds": 25.7}}))
+    capsys.readouterr()
+    assert run_main([str(tmp_path / "sw"), "--only", "dense_s1,mosa_s4"]) == 0
+    status = json.loads(status_file.read_text())
+    assert trained == ["dense_s1", "mosa_s4"]
+    assert status["dense_s1"] == {"status": "done", "rc": 0, "seconds": 27.2}
+    assert status["mosa_s4"] == {"status": "done", "rc": 0, "seconds": 1.5}
+    assert "[1/2] dense_s1: done in 27.2 s" in capsys.readouterr().out
