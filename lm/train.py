@@ -89,15 +89,15 @@ def build_strategy(cfg: Config) -> Any:
                 and (t.strategy == "ddp" or t.devices * t.num_nodes > 1)):
             return "ddp_find_unused_parameters_true"  # globally unused parameters keep grad None, as in one process
         return t.strategy  # "auto" or "ddp" (gloo on CPU, NCCL on GPU)
+    if lightning_accelerator(t) == "cpu":  # before importing DeepSpeed, which logs its own accelerator warnings
+        raise ConfigError("trainer.strategy=deepspeed_stage_2 needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses "
+                          "CPU); use strategy=ddp on CPU")
     try:
         import deepspeed  # noqa: F401
     except ImportError:
         raise ConfigError(
             "trainer.strategy=deepspeed_stage_2 needs DeepSpeed (CUDA machines): pip install -e '.[deepspeed]'"
         ) from None
-    if lightning_accelerator(t) == "cpu":
-        raise ConfigError("trainer.strategy=deepspeed_stage_2 needs CUDA GPUs (Lightning's DeepSpeedStrategy refuses "
-                          "CPU); use strategy=ddp on CPU")
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     precision = LossDividedOnce(resolve_precision(t))  # type: ignore[arg-type]

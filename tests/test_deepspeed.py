@@ -117,19 +117,22 @@ def consolidated_matches(tmp_path: Path, trained: dict[str, torch.Tensor], cfg) 
 
 
 def test_deepspeed_on_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning's DeepSpeedStrategy needs CUDA; on CPU the config says so in one line (and without
-    DeepSpeed installed, how to install it)."""
+    """Lightning's DeepSpeedStrategy needs CUDA; on CPU the config says so in one line, before DeepSpeed is imported
+    (its import logs accelerator warnings above the error); on a GPU without DeepSpeed installed, how to install it."""
+    import torch
+
     from lm.train import build_strategy
     from tests.conftest import tiny_config
 
     cfg = tiny_config()
     cfg.trainer.strategy = "deepspeed_stage_2"
-    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
-    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
-        build_strategy(cfg)
-    monkeypatch.setitem(sys.modules, "deepspeed", object())  # installed
     cfg.trainer.accelerator = "cpu"
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError: not reached on CPU
     with pytest.raises(ConfigError, match="needs CUDA GPUs.*strategy=ddp"):
+        build_strategy(cfg)
+    cfg.trainer.accelerator = "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
         build_strategy(cfg)
 
 
