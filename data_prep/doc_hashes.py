@@ -97,20 +97,33 @@ class SplitHashes:
         self.ngrams[split].append(ngram_hashes(text))
 
     def write(self, out: Path) -> dict[str, Any]:
-        """Write FILE and NGRAM_FILE into `out`; return their index.json entries: the files, how many
-        validation documents are exact copies of a training one, and the share of the validation split's
-        sampled sequences that occur in the training split (None without any)."""
+        """Write FILE and NGRAM_FILE into `out`; return their index.json entries: the files and their SHA-256
+        (data_prep.verify checks them), how many validation documents are exact copies of a training one, and the
+        share of the validation split's sampled sequences that occur in the training split (None without any)."""
         train = np.unique(np.frombuffer(self.by_split["train"], dtype=np.uint64))
-        atomic_write(out / FILE, lambda f: f.write(train.astype("<u8").tobytes()))
         train_ngrams = np.unique(np.concatenate([np.zeros(0, np.uint64), *self.ngrams["train"]]))
-        atomic_write(out / NGRAM_FILE, lambda f: f.write(train_ngrams.astype("<u8").tobytes()))
+        digests = {}
+        for name, hashes in ((FILE, train), (NGRAM_FILE, train_ngrams)):
+            data = hashes.astype("<u8").tobytes()
+            atomic_write(out / name, lambda f: f.write(data))
+            digests[name] = hashlib.sha256(data).hexdigest()
         val_ngrams = np.concatenate([np.zeros(0, np.uint64), *self.ngrams["val"]])
         return {
             "train_documents": FILE,
             "train_ngrams": {"file": NGRAM_FILE, "words": NGRAM_WORDS, "keep_one_in": KEEP_ONE_IN},
+            "hash_files_sha256": digests,
             "val_copies_of_train": int(contains(train, np.frombuffer(self.by_split["val"], dtype=np.uint64)).sum()),
             "val_ngram_share": float(contains(train_ngrams, val_ngrams).mean()) if len(val_ngrams) else None,
         }
+
+
+def layout_problem(path: Path) -> str | None:
+    """Why the hash file `path` is not a sorted array of distinct little-endian uint64 (its layout), else None."""
+    size = path.stat().st_size
+    if size % 8:
+        return f"{size} bytes, not a whole number of 8-byte hashes"
+    hashes = np.fromfile(path, dtype="<u8")
+    return None if bool(np.all(hashes[1:] > hashes[:-1])) else "its hashes are not sorted and distinct"
 
 
 def read(data: Path, name: str = FILE) -> np.ndarray | None:

@@ -14,6 +14,7 @@ Output directory:
                              "splits": {"train"|"val": {"tokens", "documents",
                                         "shards": [{"file", "tokens", "documents", "sha256"}]}},
                              "train_documents": "train_documents.u64", "val_copies_of_train": n,
+                             "hash_files_sha256": {file name: sha256},
                              "train_ngrams": {"file", "words", "keep_one_in"}, "val_ngram_share": x,
                              "forced_split": {doc id: split}, "skipped": {...counts}}
 Two passes over the documents: a scan (count, choose the split, sample lines for the tokenizer),
@@ -92,8 +93,9 @@ def _ours(path: Path) -> bool:
 
 
 def _remove_outputs(out: Path) -> None:
-    """Delete what an earlier preparation wrote to `out` (only our own file names)."""
-    for path in out.iterdir():
+    """Delete what an earlier preparation wrote to `out` (only our own file names), its records last: interrupted
+    half-way, what is left is still recognised as a preparation's (a lone tokenizer.model would not be)."""
+    for path in sorted(out.iterdir(), key=lambda p: p.name in (INDEX, PROGRESS)):
         if _ours(path):
             path.unlink()
 

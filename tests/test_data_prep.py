@@ -1234,8 +1234,10 @@ def test_hub_route_hashes_local_data_files(tmp_path: Path) -> None:
 def test_verify_reads_every_byte_and_names_each_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """data_prep.verify: exit 0 on an intact preparation; 1 with one line per problem (a shard's bytes changed at
     the same size, which training's size check cannot see; a shard cut short; a tokenizer swapped; a hash file
-    gone); 2 with one line for a directory that holds no finished preparation, or an index of another format.
-    A shard whose index entry has no SHA-256 is warned about, its size still checked."""
+    gone, or changed: against its recorded SHA-256, or without one its layout; a split's token total that its shards
+    do not sum to); 2 with one line for a directory that holds no finished preparation, or an index of another
+    format or structure (a shard entry naming a file outside the directory, tokens that are no integer). A shard
+    whose index entry has no SHA-256 is warned about, its size still checked."""
     from data_prep.verify import main as verify
 
     src = write_texts(tmp_path / "src", {f"d{i:02d}.txt": words(i, 40) for i in range(8)})
@@ -1253,14 +1255,17 @@ def test_verify_reads_every_byte_and_names_each_problem(tmp_path: Path, capsys: 
     last.write_bytes(last.read_bytes()[:-2])
     (out / "tokenizer.model").write_bytes(b"another")
     (out / "train_documents.u64").unlink()
+    ngrams = out / "train_ngrams.u64"
+    ngrams.write_bytes(ngrams.read_bytes()[8:])  # one hash fewer: a valid layout, caught by its SHA-256
     assert verify([str(out)]) == 1
     assert capsys.readouterr().err.splitlines() == [
         "damaged: tokenizer.model is not the one its shards were made with (SHA-256 differs from index.json's)",
         "damaged: train_documents.u64 is missing",
+        "damaged: train_ngrams.u64: SHA-256 mismatch",
         f"damaged: {first.name}: SHA-256 mismatch",
         f"damaged: {last.name}: {2 * val[-1]['tokens'] - 2} bytes, expected {2 * val[-1]['tokens']}",
-        f"{out}: 4 problem(s); rerun the data_prep.prepare command that made it: it redoes damaged shards "
-        "(a damaged tokenizer or hash file: with --overwrite)"]
+        f"{out}: 5 problem(s); copy the damaged files again from where it was prepared, or rerun its data_prep.prepare "
+        "command there (it redoes damaged shards; a damaged tokenizer or hash file with --overwrite)"]
     (out / "tokenizer.model").unlink()
     assert verify([str(out)]) == 1
     assert "damaged: tokenizer.model is missing" in capsys.readouterr().err
@@ -1269,13 +1274,34 @@ def test_verify_reads_every_byte_and_names_each_problem(tmp_path: Path, capsys: 
     capsys.readouterr()
     unhashed = json.loads((out / "index.json").read_text())
     del unhashed["splits"]["train"]["shards"][0]["sha256"]
+    del unhashed["hash_files_sha256"]  # as before 2026-11-30: the hash files' layout is checked instead
     (out / "index.json").write_text(json.dumps(unhashed))
     first.write_bytes(bytes(2 * train[0]["tokens"]))  # unseen without its hash: only the size is checked
     assert verify([str(out)]) == 0
     assert capsys.readouterr().err == (f"warning: 1 shard(s) have no SHA-256 in the index ({first.name}): "
                                        "only their sizes are checked\n")
+    hashes = (out / "train_documents.u64").read_bytes()
+    for damage, problem in ((hashes[:-3], f"{len(hashes) - 3} bytes, not a whole number of 8-byte hashes"),
+                            (hashes[8:] + hashes[:8], "its hashes are not sorted and distinct")):
+        (out / "train_documents.u64").write_bytes(damage)
+        assert verify([str(out)]) == 1
+        assert f"damaged: train_documents.u64: {problem}\n" in capsys.readouterr().err
+    (out / "train_documents.u64").write_bytes(hashes)
+    recorded = unhashed["splits"]["val"]["tokens"]
+    (out / "index.json").write_text(json.dumps({**unhashed, "splits": {
+        "train": unhashed["splits"]["train"], "val": {**unhashed["splits"]["val"], "tokens": recorded + 1}}}))
+    assert verify([str(out)]) == 1
+    assert f"damaged: index.json: the val split records {recorded + 1} tokens, its shards {recorded}\n" in \
+        capsys.readouterr().err
+    for entry, shown in (({"file": "../../../etc/hostname", "tokens": 5}, "file '../../../etc/hostname'"),
+                         ({"file": first.name, "tokens": "abc"}, "tokens 'abc'")):
+        (out / "index.json").write_text(json.dumps({**unhashed, "splits": {
+            "train": {**unhashed["splits"]["train"], "shards": [entry]}, "val": unhashed["splits"]["val"]}}))
+        assert verify([str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {out / 'index.json'} is not a valid index (train: a shard entry's ") and shown in err
 
-    (out / "index.json").write_text(json.dumps({**unhashed, "format": "data_prep/9"}))
+    (out / "index.json").write_text(json.dumps({**unhashed, "format": "data_prep/9"}))  # (its token totals agree)
     assert verify([str(out)]) == 2
     assert capsys.readouterr().err == (f"error: {out / 'index.json'} is format 'data_prep/9' with 'uint16' tokens; "
                                        "this version reads data_prep/1 to data_prep/2 with uint16 tokens\n")
