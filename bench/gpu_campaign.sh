@@ -86,8 +86,8 @@ train() {  # train NAME CONFIG OVERRIDES...: train_lm.py into $R/NAME, keep its 
     [ -f $R/$name/.campaign_done ] && { echo "$name: done in an earlier call"; return 0; }
     local command=(python3 train_lm.py --config "$config" data.path=$DATA trainer.out_dir=$R/$name --overwrite "$@")
     local a line=""
-    for a in "${command[@]}"; do [[ $a == *" "* ]] && line+=" '$a'" || line+=" $a"; done
-    echo "== $name (untimed):$line" > $C/$name.log  # the command line for the report (gpu_campaign_results)
+    for a in "${command[@]}"; do [[ $a =~ ^[A-Za-z0-9_./=:,+-]+$ ]] && line+=" $a" || line+=" ${a@Q}"; done  # shell-quoted
+    echo "== $name (run):$line" > $C/$name.log  # the exact command line, for the report (gpu_campaign_results)
     "${command[@]}" >> $C/$name.log 2>&1
     local rc=$?
     (( rc == 0 )) && touch $R/$name/.campaign_done  # metrics.json alone also marks a run stopped after a validation

@@ -36,11 +36,12 @@ def read(path: Path) -> str | None:
 
 
 def header(title: str, c: Path, steps: list[str]) -> list[str]:
-    """Title, environment.txt, and each step's command line (the campaign log, or the first line of the step's own
-    log for the untimed training runs) and status line (status.txt)."""
+    """Title, environment.txt, and each step's command line and status line (status.txt): the command is the first
+    line of the step's own log for a training run (`== NAME (run): python3 train_lm.py ...`, where the campaign log
+    has the shell function's call), else the campaign log's."""
     paths = [c.parent / "campaign.log", c / "tests.log", *(c / f"{step}.log" for step in steps)]  # make-test: tests.log
     log = "\n".join(read(path) or "" for path in paths)
-    commands = {m.group(1): m.group(2) for m in re.finditer(r"^== (\S+) \((?:limit \d+s|untimed)\): (.*)$", log, re.M)}
+    commands = {m.group(1): m.group(2) for m in re.finditer(r"^== (\S+) \((?:limit \d+s|run)\): (.*)$", log, re.M)}
     status = (read(c / "status.txt") or "").splitlines()
     lines = [f"# {title}", "", "Machine and versions (environment.txt of `bash bench/gpu_campaign.sh`):", "", "```",
              (read(c / "environment.txt") or "missing").strip(), "```", ""]

@@ -86,16 +86,23 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def length(steps: Any, tokens: int | None) -> str:
+    """A point's training length as the tables show it: '300 steps (614,400 tokens)'."""
+    return f"{steps} steps ({'tokens not recorded' if tokens is None else f'{tokens:,} tokens'})"
+
+
 def unequal_training(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per sweep whose done points trained for different lengths (steps or tokens), naming them."""
+    """One line per sweep whose done points trained for different lengths (steps, and tokens where every point
+    recorded them), naming them."""
     lines = []
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         done = [r for r in rows if r["sweep"] == sweep and r["status"] == "done"]
+        known = all(r["tokens"] is not None for r in done)
         lengths: dict[tuple[Any, Any], list[str]] = {}
         for r in done:
-            lengths.setdefault((r["max_steps"], r["tokens"]), []).append(r["name"])
+            lengths.setdefault((r["max_steps"], r["tokens"] if known else None), []).append(r["name"])
         if len(lengths) > 1:
-            parts = [f"{', '.join(names[:3])}{' ...' * (len(names) > 3)}: {steps} steps, {tokens or 0:,} tokens"
+            parts = [f"{', '.join(names[:3])}{' ...' * (len(names) > 3)}: {length(steps, tokens)}"
                      for (steps, tokens), names in sorted(lengths.items(), key=lambda kv: -len(kv[1]))]
             lines.append(f"sweep {sweep}: its finished points trained for different lengths ({'; '.join(parts)}); "
                          "their perplexities are not comparable at equal FLOPs per pass: train them to one length")
@@ -108,9 +115,9 @@ def default_note(sweeps: list[Path], rows: list[dict[str, Any]]) -> str:
     for sweep, label in zip(sweeps, sweep_labels(sweeps)):
         command = read_sweep(sweep / "sweep.json", keys=("points", "size")).get("command", "(not recorded)")
         done = [r for r in rows if r["sweep"] == label and r["status"] == "done"]
-        length = ", ".join(dict.fromkeys(f"{r['max_steps']} steps ({r['tokens'] or 0:,} tokens)" for r in done))
+        lengths = ", ".join(dict.fromkeys(length(r["max_steps"], r["tokens"]) for r in done))
         lines.append(f"- IsoFLOP sweep `{sweep}` ({label}): `{command}`; each finished point trained "
-                     f"{length or '(none finished)'}")
+                     f"{lengths or '(none finished)'}")
     return "\n".join(lines + [f"- machine: {platform.platform()}"])
 
 
@@ -176,7 +183,7 @@ def markdown(rows: list[dict[str, Any]], note: str) -> str:
                   for h in heads]
         lines.append("")
     lines += ["All points (tokens_per_s as measured during the sweep's training: on a shared or busy machine it is not "
-              "comparable between points; time points side by side with bench/throughput.py):", "",
+              "comparable between points; time points side by side with bench/throughput.py --out FILE):", "",
               "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"

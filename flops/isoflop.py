@@ -22,7 +22,7 @@ from flops.cli import flop_count, positive_int, script_parser
 from flops.formulas import Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
-from heads.base import REGISTRY, ConfigError, make_options
+from heads.base import ConfigError, head_class, make_options
 from lm.config import HeadGroupConfig, ModelConfig, load_config
 
 
@@ -61,12 +61,16 @@ def check_sparsity(seq_len: int, sparsity: float) -> int:
     return sparse_k(seq_len, sparsity)
 
 
+def option_names(head: str) -> list[str]:
+    """The options of head type `head` (a one-line ConfigError naming the known types if there is no such type)."""
+    return [f.name for f in dataclasses.fields(head_class(head).Options)]
+
+
 def solve(
     base: ModelConfig, head: str, sparsity: float | None = None, dense_heads: int = 4, options: dict[str, Any] | None = None
 ) -> IsoFlopResult:
     """FLOP-match `head` heads to the dense baseline `base` (one dense group in every layer)."""
-    if head not in REGISTRY:  # FORMULAS also counts the compression layer, which is no head type
-        raise ConfigError(f"unknown head type {head!r}; known: {', '.join(sorted(REGISTRY))}")
+    fields = option_names(head)  # FORMULAS also counts the compression layer, which is no head type
     if base.layer_heads or len(base.heads) != 1 or base.heads[0].type != "dense":
         raise ConfigError("the baseline must be one dense head group in every layer")
     total_heads = base.heads[0].count
@@ -76,7 +80,6 @@ def solve(
     if sparsity is not None and "sparsity" in options and options["sparsity"] != sparsity:
         raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
     # unknown options, wrong types and bad values: the same check as training's
-    fields = [f.name for f in dataclasses.fields(REGISTRY[head].Options)]
     if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
         raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
     given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
@@ -178,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{a.config} has a compression section: its FLOPs depend on the layout "
                               "(flops.model.compressed_flops); give a dense model's config")
         base = baseline(size, loaded.model if loaded else None, n_layers=a.layers,
-                        d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len)
-        if a.vocab_size is not None:
-            base = dataclasses.replace(base, vocab_size=a.vocab_size)
+                        d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len,
+                        vocab_size=a.vocab_size)
         options = parse_options(a.option)
         r = solve(base, a.head, a.sparsity, a.dense_heads, options)
     except ConfigError as err:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from heads.base import ConfigError
-from lm.config import HeadGroupConfig, ModelConfig
+from lm.config import HeadGroupConfig, ModelConfig, validate_model
 
 SIZES: dict[str, dict[str, int]] = {
     "micro": dict(n_layers=2, d_model=64, head_dim=16, n_heads=6, seq_len=128),
@@ -29,9 +29,10 @@ def baseline(
     head_dim: int | None = None,
     n_heads: int | None = None,
     seq_len: int | None = None,
+    vocab_size: int | None = None,
 ) -> ModelConfig:
-    """The dense baseline ModelConfig of a size (or of `base`'s shape), with explicit overrides.
-    Fields not set by the size (vocab, RoPE, ...) come from `base` (default: ModelConfig())."""
+    """The dense baseline ModelConfig of a size (or of `base`'s shape), with explicit overrides, checked as a
+    config's model section. Fields not set by the size (vocab, RoPE, ...) come from `base` (default: ModelConfig())."""
     base = base or ModelConfig()
     if size is not None and size not in SIZES:
         raise ConfigError(f"unknown size {size!r}; known sizes: {', '.join(SIZES)}")
@@ -49,4 +50,7 @@ def baseline(
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     heads = shape.pop("n_heads")
-    return dataclasses.replace(base, **shape, heads=[HeadGroupConfig("dense", heads, {})], layer_heads={})
+    model = dataclasses.replace(base, **shape, heads=[HeadGroupConfig("dense", heads, {})], layer_heads={},
+                                vocab_size=base.vocab_size if vocab_size is None else vocab_size)
+    validate_model(model)
+    return model

@@ -205,11 +205,14 @@ def run(a: argparse.Namespace) -> int:
             if not trained(entry, a.overrides):
                 print(f"{head}: training ... ({eta}; log {Path(entry['out_dir']) / 'train.log'})", flush=True)
 
-                def running(pid: int, name: str = name) -> None:
-                    status[name] = {"status": "running", "pid": pid}
+                # the seconds of earlier runs of the point (partial, interrupted or failed), if this one resumes them
+                resumes = any((Path(entry["out_dir"]) / "checkpoints").glob("step*"))
+                earlier = status.get(name, {}).get("seconds", 0.0) if resumes else 0.0
+
+                def running(pid: int, name: str = name, earlier: float = earlier) -> None:
+                    status[name] = {"status": "running", "pid": pid, **({"seconds": earlier} if earlier else {})}
                     save()
 
-                earlier = status.get(name, {}).get("seconds", 0.0)  # a partial, interrupted or failed run's: resumed
                 status[name] = train_point(entry, a.overrides, running)
                 times.append(status[name]["seconds"])
                 status[name]["seconds"] = round(earlier + status[name]["seconds"], 1)  # over all runs of the point

@@ -25,9 +25,9 @@ import torch
 import yaml
 
 from flops.cli import comma_list, command_line, positive_int, script_parser
-from flops.isoflop import parse_options, solve
+from flops.isoflop import option_names, parse_options, solve
 from flops.presets import SIZES, baseline
-from heads.base import REGISTRY, ConfigError
+from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
 from lm.model import build_model
 from lm.run_dir import config_changes
@@ -47,11 +47,11 @@ def sweep_points(
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
-    for head in heads:  # checked here too: with --sparsity 1 alone no point of `head` is solved
-        if head not in REGISTRY:
-            raise ConfigError(f"unknown head type {head!r} in --heads; known: {', '.join(sorted(REGISTRY))}")
-        fields = [f.name for f in dataclasses.fields(REGISTRY[head].Options)]
-        if "sparsity" not in fields:
+    for head in heads:  # checked here: with --sparsity 1 alone no point of `head` is solved
+        if head == "dense":
+            raise ConfigError("--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, "
+                              "dense_s1)")
+        if "sparsity" not in (fields := option_names(head)):
             raise ConfigError(f"flops.sweep varies sparsity, which {head} heads do not have (their options: "
                               f"{', '.join(fields)}); FLOP-match one setting with `python -m flops.isoflop --head "
                               f"{head} --option KEY=VALUE` and train that head mix with train_lm.py (model.heads=...)")

@@ -25,7 +25,7 @@ class StepProgressBar(RichProgressBar):
         return self.trainer.max_steps * self.trainer.accumulate_grad_batches
 
     def _get_train_description(self, current_epoch: int) -> str:  # Lightning's hook for the bar's label
-        return "train"
+        return f"{'train':{len(self.validation_description)}}"  # padded as Lightning's: no flicker between the bars
 
 
 def progress_bars(enabled: bool) -> list[L.Callback]:

@@ -28,7 +28,7 @@ def _campaign(tmp_path: Path) -> Path:
     (c / "resume_ddp.md").write_text("Verdict: the resumed run equals the uninterrupted one, bit for bit.\n")
     (c / "c4_dense.metrics.json").write_text(json.dumps({"step": 250, "tokens_seen": 4_096_000, "val_loss": 5.0,
                                                          "val_ppl": 148.4, "tokens_per_s": 1e5, "peak_mem_bytes": 3e9}))
-    (c / "c4_dense.log").write_text("== c4_dense (untimed): python3 train_lm.py --config configs/tiny.yaml\nok\n")
+    (c / "c4_dense.log").write_text("== c4_dense (run): python3 train_lm.py --config configs/tiny.yaml\nok\n")
     (c / "c4_mosa_isoflop.log").write_text("loading\nRuntimeError: CUDA out of memory\n")
     (c / "profile_dense.md").write_text("## profile_dense\n\n```\nFIT Profiler Report\n  aten::mm  41.0%\n```\n")
     (tmp_path / "campaign.log").write_text("== table2 (limit 120s): python3 -m bench.resources --pair table2-tiny\n")

@@ -148,6 +148,8 @@ def test_cli_json() -> None:
         (["--size", "huge", "--head", "mosa", "--sparsity", "8"], "unknown size 'huge'"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--dense-heads", "10"], "dense_heads must be in [0, 9]"),
         (["--size", "tiny", "--head", "mosa", "--sparsity", "8", "--layers", "0"], "n_layers must be >= 1"),
+        (["--size", "micro", "--head", "mosa", "--sparsity", "8", "--vocab-size", "100000"],
+         "model.vocab_size must be <= 65536"),
         (["--size", "tiny", "--head", "local", "--option", "window=64", "--sparsity", "8"],
          "--sparsity does not apply to local heads (their options: impl, window)"),
         # sizes past the training length, refused as training refuses them (the mix printed was never trainable)

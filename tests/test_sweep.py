@@ -35,7 +35,8 @@ def _sweep(tmp_path: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("heads, message", [
-    ("mosa,bogus", "unknown head type 'bogus' in --heads; known: agent, dense, fixed"),
+    ("mosa,bogus", "unknown head type 'bogus'; known types: agent, dense, fixed"),
+    ("dense,mosa", "--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, dense_s1)"),
     ("local", "flops.sweep varies sparsity, which local heads do not have (their options: impl, window); FLOP-match "
               "one setting with `python -m flops.isoflop --head local --option KEY=VALUE`"),
 ])
@@ -251,8 +252,8 @@ def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, ca
     _fake_metrics(points["mosa_s4"], 20.0, step=5)
     rows = collect(tmp_path / "sw")
     assert [r["status"] for r in rows] == ["done"] * 4 + ["not run"]
-    warning = ("sweep micro: its finished points trained for different lengths (dense_s1, mosa_s16, fixed_s4: 3 steps, "
-               "3,072 tokens; mosa_s4: 5 steps, 5,120 tokens); their perplexities are not comparable at equal FLOPs "
+    warning = ("sweep micro: its finished points trained for different lengths (dense_s1, mosa_s16, fixed_s4: 3 steps "
+               "(3,072 tokens); mosa_s4: 5 steps (5,120 tokens)); their perplexities are not comparable at equal FLOPs "
                "per pass: train them to one length")
     assert unequal_training(rows) == [warning]
     capsys.readouterr()
@@ -264,6 +265,12 @@ def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, ca
     assert md.startswith(f"- IsoFLOP sweep `{tmp_path / 'sw'}` (micro): `python -m flops.sweep --size micro --heads "
                          "mosa,fixed")
     assert "each finished point trained 3 steps (3,072 tokens), 5 steps (5,120 tokens)" in md
+    # metrics without tokens_seen (older runs): compared on steps alone, no false warning at equal steps
+    for row in rows:
+        row["tokens"] = None if row["name"] == "dense_s1" else row["tokens"]
+    assert unequal_training([r for r in rows if r["name"] != "mosa_s4"]) == []
+    assert "dense_s1, mosa_s16, fixed_s4: 3 steps (tokens not recorded); mosa_s4: 5 steps (tokens not recorded)" in \
+        unequal_training(rows)[0]
 
 
 def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, capsys,
@@ -594,13 +601,17 @@ def test_sweep_json_files_that_are_missing_or_no_object_are_one_line(tmp_path: P
 
 def test_a_resumed_point_records_its_training_time_over_all_runs(tmp_path: Path, capsys,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A point stopped early (partial, interrupted or failed) and resumed by a later run_sweep records the seconds of
-    both runs (the resumed run's alone before: 6.3 s for a point trained 25.7 + 6.3 s)."""
-    _sweep(tmp_path)
+    """A point stopped early (partial, interrupted or failed) and resumed from its checkpoint by a later run_sweep
+    records the seconds of both runs (the resumed run's alone before: 6.3 s for a point trained 25.7 + 6.3 s); a
+    point without a checkpoint starts afresh and records its own run's."""
+    manifest = _sweep(tmp_path)
     trained, _ = _fake_training(monkeypatch)
+    checkpoints = Path(manifest["points"][0]["out_dir"]) / "checkpoints"  # dense_s1's
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "step0000002.ckpt").write_bytes(b"")
     status_file = tmp_path / "sw" / "status.json"
-    status_file.write_text(json.dumps({"dense_s1": {"status": "interrupted", "signal": "SIGTERM", "rc": -15,
-                                                    "seconds": 25.7}}))
+    earlier = {"status": "interrupted", "signal": "SIGTERM", "rc": -15, "seconds": 25.7}
+    status_file.write_text(json.dumps({"dense_s1": earlier, "mosa_s4": earlier}))
     capsys.readouterr()
     assert run_main([str(tmp_path / "sw"), "--only", "dense_s1,mosa_s4"]) == 0
     status = json.loads(status_file.read_text())

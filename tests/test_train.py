@@ -907,5 +907,6 @@ def test_progress_bar_counts_the_whole_run() -> None:
                         enable_checkpointing=False, accelerator="cpu")
     bar.setup(trainer, LMModule(load_config(None)), "fit")  # what Trainer.fit does first
     assert isinstance(bar, StepProgressBar) and trainer.progress_bar_callback is bar
-    assert bar.total_train_batches == 21 and bar._get_train_description(trainer.current_epoch) == "train"
+    assert bar.total_train_batches == 21
+    assert bar._get_train_description(trainer.current_epoch) == "train".ljust(len(bar.validation_description))
     assert progress_bars(False) == []
