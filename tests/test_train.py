@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -215,24 +214,34 @@ def test_weight_decay_reaches_every_parameter_of_two_or_more_dimensions(data: Pa
 
 
 def test_checkpoint_writing_is_not_training_time(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tokens_per_s counts training steps only: a checkpoint every step that takes 3 s to write leaves it at the
-    steps' own speed (counting the writes once held it below one batch per write)."""
+    """tokens_per_s counts training steps only: a checkpoint every step that takes 1000 s to write leaves it at the
+    steps' own speed (counting the writes once held it below one batch per write). The module's clock is a fake one
+    (1 ms per reading, plus each write's 1000 s), so that the check does not depend on the machine's load."""
+    import types
+
     import lightning as L
 
+    import lm.module
     from lm.train import train
+
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
 
     save = L.Trainer.save_checkpoint
 
     def slow_save(self, *args, **kwargs):
-        time.sleep(3.0)
+        clock[0] += 1000.0
         return save(self, *args, **kwargs)
 
+    monkeypatch.setattr(lm.module, "time", types.SimpleNamespace(perf_counter=perf_counter))
     monkeypatch.setattr(L.Trainer, "save_checkpoint", slow_save)
     cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=1, val_every=4))
     metrics = train(cfg)
-    # counted, each 3 s write would hold the rate below a third of a batch per second; the steps alone run at tens of
-    # batches per second here, at more than one even on a machine busy with other work
-    assert metrics["tokens_per_s"] > cfg.data.batch_size * cfg.model.seq_len
+    # the timed steps took a few fake ms each; counted, each write would hold the rate below one batch per 1000 s
+    assert metrics["tokens_per_s"] > 10 * cfg.data.batch_size * cfg.model.seq_len
 
 
 def test_checkpoints_hold_config_and_rebuild_the_model(trained: tuple[Path, dict], data: Path) -> None:
