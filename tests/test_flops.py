@@ -216,6 +216,51 @@ def test_every_head_type_executes_its_counted_flops(head_type: str, seq_len: int
     assert low <= (e3 - e1) / (c3 - c1) <= high, f"{head_type}: executes {e3 - e1}, formula counts {c3 - c1}"
 
 
+# The bounds over every value of an option the type's grid() draws (one option at a time, on example(), T = 256)
+# where the option changes the executed layout; every other option keeps its type's EXECUTED_OVER_COUNTED bounds.
+GRID_EXECUTED_OVER_COUNTED = {
+    ("local", "window"): (1.0, 1.25),  # a window near T scores the masked causal square (1.21 at w = 200)
+    ("agent", "block"): (1.0, 1.25),  # block 16: a band of 2b keys for an 8-key window (1.23)
+    ("mita", "block"): (1.0, 1.5),  # blocks of 1-5 queries, routed groups padded to them (1.30-1.44)
+    ("mita", "k"): (1.0, 1.4),  # k = 64 experts padded to blocks of 8 queries (1.35)
+    ("routing", "sparsity"): (0.97, 1.05),  # data-dependent cluster sizes (1.04 at rho = 8)
+    ("topk", "chunk"): (0.55, 1.0),  # a chunk < T skips the key chunks after each query chunk (0.60-0.61)
+}
+
+
+@pytest.mark.parametrize("head_type", sorted(REGISTRY))
+def test_every_option_value_keeps_the_formulas_true(head_type: str) -> None:
+    """For each option the type's grid() names and each of its values (set alone on example(), T = 256): the
+    formula's parameters and KV entries are the built model's exactly, and its FLOPs within the type's bounds of what
+    the fast path executes, so that a new option value whose formula forgets its work fails here. Values the tiny
+    model refuses (a config check) are skipped, but every option must build with at least one of its values."""
+    from tests.head_checks import tiny_options
+
+    for key, values in REGISTRY[head_type].Options.grid().items():
+        low, high = GRID_EXECUTED_OVER_COUNTED.get((head_type, key), EXECUTED_OVER_COUNTED.get(head_type, (0.99, 1.0)))
+        built = 0
+        for value in values:
+            options, what = {**tiny_options(head_type), key: value}, f"{head_type} {key}={value!r}"
+
+            def executed_and_counted(count: int) -> tuple[int, int]:
+                cfg = tiny_config([{"type": head_type, "count": count, "options": options}], d_model=32, head_dim=8,
+                                  seq_len=256).model
+                torch.manual_seed(0)
+                model = lm.build_model(cfg).eval()
+                cost = model_cost(cfg)
+                assert cost.params == model.num_params(), f"{what}: params {cost.params} != {model.num_params()}"
+                assert cost.kv_total == model.kv_total(), f"{what}: KV {cost.kv_total} != {model.kv_total()}"
+                return _counted(model, torch.randint(0, cfg.vocab_size, (2, 256))), 2 * cost.flops_per_pass
+
+            try:
+                (e5, c5), (e3, c3) = executed_and_counted(5), executed_and_counted(3)
+            except ConfigError:
+                continue
+            built += 1
+            assert low <= (e5 - e3) / (c5 - c3) <= high, f"{what}: executes {e5 - e3}, formula counts {c5 - c3}"
+        assert built, f"{head_type}: no value of option {key} in grid() builds a model at T = 256"
+
+
 @pytest.mark.parametrize("mode,spans,full", [("compress", (12,), False), ("compress", (12, 9, 12), False),
                                              ("recent", (12, 9), False), ("recent", (12, 9, 2), False),
                                              ("compress", (), False), ("compress", (12, 9), True), ("recent", (12, 9), True)])

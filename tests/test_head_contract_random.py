@@ -66,6 +66,18 @@ def decode(group: HeadGroup, x: torch.Tensor, prefill: int) -> torch.Tensor | No
     return torch.cat(out, 1)
 
 
+# Options the random contract does not draw, each with why the forward pass, its causality and decoding do not depend
+# on it (they are training-time rates and loss weights). Every other option of a type must be in its grid(): an
+# option left out is never varied by the shared tests (a non-causal value of it would pass them all).
+NOT_DRAWN = {
+    ("mosa", "threshold_momentum"): "EMA rate of the running quantile, updated after the step",
+    ("mosa", "predictor_weight"): "weight of the predictor's loss",
+    ("mosaic", "alpha"): "weight of the load-balancing loss",
+    ("routing", "decay"): "EMA decay of the centroids, updated after the step",
+    ("routing", "commitment"): "weight of the commitment loss",
+}
+
+
 def test_every_registered_type_declares_its_test_options() -> None:
     """A type with options of its own defines, next to them, `example()` (tiny options the shared tests build it
     with, valid at seq_len 32) and `grid()` (the values this file draws, for options the type has)."""
@@ -78,6 +90,9 @@ def test_every_registered_type_declares_its_test_options() -> None:
                              "does): example() returns small valid options for the tests' tiny models (seq_len 32), "
                              "grid() the values of each option the random contract test draws from")
         assert set(cls.Options.grid()) <= own, f"{name}: grid() names options {cls.Options.__name__} does not have"
+        undrawn = sorted(own - set(cls.Options.grid()) - {key for head, key in NOT_DRAWN if head == name})
+        assert not undrawn, (f"{name}: grid() leaves out {', '.join(undrawn)}: add its values there (edge values "
+                             "included), or to NOT_DRAWN in this file with why the forward pass does not depend on it")
         example = make_options(name, cls.Options.example(), GroupContext(d_model=16, head_dim=8, seq_len=32))
         example.validate_length(name, 32)
 
