@@ -7,7 +7,7 @@ and data are the run's own. A trainer.out_dir that already holds a run is refuse
 (delete it, start again) is given (lm/run_dir.py). Config and data errors print one line and exit with status 2;
 a NaN/inf loss or gradient stops the run with one line naming the step and the last finite checkpoint, exit status 3;
 SIGTERM stops it after the current optimizer step (on every rank), checkpointing that step, with one line
-naming the step, exit status 143 (lm/preemption.py).
+naming the step, exit status 143 (lm/preemption.py); Ctrl-C the same, exit status 130 (a second one aborts).
 A config with a compression section trains with python -m lm.compressed_training instead.
 """
 from __future__ import annotations

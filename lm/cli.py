@@ -5,7 +5,6 @@ bad arguments stay fast."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +35,8 @@ def resume_of(args: argparse.Namespace) -> str | None:
 
 def exit_status(run: Callable[[], Any]) -> int:
     """Run a training entry point's work: 0; a config or data error: one `error:` line on stderr, 2; a diverged
-    run (lm/nonfinite.py): one line naming the step and the last finite checkpoint, 3; a run stopped by SIGTERM
-    before its last step: one line, 143 (128 + SIGTERM, as a shell reports a process the signal killed)."""
+    run (lm/nonfinite.py): one line naming the step and the last finite checkpoint, 3; a run stopped by SIGTERM or
+    Ctrl-C before its last step: one line, 143 or 130 (128 + the signal, as a shell reports a process it killed)."""
     from heads import ConfigError
     from lm.errors import DataError, Interrupted, NonFiniteError
 
@@ -50,10 +49,11 @@ def exit_status(run: Callable[[], Any]) -> int:
 
 
 def status_of(err: Exception) -> int:
-    """The exit status of an entry point's one-line error: 3 diverged, 143 SIGTERM, 2 bad input (anything else)."""
+    """The exit status of an entry point's one-line error: 3 diverged, 128 + the signal (143 SIGTERM, 130 SIGINT)
+    stopped, 2 bad input (anything else)."""
     from lm.errors import Interrupted, NonFiniteError
 
-    return 3 if isinstance(err, NonFiniteError) else 128 + signal.SIGTERM if isinstance(err, Interrupted) else 2
+    return 3 if isinstance(err, NonFiniteError) else 128 + err.signum if isinstance(err, Interrupted) else 2
 
 
 def check_output(option: str, path: str | None, inputs: dict[str, str | None] | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -178,6 +179,13 @@ class ValWindows(Dataset):
         return torch.stack([torch.from_numpy(self.stream.read(int(s), self.seq_len + 1)) for s in self.starts]).long()
 
 
+def ignore_sigint(worker_id: int) -> None:
+    """A loader worker ignores Ctrl-C, which the terminal sends to the whole process group: the training process
+    stops after its step (lm/preemption.py) and ends its workers itself; a worker killed by it would crash the next
+    batch's fetch ("DataLoader worker exited unexpectedly")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class LMDataModule(L.LightningDataModule):
     """Train/val loaders over a prepared directory. `data.batch_size` is per device."""
 
@@ -206,7 +214,8 @@ class LMDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset | IterableDataset, **kw: Any) -> DataLoader:
         # Own generator: creating a loader iterator must not consume the global torch RNG.
-        return DataLoader(dataset, num_workers=self.cfg.num_workers, generator=torch.Generator(), **kw)
+        return DataLoader(dataset, num_workers=self.cfg.num_workers, generator=torch.Generator(),
+                          worker_init_fn=ignore_sigint if self.cfg.num_workers else None, **kw)
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

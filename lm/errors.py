@@ -2,6 +2,8 @@
 config is reported before the slow imports)."""
 from __future__ import annotations
 
+import signal
+
 from data_prep.errors import DataError  # one error type for bad data, from raw input to prepared shards
 
 __all__ = ["DataError", "Interrupted", "NonFiniteError"]
@@ -12,5 +14,9 @@ class NonFiniteError(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """A training run stopped by SIGTERM before trainer.max_steps (after an optimizer step, lm/preemption.py); the
-    message is one line naming the step reached."""
+    """A training run stopped by SIGTERM or SIGINT before trainer.max_steps (after an optimizer step,
+    lm/preemption.py); the message is one line naming the step reached, `signum` the signal (exit 128 + it)."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = signum

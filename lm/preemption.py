@@ -15,10 +15,16 @@ A validation in progress is completed first (`data.val_batches` batches), so a s
 validation. A signal after the last step's check, or in a validation
 of its own (the first, or the final one), is agreed on when that call ends (lm.train.sigterm_interrupts), which
 checkpoints what the call completed before stopping. One process takes the same path without the reduction.
+
+SIGINT (Ctrl-C in the terminal, which sends it to every rank) takes the same path, with one line saying so; a
+second Ctrl-C aborts at once (Python's KeyboardInterrupt: the steps since the last checkpoint are lost). Exit
+status 128 + the signal: 143 for SIGTERM, 130 for SIGINT. Before training starts Ctrl-C is a plain
+KeyboardInterrupt.
 """
 from __future__ import annotations
 
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
@@ -30,18 +36,36 @@ from lm.checkpoint import StepCheckpoints
 
 
 class Preemption(L.Callback):
-    """The SIGTERM flag (`received`: this process got it) and the agreed stop after an optimizer step (`stopped`:
-    some rank got it), module docstring."""
+    """The SIGTERM / SIGINT flag (`received`: this process got one, `signum` the first) and the agreed stop after an
+    optimizer step (`stopped`: some rank got it), module docstring."""
 
     def __init__(self, checkpoints: StepCheckpoints) -> None:
         self.checkpoints = checkpoints
         self.received = self.stopped = False
+        self.signum = signal.SIGTERM  # what a rank reports that stopped because another one got a signal
+        self._sigint_before: Any = None  # the SIGINT handler before the first _install, restored at teardown
 
     def _flag(self, signum: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.signum = signal.Signals(signum)
         self.received = True
+        if signum == signal.SIGINT:  # the next Ctrl-C is Python's KeyboardInterrupt again: abort at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("Ctrl-C: stopping after this step, checkpointed (Ctrl-C again to abort at once, losing the steps "
+                  "since the last checkpoint)", file=sys.stderr, flush=True)
 
-    def _install(self) -> None:
-        signal.signal(signal.SIGTERM, self._flag)  # over Lightning's; its teardown restores the earlier handler
+    def _install(self) -> None:  # SIGTERM over Lightning's, whose teardown restores the earlier handler
+        signal.signal(signal.SIGTERM, self._flag)
+        if self._sigint_before is None:
+            self._sigint_before = signal.getsignal(signal.SIGINT)
+        if not self.received:
+            signal.signal(signal.SIGINT, self._flag)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Ctrl-C is KeyboardInterrupt again after a fit or validation (what follows has no step to stop after)."""
+        if self._sigint_before is not None:
+            signal.signal(signal.SIGINT, self._sigint_before)
+            self._sigint_before = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install()
@@ -79,7 +103,13 @@ class Preemption(L.Callback):
 
 
 def received_sigterm(trainer: L.Trainer) -> bool:
-    """Whether this process got SIGTERM, or stopped because another rank did, in trainer's fits and validations
-    (through Preemption, or through Lightning's handler in the moments before Preemption replaces it)."""
+    """Whether this process got SIGTERM or SIGINT, or stopped because another rank did, in trainer's fits and
+    validations (through Preemption, or through Lightning's SIGTERM handler in the moments before Preemption replaces
+    it)."""
     return trainer.received_sigterm or any(c.received or c.stopped for c in trainer.callbacks
                                            if isinstance(c, Preemption))
+
+
+def stop_signal(trainer: L.Trainer) -> signal.Signals:
+    """The signal this process stopped for: the first it got, SIGTERM if it stopped because another rank got one."""
+    return next((c.signum for c in trainer.callbacks if isinstance(c, Preemption)), signal.SIGTERM)

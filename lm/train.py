@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from lm.model import build_model
 from lm.module import LMModule
 from lm.nonfinite import NonFiniteGuard
 from lm.plots import plot_val_curves
-from lm.preemption import Preemption, received_sigterm
+from lm.preemption import Preemption, received_sigterm, stop_signal
 from lm.progress_bar import progress_bars
 from lm.run_dir import claim, missing_tokenizer, tokenizer_sha256
 from lm.step_logger import StepLogger
@@ -355,8 +356,10 @@ def sigterm_interrupts(trainer: L.Trainer, finish: Callable[[], None] = lambda: 
         if not trainer.strategy.reduce_boolean_decision(received_sigterm(trainer), all=False):
             return
         finish()
-    raise Interrupted(f"stopped by SIGTERM at step {trainer.global_step} of {trainer.max_steps}; continue from "
-                      "the newest checkpoint with --resume")
+    signum = stop_signal(trainer)
+    name = "SIGINT (Ctrl-C)" if signum == signal.SIGINT else signum.name
+    raise Interrupted(f"stopped by {name} at step {trainer.global_step} of {trainer.max_steps}; continue from the "
+                      "newest checkpoint with --resume", signum)
 
 
 def start_run(cfg: Config, data: LMDataModule, make_module: Callable[[Config], L.LightningModule], resume: str | None,

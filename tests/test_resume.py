@@ -137,6 +137,44 @@ class Unpicklable:
         raise RuntimeError("disk full")
 
 
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the process group, loader workers included: data.num_workers=2) checkpoints the step in
+    flight like SIGTERM, says so, and exits 130 with the same one line naming SIGINT (it exited 1 with Lightning's
+    "graceful shutdown", the steps since the last checkpoint lost; a worker killed by it crashed the next fetch).
+    A second Ctrl-C aborts at once (KeyboardInterrupt)."""
+    data = write_prepared(tmp_path / "data")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(command(data, out, "trainer.val_every=1000", "data.num_workers=2"), env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert wait_for_file(proc, out / "checkpoints" / "step0000010.ckpt"), "the run wrote no checkpoint in time"
+    time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("Ctrl-C: stopping after this step, checkpointed (Ctrl-C again to abort at once")
+    match = re.fullmatch(rf"error: stopped by SIGINT \(Ctrl-C\) at step (\d+) of {STEPS}; continue from the newest "
+                         r"checkpoint with --resume", lines[-1])
+    assert match, lines[-1]
+    stopped = int(match.group(1))
+    assert 10 <= stopped < STEPS and load(out / "checkpoints" / f"step{stopped:07d}.ckpt")["global_step"] == stopped
+
+    from lm.checkpoint import StepCheckpoints
+    from lm.preemption import Preemption
+
+    guard = Preemption(StepCheckpoints(tmp_path / "ckpt", 10, 10))
+    before = signal.getsignal(signal.SIGINT)
+    guard._install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # the first: a flag
+        assert guard.received and guard.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second: abort
+    finally:
+        guard.teardown(None, None, "fit")  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_sigterm_checkpoints_its_step_exits_143_and_resumes_like_an_uninterrupted_run(tmp_path: Path) -> None:
     """Lightning stops at the next batch end and exits 0, as if the run had finished: train_lm.py checkpoints that
     step (a preemption loses no finished step), says where it stopped, exits 128 + SIGTERM, and --resume from there
