@@ -43,6 +43,7 @@ from lm.plots import plot_val_curves
 from lm.preemption import Preemption, received_sigterm, stop_signal
 from lm.progress_bar import progress_bars
 from lm.run_dir import claim, missing_tokenizer, tokenizer_sha256
+from lm.run_files import read_json
 from lm.step_logger import StepLogger
 
 
@@ -461,7 +462,8 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
 
 def finish_run(cfg: Config, trainer: L.Trainer, module: LMModule) -> dict[str, Any]:
     """What every training entry point does after fitting: draw the validation curve (val_curve.png, from two
-    validations on), print one line naming the run's outputs, and return the metrics written to metrics.json."""
+    validations on), print one line naming the run's outputs, and return the metrics written to metrics.json (the
+    file's: a --resume of a finished run trains no step, and the module's own would read NaN loss and tokens/s)."""
     out = Path(cfg.trainer.out_dir)
     curve = None
     if trainer.is_global_zero:
@@ -470,4 +472,4 @@ def finish_run(cfg: Config, trainer: L.Trainer, module: LMModule) -> dict[str, A
         f"outputs: TensorBoard `tensorboard --logdir {out / 'tb'}` | checkpoint {ckpt_dir(cfg) / 'last.ckpt'} | "
         f"metrics {out / 'metrics.json'}" + (f" | curve {curve}" if curve else "")
     )
-    return module.metrics()
+    return read_json(out / "metrics.json", module.metrics())

@@ -565,6 +565,10 @@ def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> No
     saved = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert [h["step"] for h in saved["val_history"]] == [h["step"] for h in metrics["history"]] == [3, 4]
     assert saved["val_history"] == metrics["history"]
+    # a --resume of the finished run trains nothing and returns what metrics.json holds, not NaN loss and tokens/s
+    again = train(load_config(None, *run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=2, val_every=3)),
+                  resume="last")
+    assert again == metrics and again["train_loss"] == again["train_loss"] and again["tokens_per_s"] > 0
 
 
 def test_setting_aside_a_timeline_of_checkpoint_directories(tmp_path: Path) -> None:
