@@ -31,18 +31,22 @@ def warn(message: str) -> None:
 
 
 def config_warnings(cfg: Config) -> list[str]:
-    """Warnings that follow from the config alone (each distinct head advice once)."""
+    """Warnings that follow from the config alone (each distinct head advice once, naming where the mix is written:
+    model.heads, or model.layer_heads.N)."""
     m, o, t = cfg.model, cfg.optim, cfg.trainer
-    groups = [(g, make_options(g.type, dict(g.options), m.group_context(layer)))
+    groups = [(f"model.layer_heads.{layer}" if layer in m.layer_heads else "model.heads", g,
+               make_options(g.type, dict(g.options), m.group_context(layer)))
               for layer in range(m.n_layers) for g in m.mix(layer)]
-    out = [f"model.heads: {text}" for text in sorted({opts.advice(g.count) for g, opts in groups} - {None})]
-    uneven = sorted({(g.type, opts.sparsity) for g, opts in groups if m.seq_len % getattr(opts, "sparsity", 1)})
-    out += [f"model.heads: {name} sparsity {rho} does not divide model.seq_len {m.seq_len}, so its k = T / rho is "
+    out = [f"{where}: {text}" for where, text in sorted({(where, opts.advice(g.count)) for where, g, opts in groups
+                                                         if opts.advice(g.count) is not None})]
+    uneven = sorted({(where, g.type, opts.sparsity) for where, g, opts in groups
+                     if m.seq_len % getattr(opts, "sparsity", 1)})
+    out += [f"{where}: {name} sparsity {rho} does not divide model.seq_len {m.seq_len}, so its k = T / rho is "
             f"rounded (flops/formulas.py states how per type); flops.isoflop and flops.sweep, which FLOP-match divisible "
-            f"sparsities as the paper does, refuse it" for name, rho in uneven]
-    leaky = sorted({g.type for g, opts in groups if not opts.causal})
+            f"sparsities as the paper does, refuse it" for where, name, rho in uneven]
+    leaky = sorted({f"{g.type} ({where})" for where, g, opts in groups if not opts.causal})
     if leaky:
-        out.append(f"model.heads: {', '.join(leaky)} not causal (a paper's faithful rule): the validation loss logged "
+        out.append(f"{', '.join(leaky)} not causal (a paper's faithful rule): the validation loss logged "
                    f"while training is teacher-forced and sees future tokens; python -m lm.evaluate --ckpt ... "
                    f"measures it leak-free")
     if m.rope_fraction > 0 and RotaryEmbedding(m.head_dim, m.rope_fraction, m.rope_base).rot_dim == 0:
