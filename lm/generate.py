@@ -232,12 +232,17 @@ def check_utf8(option: str, text: str) -> None:
 
 
 def check_decodable(model: DecoderLM) -> None:
-    """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise: a non-causal
-    group, or a type without a cache)."""
-    try:
-        new_cache(model, 1, 1)
-    except NotImplementedError as err:
-        raise ValueError(f"{err}; this checkpoint cannot be sampled with lm.generate") from None
+    """Every head group of the model supports KV-cached decoding (one-line ValueError otherwise, naming every
+    group that does not: a non-causal option, or a type without a cache)."""
+    problems = []
+    for block in model.blocks:
+        for group in block.attn.groups:
+            try:
+                group.new_cache(1, 1, "meta")
+            except (ValueError, NotImplementedError) as err:
+                problems.append(str(err))
+    if problems:
+        raise ValueError(f"{'; '.join(dict.fromkeys(problems))}; this checkpoint cannot be sampled with lm.generate")
 
 
 def decodable(model: DecoderLM) -> bool:

@@ -640,3 +640,19 @@ def test_cache_nbytes_counts_every_tensor_the_cache_holds(name: str) -> None:
     for cache in (new_cache(model, 2, T), cached_logits(model, torch.randint(0, 97, (2, T)), 17)[1]):
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(cache)}
         assert cache_nbytes(cache) == sum(storages.values()) > 0
+
+
+def test_every_group_that_cannot_decode_is_named_at_once() -> None:
+    """A model with several non-causal groups is refused in one line naming each (only the first was named: a
+    walkthrough fixed them one refusal at a time); a decodable model passes."""
+    from lm.generate import check_decodable
+
+    heads = [{"type": "mosa", "count": 2, "options": {"sparsity": 4, "selection": "expert_choice"}},
+             {"type": "routing", "count": 2, "options": {"sparsity": 4, "assignment": "topk"}},
+             {"type": "dense", "count": 1}]
+    with pytest.raises(ValueError) as refused:
+        check_decodable(build_model(tiny_config(heads).model))
+    assert str(refused.value) == ("mosa: selection 'expert_choice' is not causal and cannot be decoded incrementally; "
+                                  "routing: assignment 'topk' is not causal and cannot be decoded incrementally; this "
+                                  "checkpoint cannot be sampled with lm.generate")
+    check_decodable(build_model(tiny_config([{"type": "dense", "count": 2}]).model))
