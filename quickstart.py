@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # continue the run in the directory, if any (--resume), or --overwrite it
         resume = "last" if holds_run(Path(cfg.trainer.out_dir)) and not args.fresh else None
-        metrics = train(cfg, resume=resume, validate_first=True, overwrite=args.fresh)
+        metrics = train(cfg, resume=resume, overwrite=args.fresh)
     except (ConfigError, DataError, NonFiniteError, Interrupted) as err:
         print(f"error: {in_own_flags(str(err))}", file=sys.stderr)
         return status_of(err)  # as train_lm.py's

@@ -101,6 +101,7 @@ class TrainerConfig:
     seed: int = 1234
     log_every: int = 50  # the presets' (configs/tiny.yaml ... large.yaml), which experiment configs inherit
     val_every: int = 1000
+    validate_first: bool = False  # also validate the untrained model (step 0) when a run starts from scratch
     ckpt_every: int = 1000
     keep_last_k: int = 3  # step checkpoints kept (the newest k; 0 = all)
     out_dir: str = "runs/default"

@@ -41,7 +41,7 @@ OUTPUTS = ("checkpoints", "tb", "profile", "metrics.json", "val_curve.png", "lea
 # accumulation windows would no longer start at step boundaries).
 # data.path may move: the data's hash is checked instead. A section named None: any of its fields.
 RESUMABLE: dict[str, set[str] | None] = {
-    "trainer": {"max_steps", "max_minutes", "val_every", "ckpt_every", "log_every", "keep_last_k", "precision",
+    "trainer": {"max_steps", "max_minutes", "val_every", "validate_first", "ckpt_every", "log_every", "keep_last_k", "precision",
                 "accelerator", "devices", "num_nodes", "strategy", "out_dir", "compile", "activation_checkpointing", "max_bad_steps",
                 "deterministic", "profiler"},
     "optim": None,

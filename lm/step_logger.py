@@ -2,7 +2,7 @@
 
 Lightning passes its loggers its own index: during training and in validations within fit, the 0-based index of
 the step in progress (the values of the N-th step, and the validation after it, at x = N-1), but in a
-validation on its own (trainer.validate: `validate_first`, the final validation) the number of steps taken (x =
+validation on its own (trainer.validate: `trainer.validate_first`, the final validation) the number of steps taken (x =
 N). So validations after the same number of steps landed one apart, and `train/tokens_seen` at x = N-1 read N
 steps' tokens. Here every scalar is written at the trainer's step count when it is logged: x = N for the N-th
 step's training values, for the validation after N steps (as on the console, in `stepN.ckpt` and in

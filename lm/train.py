@@ -419,12 +419,17 @@ def process_group_released() -> Iterator[None]:
 
 def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataModule, checkpoints: StepCheckpoints,
                    ckpt: str | None) -> None:
-    """Fit to trainer.max_steps from `ckpt` (None: from scratch), validate the last step unless that is done (under
-    DeepSpeed it is, inside fit: `validates_in_fit`), and checkpoint it (again after that validation, so that the
-    checkpoint carries its result)."""
+    """Fit to trainer.max_steps from `ckpt` (None: from scratch, after validating the untrained model if
+    trainer.validate_first), validate the last step unless that is done (under DeepSpeed it is, inside fit:
+    `validates_in_fit`), and checkpoint it (again after that validation, so that the checkpoint carries its
+    result)."""
     def save_unsaved() -> None:
         if checkpoints.saved_step != trainer.global_step:
             checkpoints.save(trainer)
+
+    if module.cfg.trainer.validate_first and ckpt is None:
+        with sigterm_interrupts(trainer):
+            trainer.validate(module, datamodule=data, verbose=False)
 
     with sigterm_interrupts(trainer, save_unsaved):
         trainer.fit(module, datamodule=data, ckpt_path=ckpt)
@@ -441,10 +446,9 @@ def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataMo
         save_unsaved()
 
 
-def train(cfg: Config, resume: str | None = None, validate_first: bool = False, overwrite: bool = False) -> dict[str, Any]:
+def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
-    checkpoint the final step, and return the metrics written to metrics.json. `validate_first`:
-    also validate the untrained model (step 0) when starting from scratch. The run directory must be
+    checkpoint the final step, and return the metrics written to metrics.json (fit_and_finish). The run directory must be
     new, or this run's (`resume`), or given up (`overwrite`): lm/run_dir.py. A config with a compression
     section is refused (lm/compressed_training.py trains those)."""
     if cfg.compression is not None:
@@ -453,9 +457,6 @@ def train(cfg: Config, resume: str | None = None, validate_first: bool = False, 
     data = LMDataModule(cfg.data, cfg.model, cfg.trainer.seed)
     with process_group_released():
         module, trainer, checkpoints, ckpt = start_run(cfg, data, LMModule, resume, overwrite)
-        if validate_first and ckpt is None:
-            with sigterm_interrupts(trainer):
-                trainer.validate(module, datamodule=data, verbose=False)
         fit_and_finish(trainer, module, data, checkpoints, ckpt)
     return finish_run(cfg, trainer, module)
 

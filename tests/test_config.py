@@ -372,7 +372,7 @@ def test_a_bool_field_takes_only_true_or_false(tmp_path: Path) -> None:
     YAML file, a dotted override or a keyword override, takes true/false (yes/no) only, as head options do."""
     from lm.config import BOOL_KEYS
 
-    assert BOOL_KEYS == {"trainer.compile", "trainer.activation_checkpointing", "trainer.deterministic",
+    assert BOOL_KEYS == {"trainer.validate_first", "trainer.compile", "trainer.activation_checkpointing", "trainer.deterministic",
                          "compression.detach_prefix"}
     (tmp_path / "c.yaml").write_text("trainer:\n  compile: 2\n")
     with pytest.raises(ConfigError, match=r"c\.yaml: trainer\.compile must be true or false, got 2$"):

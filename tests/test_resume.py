@@ -239,7 +239,8 @@ def test_sigterm_outside_the_step_checks_is_not_lost(where: str, tmp_path: Path,
     monkeypatch.setattr(LMModule, "training_step", training_step)
     stopped = {"first validation": 0, "last training step": 4, "final validation": 4}[where]
     with pytest.raises(Interrupted, match=f"stopped by SIGTERM at step {stopped} of 4;"):
-        train(cfg, validate_first=True)
+        cfg.trainer.validate_first = True
+        train(cfg)
     steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
     if stopped == 0:
         assert steps == [] and validations == [0]

@@ -126,7 +126,8 @@ def test_tensorboard_x_axis_counts_optimizer_steps(data: Path, tmp_path: Path) -
     from lm.train import train
 
     cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=7, log_every=3, val_every=5))
-    metrics = train(cfg, validate_first=True)
+    cfg.trainer.validate_first = True
+    metrics = train(cfg)
     val = tb_scalars(tmp_path / "run", "val/loss")
     assert sorted(val) == [h["step"] for h in metrics["history"]] == [0, 5, 7]
     assert all(val[h["step"]] == pytest.approx(h["val_loss"], rel=1e-6) for h in metrics["history"])
