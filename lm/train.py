@@ -447,10 +447,10 @@ def fit_and_finish(trainer: L.Trainer, module: LMModule, data: L.LightningDataMo
 
 
 def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and
-    checkpoint the final step, and return the metrics written to metrics.json (fit_and_finish). The run directory must be
-    new, or this run's (`resume`), or given up (`overwrite`): lm/run_dir.py. A config with a compression
-    section is refused (lm/compressed_training.py trains those)."""
+    """Train to `trainer.max_steps` (continuing from a checkpoint if `resume`), validate and checkpoint the final
+    step (fit_and_finish), and return the metrics written to metrics.json. The run directory must be new, or this
+    run's (`resume`), or given up (`overwrite`): lm/run_dir.py. A config with a compression section is refused
+    (lm/compressed_training.py trains those)."""
     if cfg.compression is not None:
         raise ConfigError("compression: this config adds compression layers, which train_lm.py does not train; "
                           "use python -m lm.compressed_training --config CONFIG")
