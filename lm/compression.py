@@ -221,6 +221,11 @@ class CompressedLM(nn.Module):
         loss = token_nll(self(tokens, layout), tokens[:, P + 1 : P + S + 1])
         return loss.mean() if reduce else loss.mean(1)
 
+    @property
+    def causal(self) -> bool:
+        """The decoder's head groups' (the compression layer reads only the prefix, before every suffix token)."""
+        return self.lm.causal
+
     def kv_total(self, window: int | None = None, memory: int | None = None) -> int:
         """KV entries while decoding a window of W tokens (default prefix_len, the decoder's window) after a memory
         of t states (default round(ratio * prefix_len)): blocks [0, L) keep W per head, blocks [L, n) keep

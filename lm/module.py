@@ -265,6 +265,7 @@ class LMModule(L.LightningModule):
             "peak_mem_bytes": self._peak_mem,  # as of the last training batch of this process
             "params": self.model.num_params(),
             "kv_total": self.model.kv_total(),
+            "causal": self.model.causal,  # False: val_loss / val_ppl are teacher-forced and see future tokens
             "seq_len": self.cfg.model.seq_len,
             "history": self.val_history,
         }

@@ -289,6 +289,8 @@ def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, caps
                      "data.batch_size=2", "data.val_batches=1"]) == 0
     points = {e["name"]: e for e in json.loads((tmp_path / "sw" / "sweep.json").read_text())["points"]}
     assert not points["mosa_s4"]["causal"] and points["dense_s1"]["causal"]
+    assert [json.loads((Path(points[name]["out_dir"]) / "metrics.json").read_text())["causal"]  # the runs say so too
+            for name in ("mosa_s4", "dense_s1")] == [False, True]
     assert not (Path(points["dense_s1"]["out_dir"]) / "leakfree.json").exists()
     leakfree = json.loads((Path(points["mosa_s4"]["out_dir"]) / "leakfree.json").read_text())
     assert leakfree["windows"] == 2 and leakfree["leakfree_ppl"] != leakfree["ppl"]

@@ -44,7 +44,7 @@ def test_run_writes_metrics_json(trained: tuple[Path, dict]) -> None:
     assert metrics == json.loads(json.dumps(returned))
     assert metrics["step"] == 30 and metrics["tokens_seen"] == 30 * 8 * 32
     assert [h["step"] for h in metrics["history"]] == [10, 20, 30]
-    assert metrics["params"] > 0 and metrics["kv_total"] == 2 * 4 * 32 and metrics["tokens_per_s"] > 0
+    assert metrics["params"] > 0 and metrics["kv_total"] == 2 * 4 * 32 and metrics["tokens_per_s"] > 0 and metrics["causal"]
     assert metrics["device"] == "cpu" and metrics["world_size"] == 1 and metrics["precision"] == "32-true"
     assert 100 * 2**20 < metrics["peak_mem_bytes"] < 8 * 2**30  # the process's peak RSS: torch runtime included
     assert math.isclose(metrics["val_ppl"], math.exp(metrics["val_loss"]))
