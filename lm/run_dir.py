@@ -127,8 +127,19 @@ def holds_run(out: Path) -> bool:
     return (out / RECORD).is_file() or (out / "metrics.json").is_file() or any((out / "checkpoints").glob("*"))
 
 
+def _leaf_changes(path: str, old: Any, new: Any) -> list[str]:
+    """'path: old -> new' for each differing leaf: into dicts and into lists of one length, so that a changed head
+    count reads `model.heads.1.count: 2 -> 3`, not both head lists."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new), key=str)
+                for line in _leaf_changes(f"{path}.{key}", old.get(key), new.get(key))]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [line for i, (x, y) in enumerate(zip(old, new)) for line in _leaf_changes(f"{path}.{i}", x, y)]
+    return [f"{path}: {old} -> {new}"] if old != new else []
+
+
 def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]]:
-    """(fields that may not change on resume, fields that may), each as 'section.key: old -> new'."""
+    """(fields that may not change on resume, fields that may), each as 'section.key[.subkey ...]: old -> new'."""
     a = OmegaConf.to_container(OmegaConf.structured(saved))
     b = OmegaConf.to_container(OmegaConf.structured(current))
     fixed, free = [], []
@@ -138,9 +149,9 @@ def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]
         for key in keys:
             x, y = (old, new) if key is None else (old.get(key), new.get(key))  # type: ignore[union-attr]
             if x != y:
-                line = f"{section}{'' if key is None else '.' + key}: {x} -> {y}"
+                lines = _leaf_changes(f"{section}{'' if key is None else '.' + key}", x, y)
                 allowed = section in RESUMABLE and (RESUMABLE[section] is None or key in RESUMABLE[section])  # type: ignore[operator]
-                (free if allowed else fixed).append(line)
+                (free if allowed else fixed).extend(lines)
     return fixed, free
 
 

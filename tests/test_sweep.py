@@ -130,7 +130,8 @@ def test_sweep_refuses_an_out_holding_runs_of_other_models(tmp_path: Path, capsy
             str(tmp_path / "sw"), "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]
     assert sweep_main(args) == 2
     err = capsys.readouterr().err.splitlines()[-1]
-    assert err.startswith(f"error: {run} holds a run of another config (model.heads: ") and "use a new --out" in err
+    assert err.startswith(f"error: {run} holds a run of another config (model.heads.0.count: 2 -> 1; "
+                          "model.heads.1.count: 24 -> 30): an earlier sweep") and "use a new --out" in err
 
 
 def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_root(tmp_path: Path, monkeypatch,
