@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     T = out.shape[1] - 1  # the last token is sampled, never fed
     print(f"KV cache after the {T} tokens fed (prompt and new tokens but the last): entries stored / slots allocated "
           f"{format_fill(cache_fill(model, cache))}; "
-          f"{cache_nbytes(cache)} bytes allocated; analytic kv_total({T}) = {model.kv_total(T)} entries = "
-          f"{kv_bytes_analytic(model, T)} bytes", file=sys.stderr)
+          f"{cache_nbytes(cache)} bytes allocated (keys and values, and each cache's positions, fill counters and "
+          f"block state); analytic kv_total({T}) = {model.kv_total(T)} entries = {kv_bytes_analytic(model, T)} bytes "
+          f"of keys and values", file=sys.stderr)
     print(sp.decode(out[0].tolist()))
     return 0
 
