@@ -164,9 +164,9 @@ def local(h: int, hd: int, T: int, n: int, o: Options) -> Work:
     """Sliding-window attention (each query sees the last w tokens, itself included):
     8hh'T (Q, K, V, O on all tokens) + 4h'T*min(w, T) (each query scores w keys, no causal halving,
     App. C's convention with T^2 replaced by T*w). An algorithmic count, like
-    "no causal halving": the SDPA fast path (heads/local.py band_layout) scores blocks of ceil((w - 1) / 2) queries
-    against 3 blocks, 1.5w keys, 4h'T*1.5w, so it executes 1.1x this at h = 512, h' = 64, w = 256; flash-attn's
-    window executes ~w."""
+    "no causal halving": the SDPA fast path (heads/local.py band_layout) scores blocks of w queries against 2w
+    keys, 4h'T*2w, so it executes 1.2x this at h = 512, h' = 64, w = 256 (a window near T: the causal square);
+    flash-attn's window executes ~w."""
     w = min(int(o.require("window")), T)
     return Work(flops=n * (8 * h * hd * T + 4 * hd * T * w), params=n * 4 * h * hd)
 

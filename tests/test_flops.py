@@ -188,7 +188,7 @@ def test_published_agent_fast_path_executes_its_count() -> None:
 # new one included, must execute its count to within 1% (MoSA's and MoSAIC's element-wise h'k, which the counter
 # does not see), so a formula that states another head's work fails here.
 EXECUTED_OVER_COUNTED = {
-    "local": (1.0, 1.15),  # band_layout: blocks of (w - 1) / 2 queries score 3 blocks, 1.5w keys (1.06 at w = 8)
+    "local": (1.0, 1.15),  # band_layout: blocks of w queries score 2w keys (1.11 at w = 8)
     "agent": (1.0, 1.15),  # the same band of 2b window keys, whatever w (1.09 at T = 64, 1.06 at 256)
     "mita": (1.0, 1.3),  # routed experts grouped in blocks of b queries, padded (1.11 at T = 64, 1.25 at 256)
     "routing": (0.97, 1.03),  # clusters hold their actual members, not k each: data-dependent (1.02, 1.01)
