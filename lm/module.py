@@ -5,7 +5,8 @@ Logged scalars: train/loss (CE), train/ppl, train/aux/<name> (each auxiliary los
 by its head group), train/loss_total (CE + aux, the optimised loss) (these four: the mean over the step's
 micro-batches under gradient accumulation), train/lr, train/grad_norm (the LM's, before clipping; under DeepSpeed
 its engine's, of every parameter), train/tokens_seen,
-train/tokens_per_s (mean over timed training steps of this process), train/peak_mem_mib (`peak_memory`),
+train/tokens_per_s (mean over the run's timed training steps, the runs it resumed included: checkpointed),
+train/peak_mem_mib (`peak_memory`),
 val/loss, val/ppl, and every `trainer.log_every` steps the head groups' statistics
 heads/<module>.<type>/<name> (scalars; per-head stats as TensorBoard histograms). Stats are tensors: reading
 them is the only host sync, on logging steps.
@@ -76,7 +77,7 @@ class LMModule(L.LightningModule):
         self.val_history: list[dict[str, float]] = []  # one entry per validation, kept across resumes
         self._resume_rng: dict[str, Any] | None = None
         self._last_time: float | None = None  # end of the previous timed training step
-        self._timed = [0, 0.0]  # [batches, seconds] of timed training (micro-)batches in this process
+        self._timed = [0, 0.0]  # [tokens, seconds] of the timed training (micro-)batches, resumed runs' included
         self._peak_mem = 0  # peak_memory() after the last training batch
         self._last_train_loss: torch.Tensor | float = math.nan  # the last step's mean training CE
         self._step_sums: dict[str, torch.Tensor] = {}  # this step's logged losses, summed over its micro-batches
@@ -186,7 +187,7 @@ class LMModule(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last_time is not None:  # the first batch after start or validation is not timed
-            self._timed[0] += 1
+            self._timed[0] += self.tokens_per_batch
             self._timed[1] += now - self._last_time
         self._last_time = now
         if self._head_stats and ends_step(self.trainer, batch_idx):
@@ -216,8 +217,8 @@ class LMModule(L.LightningModule):
                    f"{rate:8.0f} tokens/s | training left {timedelta(seconds=round(left))}")
 
     def tokens_per_s(self) -> float:
-        batches, seconds = self._timed
-        return batches * self.tokens_per_batch / seconds if seconds > 0 else math.nan
+        tokens, seconds = self._timed
+        return tokens / seconds if seconds > 0 else math.nan
 
     # ---- validation -------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -324,10 +325,12 @@ class LMModule(L.LightningModule):
         checkpoint["val_history"] = self.val_history
         checkpoint["run"] = provenance(self.cfg)  # data hashes and tokenizer bytes: usable elsewhere
         checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["timed"] = list(self._timed)  # tokens_per_s goes on over a resume
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint["rng"]
         self.val_history = list(checkpoint["val_history"])
         self._tokens_at = (checkpoint["global_step"], saved_tokens_seen(checkpoint))
+        self._timed = list(checkpoint.get("timed", (0, 0.0)))  # checkpoints before 2026-11-30 did not keep it
         for message in apply_changes(checkpoint, self.cfg):
             self.print(message)

@@ -208,7 +208,8 @@ def test_a_step_deepspeed_skipped_leaves_the_head_state(applied: bool, monkeypat
 
 def test_throughput_counts_the_tokens_of_the_timed_micro_batches() -> None:
     """tokens_per_s (logged, and MFU's input) = timed micro-batches x their tokens (batch x seq_len x devices) /
-    seconds, whatever the accumulation; tokens_per_step is the step's A micro-batches."""
+    seconds, whatever the accumulation (each timed micro-batch adds tokens_per_batch); tokens_per_step is the
+    step's A micro-batches."""
     from types import SimpleNamespace
 
     from lm.module import LMModule
@@ -218,6 +219,6 @@ def test_throughput_counts_the_tokens_of_the_timed_micro_batches() -> None:
     cfg.data.batch_size = 4
     module = LMModule(cfg)
     module._trainer = SimpleNamespace(accumulate_grad_batches=3, world_size=2)
-    module._timed = [6, 2.0]  # 6 micro-batches (2 steps) in 2 s
-    assert module.tokens_per_step == 3 * 4 * 16 * 2
+    assert module.tokens_per_batch == 4 * 16 * 2 and module.tokens_per_step == 3 * 4 * 16 * 2
+    module._timed = [6 * module.tokens_per_batch, 2.0]  # 6 micro-batches (2 steps) in 2 s
     assert module.tokens_per_s() == 6 * 4 * 16 * 2 / 2.0

@@ -572,6 +572,22 @@ def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> No
     assert again == metrics and again["train_loss"] == again["train_loss"] and again["tokens_per_s"] > 0
 
 
+def test_tokens_per_s_goes_on_over_a_resume(tmp_path: Path) -> None:
+    """The checkpoint keeps the timed tokens and seconds, so a resumed run's tokens_per_s (metrics.json, flops.mfu)
+    is over every run, not the resumed part alone (a walkthrough read 541 tokens/s uninterrupted, 702 resumed)."""
+    from lm.config import load_config
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    overrides = run_overrides(data, tmp_path / "run", max_steps=4, ckpt_every=2, val_every=4)
+    train(load_config(None, *overrides))
+    tokens, seconds = load(tmp_path / "run" / "checkpoints" / "last.ckpt")["timed"]
+    assert tokens > 0 and seconds > 0
+    metrics = train(load_config(None, *overrides, "trainer.max_steps=8"), resume="last")
+    more, longer = load(tmp_path / "run" / "checkpoints" / "last.ckpt")["timed"]
+    assert more > tokens and longer > seconds and metrics["tokens_per_s"] == pytest.approx(more / longer)
+
+
 def test_setting_aside_a_timeline_of_checkpoint_directories(tmp_path: Path) -> None:
     """lm.checkpoint.set_aside_after on DeepSpeed-style checkpoints (directories): rewinding to step 2 moves steps 4
     and 6 and last.ckpt aside; a second rewind to step 2 replaces what the first set aside (a directory cannot be
