@@ -167,6 +167,11 @@ def _tokenizer_matches(model: Path, sha256: str | None) -> bool:
     return model.is_file() and hashlib.sha256(model.read_bytes()).hexdigest() == sha256
 
 
+def hash_file_names(index: dict) -> list[str]:
+    """The training text's hash files a finished preparation's index names (none in an index that predates them)."""
+    return [name for name in (index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")) if name]
+
+
 def incomplete(out: Path, index: dict) -> list[str]:
     """What a finished preparation in `out` lacks besides its shards (checked by intact_prefix): its tokenizer (the
     one its shards were made with) and the training text's hash files its index names; empty if nothing."""
@@ -175,8 +180,7 @@ def incomplete(out: Path, index: dict) -> list[str]:
         found.append(f"{TOKENIZER} is missing")
     elif not _tokenizer_matches(model, index.get("tokenizer_sha256")):
         found.append(f"{TOKENIZER} is not the one its shards were made with (SHA-256 differs from index.json's)")
-    named = [index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")]
-    found += [f"{name} is missing" for name in named if name and not (out / name).is_file()]
+    found += [f"{name} is missing" for name in hash_file_names(index) if not (out / name).is_file()]
     return found
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from data_prep.doc_hashes import layout_problem
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import sha256_file, shard_problem
-from data_prep.prepare import INDEX, PROGRESS, SPLITS, incomplete
+from data_prep.prepare import INDEX, PROGRESS, SPLITS, hash_file_names, incomplete
 from data_prep.shards import SHARD_NAME, format_problem
 
 
@@ -69,9 +69,9 @@ def _hash_file_problems(out: Path, index: dict) -> list[str]:
     """Damaged hash files (missing ones are incomplete()'s): SHA-256 against the index where recorded, else layout."""
     recorded = index.get("hash_files_sha256") or {}
     found = []
-    for name in (index.get("train_documents"), (index.get("train_ngrams") or {}).get("file")):
-        path = out / name if name else None
-        if path is None or not path.is_file():
+    for name in hash_file_names(index):
+        path = out / name
+        if not path.is_file():
             continue
         if name in recorded:
             problem = "SHA-256 mismatch" if sha256_file(path) != recorded[name] else None

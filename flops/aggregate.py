@@ -169,9 +169,10 @@ def cell(g: dict[str, Any] | None) -> str:
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
 
 
-def markdown(rows: list[dict[str, Any]], note: str) -> str:
+def markdown(rows: list[dict[str, Any]], note: str, warnings: list[str]) -> str:
+    """The note, the `warnings` (unequal_training's), a perplexity table per sweep, and every point."""
     s = summary(rows)
-    lines = [note, ""] + [line for warning in unequal_training(rows) for line in (f"**Warning: {warning}.**", "")]
+    lines = [note, ""] + [line for warning in warnings for line in (f"**Warning: {warning}.**", "")]
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         mine = [r for r in rows if r["sweep"] == sweep]
         sparsities = sorted({r["sparsity"] for r in mine})
@@ -246,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.DictWriter(f, COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    for line in unequal_training(rows):
+    warnings = unequal_training(rows)
+    for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
-    out.with_suffix(".md").write_text(markdown(rows, a.note or default_note(a.sweeps, rows)))
-    unequal = " - WARNING: points trained for different lengths" if unequal_training(rows) else ""
+    out.with_suffix(".md").write_text(markdown(rows, a.note or default_note(a.sweeps, rows), warnings))
+    unequal = " - WARNING: points trained for different lengths" if warnings else ""
     plot(rows, out.with_suffix(".png"), f"IsoFLOP curves (equal FLOPs per pass){unequal}")
     counts = {k: sum(r["status"] == k for r in rows) for k in dict.fromkeys(r["status"] for r in rows)}
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, {out.with_suffix('.png')} "
