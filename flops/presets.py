@@ -30,27 +30,35 @@ def baseline(
     n_heads: int | None = None,
     seq_len: int | None = None,
     vocab_size: int | None = None,
+    dense: bool = True,
 ) -> ModelConfig:
     """The dense baseline ModelConfig of a size (or of `base`'s shape), with explicit overrides, checked as a
-    config's model section. Fields not set by the size (vocab, RoPE, ...) come from `base` (default: ModelConfig())."""
+    config's model section. Fields not set by the size (vocab, RoPE, ...) come from `base` (default: ModelConfig()).
+    With dense=False, `base` may have any one head mix in every layer (e.g. 4 local + 4 routing heads, MoSA Sec. 3's
+    long-sequence baseline), kept as it is; n_heads then cannot be set."""
     base = base or ModelConfig()
     if size is not None and size not in SIZES:
         raise ConfigError(f"unknown size {size!r}; known sizes: {', '.join(SIZES)}")
-    if size is None and (base.layer_heads or any(g.type != "dense" for g in base.heads)):
-        raise ConfigError("the baseline must be a dense config (one dense head group, no model.layer_heads); "
-                          f"this one has {', '.join(sorted({g.type for g in base.heads}))} heads"
+    mixed = size is None and any(g.type != "dense" for g in base.heads)
+    if size is None and (base.layer_heads or (mixed and dense)):
+        raise ConfigError(("the baseline must be a dense config (one dense head group, no model.layer_heads); " if dense
+                           else "the baseline must have one head mix in every layer (no model.layer_heads); ")
+                          + f"this one has {', '.join(sorted({g.type for g in base.heads}))} heads"
                           + (" and layer_heads" if base.layer_heads else ""))
+    if mixed and n_heads is not None:
+        raise ConfigError(f"the head count override sets a dense baseline's heads; this baseline is {base.mix_text()}")
     shape = dict(SIZES[size]) if size else dict(
         n_layers=base.n_layers, d_model=base.d_model, head_dim=base.head_dim, seq_len=base.seq_len,
-        n_heads=sum(g.count for g in base.heads if g.type == "dense"),
+        n_heads=sum(g.count for g in base.heads),
     )
     given = dict(n_layers=n_layers, d_model=d_model, head_dim=head_dim, n_heads=n_heads, seq_len=seq_len)
     shape.update({k: v for k, v in given.items() if v is not None})
     for name, value in shape.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
-    heads = shape.pop("n_heads")
-    model = dataclasses.replace(base, **shape, heads=[HeadGroupConfig("dense", heads, {})], layer_heads={},
+    heads = base.heads if mixed else [HeadGroupConfig("dense", shape["n_heads"], {})]
+    del shape["n_heads"]
+    model = dataclasses.replace(base, **shape, heads=heads, layer_heads={},
                                 vocab_size=base.vocab_size if vocab_size is None else vocab_size)
     validate_model(model)
     return model

@@ -1,12 +1,12 @@
 """IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity).
 
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
-        --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--option mosa.selection=expert_choice] \\
-        [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
+        --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--with local:2:window=128] \\
+        [--option mosa.selection=expert_choice] [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
 
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
 `--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape)
-and the head mix solved by flops.isoflop;
+and the head mix solved by flops.isoflop (`--dense-heads` dense heads, the `--with` groups, and the sparse heads);
 sparsity 1 is the dense baseline, written once as `dense_s1`. `--seeds N` writes N replicas of every
 point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
 (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from flops.cli import comma_list, command_line, positive_int, script_parser
-from flops.isoflop import option_names, parse_options, solve
+from flops.isoflop import option_names, parse_group, parse_options, solve
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
@@ -41,9 +41,10 @@ def is_causal(cfg: Config) -> bool:
 
 def sweep_points(
     cfg: Config, heads: list[str], sparsities: list[int], out: Path, dense_heads: int = 4,
-    options: dict[str, dict[str, Any]] | None = None, seeds: int = 1,
+    options: dict[str, dict[str, Any]] | None = None, seeds: int = 1, keep: list[HeadGroupConfig] | None = None,
 ) -> list[tuple[Config, dict[str, Any]]]:
-    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline."""
+    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `keep`: head groups
+    kept in every sparse point next to the dense heads (flops.isoflop.solve)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
@@ -62,7 +63,7 @@ def sweep_points(
     wanted = [("dense", 1)] if 1 in sparsities else []
     wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]
     for (head, rho), replica in itertools.product(wanted, range(seeds)):
-        r = solve(cfg.model, head, rho, dense_heads, options.get(head))
+        r = solve(cfg.model, head, rho, dense_heads, options.get(head), (keep or []) if rho != 1 else ())
         seed = cfg.trainer.seed + replica
         name = f"{head}_s{rho}" + (f"_seed{seed}" if seeds > 1 else "")
         point = dataclasses.replace(
@@ -73,7 +74,7 @@ def sweep_points(
         validate(point)
         entry = {
             "name": name, "head": head, "sparsity": rho, "seed": seed, "config": str(out / f"{name}.yaml"),
-            "out_dir": point.trainer.out_dir, "causal": is_causal(point),
+            "out_dir": point.trainer.out_dir, "causal": is_causal(point), "mix": point.model.mix_text(),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
                                           "baseline_flops_per_pass", "kv_total", "params", "warning")},
         }
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
     p.add_argument("--option", action="append", default=[], metavar="HEAD.KEY=VALUE", help="head option, repeatable")
+    p.add_argument("--with", dest="keep", action="append", default=[], metavar="TYPE:COUNT[:KEY=VALUE,...]",
+                   help="another head group kept in every sparse point next to the dense heads, e.g. local:2:window=128")
     p.add_argument("--seeds", type=int, default=1, help="replicas of every point (trainer.seed, seed+1, ...)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the base config, e.g. trainer.max_steps=500")
     a = p.parse_args(argv)
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {a.out} is a file, not a directory")
         a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config, run and data paths
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
-        points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds)
+        points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds,
+                              [parse_group(g) for g in a.keep])
         for point, entry in points:
             stale_run(point, Path(entry["out_dir"]))
     except ConfigError as err:
@@ -157,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"size": a.size, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
                 "points": [entry for _, entry in points]}
     (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
+    width = max(len(e["mix"]) for e in manifest["points"]) + 2
     for e in manifest["points"]:
-        mix = f"{e['dense_heads']} dense" + (f" + {e['sparse_heads']} {e['head']}" if e["sparse_heads"] else "")
-        print(f"{e['name']:>14}: {mix:<22}"
+        print(f"{e['name']:>14}: {e['mix']:<{width}}"
               f"{e['flops_per_pass'] / e['baseline_flops_per_pass']:.4f} of the FLOP budget  -> {e['config']}")
         if e["warning"]:
             print(f"warning: {e['name']}: {e['warning']}", file=sys.stderr)

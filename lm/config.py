@@ -203,13 +203,18 @@ def validate_model(m: ModelConfig) -> None:
             raise ConfigError(f"{where}: layer {layer} has an empty head mix")
         for g in m.mix(layer):
             try:
-                opts = make_options(g.type, dict(g.options), m.group_context(layer))
-                opts.validate_length(g.type, m.seq_len)
-                if g.count < 1:
-                    raise ConfigError(f"{g.type} count must be >= 1, got {g.count}")
-                opts.validate_count(g.count)
+                check_group(m, g, layer)
             except ConfigError as err:
                 raise ConfigError(f"{where}: {err}") from None
+
+
+def check_group(m: ModelConfig, g: HeadGroupConfig, layer: int = 0) -> None:
+    """One head group's checks in layer `layer` of model `m`: its options, their fit to model.seq_len, its count."""
+    opts = make_options(g.type, dict(g.options), m.group_context(layer))
+    opts.validate_length(g.type, m.seq_len)
+    if g.count < 1:
+        raise ConfigError(f"{g.type} count must be >= 1, got {g.count}")
+    opts.validate_count(g.count)
 
 
 def validate(cfg: Config) -> Config:

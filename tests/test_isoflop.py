@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,20 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosaic", "--option", "sparsity=2.5"],
          "sparsity must be a positive integer, got 2.5"),
         (["--size", "tiny", "--head", "local", "--option", "window"], "--option expects key=value, got 'window'"),
+        # kept groups and budgets
+        (["--size", "tiny", "--head", "mosa", "--with", "local:x"],
+         "--with expects TYPE:COUNT[:KEY=VALUE,...] with a count >= 1, got 'local:x'"),
+        (["--size", "tiny", "--head", "mosa", "--with", "local:0"], "with a count >= 1, got 'local:0'"),
+        (["--size", "tiny", "--head", "mosa", "--with", "lokal:2"], "unknown head type 'lokal'"),
+        (["--size", "tiny", "--head", "mosa", "--with", "local:2:windw=5"],
+         "kept heads: head type 'local': unknown option(s) windw"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "lots"], "--budget expects FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "0.5"], "--budget expects FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "nan%"], "--budget expects FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "50%"], "error: the model without mosa heads (4 dense heads "
+         "and the FFNs) costs 38.65G per pass, over the FLOP budget of 27.38G"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "38.7G"],  # 4 dense: 38.65G; a MoSA head 0.23G
+         "not even one mosa head fits in the FLOP budget (38.70G per pass) next to 4 dense heads"),
         (["--size", "tiny", "--head", "local", "--option", "=64"], "--option expects key=value, got '=64'"),
     ],
 )
@@ -236,8 +251,9 @@ def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: 
     quick = load_config("configs/quickstart.yaml", warnings=False).model
     want = solve(baseline(None, quick, seq_len=128), "mosa", 8, 1)
     assert capsys.readouterr().out.startswith(f"configs/quickstart.yaml: 1 dense + {want.sparse_heads} mosa heads")
-    for bad, message in [(["--config", "configs/experiments/mosa_hybrid.yaml"], "error: the baseline must be a dense "
-                          "config (one dense head group, no model.layer_heads); this one has dense, mosa heads"),
+    for bad, message in [(["--config", "configs/experiments/mosa_layer_override.yaml"], "error: the baseline must have "
+                          "one head mix in every layer (no model.layer_heads); this one has dense, mosa heads and "
+                          "layer_heads"),
                          (["--config", "nothere.yaml"], "error: config file not found: nothere.yaml"),
                          (["--config", "configs/experiments/compression.yaml"], "error: configs/experiments/"
                           "compression.yaml has a compression section: its FLOPs depend on the layout "
@@ -249,15 +265,95 @@ def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: 
     assert "not allowed with argument --config" in capsys.readouterr().err
 
 
-def test_solve_refuses_a_baseline_that_is_not_one_dense_group() -> None:
-    """The IsoFLOP budget is a dense model's: a baseline with sparse heads, two groups or per-layer heads is
-    refused with one line, not matched against a budget it does not state."""
+def test_solve_refuses_a_baseline_with_per_layer_heads() -> None:
+    """The budget is one layer mix times n_layers: a baseline with model.layer_heads is refused with one line; the
+    dense heads kept cannot outnumber the baseline's (named when the baseline has other heads too)."""
     base = baseline("micro")
     dense = base.heads[0]
-    for heads, layer_heads in (([HeadGroupConfig("mosa", 4, {"sparsity": 4})], {}),
-                               ([dataclasses.replace(dense, count=2), HeadGroupConfig("mosa", 4, {"sparsity": 4})], {}),
-                               ([dense], {1: [dataclasses.replace(dense, count=3)]})):
-        mixed = dataclasses.replace(base, heads=heads, layer_heads=layer_heads)
-        with pytest.raises(ConfigError, match="^the baseline must be one dense head group in every layer$"):
-            solve(mixed, "mosa", 4, 2)
+    per_layer = dataclasses.replace(base, layer_heads={1: [dataclasses.replace(dense, count=3)]})
+    with pytest.raises(ConfigError, match=r"^the baseline must have one head mix in every layer \(no model.layer_heads\)$"):
+        solve(per_layer, "mosa", 4, 2)
+    mixed = dataclasses.replace(base, heads=[dataclasses.replace(dense, count=2), HeadGroupConfig("mosa", 4, {"sparsity": 4})])
+    with pytest.raises(ConfigError, match=r"^dense_heads must be in \[0, 2\], got 3 \(the baseline is 2 dense \+ 4 mosa; "
+                                          r"other kept heads: --with\)$"):
+        solve(mixed, "mosa", 4, 3)
+    with pytest.raises(ConfigError, match="the baseline must be a dense config"):  # the sweep's baseline stays dense
+        baseline(None, mixed)
     assert solve(base, "mosa", 4, 2).sparse_heads > 0  # the preset itself is one
+
+
+def _most_that_fit(base, r, budget: int) -> None:
+    """r is within `budget` and one more head of its sparse group is not."""
+    assert r.flops_per_pass <= budget == r.budget_flops_per_pass and r.budget_used == r.flops_per_pass / budget
+    groups = [HeadGroupConfig(**g) for g in r.heads]
+    more = dataclasses.replace(groups[-1], count=groups[-1].count + 1)
+    assert model_cost(dataclasses.replace(base, heads=[*groups[:-1], more])).flops_per_pass > budget
+    assert model_cost(dataclasses.replace(base, heads=groups)).flops_per_pass == r.flops_per_pass
+
+
+def test_kept_groups_stay_next_to_the_dense_heads() -> None:
+    """--with: 2 dense + 2 local (window 128) + n MoSA in every layer, n the most that fit the dense budget; KV and
+    parameters of the three-way mix from the same formulas (local: min(w, T) per head)."""
+    base = baseline("tiny")
+    local = HeadGroupConfig("local", 2, {"window": 128})
+    r = solve(base, "mosa", 8, 2, keep=[local])
+    assert [(g["type"], g["count"]) for g in r.heads] == [("dense", 2), ("local", 2), ("mosa", r.sparse_heads)]
+    assert r.heads[1]["options"] == {"window": 128} and r.dense_heads == 2
+    _most_that_fit(base, r, model_cost(base).flops_per_pass)
+    assert r.kv_per_layer == 2 * 1024 + 2 * 128 + r.sparse_heads * 128
+    # 2 local heads cost less than 2 more dense heads and more than none
+    assert solve(base, "mosa", 8, 4).sparse_heads == 69 < r.sparse_heads == 81 < solve(base, "mosa", 8, 2).sparse_heads
+    with pytest.raises(ConfigError, match="^kept heads: local: options.window = 5000 > model.seq_len 1024"):
+        solve(base, "mosa", 8, 2, keep=[HeadGroupConfig("local", 2, {"window": 5000})])
+    with pytest.raises(ConfigError, match="^a kept group of dense heads: give their count as dense_heads"):
+        solve(base, "mosa", 8, 2, keep=[HeadGroupConfig("dense", 2)])
+    with pytest.raises(ConfigError, match="^sparsity 1 is the baseline itself"):
+        solve(base, "mosa", 1, 2, keep=[local])
+
+
+def test_long_sequence_baseline_of_local_and_routing_heads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """MoSA Sec. 3, long sequences: 6 layers, h = 1024, every layer 4 local heads + 4 Routing heads (k = 64) is the
+    baseline, and MoSA (or fixed) heads next to the same 4 local heads are matched to it at T = 1024. App. C's formulas
+    give 45 MoSA (48 fixed) heads; the paper chose 60 "to roughly FLOP match", which is 131% of the 4 Routing heads.
+    From a YAML config (any one mix in every layer may be the baseline), with --dense-heads 0 and --with."""
+    config = tmp_path / "long_routing.yaml"
+    config.write_text("model:\n  n_layers: 6\n  d_model: 1024\n  head_dim: 64\n  seq_len: 1024\n  heads:\n"
+                      "    - {type: local, count: 4, options: {window: 256}}\n"
+                      "    - {type: routing, count: 4, options: {sparsity: 16}}\n")
+    args = ["--config", str(config), "--dense-heads", "0", "--with", "local:4:window=256", "--sparsity", "16"]
+    assert isoflop_main([*args, "--head", "mosa", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["heads"] == [{"type": "local", "count": 4, "options": {"window": 256}},
+                          {"type": "mosa", "count": 45, "options": {"sparsity": 16}}]
+    assert r["flops_per_pass"] <= r["baseline_flops_per_pass"] == r["budget_flops_per_pass"]
+    mosa = group_cost("mosa", 1024, 64, 1024, 60, {"sparsity": 16}).flops
+    routing = group_cost("routing", 1024, 64, 1024, 4, {"sparsity": 16}).flops
+    assert round(100 * mosa / routing) == 131
+    assert isoflop_main([*args, "--head", "fixed"]) == 0
+    assert capsys.readouterr().out.startswith(f"{config} (4 local + 4 routing): 4 local + 48 fixed heads (rho=16, k=64); "
+                                              "FLOPs/pass")
+    assert isoflop_main([*args, "--head", "mosa", "--dense-heads", "4"]) == 2  # the default 4 is not in this baseline
+    assert capsys.readouterr().err.strip() == ("error: dense_heads must be in [0, 0], got 4 (the baseline is 4 local + "
+                                               "4 routing; other kept heads: --with)")
+    assert isoflop_main([*args, "--head", "mosa", "--heads", "8"]) == 2
+    assert "the head count override sets a dense baseline's heads; this baseline is 4 local + 4 routing" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,flops", [("50%", 20_971_520), ("200%", 83_886_080), ("30M", 30_000_000),
+                                        ("3e7", 30_000_000), ("0.05G", 50_000_000), ("41943040", 41_943_040)])
+def test_budget_replaces_the_baselines_flops(text: str, flops: int, capsys: pytest.CaptureFixture) -> None:
+    """--budget: FLOPs per pass (plain, or with k/M/G/T/P) or a percentage of the baseline's (micro: 41,943,040);
+    the sparse heads fill it, never more, and one more would not fit; the text names the budget and the baseline."""
+    base = baseline("micro")
+    assert model_cost(base).flops_per_pass == 41_943_040
+    assert isoflop_main(["--size", "micro", "--head", "mosa", "--sparsity", "8", "--dense-heads", "0",
+                         "--budget", text, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["budget_flops_per_pass"] == flops and r["baseline_flops_per_pass"] == 41_943_040
+    _most_that_fit(base, solve(base, "mosa", 8, 0, budget=flops), flops)
+    if text == "50%":
+        assert isoflop_main(["--size", "micro", "--head", "mosa", "--sparsity", "8", "--dense-heads", "0", "--budget",
+                             text]) == 0
+        assert f"of 20.97M ({100 * r['budget_used']:.2f}%; the budget is 50.00% of the baseline's 41.94M)" in \
+            capsys.readouterr().out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -61,6 +62,31 @@ def test_sweep_writes_flop_matched_loadable_configs(tmp_path: Path) -> None:
         if e["head"] != "dense":
             assert [g.type for g in cfg.model.heads] == ["dense", e["head"]] and cfg.model.heads[0].count == 2
             assert cfg.model.heads[1].options["sparsity"] == e["sparsity"]
+
+
+def test_sweep_keeps_the_with_groups_in_every_sparse_point(tmp_path: Path, capsys) -> None:
+    """--with local:1:window=32: every sparse point is 2 dense + 1 local + n sparse heads, n the most that fit the dense
+    baseline's FLOPs (flops.isoflop.solve); the baseline dense_s1 stays dense; sweep.json and the printed table name each
+    point's mix; a kept group training would refuse is one line, nothing written."""
+    manifest = _sweep(tmp_path, "--with", "local:1:window=32")
+    assert "   mosa_s4: 2 dense + 1 local + " in capsys.readouterr().out
+    for e in manifest["points"]:
+        model = lm.load_config(e["config"]).model
+        assert e["mix"] == model.mix_text()
+        if e["head"] == "dense":
+            assert e["mix"] == "6 dense"
+            continue
+        assert [(g.type, g.count, g.options) for g in model.heads[:2]] == [("dense", 2, {}), ("local", 1, {"window": 32})]
+        assert e["mix"] == f"2 dense + 1 local + {e['sparse_heads']} {e['head']}" and e["sparse_heads"] > 0
+        more = dataclasses.replace(model.heads[2], count=model.heads[2].count + 1)
+        assert model_cost(model).flops_per_pass <= e["baseline_flops_per_pass"] < \
+            model_cost(dataclasses.replace(model, heads=[*model.heads[:2], more])).flops_per_pass
+    bad = ["--size", "micro", "--heads", "mosa", "--sparsity", "4", "--with", "local:1:window=500", "--out",
+           str(tmp_path / "bad")]
+    capsys.readouterr()  # (load_config's warnings above)
+    assert sweep_main(bad) == 2
+    assert capsys.readouterr().err.startswith("error: kept heads: local: options.window = 500 > model.seq_len 128")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_sweep_marks_non_causal_points(tmp_path: Path) -> None:
