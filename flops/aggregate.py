@@ -31,9 +31,9 @@ from heads.base import ConfigError
 from lm.run_files import read_json
 
 COLUMNS = [
-    "sweep", "size", "name", "head", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params", "flops_per_pass",
-    "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "tokens", "val_ppl", "leakfree_ppl",
-    "ppl", "tokens_per_s",
+    "sweep", "size", "name", "head", "vary", "value", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params",
+    "flops_per_pass", "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "tokens", "val_ppl",
+    "leakfree_ppl", "ppl", "tokens_per_s",
 ]
 
 
@@ -77,7 +77,8 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
         out = Path(e["out_dir"])
         m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
-        row.update(sweep=label or manifest["size"], size=manifest["size"], step=m.get("step"), max_steps=max_steps(e),
+        row.update(sweep=label or manifest["size"], size=manifest["size"], vary=manifest.get("vary", "sparsity"),
+                   value=e.get("value", e.get("sparsity")), step=m.get("step"), max_steps=max_steps(e),
                    tokens=m.get("tokens_seen"), val_ppl=m.get("val_ppl"), leakfree_ppl=lf.get("leakfree_ppl"),
                    tokens_per_s=m.get("tokens_per_s"))
         row["ppl"] = row["val_ppl"] if e["causal"] else row["leakfree_ppl"]
@@ -121,11 +122,12 @@ def default_note(sweeps: list[Path], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [f"- machine: {platform.platform()}"])
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
-    """(sweep, head, sparsity) -> {mean, std, n (done replicas), partial (rows not done), rows}."""
-    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, Any]]:
+    """(sweep, head, value of the swept option) -> {mean, std, n (done replicas), partial (rows not done)}; the dense
+    baseline's value is 1 in a sparsity sweep, None in a sweep of another option."""
+    groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["sweep"], r["head"], r["sparsity"]), []).append(r)
+        groups.setdefault((r["sweep"], r["head"], r["value"]), []).append(r)
     out = {}
     for key, members in groups.items():
         done = [r["ppl"] for r in members if r["status"] == "done"]
@@ -137,17 +139,27 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, 
     return out
 
 
-def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[int, float, float]]]:
-    """(sweep, head type) -> [(sparsity, mean ppl, std)] over done points, sorted, each starting at that
-    sweep's dense baseline (sparsity 1) when it is done."""
+def swept_option(rows: list[dict[str, Any]], sweep: str) -> str:
+    """The option a sweep varies (sweep.json's `vary`: sparsity unless flops.sweep --vary)."""
+    return next(r["vary"] for r in rows if r["sweep"] == sweep)
+
+
+def dense_baseline(s: dict[tuple[str, str, Any], dict[str, Any]], sweep: str) -> dict[str, Any] | None:
+    """The summary of a sweep's dense baseline (dense_s1), if it has one."""
+    return next((g for (sw, head, _), g in s.items() if sw == sweep and head == "dense"), None)
+
+
+def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    """(sweep, head type) -> [(value of the swept option, mean ppl, std)] over done points, sorted; a sparsity sweep's
+    curves start at its dense baseline (sparsity 1) when it is done (another option's sweep shows it as a line)."""
     s = summary(rows)
-    out: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
-    for (sweep, head, rho), g in s.items():
+    out: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for (sweep, head, value), g in s.items():
         if head == "dense" or g["mean"] is None:
             continue
-        base = s.get((sweep, "dense", 1))
+        base = dense_baseline(s, sweep) if swept_option(rows, sweep) == "sparsity" else None
         start = [(1, base["mean"], base["std"])] if base and base["mean"] is not None else []
-        out.setdefault((sweep, head), start).append((rho, g["mean"], g["std"]))
+        out.setdefault((sweep, head), start).append((value, g["mean"], g["std"]))
     return {key: sorted(points) for key, points in out.items()}
 
 
@@ -175,13 +187,19 @@ def markdown(rows: list[dict[str, Any]], note: str, warnings: list[str]) -> str:
     lines = [note, ""] + [line for warning in warnings for line in (f"**Warning: {warning}.**", "")]
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         mine = [r for r in rows if r["sweep"] == sweep]
-        sparsities = sorted({r["sparsity"] for r in mine})
+        key = swept_option(rows, sweep)
+        values = sorted({r["value"] for r in mine if r["value"] is not None})
         heads = sorted({r["head"] for r in mine if r["head"] != "dense"})
         lines += [f"Size {sweep}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
                   "mean ± std over finished seeds; `x* @step/max` = partial run, not in the mean or the curve:", ""]
-        lines += ["| head | " + " | ".join(f"rho={r}" for r in sparsities) + " |", "|---" * (len(sparsities) + 1) + "|"]
-        lines += [f"| {h} | " + " | ".join(cell(s.get((sweep, "dense" if r == 1 else h, r))) for r in sparsities) + " |"
-                  for h in heads]
+        if key == "sparsity":  # the dense baseline is the rho = 1 column
+            header = [f"rho={v}" for v in values]
+            cells = [[cell(s.get((sweep, "dense" if v == 1 else h, v))) for v in values] for h in heads]
+        else:
+            header = ["dense baseline"] + [f"{key}={v}" for v in values]
+            cells = [[cell(dense_baseline(s, sweep))] + [cell(s.get((sweep, h, v))) for v in values] for h in heads]
+        lines += ["| head | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+        lines += [f"| {h} | " + " | ".join(row) + " |" for h, row in zip(heads, cells)]
         lines.append("")
     lines += ["All points (tokens_per_s as measured during the sweep's training: on a shared or busy machine it is not "
               "comparable between points; time points side by side with bench/throughput.py --out FILE):", "",
@@ -206,18 +224,20 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             if sw == sweep:
                 xs, ys, es = zip(*points)
                 ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[head], label=head)
-        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep]
+        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep and r["value"] is not None]
         if partial:
-            ax.scatter([r["sparsity"] for r in partial], [r["ppl"] for r in partial], facecolors="none",
+            ax.scatter([r["value"] for r in partial], [r["ppl"] for r in partial], facecolors="none",
                        edgecolors="black", label="partial run (not in the curve)")
-        base = s.get((sweep, "dense", 1))
+        base = dense_baseline(s, sweep)
         if base and base["mean"] is not None:
             ax.axhline(base["mean"], color="grey", linestyle="--", linewidth=1, label="dense baseline")
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["sparsity"] for r in rows if r["sweep"] == sweep})
+        ticks = sorted({r["value"] for r in rows if r["sweep"] == sweep and r["value"] is not None})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
-        ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)")
+        key = swept_option(rows, sweep)
+        ax.set_xlabel("sparsity rho (tokens per sparse head k = T / rho)" if key == "sparsity"
+                      else f"option {key} of the sparse heads")
         ax.set_ylabel("validation perplexity (leak-free if not causal)")
         ax.set_title(sweep)
         if ax.get_legend_handles_labels()[0]:  # a sweep without finished runs has no curve to name

@@ -1,5 +1,7 @@
-"""IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity).
+"""IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity), or per
+(head type, value of another option) with --vary.
 
+    python -m flops.sweep --size micro --heads local --vary window=16,32,64 --dense-heads 2 --out sweeps/windows
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
         --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--with local:2:window=128] \\
         [--option mosa.selection=expert_choice] [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
@@ -7,13 +9,16 @@
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
 `--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape)
 and the head mix solved by flops.isoflop (`--dense-heads` dense heads, the `--with` groups, and the sparse heads);
-sparsity 1 is the dense baseline, written once as `dense_s1`. `--seeds N` writes N replicas of every
+sparsity 1 is the dense baseline, written once as `dense_s1`. `--vary KEY=V1,V2,...` sweeps another option of
+the sparse heads instead (local `window`, MiTA `k`, MoSA `capacity_factor`, ...; positive numbers), one point
+`<head>_<KEY><V>` per value, and always writes `dense_s1`. `--seeds N` writes N replicas of every
 point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
 (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
 FLOPs, KV entries, parameters and causality. Train them with `python -m flops.run_sweep <out>`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -40,11 +45,14 @@ def is_causal(cfg: Config) -> bool:
 
 
 def sweep_points(
-    cfg: Config, heads: list[str], sparsities: list[int], out: Path, dense_heads: int = 4,
+    cfg: Config, heads: list[str], values: list[Any], out: Path, dense_heads: int = 4,
     options: dict[str, dict[str, Any]] | None = None, seeds: int = 1, keep: list[HeadGroupConfig] | None = None,
+    vary: str = "sparsity",
 ) -> list[tuple[Config, dict[str, Any]]]:
-    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `keep`: head groups
-    kept in every sparse point next to the dense heads (flops.isoflop.solve)."""
+    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `values`: those of
+    option `vary` of the sparse heads (sparsity: 1 is the dense baseline, written only when listed; any other option:
+    the dense baseline is always written); `keep`: head groups kept in every sparse point next to the dense heads
+    (flops.isoflop.solve)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
@@ -52,20 +60,31 @@ def sweep_points(
         if head == "dense":
             raise ConfigError("--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, "
                               "dense_s1)")
-        if "sparsity" not in (fields := option_names(head)):
+        if vary not in (fields := option_names(head)):
+            if vary != "sparsity":
+                raise ConfigError(f"--vary {vary}: {head} heads have no option {vary} (their options: {', '.join(fields)})")
             raise ConfigError(f"flops.sweep varies sparsity, which {head} heads do not have (their options: "
-                              f"{', '.join(fields)}); FLOP-match one setting with `python -m flops.isoflop --head "
-                              f"{head} --option KEY=VALUE` and train that head mix with train_lm.py (model.heads=...)")
+                              f"{', '.join(fields)}); sweep one of their options with --vary KEY=V1,V2,... or FLOP-match "
+                              f"one setting with `python -m flops.isoflop --head {head} --option KEY=VALUE`")
+        if vary in options.get(head, {}):
+            raise ConfigError(f"--option {head}.{vary} conflicts with the swept values of {vary}")
     unused = sorted(set(options) - set(heads))
     if unused:
         raise ConfigError(f"--option for {', '.join(unused)}, which is not in --heads {','.join(heads)}")
+    by_sparsity = vary == "sparsity"
     points = []
-    wanted = [("dense", 1)] if 1 in sparsities else []
-    wanted += [(head, rho) for head in heads for rho in sparsities if rho != 1]
-    for (head, rho), replica in itertools.product(wanted, range(seeds)):
-        r = solve(cfg.model, head, rho, dense_heads, options.get(head), (keep or []) if rho != 1 else ())
+    wanted: list[tuple[str, Any]] = [("dense", 1 if by_sparsity else None)] if 1 in values or not by_sparsity else []
+    wanted += [(head, v) for head in heads for v in values if not (by_sparsity and v == 1)]
+    for (head, value), replica in itertools.product(wanted, range(seeds)):
+        if head == "dense":
+            r = solve(cfg.model, head, 1, dense_heads)
+        elif by_sparsity:
+            r = solve(cfg.model, head, value, dense_heads, options.get(head), keep or [])
+        else:
+            r = solve(cfg.model, head, None, dense_heads, {**options.get(head, {}), vary: value}, keep or [])
         seed = cfg.trainer.seed + replica
-        name = f"{head}_s{rho}" + (f"_seed{seed}" if seeds > 1 else "")
+        name = (f"{head}_s1" if head == "dense" else f"{head}_s{value}" if by_sparsity else f"{head}_{vary}{value}") + (
+            f"_seed{seed}" if seeds > 1 else "")
         point = dataclasses.replace(
             cfg,
             model=dataclasses.replace(cfg.model, heads=[HeadGroupConfig(**g) for g in r.heads]),
@@ -73,7 +92,7 @@ def sweep_points(
         )
         validate(point)
         entry = {
-            "name": name, "head": head, "sparsity": rho, "seed": seed, "config": str(out / f"{name}.yaml"),
+            "name": name, "head": head, "sparsity": r.sparsity, "value": value, "seed": seed, "config": str(out / f"{name}.yaml"),
             "out_dir": point.trainer.out_dir, "causal": is_causal(point), "mix": point.model.mix_text(),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
                                           "baseline_flops_per_pass", "kv_total", "params", "warning")},
@@ -119,13 +138,36 @@ def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
     return {head: parse_options(options) for head, options in grouped.items()}
 
 
+def varied(text: str) -> tuple[str, list[float | int]]:
+    """argparse type of --vary: 'window=32,64,128' -> ('window', [32, 64, 128]); every value a positive number (the
+    x axis of the IsoFLOP curve), none repeated."""
+    key, _, values = text.partition("=")
+    numbers = [] if not key or not values else [_number(v) for v in values.split(",")]
+    if not numbers or None in numbers or len(set(numbers)) < len(numbers):
+        raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,... with distinct positive numbers, got {text!r}")
+    return key, numbers
+
+
+def _number(text: str) -> float | int | None:
+    """'64' -> 64, '1.25' -> 1.25; None for anything else (booleans, text, nan, inf, <= 0)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    return value if ok else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__, "python -m flops.sweep")
     p.add_argument("--size", default="tiny", help=f"dense baseline: {', '.join(SIZES)}, or 'base' (the --base model)")
     p.add_argument("--heads", required=True, type=comma_list(str),
                    help="comma-separated sparse head types, e.g. mosa,fixed,routing")
-    p.add_argument("--sparsity", required=True, type=comma_list(positive_int),
-                   help="comma-separated rho values; 1 = the dense baseline")
+    swept = p.add_mutually_exclusive_group(required=True)
+    swept.add_argument("--sparsity", type=comma_list(positive_int), help="comma-separated rho values; 1 = the dense baseline")
+    swept.add_argument("--vary", type=varied, metavar="KEY=V1,V2,...",
+                       help="another option of the sparse heads and its values (positive numbers), e.g. window=32,64,128; "
+                            "the dense baseline is always written")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
@@ -145,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {a.out} is a file, not a directory")
         a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config, run and data paths
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
-        points = sweep_points(cfg, a.heads, a.sparsity, a.out, a.dense_heads, _options(a.option), a.seeds,
-                              [parse_group(g) for g in a.keep])
+        vary, values = a.vary or ("sparsity", a.sparsity)
+        points = sweep_points(cfg, a.heads, values, a.out, a.dense_heads, _options(a.option), a.seeds,
+                              [parse_group(g) for g in a.keep], vary)
         for point, entry in points:
             stale_run(point, Path(entry["out_dir"]))
     except ConfigError as err:
@@ -158,12 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for point, entry in points:
         Path(entry["config"]).write_text(to_yaml(point))
-    manifest = {"size": a.size, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
+    manifest = {"size": a.size, "vary": vary, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
                 "points": [entry for _, entry in points]}
     (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
     width = max(len(e["mix"]) for e in manifest["points"]) + 2
+    names = max(len(e["name"]) for e in manifest["points"])
     for e in manifest["points"]:
-        print(f"{e['name']:>14}: {e['mix']:<{width}}"
+        print(f"{e['name']:>{names}}: {e['mix']:<{width}}"
               f"{e['flops_per_pass'] / e['baseline_flops_per_pass']:.4f} of the FLOP budget  -> {e['config']}")
         if e["warning"]:
             print(f"warning: {e['name']}: {e['warning']}", file=sys.stderr)

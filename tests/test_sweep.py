@@ -38,8 +38,9 @@ def _sweep(tmp_path: Path, *extra: str) -> dict:
 @pytest.mark.parametrize("heads, message", [
     ("mosa,bogus", "unknown head type 'bogus'; known types: agent, dense, fixed"),
     ("dense,mosa", "--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, dense_s1)"),
-    ("local", "flops.sweep varies sparsity, which local heads do not have (their options: impl, window); FLOP-match "
-              "one setting with `python -m flops.isoflop --head local --option KEY=VALUE`"),
+    ("local", "flops.sweep varies sparsity, which local heads do not have (their options: impl, window); sweep one of "
+              "their options with --vary KEY=V1,V2,... or FLOP-match one setting with `python -m flops.isoflop --head "
+              "local --option KEY=VALUE`"),
 ])
 def test_sweep_refuses_head_types_it_cannot_sweep(tmp_path: Path, heads: str, message: str, capsys) -> None:
     """With --sparsity 1 alone no sparse point is solved: an unknown type, or one without a sparsity, was dropped
@@ -69,7 +70,7 @@ def test_sweep_keeps_the_with_groups_in_every_sparse_point(tmp_path: Path, capsy
     baseline's FLOPs (flops.isoflop.solve); the baseline dense_s1 stays dense; sweep.json and the printed table name each
     point's mix; a kept group training would refuse is one line, nothing written."""
     manifest = _sweep(tmp_path, "--with", "local:1:window=32")
-    assert "   mosa_s4: 2 dense + 1 local + " in capsys.readouterr().out
+    assert " mosa_s4: 2 dense + 1 local + " in capsys.readouterr().out
     for e in manifest["points"]:
         model = lm.load_config(e["config"]).model
         assert e["mix"] == model.mix_text()
@@ -262,6 +263,49 @@ def test_aggregate_on_fake_metrics(tmp_path: Path) -> None:
     assert "| mosa | 30.00 | 28.00 | 27.00 |" in md and "| fixed | 30.00 | 33.00 | - |" in md
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "Warning" not in md and unequal_training(rows) == []
+
+
+def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Path, capsys) -> None:
+    """--vary window=16,32,64 --heads local: one FLOP-matched point per window (flops.isoflop.solve with that option),
+    always with the dense baseline; the aggregate's table has a dense-baseline column and one per window, the curves
+    run over the windows without a dense point at x = 1, the PNG names the option. Bad --vary: one line."""
+    out = tmp_path / "sw"
+    assert sweep_main(["--size", "micro", "--heads", "local,topk", "--vary", "window=16,32,64", "--dense-heads", "2",
+                       "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: --vary window: topk heads have no option window (their options: ")
+    assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=16,32,64", "--dense-heads", "2",
+                       "--option", "local.window=8", "--out", str(out)]) == 2
+    assert "error: --option local.window conflicts with the swept values of window" in capsys.readouterr().err
+    for bad in ("window", "window=", "window=16,x", "window=16,16", "window=0", "window=true", "=16"):
+        with pytest.raises(SystemExit):
+            sweep_main(["--size", "micro", "--heads", "local", "--vary", bad, "--out", str(out)])
+        assert "expected KEY=V1,V2,... with distinct positive numbers" in capsys.readouterr().err
+    assert not out.exists()
+    assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=16,32,64", "--dense-heads", "2",
+                       "--out", str(out), "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]) == 0
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert manifest["vary"] == "window"
+    points = {e["name"]: e for e in manifest["points"]}
+    assert list(points) == ["dense_s1", "local_window16", "local_window32", "local_window64"]
+    for window in (16, 32, 64):
+        e = points[f"local_window{window}"]
+        model = lm.load_config(e["config"]).model
+        assert e["value"] == window and e["sparsity"] is None and model.heads[1].options == {"window": window}
+        more = dataclasses.replace(model.heads[1], count=model.heads[1].count + 1)
+        assert model_cost(model).flops_per_pass <= e["baseline_flops_per_pass"] < \
+            model_cost(dataclasses.replace(model, heads=[model.heads[0], more])).flops_per_pass
+    assert points["local_window16"]["sparse_heads"] > points["local_window64"]["sparse_heads"]  # cheaper heads, more
+    for name, ppl in {"dense_s1": 30.0, "local_window16": 33.0, "local_window64": 31.0}.items():
+        _fake_metrics(points[name], ppl)
+    rows = collect(out)
+    assert curves(rows) == {("micro", "local"): [(16, 33.0, 0.0), (64, 31.0, 0.0)]}
+    assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
+    md = (tmp_path / "res.md").read_text()
+    assert "| head | dense baseline | window=16 | window=32 | window=64 |" in md
+    assert "| local | 30.00 | 33.00 | - | 31.00 |" in md
+    with open(tmp_path / "res.csv") as f:
+        assert [(r["vary"], r["value"]) for r in csv.DictReader(f)] == [("window", "")] + [
+            ("window", str(w)) for w in (16, 32, 64)]
 
 
 def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, capsys) -> None:
