@@ -142,6 +142,8 @@ def varied(text: str) -> tuple[str, list[float | int]]:
     """argparse type of --vary: 'window=32,64,128' -> ('window', [32, 64, 128]); every value a positive number (the
     x axis of the IsoFLOP curve), none repeated."""
     key, _, values = text.partition("=")
+    if key == "sparsity":
+        raise argparse.ArgumentTypeError("sparsity is swept with --sparsity (where 1 is the dense baseline)")
     numbers = [] if not key or not values else [_number(v) for v in values.split(",")]
     if not numbers or None in numbers or len(set(numbers)) < len(numbers):
         raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,... with distinct positive numbers, got {text!r}")

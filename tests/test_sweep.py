@@ -280,6 +280,9 @@ def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Pa
         with pytest.raises(SystemExit):
             sweep_main(["--size", "micro", "--heads", "local", "--vary", bad, "--out", str(out)])
         assert "expected KEY=V1,V2,... with distinct positive numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "sparsity=2,4", "--out", str(out)])
+    assert "sparsity is swept with --sparsity (where 1 is the dense baseline)" in capsys.readouterr().err
     assert not out.exists()
     assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=16,32,64", "--dense-heads", "2",
                        "--out", str(out), "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]) == 0
