@@ -308,9 +308,9 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
     a compressed model's (lm/compressed_training.py), which is another model."""
     cfg = from_dict(ckpt["config"])
     if cfg.compression is not None:
-        raise CheckpointError(f"{path} is a compressed model's checkpoint (lm.compressed_training): load it with "
-                              "lm.compressed_training.load_compressed, sample with lm.compressed_generate.CompressedGenerator "
-                              "(Python; there is no command line for it)")
+        raise CheckpointError(f"{path} is a compressed model's checkpoint (lm.compressed_training): evaluate it with "
+                              "python -m lm.compressed_evaluate; load it with lm.compressed_training.load_compressed, "
+                              "sample with lm.compressed_generate.CompressedGenerator (Python)")
     model = build_model(cfg.model)
     model.load_state_dict(model_weights(ckpt))
     return model, cfg

@@ -598,3 +598,56 @@ def test_compressed_module_builds_only_the_compressed_model():
     assert module.model.state_dict().keys() == alone.state_dict().keys()
     for name, w in alone.state_dict().items():
         assert torch.equal(module.model.state_dict()[name], w), name
+
+
+def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, capsys):
+    """python -m lm.compressed_evaluate: rows none / full / compress per depth and ratio, each the suffix loss
+    lm.compressed_training.evaluate gives on the same windows (max depth's, cut to each depth's last tokens), delta
+    = compressed - full at that depth; JSON with --out. Documents shorter than the window, bad --depths/--ratios, a
+    plain model's checkpoint: one line, exit 2."""
+    from omegaconf import OmegaConf
+
+    from lm.compressed_evaluate import main as evaluate_main
+
+    rng = np.random.default_rng(0)
+    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=12, ratio=0.25, max_depth=2)
+    cfg.data.path = _prepared(tmp_path, [rng.integers(1, V, 60) for _ in range(10)])
+    validate(cfg)
+    torch.manual_seed(0)
+    model = CompressedLM(cfg.model, cfg.compression).eval()
+    ckpt = tmp_path / "c.ckpt"
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+    out = tmp_path / "eval.json"
+    assert evaluate_main(["--ckpt", str(ckpt), "--ratios", "0.25,0.5", "--batches", "2", "--batch", "3",
+                          "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "6 windows of 33 tokens" in printed  # 2 chunks of 12 + suffix 8 + 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["memory"], r["depth"], r["ratio"], r["t"]) for r in rows] == [
+        ("none", 0, None, 0), ("full", 1, None, 12), ("compress", 1, 0.25, 3), ("compress", 1, 0.5, 6),
+        ("full", 2, None, 24), ("compress", 2, 0.25, 3), ("compress", 2, 0.5, 6)]
+    windows = fixed_windows(document_windows(cfg.data.path, "val", cfg), 2, 3, 33, seed=0)
+    expected = [evaluate(model, windows, layout) for layout in (
+        Layout((), 0, 8), Layout((12,), 0, 8, full=True), Layout((12,), 3, 8), Layout((12,), 6, 8),
+        Layout((12, 12), 0, 8, full=True), Layout((12, 12), 3, 8), Layout((12, 12), 6, 8))]
+    assert [r["loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
+    assert rows[3]["delta"] == pytest.approx(expected[3] - expected[1]) and rows[6]["delta"] == pytest.approx(
+        expected[6] - expected[4])
+    assert all(r["ppl"] == pytest.approx(float(np.exp(r["loss"]))) for r in rows)
+    assert f"| compress | 2 | 0.5 | 6 | {expected[6]:.4f} |" in printed
+    for args, message in [(["--depths", "5"], "no document has 69 tokens (longest: 60): depth 5 needs windows of 69 "
+                                              "tokens"),
+                          (["--depths", "0"], "expected distinct comma-separated integers >= 1 for --depths, got '0'"),
+                          (["--ratios", "0.25,0.25"], "expected distinct comma-separated ratios in (0, 1]"),
+                          (["--ratios", "2"], "expected distinct comma-separated ratios in (0, 1]"),
+                          (["--batch", "0"], "--batches and --batch must be >= 1")]:
+        assert evaluate_main(["--ckpt", str(ckpt), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    plain = tmp_path / "plain.ckpt"
+    cfg.compression = None
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "state_dict": {}}, plain)
+    assert evaluate_main(["--ckpt", str(plain)]) == 2
+    assert "not a compressed-model checkpoint" in capsys.readouterr().err
