@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from data_prep.cli import OneLineParser
 from heads import ConfigError
 from lm.cli import status_of
 from lm.config import Config, load_config
@@ -70,7 +71,7 @@ def prepare_data(cfg: Config, shared: Path, overwrite: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data",
                         help="directory holding gutenberg/ (default ../shared/data)")
     parser.add_argument("--fresh", action="store_true", help="delete an earlier quickstart run's outputs and retrain; "

@@ -33,7 +33,6 @@ or changed inputs stops with one line naming the differences; `--overwrite` star
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from data_prep import decontaminate, doc_hashes, tokenizer
+from data_prep.cli import OneLineParser
 from data_prep.cores import usable_cores
 from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
@@ -390,7 +390,7 @@ def _report(out: Path, index: dict, times: dict[str, float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep.prepare", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m data_prep.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--source", required=True, choices=SOURCES,
                         help="gutenberg/text: dir of .txt[.gz]; c4: dir of *.json.gz JSON lines; builtin: Python's "
                              "own docs (offline); c4-hub / gutenberg-hub: stream with `datasets`")

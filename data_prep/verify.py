@@ -11,12 +11,12 @@ the training text (their SHA-256 where the index records it, since 2026-11-30; e
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from data_prep.cli import OneLineParser
 from data_prep.doc_hashes import layout_problem
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import sha256_file, shard_problem
@@ -107,7 +107,7 @@ def problems(out: Path, progress: bool = False) -> tuple[list[str], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="python -m data_prep.verify", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="the prepared directory (data_prep.prepare's --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

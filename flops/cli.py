@@ -15,22 +15,18 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
+
+from data_prep.cli import OneLineParser
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """An ArgumentParser that reports bad arguments as one `error: ...` line on stderr, exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message}\n")
-
-
 def script_parser(doc: str | None, prog: str | None = None) -> argparse.ArgumentParser:
-    """The parser of a script: --help prints its module docstring `doc` as written (usage examples included)."""
-    return _OneLineErrors(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The parser of a script: one-line errors (data_prep/cli.py); --help prints its module docstring `doc` as written
+    (usage examples included)."""
+    return OneLineParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def output_file(text: str) -> Path:

@@ -10,11 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from data_prep.cli import OneLineParser
+
 
 def training_parser(description: str, config_help: str, override_example: str) -> argparse.ArgumentParser:
     """--config FILE, one of --resume | --resume-from PATH | --overwrite, and overrides; parse with
     `parse_intermixed_args`, so overrides may stand before, between and after the options."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     parser.add_argument("--config", required=True, help=config_help)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from data_prep.cli import OneLineParser
 from heads.base import ConfigError
 from lm.cli import check_output
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed
@@ -84,8 +85,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lm.compressed_evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m lm.compressed_evaluate", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="a checkpoint of lm.compressed_training")
     p.add_argument("--data", help="prepared data directory (data_prep.prepare; default: the run's data.path)")
     p.add_argument("--split", default="val", choices=("train", "val"), help="split the windows come from (default val)")

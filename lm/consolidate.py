@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from data_prep.atomic import atomic_write
+from data_prep.cli import OneLineParser
 from lm.checkpoint import CONSOLIDATED, CheckpointError, read_checkpoint, read_deepspeed
 
 KEPT = ("state_dict", "config", "run", "global_step", "epoch", "tokens_seen", "val_history",
@@ -52,8 +53,8 @@ def consolidate(directory: str | Path, out: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from lm.cli import check_output
 
-    ap = argparse.ArgumentParser(prog="python -m lm.consolidate",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m lm.consolidate",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("directory", help="a DeepSpeed checkpoint directory (checkpoints/step<N>.ckpt or last.ckpt)")
     ap.add_argument("out", help="the checkpoint file to write")
     args = ap.parse_args(argv)

@@ -23,7 +23,6 @@ Bad input (missing/broken checkpoint, undecodable or empty file, wrong tokenizer
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from data_prep import tokenizer as sp_codec
+from data_prep.cli import OneLineParser
 from data_prep.documents import StrictSkips
 from data_prep.errors import DataError
 from data_prep.shards import format_problem
@@ -176,8 +176,8 @@ def plot_position_curve(losses: list[float | None], path: str | Path, title: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lm.evaluate",
-                                 description="Sliding-window perplexity and bits per byte of a checkpoint on text.")
+    ap = OneLineParser(prog="python -m lm.evaluate",
+                       description="Sliding-window perplexity and bits per byte of a checkpoint on text.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--input", required=True, help="file, directory, C4 json(.gz) or prepared directory")
     ap.add_argument("--format", default="auto", choices=FORMATS,

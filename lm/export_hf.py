@@ -16,7 +16,6 @@ The directory is written next to DIR and renamed into place, so DIR is either co
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from data_prep.atomic import temp_path
+from data_prep.cli import OneLineParser
 from data_prep.tokenizer import EOS_ID
 from lm.cli import exit_without_eval_extra
 from lm.loading import TOKENIZER_HELP, load_for_generation
@@ -85,8 +85,8 @@ def export(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lm.export_hf",
-                                 description="Export a train_lm.py checkpoint as a Hugging Face model directory.")
+    ap = OneLineParser(prog="python -m lm.export_hf",
+                       description="Export a train_lm.py checkpoint as a Hugging Face model directory.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--out", required=True, help="new (or empty) directory")
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)

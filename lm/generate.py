@@ -17,7 +17,6 @@ models' decoding goes (bench/results/decode_cpu.md).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -26,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from data_prep import tokenizer as sp_codec
+from data_prep.cli import OneLineParser
 from lm.loading import TOKENIZER_HELP, load_for_generation
 from lm.model import DecoderLM
 from lm.sanity import warn
@@ -255,8 +255,8 @@ def decodable(model: DecoderLM) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lm.generate",
-                                 description="Sample from a train_lm.py checkpoint with the KV cache.")
+    ap = OneLineParser(prog="python -m lm.generate",
+                       description="Sample from a train_lm.py checkpoint with the KV cache.")
     ap.add_argument("--ckpt", required=True, help="Lightning checkpoint written by train_lm.py")
     ap.add_argument("--prompt", required=True, help="text to continue")
     ap.add_argument("--max-new-tokens", type=int, default=100,

@@ -23,7 +23,6 @@ document's requests, prompts and continuations, as one text): the results say pe
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -36,6 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from data_prep import tokenizer as sp_codec
+from data_prep.cli import OneLineParser
 from data_prep.hub import NETWORK_HINT, first_line, is_network_error
 from lm.cli import check_output, exit_without_eval_extra
 
@@ -318,8 +318,8 @@ def task_manager(tasks: list[str], include_path: str | None = None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lm.lm_eval",
-                                 description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
+    ap = OneLineParser(prog="python -m lm.lm_eval",
+                       description="Zero-shot tasks with lm-evaluation-harness on a train_lm.py checkpoint.")
     ap.add_argument("--ckpt", required=True, help="checkpoint written by train_lm.py")
     ap.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     ap.add_argument("--include-path", default=None, help="directory (or file) of extra task YAMLs")

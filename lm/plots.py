@@ -4,11 +4,11 @@
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
 
+from data_prep.cli import OneLineParser
 from heads.base import ConfigError
 from lm.cli import check_png
 from lm.run_files import read_json
@@ -53,8 +53,8 @@ def run_labels(runs: list[Path]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lm.plots",
-                                     description="Plot the validation curves of training runs (metrics.json) together.")
+    parser = OneLineParser(prog="python -m lm.plots",
+                           description="Plot the validation curves of training runs (metrics.json) together.")
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (trainer.out_dir)")
     parser.add_argument("--out", required=True, help="PNG to write")
     parser.add_argument("--title", default="", help="plot title")

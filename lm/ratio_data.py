@@ -17,13 +17,13 @@ AdaptiveRatio probe prompts at it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from data_prep.cli import OneLineParser
 from lm.compression import CompressedLM, token_nll, tokens_for
 
 DEFAULT_RATIOS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2)
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from lm.compressed_training import document_windows, fixed_windows, load_compressed
     from lm.data import DataError
 
-    parser = argparse.ArgumentParser(prog="python -m lm.ratio_data",
-                                     description="Measure Delta = Loss(compressed) - Loss(full) over ratios")
+    parser = OneLineParser(prog="python -m lm.ratio_data",
+                           description="Measure Delta = Loss(compressed) - Loss(full) over ratios")
     parser.add_argument("--ckpt", required=True, help="checkpoint written by python -m lm.compressed_training")
     parser.add_argument("--data", required=True, help="prepared data directory")
     parser.add_argument("--out", required=True)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_prep.cli import OneLineParser
 from lm.checkpoint import CheckpointError, read_torch_file
 from lm.compression import CompressedLM, tokens_for
 
@@ -187,8 +188,8 @@ def _choose(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lm.ratio_predictor",
-                                     description="Train / use the compression-ratio predictor")
+    parser = OneLineParser(prog="python -m lm.ratio_predictor",
+                           description="Train / use the compression-ratio predictor")
     sub = parser.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fit the predictor on a file written by python -m lm.ratio_data")
     t.add_argument("--data", required=True)

@@ -1,5 +1,6 @@
 """Command-line arguments of the flops/ and bench/ scripts (flops/cli.py): --help shows the script's whole
-module docstring, and a bad number or list is one `error:` line (exit 2) before any work starts."""
+module docstring, and a bad number or list is one `error:` line (exit 2) before any work starts; so is every entry
+point's argparse error (data_prep/cli.py)."""
 from __future__ import annotations
 
 import importlib
@@ -90,3 +91,36 @@ def test_results_stem_keeps_dots_in_the_name_and_drops_a_result_suffix(tmp_path:
     assert results_stem(str(tmp_path / "x.md")) == results_stem(str(tmp_path / "x.csv")) == tmp_path / "x"
     with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
         results_stem(str(tmp_path / "missing" / "x"))
+
+
+# every command line of the stack: an invalid choice, a missing argument, exclusive options together
+ARGPARSE_ERRORS = [
+    ("data_prep.prepare", ["--source", "foo", "--out", "{out}"], "argument --source: invalid choice: 'foo'"),
+    ("data_prep.verify", [], "the following arguments are required: out"),
+    ("lm.evaluate", ["--ckpt", "x", "--input", "y", "--format", "bogus"], "argument --format: invalid choice: 'bogus'"),
+    ("lm.evaluate", ["--ckpt", "x", "--input", "y", "--leak-free", "maybe"], "argument --leak-free: invalid choice"),
+    ("lm.generate", [], "the following arguments are required: --ckpt, --prompt"),
+    ("lm.compressed_evaluate", ["--ckpt", "x", "--split", "test"], "argument --split: invalid choice: 'test'"),
+    ("lm.consolidate", [], "the following arguments are required: directory, out"),
+    ("lm.export_hf", [], "the following arguments are required"),
+    ("lm.lm_eval", [], "the following arguments are required"),
+    ("lm.plots", [], "the following arguments are required"),
+    ("lm.ratio_data", [], "the following arguments are required"),
+    ("lm.ratio_predictor", ["train", "--bogus"], "the following arguments are required: --data, --out"),
+    ("train_lm", ["--config", "x", "--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+    ("lm.compressed_training", [], "the following arguments are required: --config"),
+    ("quickstart", ["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("name,argv,message", ARGPARSE_ERRORS)
+def test_every_entry_points_argument_errors_are_one_line(name: str, argv: list[str], message: str, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's own errors were its usage block and then the error (4 to 16 lines): now the one `error:` line the
+    stack's other bad inputs give, exit status 2, nothing written."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(name).main([arg.replace("{out}", str(out)) for arg in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not out.exists()
