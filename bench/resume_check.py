@@ -26,7 +26,7 @@ from flops.cli import ROOT, command_line, hardware, output_file, positive_int, s
 from heads import ConfigError
 from lm.config import load_config
 from lm.run_logs import tb_scalars
-from lm.train import lightning_accelerator
+from lm.devices import lightning_accelerator
 
 
 def command(config: str, out: Path, overrides: list[str], steps: int, *extra: str) -> list[str]:

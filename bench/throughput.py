@@ -35,7 +35,7 @@ from flops.cli import command_line, hardware, nonnegative_int, output_file, posi
 from heads import ConfigError, commit_states  # noqa: E402
 from lm.config import Config, load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
-from lm.train import lightning_accelerator, resolve_precision  # noqa: E402
+from lm.devices import lightning_accelerator, resolve_precision  # noqa: E402
 
 
 def device_name(configs: list[Config]) -> tuple[torch.device, str]:

@@ -1,9 +1,9 @@
 """Run an entry point (train_lm.py, or -m MODULE) with Lightning's DeepSpeedStrategy on CPU (gloo), for
-tests/test_deepspeed.py: Lightning and lm.train refuse DeepSpeed without CUDA, so their four refusals are patched
+tests/test_deepspeed.py: Lightning and lm.devices refuse DeepSpeed without CUDA, so their four refusals are patched
 here, and Lightning's launcher command for ranks > 0, nothing else: DeepSpeedStrategy.setup_environment (CUDA
 accelerator check; DDP's set-up instead), Lightning's device-index check (CPU devices have index None), the
 device_rank=None Lightning hands deepspeed.initialize on CPU (DeepSpeed compares it with 0), and
-lm.train.build_strategy's CUDA check. With
+lm.devices.build_strategy's CUDA check (patched where lm.train calls it). With
 trainer.devices > 1, Lightning starts the other ranks by running this process's command line again, which after
 runpy is the bare entry point: they run this harness around it instead. NAN_GRADIENT_AT_STEP=n[,m...] (environment)
 poisons one gradient at those steps, NAN_LOSS_AT_STEP=n[,m...] the loss (`poison`).

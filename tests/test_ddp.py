@@ -150,7 +150,7 @@ def test_sigterm_stops_every_rank_at_one_checkpointed_step_and_resumes(tmp_path:
 @pytest.mark.slow
 def test_ddp_compression_training_with_full_memory_batches_matches_one_process(tmp_path: Path) -> None:
     """compression.full_prob: a full-memory batch leaves the compression layer without gradient, which plain DDP
-    refuses at the next step ("parameters that were not used in producing loss"); lm.train.build_strategy then
+    refuses at the next step ("parameters that were not used in producing loss"); lm.devices.build_strategy then
     finds unused parameters, whose gradients stay None as in one process. 2 ranks x 4 windows = 1 process
     accumulating 2 micro-batches of 4 (lm/compressed_training.LayoutBatches), weights within relative RMS 1e-5."""
     if not (dist.is_available() and dist.is_gloo_available()):

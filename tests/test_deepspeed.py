@@ -121,7 +121,7 @@ def test_deepspeed_on_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     (its import logs accelerator warnings above the error); on a GPU without DeepSpeed installed, how to install it."""
     import torch
 
-    from lm.train import build_strategy
+    from lm.devices import build_strategy
     from tests.conftest import tiny_config
 
     cfg = tiny_config()
@@ -137,12 +137,12 @@ def test_deepspeed_on_cpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_deepspeed_strategy_takes_the_loss_as_lightning_divides_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """build_strategy's DeepSpeedStrategy carries lm.train.LossDividedOnce (checked by the ZeRO-2 test above) and
+    """build_strategy's DeepSpeedStrategy carries lm.devices.LossDividedOnce (checked by the ZeRO-2 test above) and
     the Trainer keeps it, with the run's precision: Lightning's default plugin divides by the accumulation twice."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
     import lightning as L
 
-    from lm.train import LossDividedOnce, build_strategy
+    from lm.devices import LossDividedOnce, build_strategy
     from tests.conftest import tiny_config
 
     cfg = tiny_config()

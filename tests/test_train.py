@@ -835,7 +835,7 @@ def test_auto_and_gpu_accelerators_are_cuda_or_cpu_never_mps(monkeypatch: pytest
     """What the Trainer gets: Lightning's own "auto" and "gpu" pick Apple's MPS before CUDA, where validation's float64
     sums fail; the run's precision and checks take the same answer."""
     from lm.config import TrainerConfig
-    from lm.train import lightning_accelerator, resolve_precision
+    from lm.devices import lightning_accelerator, resolve_precision
 
     for cuda, want in ((False, "cpu"), (True, "cuda")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -852,7 +852,7 @@ def test_more_cpu_processes_than_cores_warn(capsys: pytest.CaptureFixture[str],
     import os
 
     from lm.config import TrainerConfig
-    from lm.train import check_devices
+    from lm.devices import check_devices
 
     cores = len(os.sched_getaffinity(0))  # Linux (this test's machines): the affinity mask
     check_devices(TrainerConfig(accelerator="cpu", devices=cores))
@@ -872,7 +872,7 @@ def test_more_nodes_without_a_cluster_launch_are_refused(monkeypatch: pytest.Mon
     found the run hanging after claiming its directory): a one-line ConfigError; a manual launch's variables, or
     torchrun's, let it through."""
     from lm.config import TrainerConfig
-    from lm.train import check_devices
+    from lm.devices import check_devices
 
     for name in ("MASTER_ADDR", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_JOB_NAME", "TORCHELASTIC_RUN_ID",
                  "LSB_JOBID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
@@ -895,7 +895,7 @@ def test_fp16_mixed_precision_on_cpu_is_refused() -> None:
     """Lightning runs 16-mixed as bf16-mixed on CPU, with only its own warning: the run's config.yaml said 16-mixed and
     its metrics.json bf16-mixed (a fuzzing audit). Refused in one line; bf16-mixed and 32-true pass."""
     from lm.config import TrainerConfig
-    from lm.train import check_devices
+    from lm.devices import check_devices
 
     with pytest.raises(ConfigError, match=r"^trainer.precision=16-mixed needs a GPU \(Lightning runs bf16-mixed on CPU"):
         check_devices(TrainerConfig(accelerator="cpu", precision="16-mixed"))

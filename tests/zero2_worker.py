@@ -1,6 +1,6 @@
 """One rank of the ZeRO-2 check in tests/test_deepspeed.py (run as a script, RANK / WORLD_SIZE set).
 
-Raw `deepspeed.initialize` with lm.train.deepspeed_config (plus the gradient_accumulation_steps that
+Raw `deepspeed.initialize` with lm.devices.deepspeed_config (plus the gradient_accumulation_steps that
 Lightning adds: MICRO), the LMModule's own AdamW groups and schedule, and its loss; `steps` steps on this
 rank's share of each global batch (`global_batch`) in MICRO micro-batches, each loss divided by MICRO and passed to
 the backward of lm.train's DeepSpeed precision plugin, and the engine stepped after each, as Lightning does; the
@@ -61,7 +61,7 @@ def main(out: str) -> None:
     from heads import commit_states
     from lm.checkpoint import COMPLETE
     from lm.module import LMModule
-    from lm.train import LossDividedOnce, deepspeed_config
+    from lm.devices import LossDividedOnce, deepspeed_config
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = config()
