@@ -11,7 +11,8 @@ hollow markers, never part of a curve or a mean. Replicas (`flops.sweep --seeds 
 summarised as mean ± sample standard deviation over the done ones; points of different sweep directories
 are never pooled (a hybrid and a pure sweep of one size are two experiments). The PNG has one panel per
 sweep (titled by its size, and its directory when two sweeps share a size), a line per head type with
-error bars, each starting at that sweep's dense baseline. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
+error bars over the swept values: sparsity, where each line starts at that sweep's dense baseline (ρ = 1), or the
+option of a `flops.sweep --vary` sweep, where the baseline is a dashed line and its own table column. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
 The markdown opens with each sweep's command and training length (unless --note replaces that). Done points of one
 sweep that trained for different lengths (a point rerun with `run_sweep --only NAME trainer.max_steps=...`) are not
 comparable at equal FLOPs per pass: a warning on stderr, above the tables and in the PNG's title names them.

@@ -88,7 +88,7 @@ def solve(
     if sparsity is not None and "sparsity" in options and options["sparsity"] != sparsity:
         raise ConfigError(f"sparsity {sparsity} conflicts with option sparsity={options['sparsity']}")
     # unknown options, wrong types and bad values: the same check as training's
-    if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the dense baseline, for any type (Table 5)
+    if sparsity not in (None, 1) and "sparsity" not in fields:  # 1: the baseline itself, for any type (Table 5)
         raise ConfigError(f"--sparsity does not apply to {head} heads (their options: {', '.join(fields)})")
     given = {"sparsity": sparsity} if sparsity is not None and "sparsity" in fields else {}
     make_options(head, {**options, **given}, base.group_context(0)).validate_length(head, base.seq_len)
@@ -164,9 +164,9 @@ def solve(
     )
 
 
-def _parse_option(text: str) -> tuple[str, Any]:
+def _parse_option(text: str, flag: str) -> tuple[str, Any]:
     if "=" not in text or not text.split("=", 1)[0]:
-        raise ConfigError(f"--option expects key=value, got {text!r}")
+        raise ConfigError(f"{flag} expects key=value, got {text!r}")
     key, value = text.split("=", 1)
     try:
         return key, json.loads(value)
@@ -174,13 +174,13 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def parse_options(texts: list[str]) -> dict[str, Any]:
+def parse_options(texts: list[str], flag: str = "--option") -> dict[str, Any]:
     """--option KEY=VALUE ... -> {key: value} (JSON values where they parse); a key given twice with
-    different values is a one-line ConfigError. Types are checked against the head's Options in solve()."""
+    different values is a one-line ConfigError naming `flag`. Types are checked against the head's Options in solve()."""
     out: dict[str, Any] = {}
-    for key, value in map(_parse_option, texts):
+    for key, value in (_parse_option(text, flag) for text in texts):
         if key in out and out[key] != value:
-            raise ConfigError(f"--option {key} given twice: {out[key]!r} and {value!r}")
+            raise ConfigError(f"{flag} {key} given twice: {out[key]!r} and {value!r}")
         out[key] = value
     return out
 
@@ -190,28 +190,34 @@ def parse_group(text: str) -> HeadGroupConfig:
     parse); its options are checked against the type's in solve(). One-line ConfigError."""
     parts = text.split(":", 2)
     count = parts[1] if len(parts) > 1 else ""
-    if not parts[0] or not count.isdigit() or int(count) < 1:
+    if not parts[0] or not (count.isascii() and count.isdecimal()) or int(count) < 1:
         raise ConfigError(f"--with expects TYPE:COUNT[:KEY=VALUE,...] with a count >= 1, got {text!r}")
     option_names(parts[0])  # an unknown type: one line naming the known ones
-    return HeadGroupConfig(parts[0], int(count), parse_options(parts[2].split(",")) if len(parts) > 2 else {})
+    options = parse_options(parts[2].split(","), f"--with {parts[0]}:{count}:") if len(parts) > 2 else {}
+    return HeadGroupConfig(parts[0], int(count), options)
 
 
 FLOP_UNITS = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+MAX_BUDGET = 100  # times the baseline's FLOPs: beyond, the baseline's width and depth would hold thousands of heads
 
 
 def parse_budget(text: str, baseline_flops: int) -> int:
-    """--budget: FLOPs per pass as a number ('3.2e10', '27.38G', '400M') or a percentage of the baseline's ('50%');
-    rounded down to whole FLOPs. One-line ConfigError for anything else."""
+    """--budget: FLOPs per pass as a number ('3.2e10', '27.38G', '400M') or a percentage of the baseline's ('50%'),
+    from 1 FLOP to MAX_BUDGET times the baseline's; rounded down to whole FLOPs. One-line ConfigError otherwise."""
     scale, number = (baseline_flops / 100, text[:-1]) if text.endswith("%") else (
         (FLOP_UNITS[text[-1]], text[:-1]) if text[-1:] in FLOP_UNITS else (1, text))
     try:
-        value = float(number)
+        flops = float(number) * scale
     except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value * scale >= 1):
+        flops = math.nan
+    if not (math.isfinite(flops) and flops >= 1):
         raise ConfigError(f"--budget expects FLOPs per pass >= 1 (e.g. 27.38G, 3e10) or a percentage of the "
                           f"baseline's (e.g. 50%), got {text!r}")
-    return int(value * scale)
+    if flops > MAX_BUDGET * baseline_flops:
+        raise ConfigError(f"--budget {text} is {flops / baseline_flops:.3g}x the baseline's {flop_count(baseline_flops)}"
+                          f" per pass (at most {MAX_BUDGET}x): the model keeps the baseline's width and depth, so it "
+                          f"would be heads only; give a larger baseline (--size, --hidden, --layers)")
+    return int(flops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--config", help="dense baseline: the model of this YAML config (configs/*.yaml)")
     p.add_argument("--head", required=True, help="sparse head type (a registered head, heads/__init__.py)")
     p.add_argument("--sparsity", type=positive_int, help="rho; k = T / rho tokens per sparse head (default: the head "
-                   "type's own option, e.g. mosa's 8; 1 = the dense baseline, for any type)")
+                   "type's own option, e.g. mosa's 8; 1 = the baseline itself, for any type)")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept (default 4; 0 = pure)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra head option, e.g. window=64")
     p.add_argument("--with", dest="keep", action="append", default=[], metavar="TYPE:COUNT[:KEY=VALUE,...]",
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_config(a.config, warnings=False) if a.config else None
         if loaded is not None and loaded.compression is not None:
             raise ConfigError(f"{a.config} has a compression section: its FLOPs depend on the layout "
-                              "(flops.model.compressed_flops); give a dense model's config")
+                              "(flops.model.compressed_flops); give a config without one")
         base = baseline(size, loaded.model if loaded else None, n_layers=a.layers,
                         d_model=a.hidden, head_dim=a.head_dim, n_heads=a.heads, seq_len=a.seq_len,
                         vocab_size=a.vocab_size, dense=False)

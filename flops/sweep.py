@@ -72,6 +72,9 @@ def sweep_points(
     if unused:
         raise ConfigError(f"--option for {', '.join(unused)}, which is not in --heads {','.join(heads)}")
     by_sparsity = vary == "sparsity"
+    if keep and by_sparsity and set(values) == {1}:
+        raise ConfigError("--with keeps head groups in the sparse points; --sparsity 1 alone writes only the dense "
+                          "baseline, which has none")
     points = []
     wanted: list[tuple[str, Any]] = [("dense", 1 if by_sparsity else None)] if 1 in values or not by_sparsity else []
     wanted += [(head, v) for head in heads for v in values if not (by_sparsity and v == 1)]
@@ -82,6 +85,9 @@ def sweep_points(
             r = solve(cfg.model, head, value, dense_heads, options.get(head), keep or [])
         else:
             r = solve(cfg.model, head, None, dense_heads, {**options.get(head, {}), vary: value}, keep or [])
+            if not r.sparse_heads:  # sparsity 1 (an --option, or the type's default): solve's baseline itself
+                raise ConfigError(f"{head} heads at sparsity 1 are the dense baseline itself, not a sparse point: give "
+                                  f"--option {head}.sparsity=RHO with RHO > 1")
         seed = cfg.trainer.seed + replica
         name = (f"{head}_s1" if head == "dense" else f"{head}_s{value}" if by_sparsity else f"{head}_{vary}{value}") + (
             f"_seed{seed}" if seeds > 1 else "")
@@ -151,13 +157,15 @@ def varied(text: str) -> tuple[str, list[float | int]]:
 
 
 def _number(text: str) -> float | int | None:
-    """'64' -> 64, '1.25' -> 1.25; None for anything else (booleans, text, nan, inf, <= 0)."""
+    """'64' -> 64, '1.25' -> 1.25, '1e1' -> 10 (a whole number is an int: the point's name and YAML value); None for
+    anything else (booleans, text, nan, inf, <= 0)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
-    return value if ok else None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
+        return None
+    return int(value) if float(value).is_integer() else value
 
 
 def main(argv: list[str] | None = None) -> int:

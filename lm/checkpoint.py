@@ -312,8 +312,20 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
                               "python -m lm.compressed_evaluate; load it with lm.compressed_training.load_compressed, "
                               "sample with lm.compressed_generate.CompressedGenerator (Python)")
     model = build_model(cfg.model)
-    model.load_state_dict(model_weights(ckpt))
+    load_weights(model, ckpt, path)
     return model, cfg
+
+
+def load_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str | Path = "checkpoint") -> None:
+    """The checkpoint's model weights into `model`; weights that do not fit its config (missing, extra or misshapen
+    tensors) are a one-line CheckpointError naming the first problem, not load_state_dict's paragraph."""
+    try:
+        model.load_state_dict(model_weights(ckpt))
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        problem = (f"its weights do not fit its model config ({lines[1][:200]})"
+                   if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1 else lines[0].split(". ")[0])
+        raise CheckpointError(f"{path}: incompatible checkpoint: {problem}") from None
 
 
 def model_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from heads import ConfigError
-from lm.checkpoint import model_weights, read_checkpoint
+from lm.checkpoint import load_weights, read_checkpoint
 from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
@@ -251,7 +251,7 @@ def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:
     if cfg.compression is None:
         raise ConfigError(f"{path}: not a compressed-model checkpoint (no compression section)")
     model = CompressedLM(cfg.model, cfg.compression)
-    model.load_state_dict(model_weights(ckpt))
+    load_weights(model, ckpt, path)
     return model.eval(), cfg
 
 

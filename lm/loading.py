@@ -34,14 +34,12 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     try:
         saved = read_checkpoint(path, mmap=False)  # read once: weights, config and the carried tokenizer
         model, cfg = model_from_checkpoint(saved, path)
-    except CheckpointError as err:  # empty, truncated, garbled or foreign file
+    except CheckpointError as err:  # empty, truncated, garbled or foreign file; weights that do not fit the config
         raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
     except ConfigError as err:
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
-    except RuntimeError as err:  # weights that do not fit the config (read_checkpoint handled damaged files)
-        raise ValueError(f"{path}: incompatible checkpoint: {_load_problem(err)}") from None
     bad = first_nonfinite(list(model.state_dict().items()))
     if bad is not None:  # a diverged run's weights: every sample and score would be NaN
         raise ValueError(f"{path}: {owner(model, bad)} holds NaN/inf values (a diverged run's checkpoint); use an "
@@ -79,11 +77,3 @@ def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str 
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ValueError(f"{what} has {sp.get_piece_size()} pieces, more than model.vocab_size {cfg.model.vocab_size}")
     return sp
-
-
-def _load_problem(err: Exception) -> str:
-    """The first informative sentence of a load_state_dict error."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-    if lines[0].startswith("Error(s) in loading state_dict") and len(lines) > 1:
-        return f"its weights do not fit its model config ({lines[1][:200]})"
-    return lines[0].split(". ")[0]

@@ -629,9 +629,11 @@ def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, 
         ("none", 0, None, 0), ("full", 1, None, 12), ("compress", 1, 0.25, 3), ("compress", 1, 0.5, 6),
         ("full", 2, None, 24), ("compress", 2, 0.25, 3), ("compress", 2, 0.5, 6)]
     windows = fixed_windows(document_windows(cfg.data.path, "val", cfg), 2, 3, 33, seed=0)
-    expected = [evaluate(model, windows, layout) for layout in (
-        Layout((), 0, 8), Layout((12,), 0, 8, full=True), Layout((12,), 3, 8), Layout((12,), 6, 8),
-        Layout((12, 12), 0, 8, full=True), Layout((12, 12), 3, 8), Layout((12, 12), 6, 8))]
+    with torch.no_grad():  # every layout on the last 9 + 12 k tokens of each 33-token window: the same 8 suffix targets
+        expected = [sum(model.suffix_loss(w[:, 33 - (12 * len(spans) + 9):], Layout(spans, t, 8, full)).item()
+                        for w in windows) / 2
+                    for spans, t, full in (((), 0, False), ((12,), 0, True), ((12,), 3, False), ((12,), 6, False),
+                                           ((12, 12), 0, True), ((12, 12), 3, False), ((12, 12), 6, False))]
     assert [r["loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
     assert rows[3]["delta"] == pytest.approx(expected[3] - expected[1]) and rows[6]["delta"] == pytest.approx(
         expected[6] - expected[4])
@@ -646,6 +648,13 @@ def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, 
         assert evaluate_main(["--ckpt", str(ckpt), *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    misfit = tmp_path / "misfit.ckpt"  # a compression section whose weights are another model's
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
+                "state_dict": {f"model.{k}": v for k, v in list(model.state_dict().items())[1:]}}, misfit)
+    assert evaluate_main(["--ckpt", str(misfit)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {misfit}: incompatible checkpoint: its weights do not fit its model config (Missing "
+                          "key(s)") and len(err.splitlines()) == 1, err
     plain = tmp_path / "plain.ckpt"
     cfg.compression = None
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "state_dict": {}}, plain)

@@ -173,6 +173,11 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosa", "--budget", "lots"], "--budget expects FLOPs per pass >= 1"),
         (["--size", "tiny", "--head", "mosa", "--budget", "0.5"], "--budget expects FLOPs per pass >= 1"),
         (["--size", "tiny", "--head", "mosa", "--budget", "nan%"], "--budget expects FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "1e308G"], "--budget expects FLOPs per pass >= 1"),  # inf
+        (["--size", "tiny", "--head", "mosa", "--budget", "1e30"], "--budget 1e30 is 1.83e+19x the baseline's 54.76G "
+         "per pass (at most 100x)"),  # solved, it printed 4 dense + 4294923386813032243424 mosa heads
+        (["--size", "tiny", "--head", "mosa", "--with", "local:²"], "--with expects TYPE:COUNT"),  # isdigit, not int
+        (["--size", "tiny", "--head", "mosa", "--with", "local:2:foo"], "--with local:2: expects key=value, got 'foo'"),
         (["--size", "tiny", "--head", "mosa", "--budget", "50%"], "error: the model without mosa heads (4 dense heads "
          "and the FFNs) costs 38.65G per pass, over the FLOP budget of 27.38G"),
         (["--size", "tiny", "--head", "mosa", "--budget", "38.7G"],  # 4 dense: 38.65G; a MoSA head 0.23G
@@ -257,7 +262,7 @@ def test_cli_config_is_the_baseline(capsys: pytest.CaptureFixture, monkeypatch: 
                          (["--config", "nothere.yaml"], "error: config file not found: nothere.yaml"),
                          (["--config", "configs/experiments/compression.yaml"], "error: configs/experiments/"
                           "compression.yaml has a compression section: its FLOPs depend on the layout "
-                          "(flops.model.compressed_flops); give a dense model's config")]:
+                          "(flops.model.compressed_flops); give a config without one")]:
         assert isoflop_main([*bad, "--head", "mosa"]) == 2
         assert capsys.readouterr().err.strip() == message
     with pytest.raises(SystemExit):

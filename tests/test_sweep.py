@@ -283,6 +283,13 @@ def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Pa
     with pytest.raises(SystemExit):
         sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "sparsity=2,4", "--out", str(out)])
     assert "sparsity is swept with --sparsity (where 1 is the dense baseline)" in capsys.readouterr().err
+    # MoSA at sparsity 1 is the dense baseline: its "capacity_factor" points were copies of dense_s1 under sparse names
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "capacity_factor=1,1.5", "--option",
+                       "mosa.sparsity=1", "--dense-heads", "2", "--out", str(out)]) == 2
+    assert "error: mosa heads at sparsity 1 are the dense baseline itself, not a sparse point" in capsys.readouterr().err
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--with", "local:1:window=8", "--out",
+                       str(out)]) == 2  # --with was dropped silently
+    assert "error: --with keeps head groups in the sparse points; --sparsity 1 alone" in capsys.readouterr().err
     assert not out.exists()
     assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=16,32,64", "--dense-heads", "2",
                        "--out", str(out), "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]) == 0
@@ -309,6 +316,33 @@ def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Pa
     with open(tmp_path / "res.csv") as f:
         assert [(r["vary"], r["value"]) for r in csv.DictReader(f)] == [("window", "")] + [
             ("window", str(w)) for w in (16, 32, 64)]
+    # replicas; a whole number written as a float names its point as the integer it is
+    seeded = tmp_path / "seeded"
+    assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=1e1,16.0", "--dense-heads", "2",
+                       "--seeds", "2", "--out", str(seeded)]) == 0
+    entries = json.loads((seeded / "sweep.json").read_text())["points"]
+    assert [(e["name"], e["value"]) for e in entries] == [
+        ("dense_s1_seed1234", None), ("dense_s1_seed1235", None), ("local_window10_seed1234", 10),
+        ("local_window10_seed1235", 10), ("local_window16_seed1234", 16), ("local_window16_seed1235", 16)]
+    assert lm.load_config(entries[2]["config"]).model.heads[1].options == {"window": 10}
+
+
+def test_aggregate_reads_a_sweep_written_before_vary(tmp_path: Path) -> None:
+    """A sweep.json from before --vary (no `vary`, no point `value` or `mix`) is a sparsity sweep: rho columns with the
+    dense baseline at rho = 1, curves starting there."""
+    manifest = _sweep(tmp_path)
+    del manifest["vary"]
+    for e in manifest["points"]:
+        del e["value"], e["mix"]
+    (tmp_path / "sw" / "sweep.json").write_text(json.dumps(manifest))
+    for e in manifest["points"]:
+        _fake_metrics(e, {"dense_s1": 30.0, "mosa_s4": 28.0, "mosa_s16": 27.0, "fixed_s4": 33.0, "fixed_s16": 31.0}[e["name"]])
+    rows = collect(tmp_path / "sw")
+    assert [(r["vary"], r["value"]) for r in rows] == [("sparsity", s) for s in (1, 4, 16, 4, 16)]
+    assert curves(rows)[("micro", "mosa")] == [(1, 30.0, 0.0), (4, 28.0, 0.0), (16, 27.0, 0.0)]
+    assert aggregate_main([str(tmp_path / "sw"), "--out", str(tmp_path / "res")]) == 0
+    assert "| head | rho=1 | rho=4 | rho=16 |\n|---|---|---|---|\n| fixed | 30.00 | 33.00 | 31.00 |" in \
+        (tmp_path / "res.md").read_text()
 
 
 def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, capsys) -> None:
