@@ -28,12 +28,14 @@ import torch
 
 from data_prep.cli import OneLineParser
 from heads.base import ConfigError
+from lm.checkpoint import read_checkpoint
 from lm.cli import check_output
 from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import Config
 from lm.data import DataError
 from lm.perplexity import perplexity
+from lm.run_dir import tokenizer_sha256, trained_tokenizer_sha256
 from lm.scoring import progress_bar
 
 
@@ -108,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         depths = depths or list(range(1, cfg.compression.max_depth + 1))
         planned = layouts(cfg, depths, ratios or [cfg.compression.ratio])
         n = max(depths) * cfg.compression.prefix_len + cfg.model.seq_len + 1
-        source = document_windows(a.data or cfg.data.path, a.split, cfg)
+        data = Path(a.data or cfg.data.path)
+        trained = trained_tokenizer_sha256(read_checkpoint(a.ckpt).get("run") or {})  # (mmap: no second copy)
+        if None not in (trained, have := tokenizer_sha256(data)) and trained != have:
+            raise DataError(f"{data} was tokenised with another tokenizer than the one {a.ckpt} trained with "
+                            f"(SHA-256 {have[:12]}, the checkpoint's {trained[:12]})")
+        source = document_windows(data, a.split, cfg)
         try:
             windows = fixed_windows(source, a.batches, a.batch, n, seed=a.seed)
         except ValueError as err:
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.manual_seed(0)
     rows = evaluate_layouts(model, windows, planned)
-    print(f"{a.ckpt}: {a.batches * a.batch} windows of {n} tokens from {a.data or cfg.data.path} ({a.split}), "
+    print(f"{a.ckpt}: {a.batches * a.batch} windows of {n} tokens from {data} ({a.split}), "
           f"suffix S = {cfg.model.seq_len} tokens, chunks of P = {cfg.compression.prefix_len}")
     print(table(rows))
     if a.out:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from lm.config import Config
 from lm.model import DecoderLM
+from lm.run_dir import trained_tokenizer_sha256
 
 TOKENIZER_HELP = ("SentencePiece model file; default: the tokenizer the checkpoint carries (else "
                   "<data.path>/tokenizer.model of its config); must be the checkpoint's own (same SHA-256)")
@@ -70,7 +71,7 @@ def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str 
     if sp is None or sp.get_piece_size() == 0:  # an empty proto loads as a processor without pieces
         raise ValueError(f"{what} is not a SentencePiece model")
     sha = hashlib.sha256(proto).hexdigest()
-    expected = hashlib.sha256(carried).hexdigest() if carried is not None else run.get("tokenizer_sha256")
+    expected = trained_tokenizer_sha256(run)
     if expected is not None and sha != expected:
         raise ValueError(f"{what} is not the one {ckpt} was trained with (SHA-256 {sha[:12]}, "
                          f"the checkpoint's {expected[:12]})")

@@ -648,6 +648,16 @@ def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, 
         assert evaluate_main(["--ckpt", str(ckpt), *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    index = json.loads((tmp_path / "index.json").read_text())  # data from another tokenizer than the training run's
+    (tmp_path / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "cd" * 32}))
+    recorded = tmp_path / "recorded.ckpt"
+    torch.save({**torch.load(ckpt, weights_only=True), "run": {"tokenizer_sha256": "ab" * 32}}, recorded)
+    assert evaluate_main(["--ckpt", str(recorded)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path} was tokenised with another tokenizer than the one {recorded} "
+                                       f"trained with (SHA-256 cdcdcdcdcdcd, the checkpoint's abababababab)\n")
+    (tmp_path / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "ab" * 32}))
+    assert evaluate_main(["--ckpt", str(recorded), "--depths", "1", "--batches", "1"]) == 0
+    capsys.readouterr()
     misfit = tmp_path / "misfit.ckpt"  # a compression section whose weights are another model's
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)),
                 "state_dict": {f"model.{k}": v for k, v in list(model.state_dict().items())[1:]}}, misfit)
