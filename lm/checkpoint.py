@@ -309,8 +309,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
     cfg = from_dict(ckpt["config"])
     if cfg.compression is not None:
         raise CheckpointError(f"{path} is a compressed model's checkpoint (lm.compressed_training): evaluate it with "
-                              "python -m lm.compressed_evaluate; load it with lm.compressed_training.load_compressed, "
-                              "sample with lm.compressed_generate.CompressedGenerator (Python)")
+                              "python -m lm.compressed_evaluate, sample from it with python -m lm.compressed_generate")
     model = build_model(cfg.model)
     load_weights(model, ckpt, path)
     return model, cfg

@@ -34,8 +34,9 @@ from lm.compressed_training import document_windows, evaluate, fixed_windows, lo
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import Config
 from lm.data import DataError
+from lm.loading import trained_tokenizer_sha256
 from lm.perplexity import perplexity
-from lm.run_dir import tokenizer_sha256, trained_tokenizer_sha256
+from lm.run_dir import tokenizer_sha256
 from lm.scoring import progress_bar
 
 

@@ -20,16 +20,28 @@ compression so far.
 The per-layer caches are the head groups' own decoding caches (`HeadGroup.new_cache`, used through
 `Block.forward(x, positions, cache)` as in lm/generate.py), fresh ones for every window: blocks
 below L get room for W tokens, blocks above L for t + W, prefilled with the memory.
+
+    python -m lm.compressed_generate --ckpt runs/compression/checkpoints/last.ckpt --prompt "It was a dark" \
+        [--max-new-tokens 300] [--temperature 1.0] [--seed 0] [--tokenizer PATH] [--predictor P --tolerance D]
+samples from a compression checkpoint (lm.compressed_training) this way and reports the KV entries kept against an
+uncompressed cache's; with --predictor (python -m lm.ratio_predictor train) each compression's t is the adaptive one.
 """
 from __future__ import annotations
 
+import argparse
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from data_prep import tokenizer as sp_codec
+from data_prep.cli import OneLineParser
+from heads.base import ConfigError
 from lm.compression import CompressedLM, tokens_for
-from lm.generate import check_prompt, check_sampling, sample
+from lm.generate import check_prompt, check_sampling, check_utf8, sample
+from lm.loading import TOKENIZER_HELP, load_tokenizer
 from lm.ratio_predictor import AdaptiveRatio
 
 
@@ -136,10 +148,12 @@ class CompressedGenerator:
 
     @torch.no_grad()
     def generate(
-        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+        vocab: int | None = None,
     ) -> tuple[torch.Tensor, CompressedCache]:
         """prompt[B, n] -> (prompt + new tokens [B, n + max_new_tokens], final cache). temperature 0
-        = greedy, else sampling from softmax(logits / temperature) (lm.generate.sample). One-line ValueError
+        = greedy, else sampling from softmax(logits / temperature) (lm.generate.sample; `vocab`: only ids below it,
+        the tokenizer's pieces when the model's vocabulary is padded beyond them). One-line ValueError
         for a prompt that is not [B, n >= 1] ids in the vocabulary (`check_prompt`), max_new_tokens < 0 or a
         temperature that is not finite and >= 0."""
         check_prompt(prompt, self.model.lm.cfg.vocab_size, max_new_tokens)
@@ -152,10 +166,56 @@ class CompressedGenerator:
             logits = self.feed(cache, prompt)[:, -1]
             out = [prompt]
             for i in range(max_new_tokens):
-                nxt = sample(logits, temperature, generator=g)[:, None]
+                nxt = sample(logits, temperature, generator=g, vocab=vocab)[:, None]
                 out.append(nxt)
                 if i < max_new_tokens - 1:
                     logits = self.feed(cache, nxt)[:, -1]
         finally:
             self.model.train(was)
         return torch.cat(out, dim=1), cache
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lm.checkpoint import read_checkpoint
+    from lm.compressed_training import load_compressed
+
+    ap = OneLineParser(prog="python -m lm.compressed_generate", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", required=True, help="a checkpoint of lm.compressed_training")
+    ap.add_argument("--prompt", required=True, help="text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
+    ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    ap.add_argument("--predictor", help="ratio predictor (python -m lm.ratio_predictor train): adaptive t per window")
+    ap.add_argument("--tolerance", type=float, help="with --predictor: the loss increase Delta* it may cost")
+    args = ap.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        if (args.predictor is None) != (args.tolerance is None):
+            raise ValueError("--predictor and --tolerance go together")
+        if not -2**63 <= args.seed < 2**64:  # torch.Generator's seeds
+            raise ValueError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+        check_sampling(args.temperature, 0, 1.0, flags=True)
+        check_utf8("--prompt", args.prompt)
+        model, cfg = load_compressed(args.ckpt)
+        sp = load_tokenizer(Path(args.ckpt), read_checkpoint(args.ckpt).get("run") or {}, cfg, args.tokenizer)
+        ids = sp_codec.encode_text(sp, args.prompt)
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens")
+        adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)
+        out, cache = CompressedGenerator(model, adaptive=adaptive).generate(
+            torch.tensor([ids]), args.max_new_tokens, args.temperature, args.seed, vocab=sp.get_piece_size())
+    except (ConfigError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"KV cache after {out.shape[1] - 1} tokens fed: {cache.kv_entries()} entries kept, "
+          f"{cache.kv_uncompressed()} in an uncompressed cache; {len(cache.kept)} compression(s) of windows of "
+          f"{cfg.compression.prefix_len} tokens, keeping t = {cache.kept}", file=sys.stderr)
+    print(sp.decode(out[0].tolist()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 from lm.config import Config
 from lm.model import DecoderLM
-from lm.run_dir import trained_tokenizer_sha256
 
 TOKENIZER_HELP = ("SentencePiece model file; default: the tokenizer the checkpoint carries (else "
                   "<data.path>/tokenizer.model of its config); must be the checkpoint's own (same SHA-256)")
@@ -47,6 +46,13 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
                          "earlier one")
     run = saved.get("run", {})
     return Loaded(model.eval(), load_tokenizer(path, run, cfg, tokenizer), run)
+
+
+def trained_tokenizer_sha256(run: dict[str, Any]) -> str | None:
+    """The SHA-256 of the tokenizer a checkpoint's run record (lm.run_dir.read_provenance's, saved in every checkpoint)
+    trained with: of the tokenizer it carries, else the one it recorded; None when it knows neither."""
+    carried = run.get("tokenizer_model")
+    return hashlib.sha256(carried).hexdigest() if carried is not None else run.get("tokenizer_sha256")
 
 
 def load_tokenizer(ckpt: Path, run: dict[str, Any], cfg: Config, tokenizer: str | Path | None) -> Any:

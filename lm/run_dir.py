@@ -82,13 +82,6 @@ def tokenizer_sha256(data: Path) -> str | None:
     return index.get("tokenizer_sha256") or _sha256(model)
 
 
-def trained_tokenizer_sha256(run: dict[str, Any]) -> str | None:
-    """The SHA-256 of the tokenizer a checkpoint's run record (read_provenance's, saved in every checkpoint) trained
-    with: of the tokenizer it carries, else the one it recorded; None when it knows neither."""
-    carried = run.get("tokenizer_model")
-    return hashlib.sha256(carried).hexdigest() if carried is not None else run.get("tokenizer_sha256")
-
-
 def read_provenance(data: Path) -> dict[str, Any]:
     """Data identity and tokenizer of the data directory `data` (resolved): {data_path, data_sha256,
     tokenizer_sha256, tokenizer_model}."""

@@ -101,6 +101,7 @@ ARGPARSE_ERRORS = [
     ("lm.evaluate", ["--ckpt", "x", "--input", "y", "--leak-free", "maybe"], "argument --leak-free: invalid choice"),
     ("lm.generate", [], "the following arguments are required: --ckpt, --prompt"),
     ("lm.compressed_evaluate", ["--ckpt", "x", "--split", "test"], "argument --split: invalid choice: 'test'"),
+    ("lm.compressed_generate", ["--ckpt", "x"], "the following arguments are required: --prompt"),
     ("lm.consolidate", [], "the following arguments are required: directory, out"),
     ("lm.export_hf", [], "the following arguments are required"),
     ("lm.lm_eval", [], "the following arguments are required"),

@@ -92,8 +92,7 @@ CASES = [
      r"--prompt is not valid UTF-8 \(byte 0xe9 at character 3\)$"),
     ("generate-compressed", [*GENERATE, "--ckpt", "{compressed_ckpt}"], 2,
      r"^error: \S*compressed\.ckpt is a compressed model's checkpoint \(lm\.compressed_training\): evaluate it with "
-     r"python -m lm\.compressed_evaluate; load it with lm\.compressed_training\.load_compressed, sample with "
-     r"lm\.compressed_generate\.CompressedGenerator \(Python\)$"),
+     r"python -m lm\.compressed_evaluate, sample from it with python -m lm\.compressed_generate$"),
     ("evaluate-compressed", [*EVALUATE, "--ckpt", "{compressed_ckpt}"], 2, r"compressed\.ckpt is a compressed model's checkpoint"),
     ("generate-empty-ckpt", [*GENERATE, "--ckpt", "{empty_ckpt}"], 2, r"empty\.ckpt is empty"),
     ("generate-ckpt-directory", [*GENERATE, "--ckpt", "{tmp}"], 2,  # was "not found"

@@ -670,3 +670,49 @@ def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, 
     torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "state_dict": {}}, plain)
     assert evaluate_main(["--ckpt", str(plain)]) == 2
     assert "not a compressed-model checkpoint" in capsys.readouterr().err
+
+
+def test_compressed_generate_command_samples_as_the_generator_does(tmp_path, capsys):
+    """python -m lm.compressed_generate: the text CompressedGenerator samples for the prompt (same seed; only the
+    tokenizer's pieces are drawn from a padded vocabulary), the tokenizer the checkpoint carries, and a line with the
+    KV entries kept against an uncompressed cache and each compression's t; bad arguments: one line, exit 2."""
+    from omegaconf import OmegaConf
+
+    import sentencepiece as spm
+    from eval_setup import prepared_corpus
+
+    from lm.compressed_generate import main as generate_main
+    from lm.run_dir import read_provenance
+
+    data = prepared_corpus(tmp_path)
+    capsys.readouterr()  # (data_prep's report)
+    sp = spm.SentencePieceProcessor(model_file=str(data / "tokenizer.model"))
+    cfg = tiny_config([{"type": "dense", "count": 2}], n_layers=3, d_model=32, head_dim=8, seq_len=8,
+                      vocab_size=sp.get_piece_size() + 5, init_std=0.2)
+    cfg.compression = CompressionConfig(layer=1, n_heads=2, prefix_len=12, ratio=0.25)
+    cfg.data.path = str(tmp_path / "elsewhere")  # the tokenizer comes from the checkpoint's run record
+    validate(cfg)
+    torch.manual_seed(0)
+    model = CompressedLM(cfg.model, cfg.compression).eval()
+    ckpt = tmp_path / "c.ckpt"
+    torch.save({"config": OmegaConf.to_container(OmegaConf.structured(cfg)), "run": read_provenance(data.resolve()),
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}}, ckpt)
+    prompt = "the function returns"
+    assert generate_main(["--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "30", "--seed", "3"]) == 0
+    out = capsys.readouterr()
+    ids = sp.encode(prompt)
+    tokens, cache = CompressedGenerator(model).generate(torch.tensor([ids]), 30, 1.0, seed=3, vocab=sp.get_piece_size())
+    assert int(tokens.max()) < sp.get_piece_size()
+    assert out.out == sp.decode(tokens[0].tolist()) + "\n"
+    fed = len(ids) + 29
+    assert out.err == (f"KV cache after {fed} tokens fed: {cache.kv_entries()} entries kept, {cache.kv_uncompressed()} in "
+                       f"an uncompressed cache; {len(cache.kept)} compression(s) of windows of 12 tokens, keeping t = "
+                       f"{[3] * (fed // 12)}\n")
+    for args, message in [(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+                          (["--tolerance", "0.1"], "--predictor and --tolerance go together"),
+                          (["--temperature", "-1"], "--temperature must be finite and >= 0, got -1.0"),
+                          (["--predictor", str(tmp_path / "none.pt"), "--tolerance", "0.1"], "predictor "),
+                          (["--prompt", ""], "--prompt encodes to no tokens")]:
+        assert generate_main(["--ckpt", str(ckpt), "--prompt", prompt, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
