@@ -40,7 +40,7 @@ from data_prep import tokenizer as sp_codec
 from data_prep.cli import OneLineParser
 from heads.base import ConfigError
 from lm.compression import CompressedLM, tokens_for
-from lm.generate import check_prompt, check_sampling, check_utf8, sample
+from lm.generate import check_command, check_prompt, check_sampling, sample
 from lm.loading import TOKENIZER_HELP, load_tokenizer
 from lm.ratio_predictor import AdaptiveRatio
 
@@ -191,14 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, help="with --predictor: the loss increase Delta* it may cost")
     args = ap.parse_args(argv)
     try:
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        check_command(args.max_new_tokens, args.seed, args.prompt)
         if (args.predictor is None) != (args.tolerance is None):
             raise ValueError("--predictor and --tolerance go together")
-        if not -2**63 <= args.seed < 2**64:  # torch.Generator's seeds
-            raise ValueError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
         check_sampling(args.temperature, 0, 1.0, flags=True)
-        check_utf8("--prompt", args.prompt)
         model, cfg = load_compressed(args.ckpt)
         sp = load_tokenizer(Path(args.ckpt), read_checkpoint(args.ckpt).get("run") or {}, cfg, args.tokenizer)
         ids = sp_codec.encode_text(sp, args.prompt)

@@ -221,6 +221,16 @@ def check_memory(model: DecoderLM, max_len: int) -> None:
                          f"than the {free / 2**30:.1f} GiB of free memory; lower --max-new-tokens")
 
 
+def check_command(max_new_tokens: int, seed: int, prompt: str) -> None:
+    """The generation commands' --max-new-tokens (>= 1), --seed (torch.Generator's range) and --prompt (UTF-8): a
+    one-line ValueError otherwise."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if not -2**63 <= seed < 2**64:
+        raise ValueError(f"--seed must be in [-2**63, 2**64), got {seed}")
+    check_utf8("--prompt", prompt)
+
+
 def check_utf8(option: str, text: str) -> None:
     """A one-line ValueError if a command-line string is not valid UTF-8 (Python keeps such bytes as lone
     surrogates, which the tokenizer cannot take)."""
@@ -270,12 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     args = ap.parse_args(argv)
     try:
-        if args.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-        if not -2**63 <= args.seed < 2**64:  # torch.Generator's seeds
-            raise ValueError(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+        check_command(args.max_new_tokens, args.seed, args.prompt)
         check_sampling(args.temperature, args.top_k, args.top_p, flags=True)
-        check_utf8("--prompt", args.prompt)
         model, sp, _ = load_for_generation(args.ckpt, args.tokenizer)
         check_decodable(model)
         ids = sp_codec.encode_text(sp, args.prompt)
