@@ -165,7 +165,7 @@ def _number(text: str) -> float | int | None:
         return None
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
         return None
-    return int(value) if float(value).is_integer() else value
+    return int(value) if float(value).is_integer() and abs(value) < 2**53 else value  # (1e300 stays a float)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -315,6 +315,15 @@ def model_from_checkpoint(ckpt: dict[str, Any], path: str | Path = "checkpoint")
     return model, cfg
 
 
+def check_finite(model: torch.nn.Module, path: str | Path) -> None:
+    """A one-line CheckpointError if a loaded model holds NaN/inf values (a diverged run's checkpoint): every sample
+    and score from it would be NaN or garbage."""
+    bad = first_nonfinite(list(model.state_dict().items()))
+    if bad is not None:
+        raise CheckpointError(f"{path}: {owner(model, bad)} holds NaN/inf values (a diverged run's checkpoint); use an "
+                              "earlier one")
+
+
 def load_weights(model: torch.nn.Module, ckpt: dict[str, Any], path: str | Path = "checkpoint") -> None:
     """The checkpoint's model weights into `model`; weights that do not fit its config (missing, extra or misshapen
     tensors) are a one-line CheckpointError naming the first problem, not load_state_dict's paragraph."""

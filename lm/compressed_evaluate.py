@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         planned = layouts(cfg, depths, ratios or [cfg.compression.ratio])
         n = max(depths) * cfg.compression.prefix_len + cfg.model.seq_len + 1
         data = Path(a.data or cfg.data.path)
+        source = document_windows(data, a.split, cfg)  # (the index's and shards' own checks first)
         trained = trained_tokenizer_sha256(read_checkpoint(a.ckpt).get("run") or {})  # (mmap: no second copy)
         if None not in (trained, have := tokenizer_sha256(data)) and trained != have:
             raise DataError(f"{data} was tokenised with another tokenizer than the one {a.ckpt} trained with "
                             f"(SHA-256 {have[:12]}, the checkpoint's {trained[:12]})")
-        source = document_windows(data, a.split, cfg)
         try:
             windows = fixed_windows(source, a.batches, a.batch, n, seed=a.seed)
         except ValueError as err:

@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
         adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)
+        if adaptive is not None and adaptive.predictor.hparams["d_model"] != cfg.model.d_model:
+            raise ValueError(f"--predictor {args.predictor} reads states of d_model {adaptive.predictor.hparams['d_model']},"
+                             f" {args.ckpt} has d_model {cfg.model.d_model}: train it on this checkpoint's ratio data")
         out, cache = CompressedGenerator(model, adaptive=adaptive).generate(
             torch.tensor([ids]), args.max_new_tokens, args.temperature, args.seed, vocab=sp.get_piece_size())
     except (ConfigError, ValueError) as err:

@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from heads import ConfigError
-from lm.checkpoint import load_weights, read_checkpoint
+from lm.checkpoint import check_finite, load_weights, read_checkpoint
 from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import CompressionConfig, Config, from_dict, load_config
@@ -252,6 +252,7 @@ def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:
         raise ConfigError(f"{path}: not a compressed-model checkpoint (no compression section)")
     model = CompressedLM(cfg.model, cfg.compression)
     load_weights(model, ckpt, path)
+    check_finite(model, path)
     return model.eval(), cfg
 
 

@@ -25,8 +25,7 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     """Model, tokenizer (the one `load_tokenizer` gives) and provenance of a train_lm.py checkpoint.
     One-line ValueError on failure."""
     from heads import ConfigError
-    from lm.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
-    from lm.nonfinite import first_nonfinite, owner
+    from lm.checkpoint import CheckpointError, check_finite, model_from_checkpoint, read_checkpoint
 
     path = Path(ckpt)
     if not path.exists():  # a directory gets read_checkpoint's own line
@@ -34,16 +33,16 @@ def load_for_generation(ckpt: str | Path, tokenizer: str | Path | None = None) -
     try:
         saved = read_checkpoint(path, mmap=False)  # read once: weights, config and the carried tokenizer
         model, cfg = model_from_checkpoint(saved, path)
+        check_finite(model, path)
     except CheckpointError as err:  # empty, truncated, garbled or foreign file; weights that do not fit the config
         raise ValueError(str(err)) from None
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a train_lm.py checkpoint (missing {err})") from None
     except ConfigError as err:
         raise ValueError(f"{path}: incompatible checkpoint config: {err}") from None
-    bad = first_nonfinite(list(model.state_dict().items()))
-    if bad is not None:  # a diverged run's weights: every sample and score would be NaN
-        raise ValueError(f"{path}: {owner(model, bad)} holds NaN/inf values (a diverged run's checkpoint); use an "
-                         "earlier one")
+    except RuntimeError as err:  # a model its config describes that cannot be built here (e.g. out of memory)
+        raise ValueError(f"{path}: incompatible checkpoint: {(str(err).splitlines() or [type(err).__name__])[0][:200]}"
+                         ) from None
     run = saved.get("run", {})
     return Loaded(model.eval(), load_tokenizer(path, run, cfg, tokenizer), run)
 

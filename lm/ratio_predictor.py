@@ -126,6 +126,10 @@ class AdaptiveRatio:
     def __post_init__(self) -> None:
         if not math.isfinite(self.tolerance):
             raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {self.tolerance}")
+        ratios = [self.probe_ratio, *self.ratios] if isinstance(self.ratios, (list, tuple)) else None
+        if not ratios or len(ratios) < 2 or not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
+            raise ValueError(f"the predictor's probe_ratio and ratios must be ratios in (0, 1], got {self.probe_ratio!r} "
+                             f"and {self.ratios!r}")
 
     @classmethod
     def load(cls, path: str | Path, tolerance: float) -> "AdaptiveRatio":

@@ -277,6 +277,10 @@ def test_adaptive_ratio_clamps_to_the_measured_ratios(tmp_path):
             predictor.head[-1].bias.fill_(bias)
         predictor.save(path, probe_ratio=0.25, ratios=[0.25, 0.5])
         assert AdaptiveRatio.load(path, tolerance=0.1).tokens(model, span) == t
+    for probe, ratios in (("x", [0.25]), (0.25, []), (0.25, [0.5, 2.0]), (0.25, "0.5")):  # a file no training wrote
+        predictor.save(path, probe_ratio=probe, ratios=ratios)
+        with pytest.raises(ValueError, match="the predictor's probe_ratio and ratios must be ratios in"):
+            AdaptiveRatio.load(path, tolerance=0.1)
 
 
 def test_adaptive_ratio_gives_a_batch_its_largest_rows_t(monkeypatch):
@@ -648,7 +652,12 @@ def test_compressed_evaluate_scores_every_layout_on_the_same_suffixes(tmp_path, 
         assert evaluate_main(["--ckpt", str(ckpt), *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
-    index = json.loads((tmp_path / "index.json").read_text())  # data from another tokenizer than the training run's
+    index = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "index.json").write_text("[]")  # the data's own check first, not a traceback in the tokenizer check
+    assert evaluate_main(["--ckpt", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert "index.json" in err and len(err.splitlines()) == 1, err
+    # data from another tokenizer than the training run's
     (tmp_path / "index.json").write_text(json.dumps({**index, "tokenizer_sha256": "cd" * 32}))
     recorded = tmp_path / "recorded.ckpt"
     torch.save({**torch.load(ckpt, weights_only=True), "run": {"tokenizer_sha256": "ab" * 32}}, recorded)
@@ -708,8 +717,18 @@ def test_compressed_generate_command_samples_as_the_generator_does(tmp_path, cap
     assert out.err == (f"KV cache after {fed} tokens fed: {cache.kv_entries()} entries kept, {cache.kv_uncompressed()} in "
                        f"an uncompressed cache; {len(cache.kept)} compression(s) of windows of 12 tokens, keeping t = "
                        f"{[3] * (fed // 12)}\n")
+    other = tmp_path / "other.pt"  # a ratio predictor trained on another model's states (d_model 64, not 32)
+    RatioPredictor(64).save(other, probe_ratio=0.25, ratios=[0.125, 0.25])
+    diverged = tmp_path / "nan.ckpt"
+    weights = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    next(v for k, v in weights.items() if k.endswith("weight")).fill_(float("nan"))
+    torch.save({**torch.load(ckpt, weights_only=True), "state_dict": weights}, diverged)
+    assert generate_main(["--ckpt", str(diverged), "--prompt", prompt]) == 2  # sampling raised on NaN probabilities
+    assert "holds NaN/inf values (a diverged run's checkpoint)" in capsys.readouterr().err
     for args, message in [(["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
                           (["--tolerance", "0.1"], "--predictor and --tolerance go together"),
+                          (["--predictor", str(other), "--tolerance", "0.1"], f"--predictor {other} reads states of "
+                           f"d_model 64, {ckpt} has d_model 32"),
                           (["--temperature", "-1"], "--temperature must be finite and >= 0, got -1.0"),
                           (["--predictor", str(tmp_path / "none.pt"), "--tolerance", "0.1"], "predictor "),
                           (["--prompt", ""], "--prompt encodes to no tokens")]:

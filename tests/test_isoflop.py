@@ -174,7 +174,7 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosa", "--budget", "0.5"], "--budget expects FLOPs per pass >= 1"),
         (["--size", "tiny", "--head", "mosa", "--budget", "nan%"], "--budget expects FLOPs per pass >= 1"),
         (["--size", "tiny", "--head", "mosa", "--budget", "1e308G"], "--budget expects FLOPs per pass >= 1"),  # inf
-        (["--size", "tiny", "--head", "mosa", "--budget", "1e30"], "--budget 1e30 is 1.83e+19x the baseline's 54.76G "
+        (["--size", "tiny", "--head", "mosa", "--budget", "1e30"], "--budget 1e30 is 1.826e+19x the baseline's 54.76G "
          "per pass (at most 100x)"),  # solved, it printed 4 dense + 4294923386813032243424 mosa heads
         (["--size", "tiny", "--head", "mosa", "--with", "local:²"], "--with expects TYPE:COUNT"),  # isdigit, not int
         (["--size", "tiny", "--head", "mosa", "--with", "local:2:foo"], "--with local:2: expects key=value, got 'foo'"),
