@@ -340,6 +340,11 @@ def test_long_sequence_baseline_of_local_and_routing_heads(tmp_path: Path, capsy
     assert isoflop_main([*args, "--head", "mosa", "--dense-heads", "4"]) == 2  # the default 4 is not in this baseline
     assert capsys.readouterr().err.strip() == ("error: dense_heads must be in [0, 0], got 4 (the baseline is 4 local + "
                                                "4 routing; other kept heads: --with)")
+    shipped = ["--config", "configs/experiments/routing_local_long.yaml", "--dense-heads", "0", "--with",
+               "local:4:window=256", "--sparsity", "128", "--head", "mosa", "--json"]  # the same setting at T = 8192
+    assert isoflop_main([str(ROOT / a) if a.startswith("configs/") else a for a in shipped]) == 0
+    long = json.loads(capsys.readouterr().out)
+    assert long["sparse_heads"] == 261 and long["k"] == 64 and long["flops_per_pass"] <= long["baseline_flops_per_pass"]
     assert isoflop_main([*args, "--head", "mosa", "--heads", "8"]) == 2
     assert "the head count override sets a dense baseline's heads; this baseline is 4 local + 4 routing" in \
         capsys.readouterr().err
