@@ -211,8 +211,8 @@ def parse_budget(text: str, baseline_flops: int) -> int:
     except ValueError:
         flops = math.nan
     if not (math.isfinite(flops) and flops >= 1):
-        raise ConfigError(f"--budget expects FLOPs per pass >= 1 (e.g. 27.38G, 3e10) or a percentage of the "
-                          f"baseline's (e.g. 50%), got {text!r}")
+        raise ConfigError(f"--budget expects a finite number of FLOPs per pass >= 1 (e.g. 27.38G, 3e10) or a percentage "
+                          f"of the baseline's (e.g. 50%), got {text!r}")
     if flops > MAX_BUDGET * baseline_flops:
         raise ConfigError(f"--budget {text} is {flops / baseline_flops:.4g}x the baseline's {flop_count(baseline_flops)}"
                           f" per pass (at most {MAX_BUDGET}x): the model keeps the baseline's width and depth, so it "

@@ -170,10 +170,10 @@ def test_cli_json() -> None:
         (["--size", "tiny", "--head", "mosa", "--with", "lokal:2"], "unknown head type 'lokal'"),
         (["--size", "tiny", "--head", "mosa", "--with", "local:2:windw=5"],
          "kept heads: head type 'local': unknown option(s) windw"),
-        (["--size", "tiny", "--head", "mosa", "--budget", "lots"], "--budget expects FLOPs per pass >= 1"),
-        (["--size", "tiny", "--head", "mosa", "--budget", "0.5"], "--budget expects FLOPs per pass >= 1"),
-        (["--size", "tiny", "--head", "mosa", "--budget", "nan%"], "--budget expects FLOPs per pass >= 1"),
-        (["--size", "tiny", "--head", "mosa", "--budget", "1e308G"], "--budget expects FLOPs per pass >= 1"),  # inf
+        (["--size", "tiny", "--head", "mosa", "--budget", "lots"], "--budget expects a finite number of FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "0.5"], "--budget expects a finite number of FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "nan%"], "--budget expects a finite number of FLOPs per pass >= 1"),
+        (["--size", "tiny", "--head", "mosa", "--budget", "1e308G"], "--budget expects a finite number of FLOPs per pass >= 1"),  # inf
         (["--size", "tiny", "--head", "mosa", "--budget", "1e30"], "--budget 1e30 is 1.826e+19x the baseline's 54.76G "
          "per pass (at most 100x)"),  # solved, it printed 4 dense + 4294923386813032243424 mosa heads
         (["--size", "tiny", "--head", "mosa", "--with", "local:²"], "--with expects TYPE:COUNT"),  # isdigit, not int
