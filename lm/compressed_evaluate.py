@@ -30,7 +30,7 @@ from data_prep.cli import OneLineParser
 from heads.base import ConfigError
 from lm.checkpoint import read_checkpoint
 from lm.cli import check_output
-from lm.compressed_training import document_windows, evaluate, fixed_windows, load_compressed
+from lm.compressed_training import compressed_from_checkpoint, document_windows, evaluate, fixed_windows
 from lm.compression import CompressedLM, Layout, tokens_for
 from lm.config import Config
 from lm.data import DataError
@@ -107,13 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.batches < 1 or a.batch < 1:
             raise ValueError(f"--batches and --batch must be >= 1, got {a.batches} and {a.batch}")
         check_output("--out", a.out, {"--ckpt": a.ckpt})
-        model, cfg = load_compressed(a.ckpt)
+        saved = read_checkpoint(a.ckpt, mmap=False)  # read once: weights, config and the run record
+        model, cfg = compressed_from_checkpoint(saved, a.ckpt)
         depths = depths or list(range(1, cfg.compression.max_depth + 1))
         planned = layouts(cfg, depths, ratios or [cfg.compression.ratio])
         n = max(depths) * cfg.compression.prefix_len + cfg.model.seq_len + 1
         data = Path(a.data or cfg.data.path)
         source = document_windows(data, a.split, cfg)  # (the index's and shards' own checks first)
-        trained = trained_tokenizer_sha256(read_checkpoint(a.ckpt).get("run") or {})  # (mmap: no second copy)
+        trained = trained_tokenizer_sha256(saved.get("run") or {})
         if None not in (trained, have := tokenizer_sha256(data)) and trained != have:
             raise DataError(f"{data} was tokenised with another tokenizer than the one {a.ckpt} trained with "
                             f"(SHA-256 {have[:12]}, the checkpoint's {trained[:12]})")
@@ -125,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    torch.manual_seed(0)
     rows = evaluate_layouts(model, windows, planned)
     print(f"{a.ckpt}: {a.batches * a.batch} windows of {n} tokens from {data} ({a.split}), "
           f"suffix S = {cfg.model.seq_len} tokens, chunks of P = {cfg.compression.prefix_len}")

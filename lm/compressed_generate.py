@@ -177,7 +177,7 @@ class CompressedGenerator:
 
 def main(argv: list[str] | None = None) -> int:
     from lm.checkpoint import read_checkpoint
-    from lm.compressed_training import load_compressed
+    from lm.compressed_training import compressed_from_checkpoint
 
     ap = OneLineParser(prog="python -m lm.compressed_generate", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         if (args.predictor is None) != (args.tolerance is None):
             raise ValueError("--predictor and --tolerance go together")
         check_sampling(args.temperature, 0, 1.0, flags=True)
-        model, cfg = load_compressed(args.ckpt)
-        sp = load_tokenizer(Path(args.ckpt), read_checkpoint(args.ckpt).get("run") or {}, cfg, args.tokenizer)
+        saved = read_checkpoint(args.ckpt, mmap=False)  # read once: weights, config and the run record
+        model, cfg = compressed_from_checkpoint(saved, args.ckpt)
+        sp = load_tokenizer(Path(args.ckpt), saved.get("run") or {}, cfg, args.tokenizer)
         ids = sp_codec.encode_text(sp, args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")

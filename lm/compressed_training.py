@@ -246,7 +246,11 @@ def train_compressed(cfg: Config, resume: str | None = None, overwrite: bool = F
 
 def load_compressed(path: str | Path) -> tuple[CompressedLM, Config]:
     """The CompressedLM saved in a train_compressed checkpoint, weights loaded, in eval mode."""
-    ckpt = read_checkpoint(path, mmap=False)
+    return compressed_from_checkpoint(read_checkpoint(path, mmap=False), path)
+
+
+def compressed_from_checkpoint(ckpt: dict[str, Any], path: str | Path) -> tuple[CompressedLM, Config]:
+    """load_compressed on a checkpoint already read from `path` (whose run record a caller also needs)."""
     cfg = from_dict(ckpt["config"])
     if cfg.compression is None:
         raise ConfigError(f"{path}: not a compressed-model checkpoint (no compression section)")
