@@ -111,6 +111,16 @@ def choose_ratio(predictor: RatioPredictor, states: torch.Tensor, tolerance: flo
     return predictor(states, delta).clamp(min(measured), max(measured))
 
 
+def check_tolerance(tolerance: float, delta_range: Sequence[float] | None) -> None:
+    """A tolerance Delta* is a finite number of nats/token within the Deltas the predictor was fit on, where its
+    file records them (older files do not): outside them f(states, Delta*) is an extrapolation."""
+    if not math.isfinite(tolerance):
+        raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {tolerance}")
+    if delta_range is not None and not delta_range[0] <= tolerance <= delta_range[1]:
+        raise ValueError(f"the tolerance Delta* = {tolerance} is outside the Deltas the predictor was fit on "
+                         f"[{delta_range[0]:.4g}, {delta_range[1]:.4g}] nats/token: it would extrapolate")
+
+
 @dataclass
 class AdaptiveRatio:
     """The predictor at inference (the post's adaptive compression): for each span to compress, t = round(r* N)
@@ -122,10 +132,10 @@ class AdaptiveRatio:
     tolerance: float  # Delta*, nats/token
     probe_ratio: float
     ratios: Sequence[float]  # the ratios the predictor's data measured (r* is clamped to them)
+    delta_range: Sequence[float] | None = None  # [min, max] of the Deltas it was fit on (None: not recorded)
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.tolerance):
-            raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {self.tolerance}")
+        check_tolerance(self.tolerance, self.delta_range)
         ratios = [self.probe_ratio, *self.ratios] if isinstance(self.ratios, (list, tuple)) else None
         if not ratios or len(ratios) < 2 or not all(isinstance(r, (int, float)) and 0 < r <= 1 for r in ratios):
             raise ValueError(f"the predictor's probe_ratio and ratios must be ratios in (0, 1], got {self.probe_ratio!r} "
@@ -135,7 +145,7 @@ class AdaptiveRatio:
     def load(cls, path: str | Path, tolerance: float) -> "AdaptiveRatio":
         """A predictor file written by `python -m lm.ratio_predictor train` (it holds probe_ratio and ratios)."""
         predictor, blob = RatioPredictor.load(path, needs=("probe_ratio", "ratios"))
-        return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"])
+        return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"], blob.get("delta_range"))
 
     @torch.no_grad()
     def tokens(self, model: CompressedLM, span: torch.Tensor) -> int:
@@ -167,8 +177,9 @@ def _train(args: argparse.Namespace) -> dict:
             return (pred - data["ratio"][rows].log()).abs().mean().item()
         report = {"train_rows": int(rows_tr.sum()), "heldout_rows": int(rows_te.sum()),
                   "train_mean_abs_log_ratio_error": err(rows_tr), "heldout_mean_abs_log_ratio_error": err(rows_te)}
-    predictor.save(args.out, probe_ratio=data["probe_ratio"], prefix_len=data["prefix_len"],
-                   ratios=data["ratios"], report=report)
+    fitted = data["delta"][rows_tr]
+    predictor.save(args.out, probe_ratio=data["probe_ratio"], prefix_len=data["prefix_len"], ratios=data["ratios"],
+                   delta_range=[fitted.min().item(), fitted.max().item()], report=report)
     return report
 
 
@@ -177,6 +188,7 @@ def _choose(args: argparse.Namespace) -> dict:
     from lm.ratio_data import measure
 
     predictor, blob = RatioPredictor.load(args.predictor, needs=("probe_ratio", "prefix_len", "ratios"))
+    check_tolerance(args.delta, blob.get("delta_range"))
     model, cfg = load_compressed(args.ckpt)
     if predictor.hparams["d_model"] != cfg.model.d_model:
         raise ValueError(f"--predictor {args.predictor} reads states of width {predictor.hparams['d_model']}, "
@@ -219,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train" and (args.steps < 1 or args.latent < 1 or not 0 < args.lr < math.inf):
             raise ValueError(f"need --steps >= 1, --latent >= 1 and a finite --lr > 0, got {args.steps}, {args.latent} "
                              f"and {args.lr}")
-        if args.cmd == "choose" and (args.prompts < 1 or not math.isfinite(args.delta)):
-            raise ValueError(f"need --prompts >= 1 and a finite --delta, got {args.prompts} and {args.delta}")
+        if args.cmd == "choose" and args.prompts < 1:
+            raise ValueError(f"need --prompts >= 1, got {args.prompts}")
         result = _train(args) if args.cmd == "train" else _choose(args)
     except ValueError as err:  # also ConfigError and DataError (an unknown --split, a missing directory)
         print(f"error: {err}", file=sys.stderr)

@@ -13,7 +13,7 @@ from lm import ratio_data, ratio_predictor
 from lm.config import CompressionConfig, validate
 from lm.compressed_training import document_windows, fixed_windows, load_compressed
 from lm.compression import CompressedLM, Layout
-from lm.ratio_predictor import RatioPredictor, choose_ratio, fit, sinusoidal
+from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit, sinusoidal
 from test_compression import V, _prepared
 
 RATIOS = torch.tensor([1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2])
@@ -113,6 +113,17 @@ def test_clis_data_train_choose(tmp_path, capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     assert report["train_rows"] == 27 and report["heldout_rows"] == 9  # prompts 0, 5, 10 x 3 ratios held out
     assert sorted(set(fitted[0].tolist())) == [1, 2, 3, 4, 6, 7, 8, 9, 11]  # and never fitted on
+    fitted_delta = data["delta"][torch.isin(data["prompt"], fitted[0])]  # the Deltas of exactly those rows
+    low, high = torch.load(pred, weights_only=False)["delta_range"]
+    assert (low, high) == (fitted_delta.min().item(), fitted_delta.max().item())
+    for outside in (low - 0.01, high + 0.01):  # a tolerance the predictor never saw: one line, not an extrapolation
+        assert ratio_predictor.main(["choose", "--predictor", str(pred), "--ckpt", ckpt, "--data", data_dir,
+                                     "--delta", str(outside)]) == 2
+        err = capsys.readouterr().err
+        assert "is outside the Deltas the predictor was fit on" in err and err.count("\n") == 1, err
+        with pytest.raises(ValueError, match="outside the Deltas the predictor was fit on"):
+            AdaptiveRatio.load(pred, outside)
+    assert AdaptiveRatio.load(pred, (low + high) / 2).delta_range == [low, high]
     probes: list[float] = []  # choose feeds the predictor states probed as its data were (0.125, not the model's 0.25)
 
     def measure(*args):
@@ -121,7 +132,7 @@ def test_clis_data_train_choose(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ratio_data, "measure", measure)
     assert ratio_predictor.main(["choose", "--predictor", str(pred), "--ckpt", ckpt, "--data", data_dir,
-                                 "--delta", "0.05", "--prompts", "3"]) == 0
+                                 "--delta", str((low + high) / 2), "--prompts", "3"]) == 0
     chosen = json.loads(capsys.readouterr().out)
     assert len(chosen["chosen_ratio"]) == 3 and all(0.125 <= r <= 1 for r in chosen["chosen_ratio"])
     assert probes == [0.125] * 4  # the states of the 3 prompts, then each prompt at its chosen ratio
@@ -137,7 +148,7 @@ def test_clis_data_train_choose(tmp_path, capsys, monkeypatch):
     ("data", ["--prompts", "1"], "need --prompts >= 2"), ("data", ["--batch", "0"], "need --prompts >= 2"),
     ("data", ["--prefix-len", "-4"], "--prefix-len >= 1"), ("data", ["--probe-ratio", "3"], "--probe-ratio must be in"),
     ("train", ["--steps", "0"], "need --steps >= 1"), ("train", ["--lr", "nan"], "finite --lr > 0"),
-    ("choose", ["--prompts", "0"], "need --prompts >= 1"), ("choose", ["--delta", "nan"], "finite --delta"),
+    ("choose", ["--prompts", "0"], "need --prompts >= 1"), ("choose", ["--delta", "nan"], "Delta* must be a finite number"),
     ("choose", ["--split", "nope"], "nope"), ("choose", ["--wide"], "reads states of width 48"),
 ])
 def test_cli_bad_arguments_are_one_line(tmp_path, capsys, cli: str, args: list[str], message: str):
