@@ -25,7 +25,8 @@ from pathlib import Path
 from data_prep.cli import OneLineParser
 from heads import ConfigError
 from lm.cli import status_of
-from lm.config import Config, load_config
+from lm.config import Config
+from lm.config_io import load_config
 from lm.sanity import val_batches_that_fit
 
 ROOT = Path(__file__).resolve().parent

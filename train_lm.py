@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from lm.cli import exit_status, resume_of, training_parser
-from lm.config import load_config
+from lm.config_io import load_config
 
 
 def main(argv: list[str] | None = None) -> int:

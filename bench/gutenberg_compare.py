@@ -78,14 +78,14 @@ def head_mix(base_model: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def base_config(settings: Any, overrides: list[str]) -> Any:
     """The shared Config (`base` + CLI overrides); its heads are the dense baseline."""
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     return load_config(None, *[f"{k}={v}" for k, v in _flat(OmegaConf.to_container(settings.base))], *overrides)
 
 
 def run_config(settings: Any, name: str, overrides: list[str]) -> Any:
     """The full validated Config of one variant (base + its head mix + CLI overrides)."""
-    from lm.config import from_dict
+    from lm.config_io import from_dict
 
     base = base_config(settings, overrides)
     heads = head_mix(base.model, OmegaConf.to_container(settings.variants[name]))
@@ -115,7 +115,7 @@ def prepare_data(settings: Any, data_path: str) -> None:
 
 def finished_run(out: Path, cfg: Any) -> bool:
     """`out` holds a completed training run of exactly this config (then only the evaluation is redone)."""
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     needed = [out / "config.yaml", out / "metrics.json", out / "train_seconds.txt", out / "checkpoints" / "last.ckpt"]
     if not all(p.is_file() for p in needed):
@@ -131,7 +131,7 @@ def train_and_evaluate(cfg: Any, name: str, windows: int, budget: int, retrain: 
 
     from flops.model import model_cost
     from lm.checkpoint import load_model
-    from lm.config import to_yaml
+    from lm.config_io import to_yaml
     from lm.leakfree import evaluate
 
     out = ROOT / cfg.trainer.out_dir

@@ -35,7 +35,8 @@ from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, 
                        run_in_worker, script_parser, torch_device, use_device)
 from flops.model import model_cost
 from flops.presets import baseline
-from lm.config import HeadGroupConfig, ModelConfig, from_dict, load_config
+from lm.config import HeadGroupConfig, ModelConfig
+from lm.config_io import from_dict, load_config
 
 
 def table2_pair(size: str, sparsity: int, mosa_heads: int, dense_kept: int = 4) -> list[tuple[str, ModelConfig]]:

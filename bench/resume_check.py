@@ -24,7 +24,7 @@ import torch
 
 from flops.cli import ROOT, command_line, hardware, output_file, positive_int, script_parser
 from heads import ConfigError
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.run_logs import tb_scalars
 from lm.devices import lightning_accelerator
 

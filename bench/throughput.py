@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 from flops.cli import command_line, hardware, nonnegative_int, output_file, positive_int, script_parser  # noqa: E402
 from heads import ConfigError, commit_states  # noqa: E402
-from lm.config import Config, load_config  # noqa: E402
+from lm.config import Config  # noqa: E402
+from lm.config_io import load_config  # noqa: E402
 from lm.module import LMModule  # noqa: E402
 from lm.devices import lightning_accelerator, resolve_precision  # noqa: E402
 

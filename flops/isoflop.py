@@ -27,7 +27,8 @@ from flops.formulas import Options, sparse_k
 from flops.model import model_cost
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError, head_class, make_options
-from lm.config import HeadGroupConfig, ModelConfig, check_group, load_config
+from lm.config import HeadGroupConfig, ModelConfig, check_group
+from lm.config_io import load_config
 
 
 @dataclass(frozen=True)

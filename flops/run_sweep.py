@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def trained(entry: dict[str, Any], overrides: list[str]) -> bool:
     """The point's metrics.json reports the final step."""
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     metrics = Path(entry["out_dir"]) / "metrics.json"
     if not metrics.is_file():

@@ -33,7 +33,8 @@ from flops.cli import comma_list, command_line, positive_int, script_parser
 from flops.isoflop import option_names, parse_group, parse_options, solve
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
-from lm.config import Config, HeadGroupConfig, ModelConfig, load_config, to_yaml, validate
+from lm.config import Config, HeadGroupConfig, ModelConfig, validate
+from lm.config_io import load_config, to_yaml
 from lm.model import build_model
 from lm.run_dir import config_changes
 

@@ -29,7 +29,8 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from data_prep.atomic import atomic_write, is_temp, temp_path
 from heads import ConfigError
 from lm.accumulation import ends_step
-from lm.config import Config, from_dict
+from lm.config import Config
+from lm.config_io import from_dict
 from lm.errors import NonFiniteError
 from lm.model import DecoderLM, build_model
 from lm.nonfinite import first_nonfinite, owner

@@ -34,7 +34,8 @@ from heads import ConfigError
 from lm.checkpoint import check_finite, load_weights, read_checkpoint
 from lm.cli import exit_status, resume_of, training_parser
 from lm.compression import CompressedLM, Layout, tokens_for
-from lm.config import CompressionConfig, Config, from_dict, load_config
+from lm.config import CompressionConfig, Config
+from lm.config_io import from_dict, load_config
 from lm.data import DataError, LMDataModule, enough_for_every_rank, open_split, step_order
 from lm.module import LMModule
 from lm.train import fit_and_finish, finish_run, process_group_released, start_run

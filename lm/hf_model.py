@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from lm.config import from_dict
+from lm.config_io import from_dict
 from lm.leakfree import leak_free_logits
 from lm.model import build_model
 

@@ -25,7 +25,8 @@ from omegaconf import OmegaConf
 
 from data_prep.atomic import atomic_write
 from heads import ConfigError
-from lm.config import Config, to_yaml
+from lm.config import Config
+from lm.config_io import to_yaml
 from lm.errors import DataError
 from lm.resume_settings import reported_here
 from lm.run_files import read_json, read_run_config

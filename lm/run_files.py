@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from heads.base import ConfigError
-from lm.config import Config, from_dict
+from lm.config import Config
+from lm.config_io import from_dict
 
 MISSING = object()
 

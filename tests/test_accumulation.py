@@ -11,7 +11,7 @@ import torch
 
 from heads import ConfigError
 from lm.compressed_training import LayoutBatches, LayoutSampler, document_windows
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.data import TrainBatches, open_split
 from lm.run_logs import tb_scalars
 from lm.train import train

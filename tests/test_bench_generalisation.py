@@ -5,7 +5,7 @@ import pytest
 
 from bench.generalisation import _parse, main
 from heads import ConfigError
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.train import train
 from tests.synthetic import run_overrides, write_prepared
 

@@ -26,7 +26,7 @@ def test_activation_checkpointing_columns(tmp_path: Path) -> None:
 def test_the_checkpointing_worker_checkpoints_every_block(monkeypatch) -> None:  # noqa: ANN001
     """measure(checkpointing=True) runs every block through lm/checkpointing.py on every step (and False never)."""
     import lm.model
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     calls: list[int] = []
     original = lm.model.checkpointed
@@ -54,7 +54,7 @@ def test_cpu_memory_comes_from_a_process_whose_rss_follows_the_live_tensors(monk
     (flops.cli.CPU_MEMORY_ENV) over two steps, and the table's memory is that worker's; time and KV stay the timing
     worker's. On CUDA (max_memory_allocated) one worker does both."""
     from flops.cli import CPU_MEMORY_ENV
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     calls = []
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from heads import ConfigError
-from lm.config import load_config
+from lm.config_io import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

@@ -13,7 +13,7 @@ from conftest import tiny_config
 
 import lm
 from heads import REGISTRY, ConfigError, commit_states
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.model import checkpoint_blocks
 from routing.kmeans import OnlineKMeans
 from routing.threshold import RunningQuantileThreshold

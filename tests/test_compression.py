@@ -544,7 +544,7 @@ def test_compile_is_refused_and_the_suffix_loss_is_fp32():
     """trainer.compile with a compression section is one line (each batch's layout shapes the graph); under bf16 the
     suffix cross-entropy is taken in fp32 (as the plain LM's), not rounded to bf16's 1/32 nat steps near 4."""
     from lm.compressed_training import train_compressed
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     cfg = load_config(ROOT / "configs" / "experiments" / "compression.yaml", "trainer.compile=true")  # loads (checkpoints)
     with pytest.raises(ConfigError, match="^trainer.compile is not supported with a compression section"):

@@ -1,4 +1,4 @@
-"""Config loading (lm/config.py) and the presets in configs/: every error is one line naming the field."""
+"""Config loading (lm/config_io.py, lm/config.py) and the presets in configs/: every error is one line naming the field."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 import lm
 from heads import ConfigError
-from lm.config import load_config
+from lm.config_io import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -101,7 +101,7 @@ def test_values_the_trainer_or_torch_would_reject_later_are_refused_at_load(over
 ])
 def test_a_bad_dict_is_one_config_error_naming_the_key(values: dict, message: str) -> None:
     """from_dict (a checkpoint's or a JSON spec's config): OmegaConf's multi-line merge error becomes one line."""
-    from lm.config import from_dict
+    from lm.config_io import from_dict
 
     with pytest.raises(ConfigError) as info:
         from_dict(values)
@@ -360,7 +360,7 @@ def test_a_config_read_back_from_json_keeps_its_per_layer_mixes() -> None:
 
     from omegaconf import OmegaConf
 
-    from lm.config import from_dict
+    from lm.config_io import from_dict
 
     cfg = load_config(None, "model.n_layers=3", "model.layer_heads.1=[{type: dense, count: 2}]")
     back = from_dict(json.loads(json.dumps(OmegaConf.to_container(OmegaConf.structured(cfg)))))
@@ -370,7 +370,7 @@ def test_a_config_read_back_from_json_keeps_its_per_layer_mixes() -> None:
 def test_a_bool_field_takes_only_true_or_false(tmp_path: Path) -> None:
     """OmegaConf reads any integer as a bool (trainer.compile=2 trained compiled without a word): a bool field, in a
     YAML file, a dotted override or a keyword override, takes true/false (yes/no) only, as head options do."""
-    from lm.config import BOOL_KEYS
+    from lm.config_io import BOOL_KEYS
 
     assert BOOL_KEYS == {"trainer.validate_first", "trainer.compile", "trainer.activation_checkpointing", "trainer.deterministic",
                          "compression.detach_prefix"}

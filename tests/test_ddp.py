@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.run_logs import tb_scalars
 from tests.conftest import child_env
 from tests.synthetic import run_overrides, wait_for_file, write_prepared
@@ -159,7 +159,8 @@ def test_ddp_compression_training_with_full_memory_batches_matches_one_process(t
 
     from conftest import tiny_config
     from lm.compressed_training import LayoutSampler, train_compressed
-    from lm.config import CompressionConfig, to_yaml
+    from lm.config import CompressionConfig
+    from lm.config_io import to_yaml
     from tests.test_compression import V, _prepared
 
     rng = np.random.default_rng(0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lm.config import load_config
+from lm.config_io import load_config
 from tests.synthetic import run_overrides, write_prepared
 
 HEADS = ("[{type: dense, count: 2}, {type: mosa, count: 3, options: {sparsity: 4}},"

@@ -16,7 +16,8 @@ from flops.isoflop import solve
 from flops.model import model_cost
 from flops.presets import baseline
 from heads.base import ConfigError
-from lm.config import HeadGroupConfig, load_config
+from lm.config import HeadGroupConfig
+from lm.config_io import load_config
 
 SPARSITIES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT
 from flops import mfu
-from lm.config import load_config
+from lm.config_io import load_config
 from tests.synthetic import run_overrides, write_prepared
 
 # The tiny run (h = 32, 2 layers of 4 dense heads of h' = 8, T = 32, vocab 64, FFN 4h), per sequence, forward:
@@ -77,7 +77,7 @@ def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureF
 
 def _run_dir(path: Path, config: str | None, metrics: dict) -> Path:
     """A run directory holding the config.yaml of `config` (a YAML config file; None: the defaults) and `metrics`."""
-    from lm.config import to_yaml
+    from lm.config_io import to_yaml
 
     path.mkdir()
     (path / "config.yaml").write_text(to_yaml(load_config(config)))

@@ -12,7 +12,7 @@ from flops.isoflop import main as isoflop_main
 from flops.sweep import main as sweep_main
 from heads.base import GroupContext
 from heads.mosaic import MosaicHeads, MosaicOptions
-from lm.config import load_config
+from lm.config_io import load_config
 from routing.token_choice import choose, gate_weights, load_mismatch, resolve_top_s
 from tests.head_checks import assert_match, fast_vs_reference, make_group
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from heads import commit_states
 from lm.checkpoint import read_checkpoint
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.nonfinite import NonFiniteError, NonFiniteGuard
 from lm.perplexity import perplexity
 from tests.synthetic import run_overrides, write_prepared

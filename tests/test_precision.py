@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heads import REGISTRY
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.data import LMDataModule
 from lm.module import LMModule
 from tests.head_checks import tiny_options

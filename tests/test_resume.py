@@ -110,7 +110,7 @@ def test_resume_continues_the_random_draws_of_training(tmp_path: Path, monkeypat
     import shutil
 
     import lm.module
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.train import train
 
     data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
@@ -212,7 +212,7 @@ def test_sigterm_outside_the_step_checks_is_not_lost(where: str, tmp_path: Path,
     in a validation of its own (the first or the final one; it runs to its end) or in the last training step. The
     final validation's checkpoint carries it, so --resume has nothing left to do; after the last training step
     the step is checkpointed without the final validation, which --resume then runs."""
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.errors import Interrupted
     from lm.module import LMModule
     from lm.train import train
@@ -459,7 +459,7 @@ def test_resume_skips_damaged_checkpoints_cleans_temp_files_and_applies_a_new_lr
     """Newest checkpoint truncated, the one before it garbled (zip CRC mismatch) and one empty: --resume
     continues from the newest loadable one and says why it passed over each; a temp file of an interrupted
     write is removed; a changed optim.lr and data.batch_size are applied and reported, not ignored."""
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.train import train
 
     data, out = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000), tmp_path / "run"
@@ -504,7 +504,7 @@ def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
     held the old schedule's rate for it, which the LambdaLR replaces only after that step), and the message says so."""
     from omegaconf import OmegaConf
 
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.resume_settings import apply_changes
 
     old = load_config(None, "optim.lr=1e-3", "optim.warmup_steps=5", "trainer.max_steps=10")
@@ -523,7 +523,7 @@ def test_a_changed_weight_decay_reaches_the_matrices_only() -> None:
     biases) keeps 0, as LMModule.configure_optimizers built them (writing it into every group decayed them all)."""
     from omegaconf import OmegaConf
 
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.resume_settings import apply_changes
 
     old = load_config(None, "optim.weight_decay=0.1")
@@ -541,7 +541,7 @@ def test_a_deepspeed_checkpoint_refuses_new_optimizer_group_settings() -> None:
     from omegaconf import OmegaConf
 
     from heads import ConfigError
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.resume_settings import apply_changes
 
     saved = load_config(None, "optim.lr=3e-3", "trainer.strategy=deepspeed_stage_2")
@@ -558,7 +558,7 @@ def test_a_deepspeed_checkpoint_refuses_new_optimizer_group_settings() -> None:
 def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> None:
     """max_steps 4 with ckpt_every 2 and val_every 3: step 4's checkpoint is due before the end-of-run validation;
     it is written again after it, so a run resumed from it (e.g. to train longer) keeps that validation."""
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.train import train
 
     data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
@@ -575,7 +575,7 @@ def test_the_final_checkpoint_carries_the_final_validation(tmp_path: Path) -> No
 def test_tokens_per_s_goes_on_over_a_resume(tmp_path: Path) -> None:
     """The checkpoint keeps the timed tokens and seconds, so a resumed run's tokens_per_s (metrics.json, flops.mfu)
     is over every run, not the resumed part alone (a walkthrough read 541 tokens/s uninterrupted, 702 resumed)."""
-    from lm.config import load_config
+    from lm.config_io import load_config
     from lm.train import train
 
     data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)

@@ -97,7 +97,7 @@ def test_a_base_without_distinct_finite_frequencies_is_refused(base: float) -> N
 def test_the_config_refuses_them_first_naming_the_field(override: str, message: str) -> None:
     """The model's rope options reach RotaryEmbedding through the config, whose check names the key."""
     from heads import ConfigError
-    from lm.config import load_config
+    from lm.config_io import load_config
 
     with pytest.raises(ConfigError) as info:
         load_config(None, override)

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from heads import ConfigError
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.errors import DataError
 from lm.run_dir import claim, holds_run, read_provenance
 from tests.synthetic import run_overrides, write_prepared

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.data import LMDataModule
 from tests.synthetic import run_overrides, write_prepared
 
@@ -141,7 +141,7 @@ def test_warnings_print_on_rank_zero_only(monkeypatch: pytest.MonkeyPatch, capsy
 def test_the_config_and_the_flop_calculator_load_without_lightning() -> None:
     """Lightning's import takes seconds; the IsoFLOP calculator (flops.isoflop) and config loading do not need it
     (lm.sanity imports it when a warning is printed)."""
-    code = ("import sys, flops.isoflop, lm.config; "
+    code = ("import sys, flops.isoflop, lm.config, lm.config_io; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

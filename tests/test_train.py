@@ -13,7 +13,7 @@ import torch
 from heads import ConfigError
 from heads.dense import DenseHeads
 from lm.checkpoint import load_model
-from lm.config import load_config
+from lm.config_io import load_config
 from lm.data import DataError, LMDataModule, TrainBatches, ValWindows, open_split
 from lm.module import LMModule
 from lm.run_logs import tb_scalars
