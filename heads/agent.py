@@ -57,7 +57,7 @@ from torch import nn
 from heads.attention import attend
 from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
-from heads.kv_cache import BlockKV, one_token
+from heads.kv_cache import BlockKV
 from heads.local import window_blocks
 from routing.landmarks import (adaptive_pool, adaptive_windows, block_ends, block_pool, distance_buckets, prefix_mask,
                                published_count, signed_distance_buckets)
@@ -271,11 +271,7 @@ class AgentHeads(DenseHeads):
         block, whose agent it then already sees) attends in one softmax to the agents of all completed
         blocks and to the keys t-w < p <= t; with `dwc`, plus the convolution over its K most recent rows of v."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, h']
-        prefill = cache.kv.fresh
-        if not prefill:
-            one_token("agent", x)
-        cache.write(q, k, v, positions)
-        if prefill:
+        if cache.write("agent", q, k, v, positions):  # the prefill
             return self.forward(x, positions)
         t, w = cache.row(), min(self.options.window, cache.kv.k.shape[2])  # t: 0-d tensor (static shapes)
         rows = t - w + 1 + torch.arange(w, device=x.device)  # the window t-w < p <= t; rows < 0 are masked

@@ -195,16 +195,20 @@ class BlockKV(AroundSlots):
         extra = [self.queries, self.landmarks, self.values] + ([self.experts] if self.experts is not None else [])
         return self.kv.nbytes() + sum(t.numel() * t.element_size() for t in extra)
 
-    def write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    def write(self, head: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> bool:
         """Append rotated q, k and v [B, H, T, d] (positions[B, T]): the prompt into a fresh cache, then one
-        token per call (the heads check); build the state of every block this completes."""
+        token per call (`one_token`, named for `head`); build the state of every block this completes. True for the
+        prefill, whose outputs are the head's full forward pass over the prompt."""
         fresh = self.kv.fresh
+        if not fresh:
+            one_token(head, positions)  # [B, T]: T must be 1
         self.kv.write(torch.ones(k.shape[:3], dtype=torch.bool, device=k.device), k, v,
                       positions[:, None].expand(-1, k.shape[1], -1))
         if fresh:
             self._prefill(q)
         else:
             self._step(q)
+        return fresh
 
     def _prefill(self, q: torch.Tensor) -> None:
         """The prompt's m = T // b complete blocks at once, from their queries and the prompt's keys."""

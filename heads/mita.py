@@ -54,7 +54,7 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads import varlen
 from heads.gathered_lean import accumulator
-from heads.kv_cache import BlockKV, one_token
+from heads.kv_cache import BlockKV
 from heads.local import block_windows
 from heads.lse_attention import attention_lse, merge
 from heads.rows import flat_rows, gather_rows
@@ -228,11 +228,7 @@ class MiTAHeads(DenseHeads):
         (q~_j, v~_j) of the blocks before its block, the keys of its top-s routed experts (union; the landmarks
         of the blocks before its local blocks are eligible) and its local blocks' keys at rows <= t (eqs. 10-12)."""
         q, k, v = self._qkv(x, positions)  # [B, H, T, d]
-        prefill = cache.kv.fresh
-        if not prefill:
-            one_token("mita", x)
-        cache.write(q, k, v, positions)
-        if prefill:
+        if cache.write("mita", q, k, v, positions):  # the prefill
             return self.forward(x, positions)
         t, b, scale = cache.row(), self.options.block, self.ctx.head_dim**-0.5  # t: 0-d tensor (static shapes)
         L = self.options.local_blocks
