@@ -12,7 +12,9 @@ summarised as mean ± sample standard deviation over the done ones; points of di
 are never pooled (a hybrid and a pure sweep of one size are two experiments). The PNG has one panel per
 sweep (titled by its size, and its directory when two sweeps share a size), a line per head type with
 error bars over the swept values: sparsity, where each line starts at that sweep's dense baseline (ρ = 1), or the
-option of a `flops.sweep --vary` sweep, where the baseline is a dashed line and its own table column. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
+option of a `flops.sweep --vary` sweep, where the baseline is a dashed line and its own table column. A grid
+(`flops.sweep --sparsity ... --vary KEY=...`) has a line per (head type, value of KEY) over sparsity, and a table row
+per (value, head type), in a block per value. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
 The markdown opens with each sweep's command and training length (unless --note replaces that). Done points of one
 sweep that trained for different lengths (a point rerun with `run_sweep --only NAME trainer.max_steps=...`) are not
 comparable at equal FLOPs per pass: a warning on stderr, above the tables and in the PNG's title names them.
@@ -70,7 +72,8 @@ def sweep_labels(sweeps: list[Path]) -> list[str]:
 
 def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
-    leakfree_ppl otherwise (None if missing)."""
+    leakfree_ppl otherwise (None if missing); besides COLUMNS, `swept`: the swept options (sweep.json's, else
+    [vary])."""
     manifest = read_sweep(sweep / "sweep.json", keys=("points", "size"))
     status = read_status(sweep / "status.json")
     rows = []
@@ -78,7 +81,8 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
         out = Path(e["out_dir"])
         m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
         row = {c: e.get(c) for c in COLUMNS}
-        row.update(sweep=label or manifest["size"], size=manifest["size"], vary=manifest.get("vary", "sparsity"),
+        vary = manifest.get("vary", "sparsity")
+        row.update(sweep=label or manifest["size"], size=manifest["size"], vary=vary, swept=manifest.get("swept", [vary]),
                    value=e.get("value", e.get("sparsity")), step=m.get("step"), max_steps=max_steps(e),
                    tokens=m.get("tokens_seen"), val_ppl=m.get("val_ppl"), leakfree_ppl=lf.get("leakfree_ppl"),
                    tokens_per_s=m.get("tokens_per_s"))
@@ -123,12 +127,21 @@ def default_note(sweeps: list[Path], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + [f"- machine: {platform.platform()}"])
 
 
+def position(row: dict[str, Any]) -> tuple[str, Any]:
+    """(curve, x) of a point: its head type over the value of the swept option, or in a grid (--sparsity with
+    --vary) `<head> <KEY>=<value>` over sparsity; the dense baseline's curve is `dense`, its x 1 over sparsity, None
+    over another option."""
+    if len(row["swept"]) == 1:
+        return row["head"], row["value"]
+    curve = "dense" if row["head"] == "dense" else f"{row['head']} {row['vary']}={row['value']}"
+    return curve, row["sparsity"]
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, Any]]:
-    """(sweep, head, value of the swept option) -> {mean, std, n (done replicas), partial (rows not done)}; the dense
-    baseline's value is 1 in a sparsity sweep, None in a sweep of another option."""
+    """(sweep, curve, x) (position) -> {mean, std, n (done replicas), partial (rows not done)}."""
     groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["sweep"], r["head"], r["value"]), []).append(r)
+        groups.setdefault((r["sweep"], *position(r)), []).append(r)
     out = {}
     for key, members in groups.items():
         done = [r["ppl"] for r in members if r["status"] == "done"]
@@ -141,8 +154,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, 
 
 
 def swept_option(rows: list[dict[str, Any]], sweep: str) -> str:
-    """The option a sweep varies (sweep.json's `vary`: sparsity unless flops.sweep --vary)."""
-    return next(r["vary"] for r in rows if r["sweep"] == sweep)
+    """The option on a sweep's x axis: sparsity, unless flops.sweep --vary without --sparsity swept another one."""
+    return next(r["swept"][0] for r in rows if r["sweep"] == sweep)
 
 
 def dense_baseline(s: dict[tuple[str, str, Any], dict[str, Any]], sweep: str) -> dict[str, Any] | None:
@@ -151,16 +164,16 @@ def dense_baseline(s: dict[tuple[str, str, Any], dict[str, Any]], sweep: str) ->
 
 
 def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
-    """(sweep, head type) -> [(value of the swept option, mean ppl, std)] over done points, sorted; a sparsity sweep's
-    curves start at its dense baseline (sparsity 1) when it is done (another option's sweep shows it as a line)."""
+    """(sweep, curve) -> [(x, mean ppl, std)] over done points, sorted (position); curves over sparsity start at
+    their sweep's dense baseline (sparsity 1) when it is done (another option's sweep shows it as a line)."""
     s = summary(rows)
     out: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
-    for (sweep, head, value), g in s.items():
-        if head == "dense" or g["mean"] is None:
+    for (sweep, curve, x), g in s.items():
+        if curve == "dense" or g["mean"] is None:
             continue
         base = dense_baseline(s, sweep) if swept_option(rows, sweep) == "sparsity" else None
         start = [(1, base["mean"], base["std"])] if base and base["mean"] is not None else []
-        out.setdefault((sweep, head), start).append((value, g["mean"], g["std"]))
+        out.setdefault((sweep, curve), start).append((x, g["mean"], g["std"]))
     return {key: sorted(points) for key, points in out.items()}
 
 
@@ -182,26 +195,33 @@ def cell(g: dict[str, Any] | None) -> str:
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
 
 
+def table(s: dict[tuple[str, str, Any], dict[str, Any]], rows: list[dict[str, Any]], sweep: str) -> list[str]:
+    """The perplexity table of `sweep` (`s`: summary): a row per curve (a grid's in a block per value of its --vary
+    option), a column per x; over sparsity the dense baseline is the rho = 1 column, else a column of its own."""
+    mine = [r for r in rows if r["sweep"] == sweep]
+    key, grid = swept_option(rows, sweep), len(mine[0]["swept"]) > 1
+    xs = sorted({position(r)[1] for r in mine if position(r)[1] is not None})
+    named = sorted({((r["value"], r["head"]) if grid else (r["head"],)): position(r)[0]
+                    for r in mine if r["head"] != "dense"}.items())
+    if key == "sparsity":
+        header = [f"rho={x}" for x in xs]
+        cells = [[cell(s.get((sweep, "dense" if x == 1 else curve, x))) for x in xs] for _, curve in named]
+    else:
+        header = ["dense baseline"] + [f"{key}={x}" for x in xs]
+        cells = [[cell(dense_baseline(s, sweep))] + [cell(s.get((sweep, curve, x))) for x in xs] for _, curve in named]
+    first = [mine[0]["vary"], "head"] if grid else ["head"]
+    return ["| " + " | ".join(first + header) + " |", "|---" * (len(first) + len(header)) + "|"] + [
+        "| " + " | ".join([*map(str, lead), *row]) + " |" for (lead, _), row in zip(named, cells)]
+
+
 def markdown(rows: list[dict[str, Any]], note: str, warnings: list[str]) -> str:
     """The note, the `warnings` (unequal_training's), a perplexity table per sweep, and every point."""
     s = summary(rows)
     lines = [note, ""] + [line for warning in warnings for line in (f"**Warning: {warning}.**", "")]
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
-        mine = [r for r in rows if r["sweep"] == sweep]
-        key = swept_option(rows, sweep)
-        values = sorted({r["value"] for r in mine if r["value"] is not None})
-        heads = sorted({r["head"] for r in mine if r["head"] != "dense"})
         lines += [f"Size {sweep}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
                   "mean ± std over finished seeds; `x* @step/max` = partial run, not in the mean or the curve:", ""]
-        if key == "sparsity":  # the dense baseline is the rho = 1 column
-            header = [f"rho={v}" for v in values]
-            cells = [[cell(s.get((sweep, "dense" if v == 1 else h, v))) for v in values] for h in heads]
-        else:
-            header = ["dense baseline"] + [f"{key}={v}" for v in values]
-            cells = [[cell(dense_baseline(s, sweep))] + [cell(s.get((sweep, h, v))) for v in values] for h in heads]
-        lines += ["| head | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
-        lines += [f"| {h} | " + " | ".join(row) + " |" for h, row in zip(heads, cells)]
-        lines.append("")
+        lines += table(s, rows, sweep) + [""]
     lines += ["All points (tokens_per_s as measured during the sweep's training: on a shared or busy machine it is not "
               "comparable between points; time points side by side with bench/throughput.py --out FILE):", "",
               "| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
@@ -218,22 +238,22 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     sweeps = list(dict.fromkeys(r["sweep"] for r in rows))
     fig, axes = plt.subplots(1, len(sweeps), figsize=(5 * len(sweeps), 4), squeeze=False)
     lines = curves(rows)
-    colours = {h: f"C{i}" for i, h in enumerate(sorted({r["head"] for r in rows if r["head"] != "dense"}))}
+    colours = {c: f"C{i}" for i, c in enumerate(sorted({position(r)[0] for r in rows if r["head"] != "dense"}))}
     s = summary(rows)
     for ax, sweep in zip(axes[0], sweeps):
-        for (sw, head), points in lines.items():
+        for (sw, curve), points in lines.items():
             if sw == sweep:
                 xs, ys, es = zip(*points)
-                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[head], label=head)
-        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep and r["value"] is not None]
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[curve], label=curve)
+        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep and position(r)[1] is not None]
         if partial:
-            ax.scatter([r["value"] for r in partial], [r["ppl"] for r in partial], facecolors="none",
+            ax.scatter([position(r)[1] for r in partial], [r["ppl"] for r in partial], facecolors="none",
                        edgecolors="black", label="partial run (not in the curve)")
         base = dense_baseline(s, sweep)
         if base and base["mean"] is not None:
             ax.axhline(base["mean"], color="grey", linestyle="--", linewidth=1, label="dense baseline")
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["value"] for r in rows if r["sweep"] == sweep and r["value"] is not None})
+        ticks = sorted({position(r)[1] for r in rows if r["sweep"] == sweep and position(r)[1] is not None})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         key = swept_option(rows, sweep)
@@ -265,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     out = a.out or a.sweeps[0] / "results"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")  # (not `swept`: the columns name each point's)
         writer.writeheader()
         writer.writerows(rows)
     warnings = unequal_training(rows)

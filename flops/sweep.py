@@ -1,7 +1,8 @@
-"""IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity), or per
-(head type, value of another option) with --vary.
+"""IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity), per
+(head type, value of another option) with --vary, or per (head type, sparsity, value) with both.
 
     python -m flops.sweep --size micro --heads local --vary window=16,32,64 --dense-heads 2 --out sweeps/windows
+    python -m flops.sweep --size micro --heads mosa --sparsity 1,4,8 --vary capacity_factor=1,2 --out sweeps/grid
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
         --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--with local:2:window=128] \\
         [--option mosa.selection=expert_choice] [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
@@ -9,11 +10,13 @@
 Each point is the base config (defaults <- --base YAML <- dotted overrides) with the model shape of
 `--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape)
 and the head mix solved by flops.isoflop (`--dense-heads` dense heads, the `--with` groups, and the sparse heads);
-sparsity 1 is the dense baseline, written once as `dense_s1`. `--vary KEY=V1,V2,...` sweeps another option of
+sparsity 1 is the dense baseline, written once as `dense_s1`. `--vary KEY=V1,V2,...` alone sweeps another option of
 the sparse heads instead (local `window`, MiTA `k`, MoSA `capacity_factor`, ...; positive numbers), one point
-`<head>_<KEY><V>` per value, and always writes `dense_s1`. `--seeds N` writes N replicas of every
-point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes `<out>/<name>.yaml`
-(trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`, the list of points with their
+`<head>_<KEY><V>` per value, and always writes `dense_s1`; with `--sparsity` it is a grid: one point
+`<head>_s<RHO>_<KEY><V>` per (sparsity > 1, value), `dense_s1` only if 1 is listed. `--seeds N` writes N replicas
+of every point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes
+`<out>/<name>.yaml` (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`: `vary` (--vary's KEY, else
+sparsity), a grid's `swept` ([sparsity, KEY]), and the list of points with their sparsity, `value` (of `vary`),
 FLOPs, KV entries, parameters and causality. Train them with `python -m flops.run_sweep <out>`.
 """
 from __future__ import annotations
@@ -46,52 +49,44 @@ def is_causal(cfg: Config) -> bool:
 
 
 def sweep_points(
-    cfg: Config, heads: list[str], values: list[Any], out: Path, dense_heads: int = 4,
+    cfg: Config, heads: list[str], swept: dict[str, list[Any]], out: Path, dense_heads: int = 4,
     options: dict[str, dict[str, Any]] | None = None, seeds: int = 1, keep: list[HeadGroupConfig] | None = None,
-    vary: str = "sparsity",
 ) -> list[tuple[Config, dict[str, Any]]]:
-    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `values`: those of
-    option `vary` of the sparse heads (sparsity: 1 is the dense baseline, written only when listed; any other option:
-    the dense baseline is always written); `keep`: head groups kept in every sparse point next to the dense heads
-    (flops.isoflop.solve)."""
+    """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `swept`: the values
+    of the swept options of the sparse heads, {"sparsity": [...]}, {KEY: [...]} or both (sparsity first: a grid, one
+    point per combination); the dense baseline (sparsity 1) is written when 1 is listed or sparsity is not swept;
+    `keep`: head groups kept in every sparse point next to the dense heads (flops.isoflop.solve)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
     options = options or {}
     for head in heads:  # checked here: with --sparsity 1 alone no point of `head` is solved
-        if head == "dense":
-            raise ConfigError("--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, "
-                              "dense_s1)")
-        if vary not in (fields := option_names(head)):
-            if vary != "sparsity":
-                raise ConfigError(f"--vary {vary}: {head} heads have no option {vary} (their options: {', '.join(fields)})")
-            raise ConfigError(f"flops.sweep varies sparsity, which {head} heads do not have (their options: "
-                              f"{', '.join(fields)}); sweep one of their options with --vary KEY=V1,V2,... or FLOP-match "
-                              f"one setting with `python -m flops.isoflop --head {head} --option KEY=VALUE`")
-        if vary in options.get(head, {}):
-            raise ConfigError(f"--option {head}.{vary} conflicts with the swept values of {vary}")
+        check_swept(head, list(swept), options.get(head, {}))
     unused = sorted(set(options) - set(heads))
     if unused:
         raise ConfigError(f"--option for {', '.join(unused)}, which is not in --heads {','.join(heads)}")
-    by_sparsity = vary == "sparsity"
-    if keep and by_sparsity and set(values) == {1}:
-        raise ConfigError("--with keeps head groups in the sparse points; --sparsity 1 alone writes only the dense "
-                          "baseline, which has none")
+    if swept.get("sparsity") == [1]:
+        if keep:
+            raise ConfigError("--with keeps head groups in the sparse points; --sparsity 1 alone writes only the dense "
+                              "baseline, which has none")
+        if len(swept) > 1:
+            raise ConfigError(f"--vary {list(swept)[1]} with --sparsity 1 alone: sparsity 1 is the dense baseline, "
+                              "which has no sparse heads to vary; add sparsities > 1")
     points = []
-    wanted: list[tuple[str, Any]] = [("dense", 1 if by_sparsity else None)] if 1 in values or not by_sparsity else []
-    wanted += [(head, v) for head in heads for v in values if not (by_sparsity and v == 1)]
-    for (head, value), replica in itertools.product(wanted, range(seeds)):
+    wanted = [("dense", {"sparsity": 1})] if 1 in swept.get("sparsity", [1]) else []
+    settings = [dict(zip(swept, combo)) for combo in itertools.product(*swept.values())]
+    wanted += [(head, setting) for head in heads for setting in settings if setting.get("sparsity") != 1]
+    for (head, setting), replica in itertools.product(wanted, range(seeds)):
         if head == "dense":
             r = solve(cfg.model, head, 1, dense_heads)
-        elif by_sparsity:
-            r = solve(cfg.model, head, value, dense_heads, options.get(head), keep or [])
         else:
-            r = solve(cfg.model, head, None, dense_heads, {**options.get(head, {}), vary: value}, keep or [])
+            others = {k: v for k, v in setting.items() if k != "sparsity"}
+            r = solve(cfg.model, head, setting.get("sparsity"), dense_heads, {**options.get(head, {}), **others},
+                      keep or [])
             if not r.sparse_heads:  # sparsity 1 (an --option, or the type's default): solve's baseline itself
                 raise ConfigError(f"{head} heads at sparsity 1 are the dense baseline itself, not a sparse point: give "
                                   f"--option {head}.sparsity=RHO with RHO > 1")
         seed = cfg.trainer.seed + replica
-        name = (f"{head}_s1" if head == "dense" else f"{head}_s{value}" if by_sparsity else f"{head}_{vary}{value}") + (
-            f"_seed{seed}" if seeds > 1 else "")
+        name = point_name(head, setting) + (f"_seed{seed}" if seeds > 1 else "")
         point = dataclasses.replace(
             cfg,
             model=dataclasses.replace(cfg.model, heads=[HeadGroupConfig(**g) for g in r.heads]),
@@ -99,13 +94,42 @@ def sweep_points(
         )
         validate(point)
         entry = {
-            "name": name, "head": head, "sparsity": r.sparsity, "value": value, "seed": seed, "config": str(out / f"{name}.yaml"),
-            "out_dir": point.trainer.out_dir, "causal": is_causal(point), "mix": point.model.mix_text(),
+            "name": name, "head": head, "sparsity": r.sparsity, "value": setting.get(list(swept)[-1]), "seed": seed,
+            "config": str(out / f"{name}.yaml"), "out_dir": point.trainer.out_dir, "causal": is_causal(point),
+            "mix": point.model.mix_text(),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
                                           "baseline_flops_per_pass", "kv_total", "params", "warning")},
         }
         points.append((point, entry))
     return points
+
+
+def check_swept(head: str, keys: list[str], options: dict[str, Any]) -> None:
+    """ConfigError unless sparse head type `head` has every swept option `keys` and --option sets none of them."""
+    if head == "dense":
+        raise ConfigError("--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, "
+                          "dense_s1)")
+    fields = option_names(head)
+    for key in reversed(keys):  # a grid's --vary key first: the hint for its missing sparsity sweeps that key alone
+        if key in fields:
+            if key in options:
+                raise ConfigError(f"--option {head}.{key} conflicts with the swept values of {key}")
+        elif key != "sparsity":
+            raise ConfigError(f"--vary {key}: {head} heads have no option {key} (their options: {', '.join(fields)})")
+        elif len(keys) > 1:
+            raise ConfigError(f"--sparsity with --vary: {head} heads have no sparsity (their options: "
+                              f"{', '.join(fields)}); sweep {keys[-1]} alone, without --sparsity")
+        else:
+            raise ConfigError(f"flops.sweep varies sparsity, which {head} heads do not have (their options: "
+                              f"{', '.join(fields)}); sweep one of their options with --vary KEY=V1,V2,... or FLOP-match "
+                              f"one setting with `python -m flops.isoflop --head {head} --option KEY=VALUE`")
+
+
+def point_name(head: str, setting: dict[str, Any]) -> str:
+    """'dense_s1', 'mosa_s4', 'local_window16', 'mosa_s4_capacity_factor2' (before any _seed<S>)."""
+    if head == "dense":
+        return "dense_s1"
+    return "_".join([head, *(f"s{v}" if k == "sparsity" else f"{k}{v}" for k, v in setting.items())])
 
 
 SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # the model fields a preset --size sets, besides the heads
@@ -174,11 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="tiny", help=f"dense baseline: {', '.join(SIZES)}, or 'base' (the --base model)")
     p.add_argument("--heads", required=True, type=comma_list(str),
                    help="comma-separated sparse head types, e.g. mosa,fixed,routing")
-    swept = p.add_mutually_exclusive_group(required=True)
-    swept.add_argument("--sparsity", type=comma_list(positive_int), help="comma-separated rho values; 1 = the dense baseline")
-    swept.add_argument("--vary", type=varied, metavar="KEY=V1,V2,...",
-                       help="another option of the sparse heads and its values (positive numbers), e.g. window=32,64,128; "
-                            "the dense baseline is always written")
+    p.add_argument("--sparsity", type=comma_list(positive_int), help="comma-separated rho values; 1 = the dense baseline")
+    p.add_argument("--vary", type=varied, metavar="KEY=V1,V2,...",
+                   help="another option of the sparse heads and its values (positive numbers), e.g. window=32,64,128; "
+                        "alone, the dense baseline is always written; with --sparsity, a point per (sparsity, value)")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
@@ -188,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=1, help="replicas of every point (trainer.seed, seed+1, ...)")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the base config, e.g. trainer.max_steps=500")
     a = p.parse_args(argv)
+    if not (a.sparsity or a.vary):
+        p.error("one of the arguments --sparsity --vary is required")
+    swept = {"sparsity": a.sparsity} if a.sparsity else {}  # sparsity first: a grid's x axis
+    if a.vary:
+        swept[a.vary[0]] = a.vary[1]
     try:
         cfg = load_config(a.base, *a.overrides)
         size = None if a.size == "base" else a.size
@@ -198,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--out {a.out} is a file, not a directory")
         a.out = a.out.resolve()  # run_sweep trains from the repository root: absolute config, run and data paths
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(Path(cfg.data.path).resolve())))
-        vary, values = a.vary or ("sparsity", a.sparsity)
-        points = sweep_points(cfg, a.heads, values, a.out, a.dense_heads, _options(a.option), a.seeds,
-                              [parse_group(g) for g in a.keep], vary)
+        points = sweep_points(cfg, a.heads, swept, a.out, a.dense_heads, _options(a.option), a.seeds,
+                              [parse_group(g) for g in a.keep])
         for point, entry in points:
             stale_run(point, Path(entry["out_dir"]))
     except ConfigError as err:
@@ -212,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     for point, entry in points:
         Path(entry["config"]).write_text(to_yaml(point))
-    manifest = {"size": a.size, "vary": vary, "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
+    manifest = {"size": a.size, "vary": list(swept)[-1], **({"swept": list(swept)} if len(swept) > 1 else {}),
+                "dense_heads": a.dense_heads, "seeds": a.seeds, "command": command_line(["-m", "flops.sweep"], argv),
                 "points": [entry for _, entry in points]}
     (a.out / "sweep.json").write_text(json.dumps(manifest, indent=1))
     width = max(len(e["mix"]) for e in manifest["points"]) + 2

@@ -345,6 +345,111 @@ def test_aggregate_reads_a_sweep_written_before_vary(tmp_path: Path) -> None:
         (tmp_path / "res.md").read_text()
 
 
+GRID = ["--size", "micro", "--heads", "mosa,routing", "--sparsity", "1,4,16", "--vary", "capacity_factor=1,2",
+        "--dense-heads", "2"]
+
+
+def _grid(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "sw"
+    assert sweep_main([*GRID, "--out", str(out), *extra, "trainer.max_steps=3", f"data.path={tmp_path / 'nodata'}"]) == 0
+    return json.loads((out / "sweep.json").read_text())
+
+
+def test_a_grid_of_sparsity_and_another_option_writes_a_flop_matched_point_per_pair(tmp_path: Path) -> None:
+    """--sparsity 1,4,16 --vary capacity_factor=1,2: dense_s1 once (sparsity 1), then a point per (head, sparsity > 1,
+    value) with both options set, each the most heads that fit the dense baseline's FLOPs; sweep.json records both
+    swept keys (`vary` is --vary's, as in a sweep of that option alone) and each point's sparsity and value."""
+    manifest = _grid(tmp_path)
+    assert (manifest["vary"], manifest["swept"]) == ("capacity_factor", ["sparsity", "capacity_factor"])
+    assert [(e["name"], e["sparsity"], e["value"]) for e in manifest["points"]] == [("dense_s1", 1, None)] + [
+        (f"{head}_s{s}_capacity_factor{v}", s, v) for head in ("mosa", "routing") for s in (4, 16) for v in (1, 2)]
+    points = {e["name"]: e for e in manifest["points"]}
+    assert lm.load_config(points["dense_s1"]["config"]).model.mix_text() == "6 dense"
+    for e in manifest["points"][1:]:
+        model = lm.load_config(e["config"]).model
+        assert (model.heads[1].type, model.heads[1].options) == (
+            e["head"], {"sparsity": e["sparsity"], "capacity_factor": e["value"]})
+        more = dataclasses.replace(model.heads[1], count=model.heads[1].count + 1)
+        assert model_cost(model).flops_per_pass == e["flops_per_pass"] <= e["baseline_flops_per_pass"] < \
+            model_cost(dataclasses.replace(model, heads=[model.heads[0], more])).flops_per_pass
+    # a capacity factor of 2 doubles what each head keeps: fewer heads fit
+    assert points["mosa_s4_capacity_factor2"]["sparse_heads"] < points["mosa_s4_capacity_factor1"]["sparse_heads"]
+    seeded = tmp_path / "seeded"
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "4", "--vary", "capacity_factor=2",
+                       "--seeds", "2", "--out", str(seeded)]) == 0  # no sparsity 1: no dense baseline, as --sparsity
+    assert [e["name"] for e in json.loads((seeded / "sweep.json").read_text())["points"]] == [
+        "mosa_s4_capacity_factor2_seed1234", "mosa_s4_capacity_factor2_seed1235"]
+
+
+def test_aggregate_of_a_grid_has_a_row_and_a_curve_per_head_and_value(tmp_path: Path, monkeypatch) -> None:
+    """A grid's table: a block of rows per capacity factor, a row per head, a column per rho (the dense baseline at
+    rho = 1), mean ± std over seeds; the PNG draws a curve per (head, value) over sparsity from the baseline."""
+    from matplotlib.axes import Axes
+
+    manifest = _grid(tmp_path, "--seeds", "2")
+    for e in manifest["points"]:
+        ppl = 30.0 if e["head"] == "dense" else {"mosa": 20.0, "routing": 40.0}[e["head"]] + e["sparsity"] + 10 * e["value"]
+        if e["name"] not in ("routing_s16_capacity_factor2_seed1234", "routing_s16_capacity_factor2_seed1235"):
+            _fake_metrics(e, ppl + {1234: 0.0, 1235: 2.0}[e["seed"]])  # mean ppl + 1, std 2 ** 0.5
+    rows = collect(tmp_path / "sw")
+    means = {key: [(x, mean) for x, mean, _ in points] for key, points in curves(rows).items()}
+    assert means == {("micro", "mosa capacity_factor=1"): [(1, 31.0), (4, 35.0), (16, 47.0)],
+                     ("micro", "mosa capacity_factor=2"): [(1, 31.0), (4, 45.0), (16, 57.0)],
+                     ("micro", "routing capacity_factor=1"): [(1, 31.0), (4, 55.0), (16, 67.0)],
+                     ("micro", "routing capacity_factor=2"): [(1, 31.0), (4, 65.0)]}
+    drawn: list[tuple[str, tuple]] = []
+    errorbar = Axes.errorbar
+
+    def recorded(self: Axes, x: tuple, *args, **kwargs):
+        drawn.append((kwargs["label"], tuple(x)))
+        return errorbar(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", recorded)
+    out = tmp_path / "res"
+    assert aggregate_main([str(tmp_path / "sw"), "--out", str(out)]) == 0
+    spread = " ± 1.41 (n=2)"
+    assert "\n".join([
+        "| capacity_factor | head | rho=1 | rho=4 | rho=16 |", "|---|---|---|---|---|",
+        f"| 1 | mosa | 31.00{spread} | 35.00{spread} | 47.00{spread} |",
+        f"| 1 | routing | 31.00{spread} | 55.00{spread} | 67.00{spread} |",
+        f"| 2 | mosa | 31.00{spread} | 45.00{spread} | 57.00{spread} |",
+        f"| 2 | routing | 31.00{spread} | 65.00{spread} | - |"]) in out.with_suffix(".md").read_text()
+    with open(out.with_suffix(".csv")) as f:
+        table = {r["name"]: (r["sparsity"], r["vary"], r["value"], r["ppl"]) for r in csv.DictReader(f)}
+    assert table["dense_s1_seed1234"] == ("1", "capacity_factor", "", "30.0")
+    assert table["mosa_s16_capacity_factor2_seed1235"] == ("16", "capacity_factor", "2", "58.0")
+    assert sorted(drawn) == [(f"{head} capacity_factor={v}", xs) for head in ("mosa", "routing") for v, xs in
+                             ((1, (1, 4, 16)), (2, (1, 4, 16) if head == "mosa" else (1, 4)))]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "local", "--sparsity", "1,4", "--vary", "window=16,32"],
+     "--sparsity with --vary: local heads have no sparsity (their options: impl, window); sweep window alone, without "
+     "--sparsity"),
+    (["--heads", "mosa,fixed", "--sparsity", "4", "--vary", "capacity_factor=1,2"],
+     "--vary capacity_factor: fixed heads have no option capacity_factor (their options: impl, sparsity)"),
+    (["--heads", "mosa", "--sparsity", "4", "--vary", "capacity_factor=1,2", "--option", "mosa.sparsity=8"],
+     "--option mosa.sparsity conflicts with the swept values of sparsity"),
+    (["--heads", "mosa", "--sparsity", "4", "--vary", "capacity_factor=1,2", "--option", "mosa.capacity_factor=3"],
+     "--option mosa.capacity_factor conflicts with the swept values of capacity_factor"),
+    (["--heads", "mosa", "--sparsity", "1", "--vary", "capacity_factor=1,2"],
+     "--vary capacity_factor with --sparsity 1 alone: sparsity 1 is the dense baseline, which has no sparse heads to "
+     "vary; add sparsities > 1"),
+    (["--heads", "mosa", "--sparsity", "4", "--vary", "sparsity=2,4"],
+     "argument --vary: sparsity is swept with --sparsity (where 1 is the dense baseline)"),
+    (["--heads", "mosa"], "one of the arguments --sparsity --vary is required"),
+])
+def test_bad_grids_are_one_line_errors(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    out = tmp_path / "sw"
+    try:
+        rc = sweep_main(["--size", "micro", *argv, "--out", str(out)])
+    except SystemExit as stop:  # argparse's errors
+        rc = stop.code
+    assert (rc, capsys.readouterr().err) == (2, f"error: {message}\n")
+    assert not out.exists()
+
+
 def test_aggregate_names_points_trained_for_different_lengths(tmp_path: Path, capsys) -> None:
     """A point rerun longer (`run_sweep --only mosa_s4 trainer.max_steps=5`) is done at its own length, but its
     perplexity is not comparable with the others': warned on stderr, above the tables and in the PNG title. The
