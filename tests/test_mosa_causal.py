@@ -160,8 +160,8 @@ def test_causal_routing_variants_are_flop_matched_and_probed() -> None:
     assert len(probe["cover_cand"]) == len(probe["cover_topk"]) == 4 and 0 <= probe["predictor_acc"] <= 1
     assert all(0 <= v <= 1 for v in probe["cover_cand"] + probe["cover_topk"])
     groups = [g for g in model.modules() if isinstance(g, MoSAHeads) and g.causal]
-    T, share = cfg.model.seq_len, groups[0].capacity / cfg.model.seq_len  # k = capacity = T/ρ of T tokens
     assert groups and all(g.capacity == groups[0].capacity and not g.options.keep_first for g in groups)
+    share = groups[0].capacity / cfg.model.seq_len  # k = capacity = T/ρ of T tokens
     for tau in (math.inf, -math.inf):  # no token passes: none selected; every token passes: the quota's T/ρ
         for g in groups:
             g.threshold.tau.fill_(tau)
