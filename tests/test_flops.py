@@ -394,6 +394,23 @@ def test_window_and_block_terms_at_lengths_they_do_not_divide() -> None:
         dense(1024) + landmarks_and_shared(16, 1024) + 4 * hd * 1024 * 15 * 64 + 4 * hd * 1024 * 64)
 
 
+def test_terms_clamped_to_a_window_shorter_than_their_option() -> None:
+    """Each head's per-query term is clamped to the T tokens there are, as its docstring states and its fast path
+    executes, also where an option exceeds T: on a compressed model's short chunks (flops.model.layer_flops on a
+    window < model.seq_len) or a Routing cluster whose ceil(capacity_factor * k) slots exceed T (h = 512, h' = 64).
+    Agent: the window term is 4h'T*min(w, T) (w = 64 > T = 40, no completed block); MiTA: a routed expert holds
+    min(k, T) keys (k = 128 > T = 100: m = 6 landmarks, s = 1, own block of 16); Routing: rho = 2 clusters of
+    min(T, ceil(3 x 32)) = T = 64 slots each."""
+    h, hd = 512, 64
+    dense = lambda T: 8 * h * hd * T  # noqa: E731  (Q, K, V, O on every token)
+    assert group_cost("agent", h, hd, 40, 1, {"block": 64, "window": 64}).flops == dense(40) + 4 * hd * 40 * 40
+    landmarks_and_shared = lambda m, T: 4 * hd * m * T + 4 * hd * m * T  # noqa: E731  (scores, routing; shared expert)
+    assert group_cost("mita", h, hd, 100, 1, {"block": 16, "k": 128, "s": 1}).flops == (
+        dense(100) + landmarks_and_shared(6, 100) + 4 * hd * 100 * 1 * 100 + 4 * hd * 100 * 16)
+    assert group_cost("routing", h, hd, 64, 1, {"sparsity": 2, "capacity_factor": 3.0}).flops == (
+        6 * h * hd * 64 + 2 * 4 * hd * 64 * 64 + 2 * hd * 64)
+
+
 def test_counting_refuses_missing_options_and_sparsities_below_one() -> None:
     """A formula's required option that is unset (the compression layer has no defaults; None overrides a head's
     default) is a one-line ConfigError naming the type and option, not a TypeError; so is k for rho < 1."""
