@@ -202,7 +202,8 @@ def table(s: dict[tuple[str, str, Any], dict[str, Any]], rows: list[dict[str, An
     key, grid = swept_option(rows, sweep), len(mine[0]["swept"]) > 1
     xs = sorted({position(r)[1] for r in mine if position(r)[1] is not None})
     named = sorted({((r["value"], r["head"]) if grid else (r["head"],)): position(r)[0]
-                    for r in mine if r["head"] != "dense"}.items())
+                    for r in mine if r["head"] != "dense"}.items(),
+                   key=lambda item: [(isinstance(v, str), v) for v in item[0]])  # numbers, then text
     if key == "sparsity":
         header = [f"rho={x}" for x in xs]
         cells = [[cell(s.get((sweep, "dense" if x == 1 else curve, x))) for x in xs] for _, curve in named]

@@ -11,9 +11,10 @@ Each point is the base config (defaults <- --base YAML <- dotted overrides) with
 `--size` (or the base's own shape with `--size base`; a preset size refuses a config that sets another shape)
 and the head mix solved by flops.isoflop (`--dense-heads` dense heads, the `--with` groups, and the sparse heads);
 sparsity 1 is the dense baseline, written once as `dense_s1`. `--vary KEY=V1,V2,...` alone sweeps another option of
-the sparse heads instead (local `window`, MiTA `k`, MoSA `capacity_factor`, ...; positive numbers), one point
-`<head>_<KEY><V>` per value, and always writes `dense_s1`; with `--sparsity` it is a grid: one point
-`<head>_s<RHO>_<KEY><V>` per (sparsity > 1, value), `dense_s1` only if 1 is listed. `--seeds N` writes N replicas
+the sparse heads instead (local `window`, MiTA `k`, MoSA `capacity_factor`, ...; positive numbers, the x axis), one
+point `<head>_<KEY><V>` per value, and always writes `dense_s1`; with `--sparsity` it is a grid: one point
+`<head>_s<RHO>_<KEY><V>` per (sparsity > 1, value), `dense_s1` only if 1 is listed, and the values may be any of
+the option's (`selection=threshold,quota,predictor`: a curve each over sparsity). `--seeds N` writes N replicas
 of every point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes
 `<out>/<name>.yaml` (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`: `vary` (--vary's KEY, else
 sparsity), a grid's `swept` ([sparsity, KEY]), and the list of points with their sparsity, `value` (of `vary`),
@@ -25,6 +26,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,10 +128,16 @@ def check_swept(head: str, keys: list[str], options: dict[str, Any]) -> None:
 
 
 def point_name(head: str, setting: dict[str, Any]) -> str:
-    """'dense_s1', 'mosa_s4', 'local_window16', 'mosa_s4_capacity_factor2' (before any _seed<S>)."""
+    """'dense_s1', 'mosa_s4', 'local_window16', 'mosa_s4_capacity_factor2', 'mosa_s4_selectionquota' (before any
+    _seed<S>)."""
     if head == "dense":
         return "dense_s1"
-    return "_".join([head, *(f"s{v}" if k == "sparsity" else f"{k}{v}" for k, v in setting.items())])
+    return "_".join([head, *(f"s{v}" if k == "sparsity" else f"{k}{as_text(v)}" for k, v in setting.items())])
+
+
+def as_text(value: Any) -> str:
+    """A swept value as written on the command line: 16, 1.5, true, quota."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # the model fields a preset --size sets, besides the heads
@@ -169,28 +177,36 @@ def _options(texts: list[str]) -> dict[str, dict[str, Any]]:
     return {head: parse_options(options) for head, options in grouped.items()}
 
 
-def varied(text: str) -> tuple[str, list[float | int]]:
-    """argparse type of --vary: 'window=32,64,128' -> ('window', [32, 64, 128]); every value a positive number (the
-    x axis of the IsoFLOP curve), none repeated."""
+def varied(text: str) -> tuple[str, list[Any]]:
+    """argparse type of --vary: 'window=32,64,128' -> ('window', [32, 64, 128]), 'selection=threshold,quota' ->
+    ('selection', ['threshold', 'quota']): JSON values where they parse (a whole number is an int: the point's name and
+    YAML value), text otherwise; none repeated, none null or non-finite. Alone, --vary needs positive numbers
+    (`numeric`); the head type's Options check the values."""
     key, _, values = text.partition("=")
     if key == "sparsity":
         raise argparse.ArgumentTypeError("sparsity is swept with --sparsity (where 1 is the dense baseline)")
-    numbers = [] if not key or not values else [_number(v) for v in values.split(",")]
-    if not numbers or None in numbers or len(set(numbers)) < len(numbers):
-        raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,... with distinct positive numbers, got {text!r}")
-    return key, numbers
+    parsed = [] if not key or not values else [_value(v) for v in values.split(",")]
+    if not parsed or None in parsed or len(set(map(repr, parsed))) < len(parsed):
+        raise argparse.ArgumentTypeError(f"expected KEY=V1,V2,... with distinct values, got {text!r}")
+    return key, parsed
 
 
-def _number(text: str) -> float | int | None:
-    """'64' -> 64, '1.25' -> 1.25, '1e1' -> 10 (a whole number is an int: the point's name and YAML value); None for
-    anything else (booleans, text, nan, inf, <= 0)."""
+def _value(text: str) -> Any:
+    """'64' -> 64, '1.25' -> 1.25, '1e1' -> 10, 'true' -> True, 'quota' -> 'quota'; None for '', null, nan and inf."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
+        return text or None
+    if isinstance(value, float) and not math.isfinite(value) or not isinstance(value, (bool, int, float, str)):
         return None
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
-        return None
-    return int(value) if float(value).is_integer() and abs(value) < 2**53 else value  # (1e300 stays a float)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)  # (1e300 stays a float)
+    return value
+
+
+def numeric(values: list[Any]) -> bool:
+    """Whether swept values can be an x axis (log scale): positive numbers, not booleans."""
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated sparse head types, e.g. mosa,fixed,routing")
     p.add_argument("--sparsity", type=comma_list(positive_int), help="comma-separated rho values; 1 = the dense baseline")
     p.add_argument("--vary", type=varied, metavar="KEY=V1,V2,...",
-                   help="another option of the sparse heads and its values (positive numbers), e.g. window=32,64,128; "
-                        "alone, the dense baseline is always written; with --sparsity, a point per (sparsity, value)")
+                   help="another option of the sparse heads and its values, e.g. window=32,64,128; alone (positive "
+                        "numbers), the dense baseline is always written; with --sparsity, a point per (sparsity, value), "
+                        "any values, e.g. selection=threshold,quota")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
@@ -213,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not (a.sparsity or a.vary):
         p.error("one of the arguments --sparsity --vary is required")
+    if a.vary and not a.sparsity and not numeric(a.vary[1]):
+        p.error(f"--vary {a.vary[0]}: alone, its values are the x axis and must be positive numbers, got "
+                f"{','.join(map(as_text, a.vary[1]))} (with --sparsity, any values of the option: a curve each over sparsity)")
     swept = {"sparsity": a.sparsity} if a.sparsity else {}  # sparsity first: a grid's x axis
     if a.vary:
         swept[a.vary[0]] = a.vary[1]

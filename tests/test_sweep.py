@@ -276,10 +276,17 @@ def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Pa
     assert sweep_main(["--size", "micro", "--heads", "local", "--vary", "window=16,32,64", "--dense-heads", "2",
                        "--option", "local.window=8", "--out", str(out)]) == 2
     assert "error: --option local.window conflicts with the swept values of window" in capsys.readouterr().err
-    for bad in ("window", "window=", "window=16,x", "window=16,16", "window=0", "window=true", "=16"):
+    for bad in ("window", "window=", "window=16,16", "window=16,1.6e1", "window=16,,32", "window=NaN", "window=null",
+                "=16"):
         with pytest.raises(SystemExit):
             sweep_main(["--size", "micro", "--heads", "local", "--vary", bad, "--out", str(out)])
-        assert "expected KEY=V1,V2,... with distinct positive numbers" in capsys.readouterr().err
+        assert "expected KEY=V1,V2,... with distinct values" in capsys.readouterr().err
+    for bad in ("window=16,x", "window=0", "window=-8", "window=true"):  # alone, the values are the x axis
+        with pytest.raises(SystemExit):
+            sweep_main(["--size", "micro", "--heads", "local", "--vary", bad, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert err.startswith("error: --vary window: alone, its values are the x axis and must be positive numbers, "
+                              f"got {bad.split('=')[1]} (with --sparsity") and err.count("\n") == 1, err
     with pytest.raises(SystemExit):
         sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "sparsity=2,4", "--out", str(out)])
     assert "sparsity is swept with --sparsity (where 1 is the dense baseline)" in capsys.readouterr().err
@@ -421,6 +428,34 @@ def test_aggregate_of_a_grid_has_a_row_and_a_curve_per_head_and_value(tmp_path: 
     assert sorted(drawn) == [(f"{head} capacity_factor={v}", xs) for head in ("mosa", "routing") for v, xs in
                              ((1, (1, 4, 16)), (2, (1, 4, 16) if head == "mosa" else (1, 4)))]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_grid_over_text_values_draws_a_curve_per_value(tmp_path: Path, capsys) -> None:
+    """With --sparsity, --vary takes any values of the option, e.g. MoSA's selection rules: a point per (sparsity,
+    rule) with that rule set (expert choice, not causal, recorded as such), a table block and a curve per rule over
+    sparsity; a value the type refuses is one line naming it."""
+    out = tmp_path / "sw"
+    argv = ["--size", "micro", "--heads", "mosa", "--sparsity", "1,4", "--dense-heads", "2", "--out", str(out)]
+    assert sweep_main([*argv, "--vary", "selection=threshold,expert_choice", "trainer.max_steps=3"]) == 0
+    points = json.loads((out / "sweep.json").read_text())["points"]
+    assert [(e["name"], e["value"], e["causal"]) for e in points] == [
+        ("dense_s1", None, True), ("mosa_s4_selectionthreshold", "threshold", True),
+        ("mosa_s4_selectionexpert_choice", "expert_choice", False)]
+    assert [lm.load_config(e["config"]).model.heads[-1].options["selection"] for e in points[1:]] == [
+        "threshold", "expert_choice"]
+    for e in points:  # a non-causal point's perplexity is its leak-free one
+        _fake_metrics(e, {None: 30.0, "threshold": 25.0, "expert_choice": 10.0}[e["value"]])
+    (Path(points[2]["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 20.0}))
+    assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
+    assert "\n".join(["| selection | head | rho=1 | rho=4 |", "|---|---|---|---|",
+                      "| expert_choice | mosa | 30.00 | 20.00 |", "| threshold | mosa | 30.00 | 25.00 |"]) in (tmp_path / "res.md").read_text()
+    assert {key: [(x, m) for x, m, _ in pts] for key, pts in curves(collect(out)).items()} == {
+        ("micro", "mosa selection=expert_choice"): [(1, 30.0), (4, 20.0)],
+        ("micro", "mosa selection=threshold"): [(1, 30.0), (4, 25.0)]}
+    capsys.readouterr()
+    assert sweep_main([*argv, "--vary", "selection=threshold,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bogus" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [
