@@ -37,7 +37,7 @@ from lm.compressed_training import document_windows, evaluate, fixed_windows, lo
 from lm.compression import CompressedLM, Layout, token_nll, tokens_for  # noqa: E402
 from lm.perplexity import perplexity  # noqa: E402
 from lm.ratio_data import generate, measure  # noqa: E402
-from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, choose_ratio, fit  # noqa: E402
+from lm.ratio_predictor import AdaptiveRatio, RatioPredictor, check_tolerance, choose_ratio, fit  # noqa: E402
 
 
 MIXED = "compressed, full_prob"  # the compression_mixed.yaml model's rows
@@ -130,8 +130,11 @@ def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], va
     held-out prompts and the Delta measured there."""
     ratios = [1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2]
     data = generate(model, train_windows, P, ratios, probe)
+    delta_range = [data["delta"].min().item(), data["delta"].max().item()]  # what the predictor is fit on
     if tolerances is None:
         tolerances = data["delta"].view(len(ratios), -1).mean(1).tolist()
+    for tol in tolerances:  # (one line: main)
+        check_tolerance(tol, delta_range)
     torch.manual_seed(0)
     predictor = RatioPredictor(model.cfg.d_model)
     fit(predictor, data["states"], data["prompt"], data["delta"], data["ratio"], steps=1500)
@@ -152,7 +155,7 @@ def predictor_section(model: CompressedLM, train_windows: list[torch.Tensor], va
         chosen = choose_ratio(predictor, held["states"], tol, ratios)
         achieved = [measure(model, w[None], P, [float(r)], probe)["delta"].item() for w, r in zip(rows_flat, chosen)]
         rows.append(f"| {tol:+.4f} | {chosen.mean():.4f} | {chosen.min():.4f} / {chosen.max():.4f} | {sum(achieved) / len(achieved):+.4f} |")
-    return rows, AdaptiveRatio(predictor, tolerances[len(tolerances) // 2], probe, ratios)
+    return rows, AdaptiveRatio(predictor, tolerances[len(tolerances) // 2], probe, ratios, delta_range)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t = tokens_for(cfg.compression.ratio, P)
     started = time.time()
-    table = perplexity_table(models, val, P, t, S, full=(MIXED,) if args.mixed else ())
-    online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
     held = [w[:, -(P + S + 1):] for w in val[:2]]
     chooser = MIXED if args.mixed else "compressed"
-    pred, adaptive = predictor_section(models[chooser], train, held, P, cfg.compression.ratio, args.tolerances)
+    try:  # first: --tolerances outside the Deltas the predictor is fit on are refused before the longer parts
+        pred, adaptive = predictor_section(models[chooser], train, held, P, cfg.compression.ratio, args.tolerances)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    table = perplexity_table(models, val, P, t, S, full=(MIXED,) if args.mixed else ())
+    online = online_generation(models["compressed"], val[0][:2, : 3 * P + S // 2], P, t)
     adapt = adaptive_generation(models[chooser], val[0], P, t, adaptive)
     c = cfg.compression
     lines = [

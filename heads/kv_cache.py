@@ -25,7 +25,8 @@ from routing.landmarks import block_ends, landmark_topk, prefix_mask
 
 def one_token(head: str, x: torch.Tensor) -> None:
     """After the prefill, heads whose cached state advances token by token (selection counters, ring buffers,
-    blocks) decode one token per call: x[B, 1, h]. One-line error otherwise."""
+    blocks) decode one token per call: x[B, T, ...] (the call's input or positions) with T = 1. One-line error
+    otherwise."""
     if x.shape[1] != 1:
         raise ValueError(f"{head}: decoding takes one token per call after the prefill, got {x.shape[1]}")
 

@@ -195,13 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         if (args.predictor is None) != (args.tolerance is None):
             raise ValueError("--predictor and --tolerance go together")
         check_sampling(args.temperature, 0, 1.0, flags=True)
+        adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)  # (small)
         saved = read_checkpoint(args.ckpt, mmap=False)  # read once: weights, config and the run record
         model, cfg = compressed_from_checkpoint(saved, args.ckpt)
         sp = load_tokenizer(Path(args.ckpt), saved.get("run") or {}, cfg, args.tokenizer)
         ids = sp_codec.encode_text(sp, args.prompt)
         if not ids:
             raise ValueError("--prompt encodes to no tokens")
-        adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)
         if adaptive is not None and adaptive.predictor.hparams["d_model"] != cfg.model.d_model:
             raise ValueError(f"--predictor {args.predictor} reads states of d_model {adaptive.predictor.hparams['d_model']},"
                              f" {args.ckpt} has d_model {cfg.model.d_model}: train it on this checkpoint's ratio data")

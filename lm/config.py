@@ -134,7 +134,6 @@ class Config:
     compression: Optional[CompressionConfig] = None  # set: train a CompressedLM (lm/compression.py)
 
 
-
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")  # auto and gpu: CUDA if there is one, else CPU (never MPS)
 MAX_MINUTES = 525_600  # trainer.max_minutes: at most a year (the trainer's timedelta overflows near 1.4e12)
 PROFILERS = (None, "simple", "pytorch")  # trainer.profiler (lm/train.py build_profiler)
@@ -255,4 +254,3 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
         raise ConfigError(f"compression.ramp_steps must be >= 0, got {c.ramp_steps}")
     if not 0.0 <= c.full_prob < 1.0:
         raise ConfigError(f"compression.full_prob must be in [0, 1), got {c.full_prob}")
-

@@ -49,7 +49,6 @@ def _check_bools(values: dict[str, Any], where: str = "") -> None:
             raise ConfigError(f"{where}{key} must be true or false, got {value!r}")
 
 
-
 def _one_line(err: OmegaConfBaseException) -> str:
     message = " ".join(str(err).split("\n")[0].split())
     key = getattr(err, "full_key", None)

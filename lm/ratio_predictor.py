@@ -118,7 +118,7 @@ def check_tolerance(tolerance: float, delta_range: Sequence[float] | None) -> No
         raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {tolerance}")
     if delta_range is not None and not delta_range[0] <= tolerance <= delta_range[1]:
         raise ValueError(f"the tolerance Delta* = {tolerance} is outside the Deltas the predictor was fit on "
-                         f"[{delta_range[0]:.4g}, {delta_range[1]:.4g}] nats/token: it would extrapolate")
+                         f"[{delta_range[0]!r}, {delta_range[1]!r}] nats/token: it would extrapolate")
 
 
 @dataclass

@@ -719,6 +719,8 @@ def test_compressed_generate_command_samples_as_the_generator_does(tmp_path, cap
                        f"{[3] * (fed // 12)}\n")
     other = tmp_path / "other.pt"  # a ratio predictor trained on another model's states (d_model 64, not 32)
     RatioPredictor(64).save(other, probe_ratio=0.25, ratios=[0.125, 0.25])
+    ranged = tmp_path / "ranged.pt"  # fit on Deltas in [-0.01, 0.2]
+    RatioPredictor(32).save(ranged, probe_ratio=0.25, ratios=[0.125, 0.25], delta_range=[-0.01, 0.2])
     diverged = tmp_path / "nan.ckpt"
     weights = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
     next(v for k, v in weights.items() if k.endswith("weight")).fill_(float("nan"))
@@ -731,6 +733,8 @@ def test_compressed_generate_command_samples_as_the_generator_does(tmp_path, cap
                            f"d_model 64, {ckpt} has d_model 32"),
                           (["--temperature", "-1"], "--temperature must be finite and >= 0, got -1.0"),
                           (["--predictor", str(tmp_path / "none.pt"), "--tolerance", "0.1"], "predictor "),
+                          (["--predictor", str(ranged), "--tolerance", "0.5"], "the tolerance Delta* = 0.5 is outside "
+                           "the Deltas the predictor was fit on [-0.01, 0.2] nats/token"),
                           (["--prompt", ""], "--prompt encodes to no tokens")]:
         assert generate_main(["--ckpt", str(ckpt), "--prompt", prompt, *args]) == 2
         err = capsys.readouterr().err

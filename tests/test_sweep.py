@@ -692,7 +692,8 @@ def test_runner_forwards_sigterm_and_records_the_point_as_interrupted(tmp_path: 
 
 def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Points that are no list, or a point that is no object with name, config, out_dir and causal, stop
-    flops.run_sweep and flops.aggregate with one line naming the file and the point (were KeyError / TypeError)."""
+    flops.run_sweep and flops.aggregate with one line naming the file and the point (were KeyError / TypeError); so
+    does a grid's `swept` that is not [sparsity, vary] (a string was read as a grid)."""
     manifest = _sweep(tmp_path)
     capsys.readouterr()
     path = tmp_path / "sw" / "sweep.json"
@@ -703,6 +704,11 @@ def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: py
             assert main([str(tmp_path / "sw")]) == 2
             assert capsys.readouterr().err == f"error: {path} is damaged ({why}); restore it or write it again with " \
                                               "flops.sweep\n"
+    for swept in ("sparsity", ["sparsity"], ["window", "sparsity"], ["sparsity", "sparsity"]):  # a grid's is [sparsity, vary]
+        path.write_text(json.dumps({**manifest, "vary": "sparsity", "swept": swept}))
+        assert aggregate_main([str(tmp_path / "sw")]) == 2
+        assert capsys.readouterr().err == f"error: {path} is damaged (swept is not [sparsity, <vary>]); restore it " \
+                                          "or write it again with flops.sweep\n"
 
 
 def _fake_training(monkeypatch: pytest.MonkeyPatch, failing: str | None = None) -> tuple[list[str], list[str]]:
