@@ -138,7 +138,7 @@ def position(row: dict[str, Any]) -> tuple[str, Any]:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, Any]]:
-    """(sweep, curve, x) (position) -> {mean, std, n (done replicas), partial (rows not done)}."""
+    """(sweep, curve, x) (position) -> {mean, std, n (done replicas), replicas, partial (rows not done, with a ppl)}."""
     groups: dict[tuple[str, str, Any], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["sweep"], *position(r)), []).append(r)
@@ -148,7 +148,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, 
         out[key] = {
             "mean": statistics.fmean(done) if done else None,
             "std": statistics.stdev(done) if len(done) > 1 else 0.0 if done else None,
-            "n": len(done), "partial": [r for r in members if r["status"] != "done" and r["ppl"] is not None],
+            "n": len(done), "replicas": len(members),
+            "partial": [r for r in members if r["status"] != "done" and r["ppl"] is not None],
         }
     return out
 
@@ -189,7 +190,7 @@ def cell(g: dict[str, Any] | None) -> str:
     """'mean ± std (n=N)' over done replicas; partial points marked with their ppl and step, never averaged."""
     if g is None:
         return "-"
-    spread = f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["partial"] else ""  # n=1: seeds missing
+    spread = f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["replicas"] > 1 else ""  # seeds missing
     text = "-" if g["mean"] is None else f"{g['mean']:.2f}{spread}"
     partial = [f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}" for r in g["partial"]]
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
