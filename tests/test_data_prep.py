@@ -960,6 +960,21 @@ def test_document_forced_into_train_feeds_the_tokenizer(tmp_path: Path) -> None:
     assert documents_of(tmp_path / "out", "val") == [t for name, t in texts.items() if name != forced]
 
 
+def test_the_tokenizer_is_trained_on_training_documents_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer sample (every line fits in --sample-chars here) is exactly the lines of the documents in the
+    training split: a validation document's text never shapes the vocabulary its loss is measured in."""
+    texts = {f"d{i:02d}.txt": words(i, 6) for i in range(12)}
+    val = {n for n in texts if Splitter(0.25).by_hash(n) == "val"}
+    assert val and len(val) < len(texts)
+    seen: list[list[str]] = []
+    real = tokenizer.train
+    monkeypatch.setattr(tokenizer, "train", lambda lines, *a, **k: seen.append(list(lines)) or real(lines, *a, **k))
+    prepare("text", str(write_texts(tmp_path / "src", texts)), tmp_path / "out", vocab_size=500, val_fraction=0.25,
+            **QUIET)
+    [sample] = seen
+    assert sorted(sample) == sorted(line for n, t in texts.items() if n not in val for line in t.split("\n"))
+
+
 def test_tokenizer_bytes_do_not_depend_on_threads(tmp_path: Path) -> None:
     src = write_texts(tmp_path / "src", {f"d{i}.txt": words(i, 30) for i in range(6)})
     kw = dict(vocab_size=500, val_fraction=0.2, progress=False)
