@@ -64,6 +64,25 @@ def test_val_loss_is_the_cross_entropy_of_the_validation_windows(trained: tuple[
     assert x.shape == (16, 32) and metrics["val_loss"] == pytest.approx(ref, rel=1e-5)
 
 
+def test_val_loss_weighs_every_token_alike_over_batches_of_different_sizes(tmp_path: Path) -> None:
+    """A rank's validation windows need not fill whole batches (ValWindows gives 2 ranks 3 and 2 of 5 windows): with
+    batches of 3 and 1 windows, val/loss is the mean cross-entropy over all 4 x 32 targets, not the mean of the two
+    batches' means (which would weigh the lone window's tokens 3 times as much). Tolerance 1e-5 relative (fp32)."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    module = LMModule(load_config(None, *run_overrides(Path("unused"), tmp_path)))
+    x, y = torch.randint(0, 64, (4, 32)), torch.randint(0, 64, (4, 32))
+    with torch.no_grad():
+        per_window = F.cross_entropy(module.model.eval()(x).transpose(1, 2), y, reduction="none").mean(1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(module, dataloaders=torch.utils.data.DataLoader(list(zip(x, y)), batch_size=3), verbose=False)
+    assert trainer.callback_metrics["val/loss"].item() == pytest.approx(per_window.mean().item(), rel=1e-5)
+    assert abs(per_window[:3].mean() - per_window[3]).item() > 1e-3  # the batch-mean average would differ
+
+
 def test_applied_learning_rate_follows_the_schedule(data: Path, tmp_path: Path) -> None:
     """The rate each optimizer step ran at (train/lr, logged every step at steps 1..8): optim.lr = 3e-3 times a
     linear warmup over 5 steps, then the cosine toward 0.1 x peak over the remaining 3, written out by hand."""
