@@ -367,6 +367,15 @@ def test_train_order_is_a_pure_function_of_seed_and_step(data: Path) -> None:
     assert torch.equal(torch.cat(ranks), TrainBatches(stream, 32, 8, seed=7).batch(3)[0])
 
 
+def test_different_seeds_draw_unrelated_streams_not_shifted_ones() -> None:
+    """The runs of a multi-seed experiment (seeds 0, 1, 2, ...) draw independent window streams: no step of one seed
+    repeats any step of another (a stream seeded by seed + step would give seed s + 1 at step k the windows of seed s
+    at step k + 1, the same data one step apart). 16 starts of 10**6 per step: a chance repeat has probability ~0."""
+    drawn = {(seed, step): tuple(TrainBatches(_Stream(10**6 + 9), 8, 16, seed=seed).batch(step)[0][:, 0].tolist())
+             for seed in range(3) for step in range(4)}
+    assert len(set(drawn.values())) == len(drawn)
+
+
 def test_workers_keep_the_order(data: Path) -> None:
     cfg = load_config(None, *run_overrides(data, Path("unused")))
     stream = open_split(data, "train", cfg.model)
