@@ -195,6 +195,15 @@ def test_c4_local_reader_real_file(shared_data: Path) -> None:
     assert len({d.id for d in docs}) == 1000
 
 
+def test_a_c4_documents_id_is_the_hash_of_its_normalised_text() -> None:
+    """A text with Windows or old-Mac line endings is the same document as its "\\n" copy: one id (so one split,
+    and one document to the exact-copy and decontamination checks), the SHA-1 of the text as it is tokenised."""
+    rows = [{"text": "One line.\r\nTwo lines.\rThree."}, {"text": "One line.\nTwo lines.\nThree."}]
+    crlf, lf = c4.row_documents(rows, Skips())
+    assert crlf.text == lf.text == rows[1]["text"]
+    assert crlf.id == lf.id == "sha1:" + hashlib.sha1(rows[1]["text"].encode()).hexdigest()
+
+
 def test_hub_route_on_local_json_gz(shared_data: Path, tmp_path: Path) -> None:
     """The streaming code (datasets.load_dataset(..., streaming=True) -> row_documents) on a local file
     in the allenai/c4 format gives exactly the local reader's documents, and prepares end to end."""
