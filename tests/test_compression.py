@@ -126,6 +126,23 @@ def test_recursion_depth(depth, mode):
     assert (moved > 1e-4) if reaches else (moved == 0.0)
 
 
+def test_the_recent_baseline_runs_the_lower_blocks_on_the_fewest_last_chunks_holding_its_t_states():
+    """`recent` keeps the last t raw states at depth L: it needs the lower blocks on the last chunks until they hold
+    t states, and on no chunk more (an extra one changes no output, but costs and is counted by
+    flops.model.compressed_flops, so the FLOP-matched baseline's FLOPs would be overstated), also when t fills the
+    chunks exactly."""
+    from flops.model import compressed_flops
+
+    assert Layout((12, 12, 12), 12, 10).chunks_used(compress=False) == (12,)
+    assert Layout((12, 9), 9, 10).chunks_used(compress=False) == (9,)
+    assert Layout((12, 9), 10, 10).chunks_used(compress=False) == (12, 9)
+    assert Layout((12, 4, 4), 8, 10).chunks_used(compress=False) == (4, 4)
+    assert Layout((12, 12), 3, 10).chunks_used(compress=True) == (12, 12)
+    model = make("recent")
+    assert compressed_flops(model.cfg, model.comp, Layout((12, 12, 12), 12, 10)) == \
+        compressed_flops(model.cfg, model.comp, Layout((12,), 12, 10))
+
+
 @pytest.mark.parametrize("mode", ["compress", "recent"])
 def test_full_layout_keeps_every_raw_prefix_state(mode):
     """Layout(full=True), Delta's reference: blocks above L see [lower(chunk_1) | ... | lower(chunk_k) | suffix];
