@@ -116,6 +116,9 @@ def check_tolerance(tolerance: float, delta_range: Sequence[float] | None) -> No
     file records them (older files do not): outside them f(states, Delta*) is an extrapolation."""
     if not math.isfinite(tolerance):
         raise ValueError(f"the tolerance Delta* must be a finite number of nats/token, got {tolerance}")
+    if delta_range is not None and not (isinstance(delta_range, (list, tuple)) and len(delta_range) == 2 and all(
+            isinstance(d, (int, float)) and math.isfinite(d) for d in delta_range) and delta_range[0] <= delta_range[1]):
+        raise ValueError(f"the predictor's delta_range must be [min, max] of finite Deltas, got {delta_range!r}")
     if delta_range is not None and not delta_range[0] <= tolerance <= delta_range[1]:
         raise ValueError(f"the tolerance Delta* = {tolerance} is outside the Deltas the predictor was fit on "
                          f"[{delta_range[0]!r}, {delta_range[1]!r}] nats/token: it would extrapolate")

@@ -298,6 +298,10 @@ def test_adaptive_ratio_clamps_to_the_measured_ratios(tmp_path):
         predictor.save(path, probe_ratio=probe, ratios=ratios)
         with pytest.raises(ValueError, match="the predictor's probe_ratio and ratios must be ratios in"):
             AdaptiveRatio.load(path, tolerance=0.1)
+    for damaged in ("0.1", [0.2], [0.2, 0.1], [0.0, float("nan")]):
+        predictor.save(path, probe_ratio=0.25, ratios=[0.25, 0.5], delta_range=damaged)
+        with pytest.raises(ValueError, match="the predictor's delta_range must be \\[min, max\\] of finite Deltas"):
+            AdaptiveRatio.load(path, tolerance=0.1)
 
 
 def test_adaptive_ratio_gives_a_batch_its_largest_rows_t(monkeypatch):
