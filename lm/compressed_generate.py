@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if (args.predictor is None) != (args.tolerance is None):
             raise ValueError("--predictor and --tolerance go together")
         check_sampling(args.temperature, 0, 1.0, flags=True)
-        adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)  # (small)
+        # the predictor before the checkpoint: a --tolerance outside its fitted Deltas fails at once
+        adaptive = None if args.predictor is None else AdaptiveRatio.load(args.predictor, args.tolerance)
         saved = read_checkpoint(args.ckpt, mmap=False)  # read once: weights, config and the run record
         model, cfg = compressed_from_checkpoint(saved, args.ckpt)
         sp = load_tokenizer(Path(args.ckpt), saved.get("run") or {}, cfg, args.tokenizer)
