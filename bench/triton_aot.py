@@ -5,7 +5,8 @@
 
 Triton lowers a kernel to PTX and, with the ptxas it ships, to a cubin without a CUDA driver. This script
 points Triton at a compile-only driver for sm_<arch> and runs the real launch code on CPU tensors: the fused
-gathered-head forward and backward (heads/gathered_triton.py) and the varlen kernels (heads/varlen_triton.py).
+gathered-head forward and backward (heads/gathered_triton.py), the tiled gathered-head kernels (heads/gathered_tiled.py)
+and the varlen kernels (heads/varlen_triton.py).
 Every launch compiles its kernel and launches nothing. It shows that each kernel variant the dispatchers can
 pick compiles for that architecture, and how much shared memory per block it needs. A launch that needs more
 than the device has fails with Triton's OutOfResources. It cannot show that results are right (tests/, in
@@ -14,8 +15,8 @@ Triton's interpreter) or fast (bench/ on a GPU).
 Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots, no
 tensor cores) and bf16 (bf16 MMAs where both tiles are stored in bf16, TF32 ones on fp32 intermediates) at h' = 16,
 32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
-deterministic mode and three heads beyond the limits (to show why they are there). Varlen kernels at h' = 64, 128
-and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v, the MMA instructions (by input type)
+deterministic mode and three heads beyond the limits (to show why they are there). Tiled kernels at c = 256 slots
+(several tiles) at every h' they take, in fp32 and bf16. Varlen kernels at h' = 64, 128 and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v, the MMA instructions (by input type)
 and atomics (by memory order) from the PTX. Each process compiles for one
 architecture (Triton caches a kernel's target per process).
 """
@@ -145,6 +146,14 @@ def gathered_cases(quick: bool, arch: int) -> list[dict]:
 def run_gathered(case: dict) -> None:
     """One forward and backward of the fused gathered-head op (heads/gathered_triton.py) on CPU tensors."""
     from heads.gathered_triton import gathered_heads_triton
+
+    with deterministic(case["deterministic"]):
+        y = gathered_heads_triton(*gathered_inputs(case))
+        y.backward(torch.ones_like(y))
+
+
+def gathered_inputs(case: dict) -> tuple:
+    """Random (x, positions, idx, gate, W^QKV, W^O, rope, visible, self_only) of a gathered-head case, on the CPU."""
     from heads.rope import RotaryEmbedding
     from routing.selection import earliest_first
 
@@ -154,9 +163,7 @@ def run_gathered(case: dict) -> None:
     x, gate, w, wo = leaf(B, T, h), leaf(B, H, c), leaf(3 * H * d, h), leaf(h, H * d)
     sel = earliest_first(torch.rand(B, H, T) < 0.3, c)
     masks = (sel.valid, sel.valid) if case["masks"] else (None, None)
-    with deterministic(case["deterministic"]):
-        y = gathered_heads_triton(x, torch.arange(T).expand(B, T), sel.idx, gate, w, wo, RotaryEmbedding(d), *masks)
-        y.backward(torch.ones_like(y))
+    return x, torch.arange(T).expand(B, T), sel.idx, gate, w, wo, RotaryEmbedding(d), *masks
 
 
 @contextlib.contextmanager
@@ -167,6 +174,23 @@ def deterministic(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def tiled_cases() -> list[dict]:
+    """The tiled gathered-head kernels (heads/gathered_tiled.py) at c = 256 slots (several tiles; their tile size
+    depends on h' and the dtype only), at every h' = 16 .. 256 they take in fp32 and bf16."""
+    from heads.gathered_tiled import tiled_fits
+
+    return [dict(c=256, d=d, dtype=dt, masks=False, deterministic=False) for dt in ("float32", "bfloat16")
+            for d in (16, 32, 64, 128, 256) if tiled_fits(d, getattr(torch, dt))]
+
+
+def run_tiled(case: dict) -> None:
+    """One forward and backward of the tiled gathered-head path on CPU tensors (SDPA runs on the CPU between the
+    compiled, unlaunched kernels)."""
+    from heads.gathered_tiled import gathered_heads_tiled
+
+    gathered_heads_tiled(*gathered_inputs(case)).sum().backward()
 
 
 def varlen_cases() -> list[dict]:
@@ -191,12 +215,12 @@ def compile_all(arch: int, quick: bool) -> list[dict]:
     the dispatcher sends such heads to it, ok (a cubin within the shared-memory limit)."""
     rows = []
     for family, cases, runner in (("gathered", gathered_cases(quick, arch), run_gathered),
-                                  ("varlen", varlen_cases(), run_varlen)):
+                                  ("tiled", tiled_cases(), run_tiled), ("varlen", varlen_cases(), run_varlen)):
         for case in cases:
             record: list[dict] = []
             with compile_only(arch, record):
                 runner(case)
-            taken = family == "varlen" or dispatched(case, arch)
+            taken = family != "gathered" or dispatched(case, arch)
             for r in record:
                 ok = r["cubin"] and r["shared"] <= SHARED_LIMIT[arch]
                 rows.append(dict(arch=arch, family=family, **case, **r, dispatched=taken, ok=ok))
@@ -216,12 +240,13 @@ def format_table(rows: list[dict], arch: int, command: str) -> str:
              "(static counts: a loop body counts once; none = FMA dots, e.g. exact fp32); atomics = atomic "
              "instructions by memory order (acq_rel fences every add). ok = compiled to a cubin "
              "and within that limit. dispatched = the stack sends such heads to this kernel (gathered: "
-             "heads/gathered_triton.fits; larger heads run the lean PyTorch path).", "",
+             "heads/gathered_triton.fits; larger heads of h' <= 256 in 16 bits, 128 in fp32, run the tiled kernels, "
+             "heads/gathered_tiled.py, and wider ones the lean PyTorch path).", "",
              "| family | case | kernel | dispatched | shared KB | warps | stages | registers | spill stores / loads B "
              "| MMA instructions by input type | atomics by memory order | compile s | ok |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|"]
     for r in rows:
-        if r["family"] == "gathered":
+        if r["family"] in ("gathered", "tiled"):
             case = f"c={r['c']} h'={r['d']} {r['dtype']}" + (" masks" if r["masks"] else "") + (
                 " deterministic" if r["deterministic"] else "")
         else:

@@ -19,8 +19,9 @@ from heads.switch import FastPath
 from routing.selection import Selection
 
 TRITON = importlib.util.find_spec("triton") is not None  # resolved at import: a constant for torch.compile
-_FUSED = FastPath()
+_FUSED, _WHOLE_HEAD = FastPath(), FastPath()
 fused_disabled = _FUSED.disabled  # inside this block gathered_heads_fast takes the lean core on CUDA too (benchmarks)
+whole_head_disabled = _WHOLE_HEAD.disabled  # inside it heads that fit on chip take the tiled kernels (benchmarks)
 
 
 def gathered_heads_reference(
@@ -70,13 +71,34 @@ def gathered_heads_fast(
     is the ordinary causal mask over slots), gate[B, H, c] = r on valid slots and 0 on padding;
     visible/self_only: MoSAIC's padding masks (heads/gathered_lean.slot_mask). CUDA with Triton: the fused
     kernels, forward and backward (heads/gathered_triton.py), for fp32/bf16/fp16 heads that fit on chip (c x h'
-    up to 64 x 64 in 16 bits, 128 x 64 on H100/H200, 32 x 64 in fp32: `fits`); otherwise (CPU, fp64, larger
-    heads) the memory-lean PyTorch core (heads/gathered_lean.py; on CUDA too inside `fused_disabled()`). Neither
-    materialises nor saves anything of size [B, H, c, h]."""
+    up to 64 x 64 in 16 bits, 128 x 64 on H100/H200, 32 x 64 in fp32: `fits`); larger heads of those dtypes (h' up
+    to 256 in 16 bits, 128 in fp32: `tiled_fits`) the tiled kernels around SDPA (heads/gathered_tiled.py);
+    otherwise (CPU, fp64, wider heads) the memory-lean PyTorch core (heads/gathered_lean.py; on CUDA too inside
+    `fused_disabled()`). None materialises nor saves anything of size [B, H, c, h]."""
+    args = (x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
     if x.is_cuda and TRITON and _FUSED.on:
-        from heads.gathered_triton import fits, gathered_heads_triton, shared_memory
+        from heads.gathered_triton import shared_memory
 
         d = qkv_weight.shape[0] // (3 * sel.idx.shape[1])
-        if fits(sel.idx.shape[-1], d, compute_dtype(x), shared_memory(x.get_device())):
-            return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
-    return gathered_heads_lean(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
+        core = cuda_core(sel.idx.shape[-1], d, compute_dtype(x), shared_memory(x.get_device()))
+        if core == "fused":
+            from heads.gathered_triton import gathered_heads_triton
+
+            return gathered_heads_triton(*args)
+        if core == "tiled":
+            from heads.gathered_tiled import gathered_heads_tiled
+
+            return gathered_heads_tiled(*args)
+    return gathered_heads_lean(*args)
+
+
+def cuda_core(c: int, d: int, dtype: torch.dtype, shared: int) -> str:
+    """Which core runs heads of c slots of width h' = d computed in `dtype` on a CUDA GPU with Triton and `shared`
+    bytes of shared memory per block: "fused" (heads/gathered_triton.fits; not inside `whole_head_disabled()`),
+    "tiled" (heads/gathered_tiled.tiled_fits) or "lean"."""
+    from heads.gathered_tiled import tiled_fits
+    from heads.gathered_triton import fits
+
+    if _WHOLE_HEAD.on and fits(c, d, dtype, shared):
+        return "fused"
+    return "tiled" if tiled_fits(d, dtype) else "lean"

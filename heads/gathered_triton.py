@@ -63,6 +63,10 @@ WIDE_SHARED, WIDE_SLOTS, WIDE_HEAD_DIM = 227 * 1024, 128, 64
 # keep about as many bytes in flight as three did with one W block, and its shared memory within sm_89's 99 KB per
 # block (fp32 at c = 16, h' = 128: 58 KB, 108 KB with three stages).
 FWD_STAGES = 2
+# The tiled path's scatter and weight-gradient loops over blocks of slots (heads/gathered_tiled.py) prefetch one block
+# ahead: the default three stages took the tiled backward's scatter to 176 KB of shared memory on sm_90 (bf16, h' = 64),
+# more than an A100 has.
+TILE_STAGES = tl.constexpr(2)
 
 
 @triton.jit
@@ -114,17 +118,25 @@ def _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT: tl.constexpr, HAS_VI
 
 
 @triton.jit
-def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's (sequence b, head i) and its c slots: slot ids and valid mask, the offset of the head's
-    row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the gates r (fp32), the h' columns
-    and their mask, and the RoPE tables at the slots' positions."""
+def _slot_block(IDX, T, H, C, BLOCK_C: tl.constexpr):
+    """(b, i) = program_id(0, 1); slots = block program_id(2) of BLOCK_C slots of that head, their valid mask, the
+    offset of the head's row in [B, H, C] tensors and the rows of the [B*T, h] inputs the slots gather."""
     b = tl.program_id(0)
     i = tl.program_id(1)
-    slots = tl.arange(0, BLOCK_C)
+    slots = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     smask = slots < C
     base = (b * H + i) * C
-    rows = b * T + tl.load(IDX + base + slots, mask=smask, other=0)
+    return b, i, slots, smask, base, b * T + tl.load(IDX + base + slots, mask=smask, other=0)
+
+
+@triton.jit
+def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (sequence b, head i) and its slots: slot ids and valid mask, the offset of the head's
+    row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the gates r (fp32), the h' columns
+    and their mask, and the RoPE tables at the slots' positions. The slots are block program_id(2) of BLOCK_C (the
+    whole head in the fused kernels' 2-D grid; one tile of it in heads/gathered_tiled.py)."""
+    b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, BLOCK_C)
     gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
@@ -166,10 +178,12 @@ def _rotate(x, cos, sin, partner, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
-              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
-              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
-              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+def _qkv_block(X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD: tl.constexpr, D: tl.constexpr,
+               HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """This program's block of slots (_head_program) projected and rotated: stores Q, K (rotated) and V
+    ([H, B, C, D], QO's dtype) and returns the slots, their mask and row offset, the gates, the [H, B, C, D] offsets
+    of the tiles and their mask, and the fp32 tiles q, k, v."""
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
         IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
     q, k, v = _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT, HD, D, BLOCK_C, BLOCK_D, BLOCK_H)
@@ -180,35 +194,61 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
     tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
     tl.store(KO + out, k.to(KO.dtype.element_ty), mask=omask)
     tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
+    return slots, smask, base, gate, out, omask, q, k, v
+
+
+@triton.jit
+def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B, C, scale,
+              HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
+              HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
+              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    slots, smask, base, gate, out, omask, q, k, v = _qkv_block(
+        X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
     tl.store(GO + out, tl.dot(p, v, input_precision=DOT) * gate[:, None], mask=omask)  # G = diag(r) A
 
 
 @triton.jit
+def _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+                  w_head_stride, w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr,
+                  DOT: tl.constexpr, SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """_scatter's adds of head i's slots c0 .. c0 + BLOCK_C - 1 in sequence b."""
+    slots = c0 + tl.arange(0, BLOCK_C)
+    smask = slots < C
+    rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+    acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    for t in tl.static_range(TERMS):
+        u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+        w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
+                    mask=dmask[:, None] & hmask[None, :], other=0.0)
+        acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
+    tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :], sem=SEM)
+
+
+@triton.jit
 def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_term_stride, w_head_stride,
              w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr, DOT: tl.constexpr,
-             SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order.
-    U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at W + t*w_term_stride + i*w_head_stride + d*w_d_stride +
-    col*w_h_stride. SEM: the adds' memory order (_scatter_add)."""
+             SEM: tl.constexpr, TILED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+    """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order: all C slots in
+    one block, or, if TILED (heads/gathered_tiled.py), in blocks of BLOCK_C. U: fp32 [TERMS, H, B, C, D];
+    W_{t,i}[d, col] at W + t*w_term_stride + i*w_head_stride + d*w_d_stride + col*w_h_stride. SEM: the adds' memory
+    order (_scatter_add)."""
     b = tl.program_id(0)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = hh < HD
     first = tl.program_id(2) * heads_per_program
-    slots = tl.arange(0, BLOCK_C)
-    smask = slots < C
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     for i in range(first, tl.minimum(first + heads_per_program, H)):
-        rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
-        acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-        for t in tl.static_range(TERMS):
-            u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
-                        mask=smask[:, None] & dmask[None, :], other=0.0)
-            w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
-                        mask=dmask[:, None] & hmask[None, :], other=0.0)
-            acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
-        tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :], sem=SEM)
+        if TILED:
+            for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
+                _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+                              w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
+        else:
+            _scatter_tile(OUT, IDX, U, W, b, i, 0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+                          w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
         tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
 
 
@@ -244,25 +284,39 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
 
 
 @triton.jit
+def _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, HD: tl.constexpr,
+                      D: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr):
+    """U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] over head i's slots c0 .. c0 + BLOCK_C - 1: [BLOCK_D, BLOCK_H] fp32."""
+    slots = c0 + tl.arange(0, BLOCK_C)
+    smask = slots < C
+    rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+    src = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
+    u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+                mask=smask[:, None] & dmask[None, :], other=0.0)
+    return tl.dot(tl.trans(u), src.to(tl.float32), input_precision=DOT)
+
+
+@triton.jit
 def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_head_stride, o_d_stride, o_h_stride,
-                 HD: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
-    """OUT_{t,i}[d, cols] = sum_b U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] (sequences in order; no atomics)."""
+                 HD: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, TILED: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """OUT_{t,i}[d, cols] = sum_b U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] (sequences in order, each in one block of
+    slots or, if TILED, in blocks of BLOCK_C; no atomics)."""
     i = tl.program_id(0)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = hh < HD
     t = tl.program_id(2)
-    slots = tl.arange(0, BLOCK_C)
-    smask = slots < C
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
     for b in range(0, B):
-        rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
-        src = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
-        u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
-                    mask=smask[:, None] & dmask[None, :], other=0.0)
-        acc += tl.dot(tl.trans(u), src.to(tl.float32), input_precision=DOT)
+        if TILED:
+            for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
+                acc += _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride,
+                                         HD, D, DOT, BLOCK_C)
+        else:
+            acc += _weight_grad_tile(SRC, IDX, U, b, i, t, 0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, HD, D,
+                                     DOT, BLOCK_C)
     tl.store(OUT + t * o_term_stride + i * o_head_stride + dd[:, None] * o_d_stride + hh[None, :] * o_h_stride,
              acc.to(OUT.dtype.element_ty), mask=dmask[:, None] & hmask[None, :])
 
@@ -298,10 +352,15 @@ def _device_shared_memory(device: int) -> int:
 def _sizes(x: torch.Tensor, idx: torch.Tensor, qkv_weight: torch.Tensor) -> dict:
     B, T, h = x.shape
     H, c = idx.shape[1:]
-    d = qkv_weight.shape[0] // (3 * H)
+    return launch_sizes(B, T, h, H, c, qkv_weight.shape[0] // (3 * H), x.dtype, _pow2(c))
+
+
+def launch_sizes(B: int, T: int, h: int, H: int, c: int, d: int, dtype: torch.dtype, block_c: int) -> dict:
+    """Sizes and launch constants of heads of c slots of width d computed in `dtype`, BLOCK_C = block_c slots per
+    block (the whole head in the fused kernels, a tile in heads/gathered_tiled.py)."""
     # bf16/fp16 inputs (autocast): TF32 dots of the fp32 intermediates (Q, K, P, dS), never rounded back to 16 bits
-    consts = dict(BLOCK_C=_pow2(c), BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H, DOT=dot_precision(x.dtype))
-    return dict(B=B, T=T, h=h, H=H, c=c, d=d, consts=consts, warps=8 if c > 64 else 4)
+    consts = dict(BLOCK_C=block_c, BLOCK_D=_pow2(d), BLOCK_H=BLOCK_H, DOT=dot_precision(dtype))
+    return dict(B=B, T=T, h=h, H=H, c=c, d=d, consts=consts, warps=8 if block_c > 64 else 4, tiled=block_c < c)
 
 
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch.Tensor, strides: tuple[int, ...],
@@ -314,14 +373,15 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch
     per_program = n["H"] if deterministic else 1
     grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
     _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
-                   HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed", **n["consts"])
+                   HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed", TILED=n["tiled"],
+                   **n["consts"])
 
 
 def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
                       strides: tuple[int, ...], n: dict) -> torch.Tensor:
     grid = (n["H"], triton.cdiv(n["h"], BLOCK_H), u.shape[0])
     _weight_grad[grid](src, idx, u, out, n["T"], n["H"], n["B"], n["c"], u[0].numel(), *strides,
-                       HD=n["h"], D=n["d"], **n["consts"])
+                       HD=n["h"], D=n["d"], TILED=n["tiled"], **n["consts"])
     return out
 
 

@@ -34,8 +34,7 @@ class RotaryEmbedding(Float32Buffers):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the angles pos * theta_j, each [..., T, r/2] in `dtype` (angles in fp32)."""
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., T, r/2]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return cos_sin(positions, self.inv_freq, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., T, head_dim]; positions: integer tensor broadcastable to x.shape[:-1]."""
@@ -50,12 +49,24 @@ class RotaryEmbedding(Float32Buffers):
         """x rotated in place by R(θ) (forward's map, cos/sin from `cos_sin`), or by R(θ)^T = R(-θ) if `inverse`;
         for code that runs without autograd (heads/gathered_lean.py): no output tensor, no copy of the unrotated
         dims."""
-        if self.rot_dim == 0:
-            return x
-        half = self.rot_dim // 2
-        x1, x2 = x[..., :half], x[..., half:self.rot_dim]
-        sign = -1 if inverse else 1
-        x1_old = x1.clone()
-        x1.mul_(cos).addcmul_(x2, sin, value=-sign)  # x1 cos -+ x2 sin
-        x2.mul_(cos).addcmul_(x1_old, sin, value=sign)  # x2 cos +- x1 sin
+        return rotate_(x, cos, sin, inverse)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles pos * theta_j (theta = inv_freq [r/2]), each [..., T, r/2] in `dtype` (angles in
+    fp32)."""
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, r/2]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """RotaryEmbedding.rotate_ for the r = 2 * cos.shape[-1] rotated dims of x, in place (no autograd)."""
+    half = cos.shape[-1]
+    if half == 0:
         return x
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    sign = -1 if inverse else 1
+    x1_old = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-sign)  # x1 cos -+ x2 sin
+    x2.mul_(cos).addcmul_(x1_old, sin, value=sign)  # x2 cos +- x1 sin
+    return x

@@ -30,7 +30,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # The test files with CUDA paths of their own (fused and varlen Triton kernels, flash-attn dispatch); the rest of
 # the suite runs on CPU tensors on any machine, but for single tests marked `cuda`
-CUDA_FILES = ("test_gathered.py", "test_varlen.py", "test_attention.py")
+CUDA_FILES = ("test_gathered.py", "test_gathered_tiled.py", "test_varlen.py", "test_attention.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

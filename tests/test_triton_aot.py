@@ -9,7 +9,9 @@ stages (heads/gathered_triton.FWD_STAGES) so that the largest fp32 head fits its
 Exact fp32 kernels use no tensor cores; in bf16 the dots of stored 16-bit tiles are bf16 MMAs (the gathered kernels'
 X W^QKV and dY W^O ran as TF32 MMAs of upcast tiles, at half the rate, before 2026-11-30). The scatter's atomic adds
 are relaxed (before 2026-11-30 acq_rel: on sm_90 a MEMBAR.ALL.GPU, a returning ATOMG and a CCTL.IVALL L1 invalidation
-per add instruction, where relaxed adds compile to bare REDG reductions)."""
+per add instruction, where relaxed adds compile to bare REDG reductions). The tiled kernels (heads/gathered_tiled.py,
+heads of any number of slots) compile at 256 slots for every h' they take; their slot loops prefetch one tile
+(heads/gathered_triton.TILE_STAGES: three stages took the backward's scatter to 176 KB on sm_90)."""
 from __future__ import annotations
 
 import json
@@ -28,6 +30,7 @@ pytest.importorskip("triton")
 # A100, 99 KB on sm_86, 227 KB on H100; written here, not read from the module under test
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 90: 227 * 1024}
 KERNELS = {("gathered", k) for k in ("_attn_fwd", "_attn_bwd", "_scatter", "_weight_grad")} | {
+    ("tiled", k) for k in ("_project", "_out_grad", "_scatter", "_weight_grad")} | {
     ("varlen", k) for k in ("_fwd", "_bwd_dkdv", "_bwd_dq")}
 
 
@@ -46,6 +49,9 @@ def test_kernels_compile_for_sm80_sm86_and_sm90_within_shared_memory(tmp_path: P
             (slots, 16, "bfloat16"), (slots, 32, "bfloat16"), (slots, 64, "bfloat16"), (32, 128, "bfloat16"),
             (16, 256, "bfloat16"),
             (32, 16, "float32"), (32, 32, "float32"), (32, 64, "float32"), (16, 128, "float32")}
+        # the tiled kernels at 256 slots (several tiles) of every h' they take: up to 256 in bf16, 128 in fp32
+        assert {(r["c"], r["d"], r["dtype"]) for r in rows if r["family"] == "tiled"} == {
+            (256, d, dt) for d in (16, 32, 64, 128, 256) for dt in ("bfloat16", "float32") if (d, dt) != (256, "float32")}
         assert {r["dtype"] for r in rows if r["family"] == "varlen"} == {"float32", "bfloat16"}
         for r in rows:
             assert r["cubin"] and r["dispatched"], r
@@ -54,8 +60,8 @@ def test_kernels_compile_for_sm80_sm86_and_sm90_within_shared_memory(tmp_path: P
             if r["dtype"] == "float32":  # exact fp32 dots (torch's default matmul precision): FMA, no tensor cores
                 assert not r["mma"], f"sm_{arch}: {r}"
             elif (r["family"], r["kernel"]) in {("gathered", "_attn_fwd"), ("gathered", "_attn_bwd"),
-                                                ("varlen", "_fwd")}:
+                                                ("tiled", "_project"), ("tiled", "_out_grad"), ("varlen", "_fwd")}:
                 # 16-bit tiles as stored: X W^QKV, dY W^O (and varlen's Q K^T) at the 16-bit MMA rate
                 assert r["mma"].get("bf16", 0) > 0, f"sm_{arch}: {r}"
-            # the scatter's adds (default mode: the test's set) are relaxed: no fence per add; nothing else is atomic
+            # the scatters' adds (default mode: the test's set) are relaxed: no fence per add; nothing else is atomic
             assert set(r["atomics"]) == ({"relaxed"} if r["kernel"] == "_scatter" else set()), f"sm_{arch}: {r}"

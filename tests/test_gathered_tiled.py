@@ -1,0 +1,238 @@
+"""The tiled gathered-head path (heads/gathered_tiled.py: Triton gathers, projections and scatters over blocks of
+slots around SDPA) against the plain reference and the lean core: output and every gradient at odd lengths and
+ragged last tiles, MoSAIC's masks, the 16-bit tiles, several column blocks and deterministic mode, causality in a
+model, its custom ops, and which core the CUDA dispatch picks. On CPU the kernels run in Triton's interpreter (fp32,
+fp16); on a GPU compiled, in bf16 too."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from heads.gathered_lean import gathered_heads_lean
+from heads.rope import RotaryEmbedding
+from tests.conftest import TRITON_DEVICE, TRITON_KERNELS
+from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
+from tests.test_gathered import HEAD_DIM, assert_rel_rms, problem, run_reference
+
+pytest.importorskip("triton")
+
+NAMES = ["y", "dx", "dr", "dW_qkv", "dW_o"]
+
+
+def run_tiled(p: dict, rope: RotaryEmbedding, visible: torch.Tensor | None = None,
+              self_only: torch.Tensor | None = None) -> torch.Tensor:
+    from heads.gathered_tiled import gathered_heads_tiled
+
+    return gathered_heads_tiled(p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"],
+                                rope, visible, self_only)
+
+
+def outputs_and_grads(p: dict, run) -> list[torch.Tensor]:  # noqa: ANN001
+    """[y, dx, dr, dW^QKV, dW^O] of one run (cotangent p["cot"])."""
+    y = run()
+    return [y, *torch.autograd.grad((y.float() * p["cot"]).sum(), [p["x"], p["r"], p["w_qkv"], p["w_o"]])]
+
+
+@TRITON_KERNELS
+@pytest.mark.parametrize("T,sparsity,heads,head_dim,fraction,tiles", [
+    (257, 2, 3, 8, 0.5, 2),  # c = 128: two tiles of 64
+    (100, 1, 2, 12, 1.0, 2),  # c = 100: a ragged second tile; h' = 12 in a 16-column tile, all of it rotated
+    (100, 8, 3, 8, 0.0, 1),  # c = 12: one partial tile, no RoPE
+    (300, 1, 2, 64, 0.5, 10),  # fp32 h' = 64: tiles of 32 slots, c = 300 in ten (the last ragged)
+])
+def test_tiled_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float,
+                                 tiles: int) -> None:
+    """Output and every gradient (x, router scores, W^QKV, W^O) vs the reference, fp32, heads of more slots than
+    one tile (heads/gathered_tiled.tile_slots) and of fewer."""
+    from heads.gathered_tiled import tile_slots
+
+    p = problem(T, sparsity, heads, device=TRITON_DEVICE, head_dim=head_dim)
+    rope = RotaryEmbedding(head_dim, fraction).to(TRITON_DEVICE)
+    assert -(-p["sel"].idx.shape[-1] // tile_slots(head_dim, torch.float32)) == tiles
+    expected = outputs_and_grads(p, lambda: run_reference(p, rope))
+    got = outputs_and_grads(p, lambda: run_tiled(p, rope))
+    for name, ref, fast in zip(NAMES, expected, got):
+        rel_rms = ((fast - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
+        rel_max = ((fast - ref).abs().max() / ref.abs().max()).item()
+        assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
+
+
+@TRITON_KERNELS
+def test_tiled_padding_masks_match_lean() -> None:
+    """MoSAIC's padding rules (visible keys, self-only queries) as SDPA's slot mask equal the lean path's, forward and
+    every gradient, over two tiles of slots."""
+    p = problem(100, 1, 3, device=TRITON_DEVICE)
+    g = torch.Generator().manual_seed(3)
+    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7).to(TRITON_DEVICE)
+    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5).to(TRITON_DEVICE)
+    assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    lean = outputs_and_grads(p, lambda: gathered_heads_lean(p["x"], p["positions"], p["sel"].idx,
+                                                            p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope,
+                                                            visible, self_only))
+    unmasked = outputs_and_grads(p, lambda: run_tiled(p, rope))
+    tiled = outputs_and_grads(p, lambda: run_tiled(p, rope, visible, self_only))
+    assert ((unmasked[0] - lean[0]).pow(2).mean() / lean[0].pow(2).mean()).sqrt() > 1e-2  # the masks matter here
+    for name, want, got in zip(NAMES, lean, tiled):
+        assert want.abs().max() > 0, name
+        rel_rms = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt().item()
+        assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="Triton's interpreter only (TRITON_INTERPRET=1): on a GPU the "
+                    "16-bit tiles are checked in bf16 (test_cuda_tiled_bf16_matches_reference)")
+@pytest.mark.parametrize("T,sparsity,heads,head_dim", [(257, 2, 2, 16), (300, 2, 2, 64)])
+def test_tiled_16bit_matches_reference(T: int, sparsity: int, heads: int, head_dim: int) -> None:
+    """fp16 inputs (the interpreter's fp16 tl.dot is right, its bf16 one is not): output and every gradient vs the
+    fp64 reference on the same fp16 values within rel-RMS 2e-3, four fp16 rounding units (as the fused kernels' test).
+    Q, K, V, A and dQ/dK/dV are rounded to fp16 between the steps (as SDPA computes dense heads), where the fused
+    kernels keep them in fp32 on chip. 128 slots of h' = 16 (tiles of 64), 150 of h' = 64 (tiles of 64, ragged)."""
+    p = problem(T, sparsity, heads, head_dim=head_dim)
+    names = ("x", "r", "w_qkv", "w_o")
+    half = {**p, **{k: p[k].detach().half().requires_grad_() for k in names}}
+    exact = {**p, **{k: half[k].detach().double().requires_grad_() for k in names}, "cot": p["cot"].double()}
+    rope = RotaryEmbedding(head_dim, 0.5)
+    expected = outputs_and_grads(exact, lambda: run_reference(exact, rope))
+    got = outputs_and_grads(half, lambda: run_tiled(half, rope))
+    assert got[0].dtype == torch.float16
+    assert_rel_rms(got, expected, 2e-3)
+
+
+@TRITON_KERNELS
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model width h = 80 (three column blocks of BLOCK_H, the last ragged) and c = 100 slots (two tiles): output and
+    every gradient vs the reference, in the default grid and in deterministic mode (the scatter walks heads and tiles
+    in order: bitwise equal over two runs)."""
+    from heads.gathered_triton import BLOCK_H
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    p = problem(100, 1, 3, device=TRITON_DEVICE, d_model=80)
+    assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    expected = outputs_and_grads(p, lambda: run_reference(p, rope))
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        runs = [outputs_and_grads(p, lambda: run_tiled(p, rope)) for _ in range(2 if deterministic else 1)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_rel_rms(runs[0], expected, REL_RMS_TOL)
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.fixture
+def tiled_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Route mosa/fixed/mosaic's fast path through the tiled kernels on CPU tensors (interpreter); counts the calls."""
+    from heads.gathered_tiled import gathered_heads_tiled
+
+    calls: list[int] = []
+
+    def fast(x, positions, sel, gate, qkv_weight, out_weight, rope, visible=None, self_only=None):  # noqa: ANN001
+        calls.append(1)
+        return gathered_heads_tiled(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
+
+    for module in ("heads.mosa", "heads.fixed", "heads.mosaic"):
+        monkeypatch.setattr(f"{module}.gathered_heads_fast", fast)
+    return calls
+
+
+@TRITON_KERNELS
+def test_tiled_path_is_causal(tiled_path: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model of MoSA (causal threshold selection), fixed and MoSAIC heads on the tiled path, with tiles of 16 slots
+    so that their 24-slot heads span two: new tokens after position t change no logit at positions <= t."""
+    import lm
+    from heads import gathered_tiled
+    from lm.causality import future_leak
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(gathered_tiled, "MAX_SLOTS_PER_TILE", 16)
+    assert gathered_tiled.tile_slots(HEAD_DIM, torch.float32) == 16
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 2}},
+                       {"type": "fixed", "count": 2, "options": {"sparsity": 2}},
+                       {"type": "mosaic", "count": 2, "options": {"sparsity": 2}}], init_std=0.3, seq_len=48)
+    assert cfg.model.head_dim == HEAD_DIM
+    model = lm.build_model(cfg.model).to(TRITON_DEVICE)
+    assert model.causal
+    assert future_leak(model, torch.randint(0, 97, (2, 48), device=TRITON_DEVICE), t=20, vocab_size=97) <= 1e-5
+    assert len(tiled_path) >= 3 * cfg.model.n_layers * 2  # every sparse group of both passes ran the tiled path
+
+
+@TRITON_KERNELS
+def test_tiled_ops_pass_opcheck() -> None:
+    """The two Triton steps are torch.library custom ops: schema, fake shapes, autograd registration and AOT dispatch
+    agree with the real ones (torch.library.opcheck)."""
+    from heads.gathered_tiled import tiled_output, tiled_project
+
+    p = problem(100, 1, 3, device=TRITON_DEVICE)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    x, idx = p["x"], p["sel"].idx
+    torch.library.opcheck(tiled_project, (x, idx, p["positions"], p["w_qkv"], rope.inv_freq, rope.rot_dim))
+    a = torch.randn(3, 2, idx.shape[-1], HEAD_DIM, device=TRITON_DEVICE, requires_grad=True)
+    torch.library.opcheck(tiled_output, (a, (p["r"] * p["sel"].valid).detach().requires_grad_(), idx, p["w_o"], 100))
+
+
+def test_cuda_dispatch_picks_the_core() -> None:
+    """heads/gathered.cuda_core: heads that fit on chip take the fused kernels, larger ones of h' <= 256 in 16 bits
+    (h' <= 128 in fp32) the tiled kernels (c = 256 at T = 8192, rho = 32: the lean core before), the rest (fp64, wider
+    heads) the lean core; inside whole_head_disabled() the tiled kernels take the heads that fit on chip too."""
+    from heads.gathered import cuda_core, whole_head_disabled
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    a100, h100 = 163 * 1024, 227 * 1024
+    assert cuda_core(32, 64, bf16, a100) == "fused" and cuda_core(128, 64, bf16, h100) == "fused"
+    assert cuda_core(128, 64, bf16, a100) == "tiled" and cuda_core(256, 64, bf16, h100) == "tiled"
+    assert cuda_core(4096, 256, bf16, h100) == "tiled" and cuda_core(64, 64, fp32, h100) == "tiled"
+    assert cuda_core(64, 128, fp32, h100) == "tiled" and cuda_core(64, 256, fp32, h100) == "lean"
+    assert cuda_core(64, 512, bf16, h100) == "lean" and cuda_core(8, 8, torch.float64, h100) == "lean"
+    with whole_head_disabled():
+        assert cuda_core(32, 64, bf16, a100) == "tiled" and cuda_core(8, 8, torch.float64, h100) == "lean"
+    assert cuda_core(32, 64, bf16, a100) == "fused"
+
+
+def test_tile_sizes() -> None:
+    """Slots per tile: the fused kernels' MAX_TILE divided by the head width, 16 to 64 (64 x 64 in 16 bits, 32 x 64 and
+    16 x 128 in fp32, 16 x 256 in 16 bits)."""
+    from heads.gathered_tiled import tile_slots
+
+    assert tile_slots(64, torch.bfloat16) == 64 and tile_slots(8, torch.bfloat16) == 64
+    assert tile_slots(128, torch.bfloat16) == 32 and tile_slots(256, torch.float16) == 16
+    assert tile_slots(64, torch.float32) == 32 and tile_slots(128, torch.float32) == 16
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda",
+                    reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
+@pytest.mark.parametrize("T,sparsity,heads,head_dim,tile_all", [(2048, 8, 2, 64, False), (1000, 4, 3, 8, False),
+                                                                (1024, 32, 4, 64, True)])
+def test_cuda_tiled_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, tile_all: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA dispatch under bf16 autocast takes the tiled kernels (c = 256 and 250 slots; c = 32 inside
+    whole_head_disabled) and stays as close to the fp32 reference on the same bf16-rounded inputs as PyTorch's bf16
+    computation of the same maths (the lean core side by side), or within rel-RMS 5e-3."""
+    import heads.gathered_tiled as gtl
+    from heads.gathered import fused_disabled, gathered_heads_fast, whole_head_disabled
+
+    calls: list[int] = []
+    tiled = gtl.gathered_heads_tiled
+    monkeypatch.setattr(gtl, "gathered_heads_tiled", lambda *a, **k: calls.append(1) or tiled(*a, **k))
+    p = problem(T, sparsity, heads, device="cuda", head_dim=head_dim)
+    for key in ("x", "r", "w_qkv", "w_o"):
+        p[key] = p[key].detach().bfloat16().float().requires_grad_()
+    rope = RotaryEmbedding(head_dim, 0.5).cuda()
+    expected = outputs_and_grads(p, lambda: run_reference(p, rope))
+
+    def fast() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"],
+                                       rope)
+
+    with whole_head_disabled() if tile_all else contextlib.nullcontext():
+        got = outputs_and_grads(p, fast)
+    assert calls, "the tiled kernels were not taken"
+    with fused_disabled():
+        lean = outputs_and_grads(p, fast)
+    rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
+    for name, g, ln, r in zip(NAMES, got, lean, expected):
+        assert rel(g, r) <= max(5e-3, rel(ln, r)), f"{name}: {rel(g, r):.2e}, lean bf16 {rel(ln, r):.2e}"
