@@ -236,3 +236,42 @@ def test_cuda_tiled_bf16_matches_reference(T: int, sparsity: int, heads: int, he
     rel = lambda a, b: ((a.float() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
     for name, g, ln, r in zip(NAMES, got, lean, expected):
         assert rel(g, r) <= max(5e-3, rel(ln, r)), f"{name}: {rel(g, r):.2e}, lean bf16 {rel(ln, r):.2e}"
+
+
+@TRITON_KERNELS
+def test_tiled_saves_no_gathered_tensor() -> None:
+    """Autograd keeps nothing of size [B, H, c, h] or [B, H, c, c]: the largest saved tensor is x, a weight or one of
+    the [H, B, c, h'] tensors (Q, K, V, A)."""
+    p = problem(100, 2, 12, device=TRITON_DEVICE)
+    B, H, c = p["sel"].idx.shape
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        run_tiled(p, RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE))
+    largest = max(t.numel() for t in saved)
+    assert largest <= max(p["x"].numel(), p["w_qkv"].numel(), H * B * c * HEAD_DIM), [tuple(t.shape) for t in saved]
+    assert largest < B * H * c * min(c, p["x"].shape[-1]) / 3
+
+
+@pytest.mark.slow  # dynamo + AOT tracing of a 2-layer model, kernels interpreted
+@TRITON_KERNELS
+def test_tiled_path_compiles_fullgraph(tiled_path: list[int]) -> None:
+    """trainer.compile on the tiled path: the training loss of a dense + MoSA + MoSAIC model compiles with
+    fullgraph=True (the Triton steps are opaque custom ops, SDPA is traced) and equals eager, loss and every
+    gradient."""
+    from lm.module import LMModule, compiled
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
+                       {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], n_layers=2, seq_len=32)
+    module = LMModule(cfg).to(TRITON_DEVICE).train()
+    x, y = (torch.randint(0, 97, (2, 32), device=TRITON_DEVICE) for _ in range(2))
+    torch._dynamo.reset()
+    results = []
+    for fn in (module.losses, compiled(module.losses, backend="aot_eager")):
+        torch.manual_seed(0)
+        loss = fn(x, y)[0]
+        results.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
+    torch._dynamo.reset()
+    assert len(tiled_path) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
