@@ -193,11 +193,12 @@ timing)
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
     # before the heads, which keep each finished T when stopped: a profile cut short has no table
     step profile 120 bash -c profile
-    # the 5 dense heads the IsoFLOP model replaces; mosa-lean: mosa-threshold with the fused kernels off, to see
-    # which of the two is faster on a GPU where the kernels take the heads (c <= 64; <= 128 on H100/H200, since
-    # 2026-11-30; c = 256 at T = 8192 runs the lean core either way)
-    step heads 90 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
-        --variants dense mosa-threshold mosa-lean --T 1024 4096 8192 --batch 4 --repeats 5 --out $C/gpu_heads.md
+    # the 5 dense heads the IsoFLOP model replaces; mosa-threshold takes the whole-head kernels where they fit (c <= 64;
+    # <= 128 on H100/H200) and the tiled kernels beyond (c = 256 at T = 8192); mosa-tiled: the tiled kernels for every
+    # head, mosa-lean: the lean PyTorch core, to see which of the three is fastest at each T
+    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+        --variants dense mosa-threshold mosa-tiled mosa-lean --T 1024 4096 8192 --batch 4 --repeats 5 \
+        --out $C/gpu_heads.md
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)

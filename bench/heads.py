@@ -5,8 +5,10 @@
     python -m bench.heads --T 1024 --variants dense mosa-threshold mosaic fixed routing mita agent local topk
 
 The variants are MoSA's two selections by default, or any head type (`--variants`, default options plus
-`--sparsity` where the type has one); `mosa-lean` is mosa-threshold with the fused Triton kernels off
-(heads.gathered.fused_disabled: the lean PyTorch core, which CPU runs anyway), to compare the two on a GPU. For
+`--sparsity` where the type has one); `mosa-lean` is mosa-threshold with the Triton kernels off
+(heads.gathered.fused_disabled: the lean PyTorch core, which CPU runs anyway) and `mosa-tiled` mosa-threshold with
+the whole-head kernels off (heads.gathered.whole_head_disabled: the tiled kernels around SDPA take every head), to
+compare the three cores on a GPU. For
 each T, `--dense-heads` dense heads set the budget; each other variant gets the largest head count whose forward
 FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not
 exceed it. Every (T, variant) runs in a fresh
@@ -52,6 +54,7 @@ VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get 
     "mosa-threshold": ("mosa", {"selection": "threshold"}),
     "mosa-expert_choice": ("mosa", {"selection": "expert_choice"}),
     "mosa-lean": ("mosa", {"selection": "threshold"}),  # mosa-threshold on the lean PyTorch core, on CUDA too
+    "mosa-tiled": ("mosa", {"selection": "threshold"}),  # on CUDA: the tiled kernels, also for heads that fit on chip
     "mosaic": ("mosaic", {}),
     "fixed": ("fixed", {}),
     "routing": ("routing", {}),
@@ -63,7 +66,7 @@ VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get 
     "topk": ("topk", {}),
 }
 DEFAULT_VARIANTS = ["dense", "mosa-threshold", "mosa-expert_choice"]
-LEAN = {"mosa-lean"}  # variants run inside heads.gathered.fused_disabled() (the fused Triton kernels off)
+CORES = {"mosa-lean": "lean", "mosa-tiled": "tiled"}  # variants that force a gathered-head core on CUDA (worker)
 
 
 def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
@@ -141,7 +144,7 @@ def saved_bytes(group: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
 def worker(spec: dict) -> dict:
     """Build one head group, run fwd+bwd steps, return time and peak memory."""
     from heads import GroupContext, head_class, make_options
-    from heads.gathered import fused_disabled
+    from heads.gathered import fused_disabled, whole_head_disabled
 
     torch.manual_seed(0)
     device = use_device(spec["device"])
@@ -155,13 +158,15 @@ def worker(spec: dict) -> dict:
     cot = torch.randn_like(x)  # a dense upstream gradient, as in training (not sum()'s broadcast ones)
 
     def precision() -> contextlib.AbstractContextManager:
-        """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles); a lean
-        variant with the fused gathered-head kernels off."""
+        """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles); the
+        gathered-head core a variant forces (CORES): "lean" with the Triton kernels off, "tiled" with the whole-head
+        kernels off."""
         stack = contextlib.ExitStack()
         if device.type == "cuda":
             stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-        if spec.get("lean"):
-            stack.enter_context(fused_disabled())
+        forced = {"lean": fused_disabled, "tiled": whole_head_disabled}.get(spec.get("core"))
+        if forced:
+            stack.enter_context(forced())
         return stack
 
     def step() -> None:
@@ -264,7 +269,7 @@ def measure_all(args: argparse.Namespace, done: Callable[[list[dict]], None] = l
                 count, flops, options = matched[T, variant]
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
                             head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device,
-                            lean=variant in LEAN)
+                            core=CORES.get(variant))
                 result = run_worker(spec)
                 if not args.device.startswith("cuda"):  # as format_table states it
                     result["peak_bytes"] = run_worker({**spec, "repeats": 0}, CPU_MEMORY_ENV)["peak_bytes"]

@@ -53,7 +53,7 @@ BLOCK_H = 32  # columns of X / W (model width h) per step or per program
 # rho = 8 at T = 1024) the backward needs 192 KB: within H100's 227 KB per block, not A100's 163 KB (WIDE_SLOTS).
 # In fp32 the backward already spills ~45 KB per thread at 64 x 64 (0.6 KB at 32 x 64), so fp32 heads stop at half the
 # tile. The c x c tiles (scores, P, dS) count too: at h' = 16 the bf16 backward needs 320 KB at c = 256 (`fits` bounds
-# BLOCK_C x max(BLOCK_C, BLOCK_D)). Larger heads take the lean path (heads/gathered.py).
+# BLOCK_C x max(BLOCK_C, BLOCK_D)). Larger heads take the tiled path (heads/gathered_tiled.py), in tiles of MAX_TILE.
 MAX_TILE = {torch.bfloat16: 64 * 64, torch.float16: 64 * 64, torch.float32: 32 * 64}
 # GPUs with at least WIDE_SHARED bytes of shared memory per block (H100, H200, B200) also take 16-bit heads of up to
 # WIDE_SLOTS slots at h' <= WIDE_HEAD_DIM: 96-192 KB in the backward on sm_90 (216 KB on sm_100), spilling at most

@@ -56,22 +56,26 @@ def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
     assert run_worker(spec)["mmap_threshold"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
-def test_the_lean_variant_runs_with_the_fused_kernels_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_core_variants_force_their_gathered_head_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """mosa-lean is mosa-threshold inside heads.gathered.fused_disabled() (on a GPU: the lean core instead of the
-    Triton kernels, to compare the two); every other variant, and the code after the block, has them on."""
+    Triton kernels), mosa-tiled inside whole_head_disabled() (the tiled kernels for every head), to compare the cores;
+    every other variant, and the code after the block, has every kernel on."""
     import heads.gathered as gathered
-    from bench.heads import LEAN, VARIANTS, worker
+    from bench.heads import CORES, VARIANTS, worker
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, bool]] = []
     lean = gathered.gathered_heads_lean
-    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(gathered._FUSED.on) or lean(*a, **k))
-    assert LEAN == {"mosa-lean"} and VARIANTS["mosa-lean"] == VARIANTS["mosa-threshold"]
-    for flag in (True, False):
+    monkeypatch.setattr(gathered, "gathered_heads_lean",
+                        lambda *a, **k: seen.append((gathered._FUSED.on, gathered._WHOLE_HEAD.on)) or lean(*a, **k))
+    assert CORES == {"mosa-lean": "lean", "mosa-tiled": "tiled"}
+    assert VARIANTS["mosa-lean"] == VARIANTS["mosa-tiled"] == VARIANTS["mosa-threshold"]
+    for core, switches in ((None, (True, True)), ("lean", (False, True)), ("tiled", (True, False))):
         seen.clear()
         spec = dict(type="mosa", options={"sparsity": 4}, count=2, T=32, d_model=16, head_dim=8, batch=1, repeats=1,
-                    device="cpu", lean=flag)
+                    device="cpu", core=core)
         worker(spec)
-        assert seen and set(seen) == {not flag} and gathered._FUSED.on
+        assert seen and set(seen) == {switches}, core
+        assert gathered._FUSED.on and gathered._WHOLE_HEAD.on
     with pytest.raises(RuntimeError), gathered.fused_disabled():
         raise RuntimeError
     assert gathered._FUSED.on  # restored however the block ends
