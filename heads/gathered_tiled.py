@@ -136,7 +136,9 @@ def _output_backward(dy: torch.Tensor, a: torch.Tensor, gate: torch.Tensor, idx:
                         **n["consts"])
     dgate = (dg * a.float()).sum(-1).transpose(0, 1)  # dL/dr_j = <A_j, dG_j>
     dwo = _weight_grad_into(torch.empty_like(out_weight), dy, idx, _gated(a, gate)[None], _out_strides(n), n)
-    return (gate.transpose(0, 1)[..., None] * dg).to(a.dtype), dgate.to(gate.dtype), dwo
+    da = gate.transpose(0, 1)[..., None] * dg  # diag(r) dG
+    # contiguous, as the fake implementations say (A itself may come from SDPA in another memory layout)
+    return da.to(a.dtype).contiguous(), dgate.to(gate.dtype).contiguous(), dwo
 
 
 # torch.library custom ops (as heads/gathered_triton.py's): opaque to torch.compile, with shape-only fakes.
@@ -167,7 +169,7 @@ def _project_shapes(x: torch.Tensor, idx: torch.Tensor, positions: torch.Tensor,
 def _project_backward_shapes(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
                              idx: torch.Tensor, positions: torch.Tensor, qkv_weight: torch.Tensor,
                              *_: object) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(qkv_weight)
+    return x.new_empty(x.shape), qkv_weight.new_empty(qkv_weight.shape)
 
 
 @tiled_output.register_fake
@@ -179,7 +181,7 @@ def _output_shapes(a: torch.Tensor, gate: torch.Tensor, idx: torch.Tensor, out_w
 @tiled_output_backward.register_fake
 def _output_backward_shapes(dy: torch.Tensor, a: torch.Tensor, gate: torch.Tensor, idx: torch.Tensor,
                             out_weight: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, ...]:
-    return torch.empty_like(a), torch.empty_like(gate), torch.empty_like(out_weight)
+    return a.new_empty(a.shape), gate.new_empty(gate.shape), out_weight.new_empty(out_weight.shape)
 
 
 def _save_project(ctx: Any, inputs: tuple, output: tuple) -> None:

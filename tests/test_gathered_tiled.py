@@ -170,8 +170,29 @@ def test_tiled_ops_pass_opcheck() -> None:
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     x, idx = p["x"], p["sel"].idx
     torch.library.opcheck(tiled_project, (x, idx, p["positions"], p["w_qkv"], rope.inv_freq, rope.rot_dim))
+    gate = (p["r"] * p["sel"].valid).detach().requires_grad_()
     a = torch.randn(3, 2, idx.shape[-1], HEAD_DIM, device=TRITON_DEVICE, requires_grad=True)
-    torch.library.opcheck(tiled_output, (a, (p["r"] * p["sel"].valid).detach().requires_grad_(), idx, p["w_o"], 100))
+    torch.library.opcheck(tiled_output, (a, gate, idx, p["w_o"], 100))
+
+
+@TRITON_KERNELS
+def test_tiled_backward_strides_match_the_fakes() -> None:
+    """The backward ops return the strides their fake implementations promise (torch.compile plans with the fakes'),
+    also for inputs in another memory layout, as SDPA returns A and its gradients ([B, c, H, h'] order here; opcheck
+    does not compare strides)."""
+    from heads import gathered_tiled as gtl
+
+    p = problem(100, 1, 3, device=TRITON_DEVICE)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+    idx, c = p["sel"].idx, p["sel"].idx.shape[-1]
+    strided = lambda: torch.randn(2, c, 3, HEAD_DIM, device=TRITON_DEVICE).permute(2, 0, 1, 3)  # noqa: E731
+    gate = (p["r"] * p["sel"].valid).detach()
+    out_args = (torch.randn(200, 32, device=TRITON_DEVICE), strided(), gate, idx, p["w_o"].detach(), 100)
+    proj_args = (strided(), strided(), strided(), p["x"].detach(), idx, p["positions"], p["w_qkv"].detach(),
+                 rope.inv_freq, rope.rot_dim)
+    for real, fake in ((gtl.tiled_output_backward(*out_args), gtl._output_backward_shapes(*out_args)),
+                       (gtl.tiled_project_backward(*proj_args), gtl._project_backward_shapes(*proj_args))):
+        assert [(t.shape, t.stride(), t.dtype) for t in real] == [(t.shape, t.stride(), t.dtype) for t in fake]
 
 
 def test_cuda_dispatch_picks_the_core() -> None:
