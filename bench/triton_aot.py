@@ -14,11 +14,11 @@ Triton's interpreter) or fast (bench/ on a GPU).
 
 Cases: the gathered kernels at the largest heads heads/gathered_triton.fits lets through, in fp32 (exact dots, no
 tensor cores) and bf16 (bf16 MMAs where both tiles are stored in bf16, TF32 ones on fp32 intermediates) at h' = 16,
-32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks,
-deterministic mode and three heads beyond the limits (to show why they are there). Tiled kernels at c = 256 slots
-(several tiles) at every h' they take, in fp32 and bf16. Varlen kernels at h' = 64, 128 and 256 in fp32 and bf16. Registers and spills per thread come from ptxas -v, the MMA instructions (by input type)
-and atomics (by memory order) from the PTX. Each process compiles for one
-architecture (Triton caches a kernel's target per process).
+32, 64, 128 and 256, and, with --quick off, smaller heads, MoSAIC's padding masks, deterministic mode and three heads
+beyond the limits (to show why they are there). Tiled kernels at c = 256 slots (several tiles) at every h' they take,
+in fp32 and bf16. Varlen kernels at h' = 64, 128 and 256 in fp32 and bf16. Registers and spills per thread come from
+ptxas -v, the MMA instructions (by input type) and atomics (by memory order) from the PTX. Each process compiles for
+one architecture (Triton caches a kernel's target per process).
 """
 from __future__ import annotations
 

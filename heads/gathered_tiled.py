@@ -41,14 +41,15 @@ def _project(X, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD: tl.constexpr,
              BLOCK_H: tl.constexpr):
     """Q, K (rotated at the slots' positions) and V of one block of slots of head i in sequence b: [H, B, C, D]."""
     # the fused forward's first half; the gates it also reads (here the IDX placeholder) are unused
-    _qkv_block(X, IDX, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
+    _qkv_block(X, IDX, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, tl.program_id(2) * BLOCK_C, HD, D, HALF, ROT, DOT,
+               BLOCK_C, BLOCK_D, BLOCK_H)
 
 
 @triton.jit
 def _out_grad(DY, IDX, WO, DG, T, H, B, C, HD: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """dG = dY[b, I] W^O_i for one block of slots (fp32 [H, B, C, D]); W^O [h, H*h'] read as W^O_i [h, h']."""
-    b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, BLOCK_C)
+    b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, tl.program_id(2) * BLOCK_C, BLOCK_C)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     dg = _gather_project(DY, WO, rows, smask, i * D, dd, dmask, H * D, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H)

@@ -118,25 +118,25 @@ def _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT: tl.constexpr, HAS_VI
 
 
 @triton.jit
-def _slot_block(IDX, T, H, C, BLOCK_C: tl.constexpr):
-    """(b, i) = program_id(0, 1); slots = block program_id(2) of BLOCK_C slots of that head, their valid mask, the
-    offset of the head's row in [B, H, C] tensors and the rows of the [B*T, h] inputs the slots gather."""
+def _slot_block(IDX, T, H, C, first, BLOCK_C: tl.constexpr):
+    """(b, i) = program_id(0, 1); slots = first .. first + BLOCK_C - 1 of that head, their valid mask, the offset of
+    the head's row in [B, H, C] tensors and the rows of the [B*T, h] inputs the slots gather."""
     b = tl.program_id(0)
     i = tl.program_id(1)
-    slots = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slots = first + tl.arange(0, BLOCK_C)
     smask = slots < C
     base = (b * H + i) * C
     return b, i, slots, smask, base, b * T + tl.load(IDX + base + slots, mask=smask, other=0)
 
 
 @triton.jit
-def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, first, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's (sequence b, head i) and its slots: slot ids and valid mask, the offset of the head's
     row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the gates r (fp32), the h' columns
-    and their mask, and the RoPE tables at the slots' positions. The slots are block program_id(2) of BLOCK_C (the
-    whole head in the fused kernels' 2-D grid; one tile of it in heads/gathered_tiled.py)."""
-    b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, BLOCK_C)
+    and their mask, and the RoPE tables at the slots' positions. The slots are first .. first + BLOCK_C - 1 (the whole
+    head from 0 in the fused kernels; one tile of it in heads/gathered_tiled.py)."""
+    b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, first, BLOCK_C)
     gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
@@ -178,14 +178,14 @@ def _rotate(x, cos, sin, partner, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _qkv_block(X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD: tl.constexpr, D: tl.constexpr,
+def _qkv_block(X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, first, HD: tl.constexpr, D: tl.constexpr,
                HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_H: tl.constexpr):
-    """This program's block of slots (_head_program) projected and rotated: stores Q, K (rotated) and V
-    ([H, B, C, D], QO's dtype) and returns the slots, their mask and row offset, the gates, the [H, B, C, D] offsets
-    of the tiles and their mask, and the fp32 tiles q, k, v."""
+    """This program's slots first .. first + BLOCK_C - 1 (_head_program) projected and rotated: stores Q, K (rotated)
+    and V ([H, B, C, D], QO's dtype) and returns the slots, their mask and row offset, the gates, the [H, B, C, D]
+    offsets of the tiles and their mask, and the fp32 tiles q, k, v."""
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
-        IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
+        IDX, GATE, POS, INV_FREQ, T, H, C, first, D, HALF, ROT, BLOCK_C, BLOCK_D)
     q, k, v = _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT, HD, D, BLOCK_C, BLOCK_D, BLOCK_H)
     q = _rotate(q, cos, sin, partner, BLOCK_C, BLOCK_D)
     k = _rotate(k, cos, sin, partner, BLOCK_C, BLOCK_D)
@@ -203,7 +203,7 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     slots, smask, base, gate, out, omask, q, k, v = _qkv_block(
-        X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
+        X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, 0, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
     tl.store(GO + out, tl.dot(p, v, input_precision=DOT) * gate[:, None], mask=omask)  # G = diag(r) A
 
@@ -258,7 +258,7 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
-        IDX, GATE, POS, INV_FREQ, T, H, C, D, HALF, ROT, BLOCK_C, BLOCK_D)
+        IDX, GATE, POS, INV_FREQ, T, H, C, 0, D, HALF, ROT, BLOCK_C, BLOCK_D)
     rowoff = ((i * B + b) * C + slots)[:, None] * D
     omask = smask[:, None] & dmask[None, :]
     q = tl.load(Q + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)  # rotated, as saved
@@ -373,8 +373,8 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch
     per_program = n["H"] if deterministic else 1
     grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
     _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
-                   HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed", TILED=n["tiled"],
-                   **n["consts"])
+                   HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed",
+                   TILED=n["tiled"], **n["consts"])
 
 
 def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
