@@ -41,6 +41,7 @@ def outputs_and_grads(p: dict, run) -> list[torch.Tensor]:  # noqa: ANN001
     (100, 1, 2, 12, 1.0, 2),  # c = 100: a ragged second tile; h' = 12 in a 16-column tile, all of it rotated
     (100, 8, 3, 8, 0.0, 1),  # c = 12: one partial tile, no RoPE
     (300, 1, 2, 64, 0.5, 10),  # fp32 h' = 64: tiles of 32 slots, c = 300 in ten (the last ragged)
+    (65, 1, 2, 8, 0.5, 2),  # c = 65: a last tile of one slot (every kernel's slot loop or grid reaches slot c - 1)
 ])
 def test_tiled_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, fraction: float,
                                  tiles: int) -> None:
@@ -60,14 +61,17 @@ def test_tiled_matches_reference(T: int, sparsity: int, heads: int, head_dim: in
 
 
 @TRITON_KERNELS
-def test_tiled_padding_masks_match_lean() -> None:
+@pytest.mark.parametrize("with_self_only", [True, False])
+def test_tiled_padding_masks_match_lean(with_self_only: bool) -> None:
     """MoSAIC's padding rules (visible keys, self-only queries) as SDPA's slot mask equal the lean path's, forward and
-    every gradient, over two tiles of slots."""
+    every gradient, over two tiles of slots; also `visible` alone (MoSAIC's padded="ignore" passes no self_only)."""
     p = problem(100, 1, 3, device=TRITON_DEVICE)
     g = torch.Generator().manual_seed(3)
     visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7).to(TRITON_DEVICE)
     self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5).to(TRITON_DEVICE)
     assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
+    if not with_self_only:
+        self_only = None
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     lean = outputs_and_grads(p, lambda: gathered_heads_lean(p["x"], p["positions"], p["sel"].idx,
                                                             p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope,
@@ -105,9 +109,20 @@ def test_tiled_16bit_matches_reference(T: int, sparsity: int, heads: int, head_d
 def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model width h = 80 (three column blocks of BLOCK_H, the last ragged) and c = 100 slots (two tiles): output and
     every gradient vs the reference, in the default grid and in deterministic mode (the scatter walks heads and tiles
-    in order: bitwise equal over two runs)."""
+    in order: bitwise equal over two runs; the interpreter runs programs one at a time, so the scatter's grid is
+    checked too: one program per (sequence, column block) walking all heads, or one per head by default)."""
+    from heads import gathered_triton
     from heads.gathered_triton import BLOCK_H
 
+    grids: list[tuple[int, ...]] = []
+    scatter = gathered_triton._scatter
+
+    class Recording:  # gathered_triton._scatter[grid](...) with the grid recorded
+        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+            grids.append(tuple(grid))
+            return scatter[grid]
+
+    monkeypatch.setattr(gathered_triton, "_scatter", Recording())
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     p = problem(100, 1, 3, device=TRITON_DEVICE, d_model=80)
     assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
@@ -119,6 +134,9 @@ def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pyte
     finally:
         torch.use_deterministic_algorithms(False)
     assert_rel_rms(runs[0], expected, REL_RMS_TOL)
+    assert len(grids) == 2 * len(runs)  # y's scatter and dX's, per run
+    B, H = p["sel"].idx.shape[:2]
+    assert all(grid == (B, 3, 1 if deterministic else H) for grid in grids), grids
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -161,35 +179,38 @@ def test_tiled_path_is_causal(tiled_path: list[int], monkeypatch: pytest.MonkeyP
 
 
 @TRITON_KERNELS
-def test_tiled_ops_pass_opcheck() -> None:
-    """The two Triton steps are torch.library custom ops: schema, fake shapes, autograd registration and AOT dispatch
-    agree with the real ones (torch.library.opcheck)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiled_ops_pass_opcheck(dtype: torch.dtype) -> None:
+    """The two Triton steps are torch.library custom ops: schema, fake shapes (and dtypes: y is fp32 for 16-bit
+    inputs, Q, K, V in x's dtype), autograd registration and AOT dispatch agree with the real ones
+    (torch.library.opcheck)."""
     from heads.gathered_tiled import tiled_output, tiled_project
 
     p = problem(100, 1, 3, device=TRITON_DEVICE)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
-    x, idx = p["x"], p["sel"].idx
-    torch.library.opcheck(tiled_project, (x, idx, p["positions"], p["w_qkv"], rope.inv_freq, rope.rot_dim))
-    gate = (p["r"] * p["sel"].valid).detach().requires_grad_()
-    a = torch.randn(3, 2, idx.shape[-1], HEAD_DIM, device=TRITON_DEVICE, requires_grad=True)
-    torch.library.opcheck(tiled_output, (a, gate, idx, p["w_o"], 100))
+    cast = lambda t: t.detach().to(dtype).requires_grad_()  # noqa: E731
+    x, idx = cast(p["x"]), p["sel"].idx
+    torch.library.opcheck(tiled_project, (x, idx, p["positions"], cast(p["w_qkv"]), rope.inv_freq, rope.rot_dim))
+    a = torch.randn(3, 2, idx.shape[-1], HEAD_DIM, device=TRITON_DEVICE, dtype=dtype, requires_grad=True)
+    torch.library.opcheck(tiled_output, (a, cast(p["r"] * p["sel"].valid), idx, cast(p["w_o"]), 100))
 
 
 @TRITON_KERNELS
-def test_tiled_backward_strides_match_the_fakes() -> None:
-    """The backward ops return the strides their fake implementations promise (torch.compile plans with the fakes'),
-    also for inputs in another memory layout, as SDPA returns A and its gradients ([B, c, H, h'] order here; opcheck
-    does not compare strides)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiled_backward_strides_match_the_fakes(dtype: torch.dtype) -> None:
+    """The backward ops return the shapes, dtypes and strides their fake implementations promise (inductor asserts a
+    custom op's output strides against the fakes': trainer.compile's backward failed when dA and dr followed a
+    transposed gate's layout), also for inputs in another memory layout, as SDPA returns A and its gradients
+    ([B, c, H, h'] order here)."""
     from heads import gathered_tiled as gtl
 
     p = problem(100, 1, 3, device=TRITON_DEVICE)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     idx, c = p["sel"].idx, p["sel"].idx.shape[-1]
-    strided = lambda: torch.randn(2, c, 3, HEAD_DIM, device=TRITON_DEVICE).permute(2, 0, 1, 3)  # noqa: E731
-    gate = (p["r"] * p["sel"].valid).detach()
-    out_args = (torch.randn(200, 32, device=TRITON_DEVICE), strided(), gate, idx, p["w_o"].detach(), 100)
-    proj_args = (strided(), strided(), strided(), p["x"].detach(), idx, p["positions"], p["w_qkv"].detach(),
-                 rope.inv_freq, rope.rot_dim)
+    strided = lambda: torch.randn(2, c, 3, HEAD_DIM, device=TRITON_DEVICE, dtype=dtype).permute(2, 0, 1, 3)  # noqa: E731
+    x, w_qkv, w_o, gate = (t.detach().to(dtype) for t in (p["x"], p["w_qkv"], p["w_o"], p["r"] * p["sel"].valid))
+    out_args = (torch.randn(200, 32, device=TRITON_DEVICE), strided(), gate, idx, w_o, 100)
+    proj_args = (strided(), strided(), strided(), x, idx, p["positions"], w_qkv, rope.inv_freq, rope.rot_dim)
     for real, fake in ((gtl.tiled_output_backward(*out_args), gtl._output_backward_shapes(*out_args)),
                        (gtl.tiled_project_backward(*proj_args), gtl._project_backward_shapes(*proj_args))):
         assert [(t.shape, t.stride(), t.dtype) for t in real] == [(t.shape, t.stride(), t.dtype) for t in fake]
@@ -221,6 +242,9 @@ def test_tile_sizes() -> None:
     assert tile_slots(64, torch.bfloat16) == 64 and tile_slots(8, torch.bfloat16) == 64
     assert tile_slots(128, torch.bfloat16) == 32 and tile_slots(256, torch.float16) == 16
     assert tile_slots(64, torch.float32) == 32 and tile_slots(128, torch.float32) == 16
+    # widths that are no power of two take the tile of the next one (BLOCK_D): BLOCK_C is a power of two too
+    assert tile_slots(96, torch.bfloat16) == 32 and tile_slots(48, torch.float32) == 32
+    assert tile_slots(12, torch.float32) == 64 and tile_slots(200, torch.float16) == 16
 
 
 @pytest.mark.skipif(TRITON_DEVICE != "cuda",
