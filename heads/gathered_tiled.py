@@ -15,7 +15,7 @@ Backward: SDPA's own; for the output, dG = dY[b, I] W^O_i (_out_grad, gathered b
 dA = diag(r) dG, dW^O_i = sum_b G^T dY[b, I]; for the projections, dQ, dK rotated back by R(θ)^T, dX = scatter of
 dQ W^Q + dK W^K + dV W^V and dW^{Q,K,V} (heads/gathered_triton._scatter, _weight_grad). Nothing of size [B, H, c, h]
 is written; saved for backward: x, the weights, the gates and [H, B, c, h'] tensors (Q, K, V, A, SDPA's
-log-sum-exp). Both Triton steps are torch.library custom ops with fake shapes and registered backwards, like the
+log-sum-exp), and with MoSAIC's padding rules the [H, B, c, c] slot mask SDPA is given. Both Triton steps are torch.library custom ops with fake shapes and registered backwards, like the
 fused ones, so trainer.compile keeps them opaque. On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
 """
 from __future__ import annotations

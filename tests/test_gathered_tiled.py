@@ -207,7 +207,7 @@ def test_tiled_backward_strides_match_the_fakes(dtype: torch.dtype) -> None:
     p = problem(100, 1, 3, device=TRITON_DEVICE)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     idx, c = p["sel"].idx, p["sel"].idx.shape[-1]
-    strided = lambda: torch.randn(2, c, 3, HEAD_DIM, device=TRITON_DEVICE, dtype=dtype).permute(2, 0, 1, 3)  # noqa: E731
+    strided = lambda: torch.randn(2, c, 3, HEAD_DIM, dtype=dtype).permute(2, 0, 1, 3).to(TRITON_DEVICE)  # noqa: E731
     x, w_qkv, w_o, gate = (t.detach().to(dtype) for t in (p["x"], p["w_qkv"], p["w_o"], p["r"] * p["sel"].valid))
     out_args = (torch.randn(200, 32, device=TRITON_DEVICE), strided(), gate, idx, w_o, 100)
     proj_args = (strided(), strided(), strided(), x, idx, p["positions"], w_qkv, rope.inv_freq, rope.rot_dim)
