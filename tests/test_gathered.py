@@ -259,6 +259,15 @@ def test_triton_padding_masks_match_lean() -> None:
         assert rel_rms < REL_RMS_TOL, f"{name}: rel RMS {rel_rms:.2e}"
 
 
+def bf16_problem_on_cuda(T: int, sparsity: int, heads: int, head_dim: int) -> tuple[dict, RotaryEmbedding]:
+    """`problem` on CUDA with x, r and the weights rounded to bf16 values (kept in fp32, for the fp32 reference) and
+    its RoPE."""
+    p = problem(T, sparsity, heads, device="cuda", head_dim=head_dim)
+    for key in ("x", "r", "w_qkv", "w_o"):
+        p[key] = p[key].detach().bfloat16().float().requires_grad_()
+    return p, RotaryEmbedding(head_dim, 0.5).cuda()
+
+
 @pytest.mark.skipif(TRITON_DEVICE != "cuda",
                     reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
 @pytest.mark.parametrize("T,sparsity,heads,head_dim", [(100, 8, 3, 8), (257, 32, 42, 8), (512, 8, 2, 64),
@@ -283,10 +292,7 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
     calls: list[int] = []
     fused = gt.gathered_heads_triton
     monkeypatch.setattr(gt, "gathered_heads_triton", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    p = problem(T, sparsity, heads, device="cuda", head_dim=head_dim)
-    for key in ("x", "r", "w_qkv", "w_o"):
-        p[key] = p[key].detach().bfloat16().float().requires_grad_()
-    rope = RotaryEmbedding(head_dim, 0.5).cuda()
+    p, rope = bf16_problem_on_cuda(T, sparsity, heads, head_dim)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     ref = run_reference(p, rope)
     ref_grads = torch.autograd.grad((ref * p["cot"]).sum(), leaves)
@@ -306,21 +312,26 @@ def test_cuda_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim
         assert rel(fast, r) <= max(5e-3, rel(lean, r)), f"{name}: {rel(fast, r):.2e}, lean bf16 {rel(lean, r):.2e}"
 
 
-@pytest.fixture
-def kernel_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Route mosa/fixed/mosaic's fast path through the fused kernels on CPU tensors (interpreter); the list
-    counts the calls."""
-    from heads.gathered_triton import gathered_heads_triton
-
+def route_fast_path(monkeypatch: pytest.MonkeyPatch, core) -> list[int]:  # noqa: ANN001
+    """Route mosa/fixed/mosaic's fast path through `core` (a gathered-head core with the lean contract, e.g. the
+    Triton kernels on CPU tensors under the interpreter); the list counts the calls."""
     calls: list[int] = []
 
     def fast(x, positions, sel, gate, qkv_weight, out_weight, rope, visible=None, self_only=None):  # noqa: ANN001
         calls.append(1)
-        return gathered_heads_triton(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
+        return core(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
 
     for module in ("heads.mosa", "heads.fixed", "heads.mosaic"):
         monkeypatch.setattr(f"{module}.gathered_heads_fast", fast)
     return calls
+
+
+@pytest.fixture
+def kernel_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """mosa/fixed/mosaic's fast path through the fused kernels (route_fast_path)."""
+    from heads.gathered_triton import gathered_heads_triton
+
+    return route_fast_path(monkeypatch, gathered_heads_triton)
 
 
 @TRITON_KERNELS
@@ -401,6 +412,12 @@ def test_fused_ops_pass_opcheck() -> None:
 def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
     """trainer.compile with the fused kernels (what CUDA runs): the training loss of a dense + MoSA + MoSAIC model
     compiles with fullgraph=True (the ops are opaque to dynamo) and equals eager, loss and every gradient."""
+    assert_compiles_fullgraph(kernel_path)
+
+
+def assert_compiles_fullgraph(calls: list[int]) -> None:
+    """The training loss of a dense + MoSA + MoSAIC model compiles with fullgraph=True and equals eager, loss and every
+    gradient; `calls` (route_fast_path's) shows both sparse groups of both layers took the routed core in both runs."""
     from lm.module import LMModule, compiled
     from tests.conftest import tiny_config
 
@@ -415,7 +432,7 @@ def test_kernel_path_compiles_fullgraph(kernel_path: list[int]) -> None:
         loss = fn(x, y)[0]
         results.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
     torch._dynamo.reset()
-    assert len(kernel_path) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
+    assert len(calls) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
 

@@ -14,7 +14,8 @@ from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from tests.conftest import TRITON_DEVICE, TRITON_KERNELS
 from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
-from tests.test_gathered import HEAD_DIM, assert_rel_rms, problem, run_reference
+from tests.test_gathered import (HEAD_DIM, assert_compiles_fullgraph, assert_rel_rms, bf16_problem_on_cuda, problem,
+                                 route_fast_path, run_reference)
 
 pytest.importorskip("triton")
 
@@ -143,18 +144,10 @@ def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pyte
 
 @pytest.fixture
 def tiled_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Route mosa/fixed/mosaic's fast path through the tiled kernels on CPU tensors (interpreter); counts the calls."""
+    """mosa/fixed/mosaic's fast path through the tiled kernels (tests.test_gathered.route_fast_path)."""
     from heads.gathered_tiled import gathered_heads_tiled
 
-    calls: list[int] = []
-
-    def fast(x, positions, sel, gate, qkv_weight, out_weight, rope, visible=None, self_only=None):  # noqa: ANN001
-        calls.append(1)
-        return gathered_heads_tiled(x, positions, sel.idx, gate, qkv_weight, out_weight, rope, visible, self_only)
-
-    for module in ("heads.mosa", "heads.fixed", "heads.mosaic"):
-        monkeypatch.setattr(f"{module}.gathered_heads_fast", fast)
-    return calls
+    return route_fast_path(monkeypatch, gathered_heads_tiled)
 
 
 @TRITON_KERNELS
@@ -262,10 +255,7 @@ def test_cuda_tiled_bf16_matches_reference(T: int, sparsity: int, heads: int, he
     calls: list[int] = []
     tiled = gtl.gathered_heads_tiled
     monkeypatch.setattr(gtl, "gathered_heads_tiled", lambda *a, **k: calls.append(1) or tiled(*a, **k))
-    p = problem(T, sparsity, heads, device="cuda", head_dim=head_dim)
-    for key in ("x", "r", "w_qkv", "w_o"):
-        p[key] = p[key].detach().bfloat16().float().requires_grad_()
-    rope = RotaryEmbedding(head_dim, 0.5).cuda()
+    p, rope = bf16_problem_on_cuda(T, sparsity, heads, head_dim)
     expected = outputs_and_grads(p, lambda: run_reference(p, rope))
 
     def fast() -> torch.Tensor:
@@ -303,20 +293,4 @@ def test_tiled_path_compiles_fullgraph(tiled_path: list[int]) -> None:
     """trainer.compile on the tiled path: the training loss of a dense + MoSA + MoSAIC model compiles with
     fullgraph=True (the Triton steps are opaque custom ops, SDPA is traced) and equals eager, loss and every
     gradient."""
-    from lm.module import LMModule, compiled
-    from tests.conftest import tiny_config
-
-    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 4}},
-                       {"type": "mosaic", "count": 2, "options": {"sparsity": 4}}], n_layers=2, seq_len=32)
-    module = LMModule(cfg).to(TRITON_DEVICE).train()
-    x, y = (torch.randint(0, 97, (2, 32), device=TRITON_DEVICE) for _ in range(2))
-    torch._dynamo.reset()
-    results = []
-    for fn in (module.losses, compiled(module.losses, backend="aot_eager")):
-        torch.manual_seed(0)
-        loss = fn(x, y)[0]
-        results.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
-    torch._dynamo.reset()
-    assert len(tiled_path) >= 2 * 2 * 2  # both sparse groups of both layers, in both runs
-    for eager, comp in zip(*results):
-        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
+    assert_compiles_fullgraph(tiled_path)
