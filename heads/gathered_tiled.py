@@ -1,5 +1,5 @@
 """Gathered heads of any number of slots on CUDA (MoSA §2.2, heads/gathered.py's definition): Triton kernels for the
-gathers, projections and scatters, tiled over slots, around PyTorch's fused attention (SDPA: flash on a GPU).
+gathers, projections and scatters, tiled over slots, around PyTorch's scaled_dot_product_attention (SDPA).
 
 The fused kernels (heads/gathered_triton.py) hold a whole head per program, so they take heads up to 64 slots (128
 on H100/H200); a long sequence has more, e.g. c = T / rho = 256 at T = 8192, rho = 32. Here each step works on
@@ -7,16 +7,20 @@ tiles of BLOCK_C slots, and the c x c attention between them is SDPA's:
 
   Q, K, V = RoPE(X[I] W^{Q,K,V}_i)          _project: one program per (sequence, head, block of slots), the gathered
                                             rows of X loaded once for all three projections; writes [H, B, c, h']
-  A = softmax(Q K^T / sqrt(h') + M) V        torch's scaled_dot_product_attention on [H, B, c, h']: M is the causal mask
-                                            over slots (valid slots come first, in token order), or MoSAIC's slot mask
+  A = softmax(Q K^T / sqrt(h') + M) V        SDPA on [H, B, c, h']: M is the causal mask over slots (valid slots come
+                                            first, in token order), or MoSAIC's slot mask
   Y = sum_i scatter_{I_i}(diag(r_i) A_i W^O_i)   heads/gathered_triton._scatter over blocks of slots (fp32 atomics)
 
-Backward: SDPA's own; for the output, dG = dY[b, I] W^O_i (_out_grad, gathered by index), dr = rowsum(A * dG),
-dA = diag(r) dG, dW^O_i = sum_b G^T dY[b, I]; for the projections, dQ, dK rotated back by R(θ)^T, dX = scatter of
-dQ W^Q + dK W^K + dV W^V and dW^{Q,K,V} (heads/gathered_triton._scatter, _weight_grad). Nothing of size [B, H, c, h]
-is written; saved for backward: x, the weights, the gates and [H, B, c, h'] tensors (Q, K, V, A, SDPA's
-log-sum-exp), and with MoSAIC's padding rules the [H, B, c, c] slot mask SDPA is given. Both Triton steps are torch.library custom ops with fake shapes and registered backwards, like the
-fused ones, so trainer.compile keeps them opaque. On CPU the kernels run under TRITON_INTERPRET=1 (tests, fp32).
+SDPA runs whichever of its kernels torch selects for the inputs (on a GPU a fused one, flash, cuDNN or memory-efficient,
+for 16-bit causal heads; its math fallback, e.g. for a bf16 mask at an h' that is not a multiple of 8, keeps the
+[H, B, c, c] probabilities for backward). Backward: SDPA's own; for the output, dG = dY[b, I] W^O_i (_out_grad,
+gathered by index), dr = rowsum(A * dG), dA = diag(r) dG, dW^O_i = sum_b G^T dY[b, I]; for the projections, dQ, dK
+rotated back by R(θ)^T, dX = scatter of dQ W^Q + dK W^K + dV W^V and dW^{Q,K,V} (heads/gathered_triton._scatter,
+_weight_grad). Nothing of size [B, H, c, h] is written; saved for backward: x, the weights, the gates, the [H, B, c, h']
+tensors Q, K, V and A, what SDPA keeps (its log-sum-exp [H, B, c] in the fused kernels), and with MoSAIC's padding
+rules the [H, B, c, c] slot mask it is given. Both Triton steps are torch.library custom ops with fake shapes and
+registered backwards, like the fused ones, so trainer.compile keeps them opaque. On CPU the kernels run under
+TRITON_INTERPRET=1 (tests, fp32 and fp16).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import triton.language as tl
 
 from heads.gathered_lean import in_autocast_dtype, slot_mask
 from heads.gathered_triton import (FWD_STAGES, MAX_TILE, _gather_project, _out_strides, _pow2, _qkv_block,
-                                   _qkv_strides, _scatter_add, _slot_block, _weight_grad_into, launch_sizes)
+                                   _qkv_strides, _scatter_add, _slot_block, _slot_offsets, _weight_grad_into,
+                                   launch_sizes)
 from heads.rope import RotaryEmbedding, cos_sin, rotate_
 
 MAX_SLOTS_PER_TILE = 64  # BLOCK_C at most; fewer where BLOCK_C x BLOCK_D would exceed the fused kernels' MAX_TILE
@@ -40,9 +45,8 @@ def _project(X, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, HD: tl.constexpr,
              HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_H: tl.constexpr):
     """Q, K (rotated at the slots' positions) and V of one block of slots of head i in sequence b: [H, B, C, D]."""
-    # the fused forward's first half; the gates it also reads (here the IDX placeholder) are unused
-    _qkv_block(X, IDX, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, tl.program_id(2) * BLOCK_C, HD, D, HALF, ROT, DOT,
-               BLOCK_C, BLOCK_D, BLOCK_H)
+    _qkv_block(X, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, tl.program_id(2) * BLOCK_C, HD, D, HALF, ROT, DOT,
+               BLOCK_C, BLOCK_D, BLOCK_H)  # the fused forward's first half
 
 
 @triton.jit
@@ -53,7 +57,8 @@ def _out_grad(DY, IDX, WO, DG, T, H, B, C, HD: tl.constexpr, D: tl.constexpr, DO
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     dg = _gather_project(DY, WO, rows, smask, i * D, dd, dmask, H * D, DOT, HD, BLOCK_C, BLOCK_D, BLOCK_H)
-    tl.store(DG + ((i * B + b) * C + slots)[:, None] * D + dd[None, :], dg, mask=smask[:, None] & dmask[None, :])
+    tl.store(DG + _slot_offsets(0, i, b, H, B, C, slots)[:, None] * D + dd[None, :], dg,
+             mask=smask[:, None] & dmask[None, :])
 
 
 def tile_slots(d: int, dtype: torch.dtype) -> int:

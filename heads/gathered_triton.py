@@ -118,6 +118,20 @@ def _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT: tl.constexpr, HAS_VI
 
 
 @triton.jit
+def _slot_rows(IDX, b, i, T, H, C, slots, smask):
+    """The rows b*T + I_{b,i}[slots] of the [B*T, h] inputs that slots of head i in sequence b gather (int64: IDX
+    is)."""
+    return b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+
+
+@triton.jit
+def _slot_offsets(t, i, b, H, B, C, slots):
+    """The rows of slots of (term t, head i, sequence b) in a [TERMS, H, B, C, ...] tensor, in int64: H*B*C*h' passes
+    2^31 at large sizes (B = 256, H = 1200, c = 128, h' = 64), where int32 offsets would wrap."""
+    return ((t * H + i) * B + b).to(tl.int64) * C + slots
+
+
+@triton.jit
 def _slot_block(IDX, T, H, C, first, BLOCK_C: tl.constexpr):
     """(b, i) = program_id(0, 1); slots = first .. first + BLOCK_C - 1 of that head, their valid mask, the offset of
     the head's row in [B, H, C] tensors and the rows of the [B*T, h] inputs the slots gather."""
@@ -125,23 +139,21 @@ def _slot_block(IDX, T, H, C, first, BLOCK_C: tl.constexpr):
     i = tl.program_id(1)
     slots = first + tl.arange(0, BLOCK_C)
     smask = slots < C
-    base = (b * H + i) * C
-    return b, i, slots, smask, base, b * T + tl.load(IDX + base + slots, mask=smask, other=0)
+    return b, i, slots, smask, (b * H + i) * C, _slot_rows(IDX, b, i, T, H, C, slots, smask)
 
 
 @triton.jit
-def _head_program(IDX, GATE, POS, INV_FREQ, T, H, C, first, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
+def _head_program(IDX, POS, INV_FREQ, T, H, C, first, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
                   BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's (sequence b, head i) and its slots: slot ids and valid mask, the offset of the head's
-    row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the gates r (fp32), the h' columns
-    and their mask, and the RoPE tables at the slots' positions. The slots are first .. first + BLOCK_C - 1 (the whole
-    head from 0 in the fused kernels; one tile of it in heads/gathered_tiled.py)."""
+    row in [B, H, C] tensors, the rows of the [B*T, h] inputs they gather, the h' columns and their mask, and the
+    RoPE tables at the slots' positions. The slots are first .. first + BLOCK_C - 1 (the whole head from 0 in the
+    fused kernels; one tile of it in heads/gathered_tiled.py)."""
     b, i, slots, smask, base, rows = _slot_block(IDX, T, H, C, first, BLOCK_C)
-    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     cos, sin, partner = _rope_tables(POS, INV_FREQ, rows, smask, dd, HALF, ROT)
-    return b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner
+    return b, i, slots, smask, base, rows, dd, dmask, cos, sin, partner
 
 
 @triton.jit
@@ -178,23 +190,23 @@ def _rotate(x, cos, sin, partner, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _qkv_block(X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, first, HD: tl.constexpr, D: tl.constexpr,
+def _qkv_block(X, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, first, HD: tl.constexpr, D: tl.constexpr,
                HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_H: tl.constexpr):
     """This program's slots first .. first + BLOCK_C - 1 (_head_program) projected and rotated: stores Q, K (rotated)
-    and V ([H, B, C, D], QO's dtype) and returns the slots, their mask and row offset, the gates, the [H, B, C, D]
-    offsets of the tiles and their mask, and the fp32 tiles q, k, v."""
-    b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
-        IDX, GATE, POS, INV_FREQ, T, H, C, first, D, HALF, ROT, BLOCK_C, BLOCK_D)
+    and V ([H, B, C, D], QO's dtype) and returns the slots, their mask and row offset, the [H, B, C, D] offsets of
+    the tiles and their mask, and the fp32 tiles q, k, v."""
+    b, i, slots, smask, base, rows, dd, dmask, cos, sin, partner = _head_program(
+        IDX, POS, INV_FREQ, T, H, C, first, D, HALF, ROT, BLOCK_C, BLOCK_D)
     q, k, v = _project_qkv(X, W, rows, smask, i, H, dd, dmask, DOT, HD, D, BLOCK_C, BLOCK_D, BLOCK_H)
     q = _rotate(q, cos, sin, partner, BLOCK_C, BLOCK_D)
     k = _rotate(k, cos, sin, partner, BLOCK_C, BLOCK_D)
-    out = ((i * B + b) * C + slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
+    out = _slot_offsets(0, i, b, H, B, C, slots)[:, None] * D + dd[None, :]  # [H, B, C, D] layout
     omask = smask[:, None] & dmask[None, :]
     tl.store(QO + out, q.to(QO.dtype.element_ty), mask=omask)
     tl.store(KO + out, k.to(KO.dtype.element_ty), mask=omask)
     tl.store(VO + out, v.to(VO.dtype.element_ty), mask=omask)
-    return slots, smask, base, gate, out, omask, q, k, v
+    return slots, smask, base, out, omask, q, k, v
 
 
 @triton.jit
@@ -202,23 +214,24 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
               HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    slots, smask, base, gate, out, omask, q, k, v = _qkv_block(
-        X, IDX, GATE, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, 0, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
+    slots, smask, base, out, omask, q, k, v = _qkv_block(
+        X, IDX, POS, W, INV_FREQ, QO, KO, VO, T, H, B, C, 0, HD, D, HALF, ROT, DOT, BLOCK_C, BLOCK_D, BLOCK_H)
+    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
     p = _probs(q, k, slots, smask, VIS, SELF, base, scale, DOT, HAS_VIS, HAS_SELF)
     tl.store(GO + out, tl.dot(p, v, input_precision=DOT) * gate[:, None], mask=omask)  # G = diag(r) A
 
 
 @triton.jit
-def _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+def _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
                   w_head_stride, w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr,
                   DOT: tl.constexpr, SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
     """_scatter's adds of head i's slots c0 .. c0 + BLOCK_C - 1 in sequence b."""
     slots = c0 + tl.arange(0, BLOCK_C)
     smask = slots < C
-    rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+    rows = _slot_rows(IDX, b, i, T, H, C, slots, smask)
     acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
     for t in tl.static_range(TERMS):
-        u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+        u = tl.load(U + _slot_offsets(t, i, b, H, B, C, slots)[:, None] * D + dd[None, :],
                     mask=smask[:, None] & dmask[None, :], other=0.0)
         w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
                     mask=dmask[:, None] & hmask[None, :], other=0.0)
@@ -227,7 +240,7 @@ def _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, u_
 
 
 @triton.jit
-def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_term_stride, w_head_stride,
+def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, w_term_stride, w_head_stride,
              w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr, DOT: tl.constexpr,
              SEM: tl.constexpr, TILED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
              BLOCK_H: tl.constexpr):
@@ -244,10 +257,10 @@ def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, u_term_stride, w_ter
     for i in range(first, tl.minimum(first + heads_per_program, H)):
         if TILED:
             for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
-                _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+                _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
                               w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
         else:
-            _scatter_tile(OUT, IDX, U, W, b, i, 0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, w_term_stride,
+            _scatter_tile(OUT, IDX, U, W, b, i, 0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
                           w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
         tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
 
@@ -257,9 +270,10 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
               HD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, DOT: tl.constexpr,
               HAS_VIS: tl.constexpr, HAS_SELF: tl.constexpr,
               BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
-    b, i, slots, smask, base, rows, gate, dd, dmask, cos, sin, partner = _head_program(
-        IDX, GATE, POS, INV_FREQ, T, H, C, 0, D, HALF, ROT, BLOCK_C, BLOCK_D)
-    rowoff = ((i * B + b) * C + slots)[:, None] * D
+    b, i, slots, smask, base, rows, dd, dmask, cos, sin, partner = _head_program(
+        IDX, POS, INV_FREQ, T, H, C, 0, D, HALF, ROT, BLOCK_C, BLOCK_D)
+    gate = tl.load(GATE + base + slots, mask=smask, other=0.0).to(tl.float32)
+    rowoff = _slot_offsets(0, i, b, H, B, C, slots)[:, None] * D
     omask = smask[:, None] & dmask[None, :]
     q = tl.load(Q + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)  # rotated, as saved
     k = tl.load(K + rowoff + dd[None, :], mask=omask, other=0.0).to(tl.float32)
@@ -277,27 +291,26 @@ def _attn_bwd(DY, IDX, GATE, POS, WO, Q, K, V, VIS, SELF, INV_FREQ, DQKV, GO, DG
     # R(θ)^T of the gradients w.r.t. the rotated q and k
     dq = _rotate(tl.dot(ds, k, input_precision=DOT), cos, -sin, partner, BLOCK_C, BLOCK_D)
     dk = _rotate(tl.dot(tl.trans(ds), q, input_precision=DOT), cos, -sin, partner, BLOCK_C, BLOCK_D)
-    part = H * B * C * D  # DQKV [3, H, B, C, D]
-    tl.store(DQKV + rowoff + dd[None, :], dq, mask=omask)
-    tl.store(DQKV + part + rowoff + dd[None, :], dk, mask=omask)
-    tl.store(DQKV + 2 * part + rowoff + dd[None, :], dv, mask=omask)
+    tl.store(DQKV + rowoff + dd[None, :], dq, mask=omask)  # DQKV [3, H, B, C, D]
+    tl.store(DQKV + _slot_offsets(1, i, b, H, B, C, slots)[:, None] * D + dd[None, :], dk, mask=omask)
+    tl.store(DQKV + _slot_offsets(2, i, b, H, B, C, slots)[:, None] * D + dd[None, :], dv, mask=omask)
 
 
 @triton.jit
-def _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, HD: tl.constexpr,
+def _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, HD: tl.constexpr,
                       D: tl.constexpr, DOT: tl.constexpr, BLOCK_C: tl.constexpr):
     """U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] over head i's slots c0 .. c0 + BLOCK_C - 1: [BLOCK_D, BLOCK_H] fp32."""
     slots = c0 + tl.arange(0, BLOCK_C)
     smask = slots < C
-    rows = b * T + tl.load(IDX + (b * H + i) * C + slots, mask=smask, other=0)
+    rows = _slot_rows(IDX, b, i, T, H, C, slots, smask)
     src = tl.load(SRC + rows[:, None] * HD + hh[None, :], mask=smask[:, None] & hmask[None, :], other=0.0)
-    u = tl.load(U + t * u_term_stride + ((i * B + b) * C + slots)[:, None] * D + dd[None, :],
+    u = tl.load(U + _slot_offsets(t, i, b, H, B, C, slots)[:, None] * D + dd[None, :],
                 mask=smask[:, None] & dmask[None, :], other=0.0)
     return tl.dot(tl.trans(u), src.to(tl.float32), input_precision=DOT)
 
 
 @triton.jit
-def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_head_stride, o_d_stride, o_h_stride,
+def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, o_term_stride, o_head_stride, o_d_stride, o_h_stride,
                  HD: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, TILED: tl.constexpr, BLOCK_C: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
     """OUT_{t,i}[d, cols] = sum_b U[t, i, b]^T @ SRC[b*T + I_{b,i}, cols] (sequences in order, each in one block of
@@ -312,11 +325,11 @@ def _weight_grad(SRC, IDX, U, OUT, T, H, B, C, u_term_stride, o_term_stride, o_h
     for b in range(0, B):
         if TILED:
             for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
-                acc += _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride,
-                                         HD, D, DOT, BLOCK_C)
+                acc += _weight_grad_tile(SRC, IDX, U, b, i, t, c0, hh, hmask, dd, dmask, T, H, B, C, HD, D, DOT,
+                                         BLOCK_C)
         else:
-            acc += _weight_grad_tile(SRC, IDX, U, b, i, t, 0, hh, hmask, dd, dmask, T, H, B, C, u_term_stride, HD, D,
-                                     DOT, BLOCK_C)
+            acc += _weight_grad_tile(SRC, IDX, U, b, i, t, 0, hh, hmask, dd, dmask, T, H, B, C, HD, D, DOT,
+                                     BLOCK_C)
     tl.store(OUT + t * o_term_stride + i * o_head_stride + dd[:, None] * o_d_stride + hh[None, :] * o_h_stride,
              acc.to(OUT.dtype.element_ty), mask=dmask[:, None] & hmask[None, :])
 
@@ -372,7 +385,7 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch
     deterministic = torch.are_deterministic_algorithms_enabled()
     per_program = n["H"] if deterministic else 1
     grid = (n["B"], triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
-    _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, u[0].numel(), *strides,
+    _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, *strides,
                    HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed",
                    TILED=n["tiled"], **n["consts"])
 
@@ -380,7 +393,7 @@ def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch
 def _weight_grad_into(out: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
                       strides: tuple[int, ...], n: dict) -> torch.Tensor:
     grid = (n["H"], triton.cdiv(n["h"], BLOCK_H), u.shape[0])
-    _weight_grad[grid](src, idx, u, out, n["T"], n["H"], n["B"], n["c"], u[0].numel(), *strides,
+    _weight_grad[grid](src, idx, u, out, n["T"], n["H"], n["B"], n["c"], *strides,
                        HD=n["h"], D=n["d"], TILED=n["tiled"], **n["consts"])
     return out
 

@@ -205,7 +205,7 @@ class MosaicHeads(HeadGroup):
         self._record(chosen, member, is_selected)
         return y
 
-    # ---- fast path: all heads at once (the memory-lean gathered core, heads/gathered.py) ---------
+    # ---- fast path: all heads at once (the gathered core, heads/gathered.py) -----------------------
     def _fast(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, Selection, torch.Tensor, torch.Tensor]:
         """Returns y[B, T, h], the slots (idx, valid [B, N, K]), the slots other tokens may see [B, N, K]
         and members per head [B, N] (the last three for the decoding cache)."""

@@ -473,7 +473,7 @@ def test_shared_memory_is_a_constant_under_compile(monkeypatch: pytest.MonkeyPat
 def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
     """heads/gathered_triton.fits: in 16 bits, c x h' blocks up to 64 x 64 (or 32 x 128) go to the fused kernels;
     larger heads, such as c = 128 slots (rho = 8 at T = 1024, whose backward kernel needs 192 KB of shared memory),
-    take the lean path, except on GPUs with 227 KB per block (H100, H200) at h' <= 64. fp32 heads stop at half that
+    take the tiled kernels (heads/gathered_tiled.py), except on GPUs with 227 KB per block (H100, H200) at h' <= 64. fp32 heads stop at half that
     tile (the fp32 backward spills registers at 64 x 64). The c x c tiles count as well: narrow heads (h' = 16) stop
     at the same c (c = 256 passed and needed 352 KB). The dtype is the one the core computes in: autocast's.
     Compiled at the limits: tests/test_triton_aot.py."""

@@ -61,16 +61,23 @@ def test_tiled_matches_reference(T: int, sparsity: int, heads: int, head_dim: in
         assert rel_rms < REL_RMS_TOL and rel_max < REL_MAX_TOL, f"{name}: rel RMS {rel_rms:.2e}, rel max {rel_max:.2e}"
 
 
+def padding_masks(p: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MoSAIC padding rules for `problem` p: (visible keys, self-only queries), on p's device; every kind of
+    slot occurs (visible, self-only, neither)."""
+    g, device = torch.Generator().manual_seed(3), p["x"].device
+    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7).to(device)
+    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5).to(device)
+    assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
+    return visible, self_only
+
+
 @TRITON_KERNELS
 @pytest.mark.parametrize("with_self_only", [True, False])
 def test_tiled_padding_masks_match_lean(with_self_only: bool) -> None:
     """MoSAIC's padding rules (visible keys, self-only queries) as SDPA's slot mask equal the lean path's, forward and
     every gradient, over two tiles of slots; also `visible` alone (MoSAIC's padded="ignore" passes no self_only)."""
     p = problem(100, 1, 3, device=TRITON_DEVICE)
-    g = torch.Generator().manual_seed(3)
-    visible = p["sel"].valid & (torch.rand(p["sel"].idx.shape, generator=g) < 0.7).to(TRITON_DEVICE)
-    self_only = p["sel"].valid & ~visible & (torch.rand(p["sel"].idx.shape, generator=g) < 0.5).to(TRITON_DEVICE)
-    assert visible.any() and self_only.any() and (p["sel"].valid & ~visible & ~self_only).any()
+    visible, self_only = padding_masks(p)
     if not with_self_only:
         self_only = None
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
@@ -242,13 +249,15 @@ def test_tile_sizes() -> None:
 
 @pytest.mark.skipif(TRITON_DEVICE != "cuda",
                     reason="bf16 kernel check needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU here")
-@pytest.mark.parametrize("T,sparsity,heads,head_dim,tile_all", [(2048, 8, 2, 64, False), (1000, 4, 3, 8, False),
-                                                                (1024, 32, 4, 64, True)])
+@pytest.mark.parametrize("T,sparsity,heads,head_dim,tile_all,masks", [
+    (2048, 8, 2, 64, False, False), (1000, 4, 3, 8, False, False), (1024, 32, 4, 64, True, False),
+    (1000, 4, 3, 12, False, True)])  # h' = 12: not a multiple of 8 (SDPA pads or falls back); MoSAIC's masks
 def test_cuda_tiled_bf16_matches_reference(T: int, sparsity: int, heads: int, head_dim: int, tile_all: bool,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           masks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA dispatch under bf16 autocast takes the tiled kernels (c = 256 and 250 slots; c = 32 inside
-    whole_head_disabled) and stays as close to the fp32 reference on the same bf16-rounded inputs as PyTorch's bf16
-    computation of the same maths (the lean core side by side), or within rel-RMS 5e-3."""
+    whole_head_disabled) and stays as close to the fp32 reference on the same bf16-rounded inputs (with MoSAIC's
+    masks: the lean core in fp32, which the CPU tests hold to the reference) as PyTorch's bf16 computation of the same
+    maths (the lean core side by side), or within rel-RMS 5e-3."""
     import heads.gathered_tiled as gtl
     from heads.gathered import fused_disabled, gathered_heads_fast, whole_head_disabled
 
@@ -256,12 +265,18 @@ def test_cuda_tiled_bf16_matches_reference(T: int, sparsity: int, heads: int, he
     tiled = gtl.gathered_heads_tiled
     monkeypatch.setattr(gtl, "gathered_heads_tiled", lambda *a, **k: calls.append(1) or tiled(*a, **k))
     p, rope = bf16_problem_on_cuda(T, sparsity, heads, head_dim)
-    expected = outputs_and_grads(p, lambda: run_reference(p, rope))
+    visible, self_only = padding_masks(p) if masks else (None, None)
 
-    def fast() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    def fast(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             return gathered_heads_fast(p["x"], p["positions"], p["sel"], p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"],
-                                       rope)
+                                       rope, visible, self_only)
+
+    if masks:
+        with fused_disabled():
+            expected = outputs_and_grads(p, lambda: fast(torch.float32))
+    else:
+        expected = outputs_and_grads(p, lambda: run_reference(p, rope))
 
     with whole_head_disabled() if tile_all else contextlib.nullcontext():
         got = outputs_and_grads(p, fast)
@@ -294,3 +309,32 @@ def test_tiled_path_compiles_fullgraph(tiled_path: list[int]) -> None:
     fullgraph=True (the Triton steps are opaque custom ops, SDPA is traced) and equals eager, loss and every
     gradient."""
     assert_compiles_fullgraph(tiled_path)
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cuda", reason="needs a GPU and compiled Triton (TRITON_INTERPRET unset); no GPU "
+                    "here (on CPU: test_tiled_path_compiles_fullgraph routes the fast path to the kernels by hand)")
+def test_cuda_tiled_dispatch_compiles_fullgraph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.compile as on a GPU: inductor, fullgraph, through the real dispatch (gathered_heads_fast -> cuda_core ->
+    the tiled kernels, imported inside the trace) for MoSA and MoSAIC heads of 128 slots in fp32 (past the fused
+    kernels' fp32 limit); loss and every gradient equal eager within fp32 rounding."""
+    import heads.gathered_tiled as gtl
+    from lm.module import LMModule, compiled
+    from tests.conftest import tiny_config
+
+    calls: list[int] = []
+    tiled = gtl.gathered_heads_tiled
+    monkeypatch.setattr(gtl, "gathered_heads_tiled", lambda *a, **k: calls.append(1) or tiled(*a, **k))
+    cfg = tiny_config([{"type": "dense", "count": 1}, {"type": "mosa", "count": 2, "options": {"sparsity": 2}},
+                       {"type": "mosaic", "count": 2, "options": {"sparsity": 2}}], n_layers=2, seq_len=256)
+    module = LMModule(cfg).cuda().train()
+    x, y = (torch.randint(0, 97, (2, 256), device="cuda") for _ in range(2))
+    torch._dynamo.reset()
+    results = []
+    for fn in (module.losses, compiled(module.losses)):
+        torch.manual_seed(0)
+        loss = fn(x, y)[0]
+        results.append([loss.detach(), *torch.autograd.grad(loss, list(module.parameters()))])
+    torch._dynamo.reset()
+    assert calls, "the tiled kernels were not taken"
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
