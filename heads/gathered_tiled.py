@@ -74,6 +74,7 @@ def tiled_fits(d: int, dtype: torch.dtype) -> bool:
 
 
 def _tile_sizes(dtype: torch.dtype, B: int, T: int, h: int, H: int, c: int, d: int) -> dict:
+    """Launch sizes with BLOCK_C = one tile (tile_slots), or the whole head where it is smaller."""
     return launch_sizes(B, T, h, H, c, d, dtype, min(tile_slots(d, dtype), _pow2(c)))
 
 
