@@ -18,6 +18,10 @@ from tests.test_gathered import (HEAD_DIM, assert_compiles_fullgraph, assert_rel
                                  route_fast_path, run_reference)
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from heads.gathered_triton import _slot_offsets  # noqa: E402
 
 NAMES = ["y", "dx", "dr", "dW_qkv", "dW_o"]
 
@@ -338,3 +342,23 @@ def test_cuda_tiled_dispatch_compiles_fullgraph(monkeypatch: pytest.MonkeyPatch)
     assert calls, "the tiled kernels were not taken"
     for eager, comp in zip(*results):
         torch.testing.assert_close(comp, eager, rtol=1e-4, atol=1e-5)
+
+
+@triton.jit
+def _offsets(OUT, t, i, b, H, B, C, D, BLOCK: tl.constexpr):
+    """The element offsets of the last BLOCK slots of (term t, head i, sequence b) in a [TERMS, H, B, C, D] tensor."""
+    slots = C - BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + tl.arange(0, BLOCK), _slot_offsets(t, i, b, H, B, C, slots) * D)
+
+
+@TRITON_KERNELS
+def test_kernel_offsets_do_not_wrap_at_2_to_the_31() -> None:
+    """heads/gathered_triton._slot_offsets, which every gathered kernel (fused and tiled) uses for Q/K/V, G and dQKV:
+    the offsets are int64, so a problem with H*B*C*h' >= 2^31 (here term 2 of B = 256 sequences, 1200 heads of 128
+    slots, h' = 64: offsets up to 7.5e9, which the tiled path can reach) addresses its last elements instead of
+    wrapping as int32 products would (the interpreter's int32 arithmetic wraps as the GPU's does)."""
+    t, i, b, H, B, C, D = 2, 1199, 255, 1200, 256, 128, 64
+    out = torch.zeros(16, dtype=torch.int64, device=TRITON_DEVICE)
+    _offsets[(1,)](out, t, i, b, H, B, C, D, BLOCK=16)
+    expected = [(((t * H + i) * B + b) * C + s) * D for s in range(C - 16, C)]
+    assert expected[-1] > 2**32 and out.tolist() == expected
