@@ -500,4 +500,3 @@ def test_fused_kernels_take_only_heads_that_fit_on_chip() -> None:
     assert compute_dtype(x) == fp32
     with torch.autocast("cpu", dtype=bf16):
         assert compute_dtype(x) == bf16
-
