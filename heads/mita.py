@@ -28,9 +28,9 @@ Deviations from the paper, and why:
   expert holding it, weighting it by how many experts happen to overlap;
 - the landmark count grows with T (one per b rows) instead of a fixed m = AdaptiveAvgPool size, so
   that pooling windows do not depend on the sequence length; m = T // b at the training length;
-- `shared: false` drops the shared expert. (The paper's "route-only" ablation, App. A, also drops its local
-  window branch and raises k to keep each query's budget; this keeps k and the own-block term.) With
-  k >= T, s >= T // b and shared false, MiTA is exactly dense causal attention (tested).
+- `shared: false` drops the shared expert. (The paper's "route-only" ablation, Table 5 and its caption in §4.3,
+  also drops its local window branch and raises k to keep each query's budget; this keeps k and the own-block
+  term.) With k >= T, s >= T // b and shared false, MiTA is exactly dense causal attention (tested).
 Projections are those of heads/dense.py (same `qkv` / `out`), so dense weights load unchanged
 (MiTA App. C's algorithmic generalisation).
 

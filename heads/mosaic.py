@@ -9,7 +9,8 @@ constant of the model). Overloaded heads keep tokens by `priority` (recency: ear
 random: not causal); free slots of underloaded heads are padded with tokens that did not choose the
 head, handled by `padded` (App. E.2):
 - include:  padded tokens are ordinary members: they attend (causally) and are attended to;
-- identity: a padded token attends only to itself (its output is x W^V W^O) and is invisible to others;
+- identity: a padded token attends only to itself (its output is x W^V W^O, scaled by the token's gate for the head
+  like every slot's output: App. E.2 names no gate for padded tokens) and is invisible to others;
 - ignore:   padded tokens are masked out entirely (no output, invisible) though they use a slot.
 Per head, on its members X^s (rotated at their original positions): A = Attention(X^s W^Q, X^s W^K,
 X^s W^V, M) with M_jl = 0 iff I_j >= I_l (and the padding rules above), output diag(p_{:,i}) A W^O
