@@ -49,6 +49,13 @@ CUDA_CHUNK_ELEMENTS = 2**24  # on a GPU (32 MiB in bf16; 5 such buffers live at 
 # dense group at equal FLOPs (bench/results/gpu_isoflop_heads.md); this floor makes them 10 chunks of 64.
 
 
+def slot_positions(positions: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """positions[B, T], idx[B, H, c] -> the original positions of the slots, head-major [H, B, c] (where RoPE rotates
+    them)."""
+    B, H, c = idx.shape
+    return positions.gather(1, idx.reshape(B, -1)).view(B, H, c).transpose(0, 1)
+
+
 def accumulator(dtype: torch.dtype) -> torch.dtype:
     """The dtype Y and dX are summed in over heads: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 ones."""
     return torch.promote_types(dtype, torch.float32)
@@ -71,7 +78,7 @@ class _Plan:
         self.B, self.T, self.H, self.c = B, T, idx.shape[1], idx.shape[2]
         offsets = torch.arange(B, device=idx.device)[:, None, None] * T
         self.flat = (idx + offsets).transpose(0, 1).reshape(self.H, B * self.c)  # rows of x.view(B*T, h)
-        self.pos = positions.gather(1, idx.reshape(B, -1)).view(B, self.H, self.c).transpose(0, 1)  # [H, B, c]
+        self.pos = slot_positions(positions, idx)  # [H, B, c]
         self.step = heads_per_chunk(self.H, self.c, T, B * self.c * x.shape[-1], x.device.type)
         self._mask = mask.transpose(0, 1) if mask.dim() == 4 else mask  # [H, B, c, c] (MoSAIC) or [c, c]
 

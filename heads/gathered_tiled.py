@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from heads.gathered_lean import in_autocast_dtype, slot_mask
+from heads.gathered_lean import in_autocast_dtype, slot_mask, slot_positions
 from heads.gathered_triton import (FWD_STAGES, MAX_TILE, _gather_project, _out_strides, _pow2, _qkv_block,
                                    _qkv_strides, _scatter_add, _slot_block, _slot_offsets, _weight_grad_into,
                                    launch_sizes)
@@ -104,8 +104,7 @@ def _project_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: t
     n = _tile_sizes(x.dtype, B, T, h, H, c, dq.shape[-1])
     x, idx, qkv_weight = (t.contiguous() for t in (x, idx, qkv_weight))
     dqkv = torch.stack((dq, dk, dv)).float()  # [3, H, B, c, h'] fp32
-    pos = positions.gather(1, idx.reshape(B, -1)).view(B, H, c).transpose(0, 1)  # [H, B, c]
-    cos, sin = cos_sin(pos, inv_freq, torch.float32)
+    cos, sin = cos_sin(slot_positions(positions, idx), inv_freq, torch.float32)  # [H, B, c, r/2]
     for grad in dqkv[:2]:
         rotate_(grad, cos, sin, inverse=True)  # R(θ)^T: the gradient before the rotation
     dx = torch.zeros(B * T, h, device=x.device, dtype=torch.float32)
