@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from heads.base import HeadGroup
-from heads.kv_cache import SlotKV
+from heads import gathered_lean
+from heads.kv_cache import SlotKV, gathered_prefill
+from heads.rope import RotaryEmbedding
 from tests.head_checks import make_group
 
 B, H, T, D = 2, 3, 23, 4
@@ -133,3 +136,47 @@ def test_a_chunk_after_the_prefill_is_refused_or_exact(head: str) -> None:
     assert head not in STEPWISE or fed == 20, f"{head} took a chunk, though listed as refusing one"
     outputs += [group(x[:, t : t + 1], positions[:, t : t + 1], cache=cache) for t in range(fed, 32)]
     torch.testing.assert_close(torch.cat(outputs, 1), full, rtol=1e-9, atol=1e-9)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """The most elements any operator returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("floor", [1, 2**19])  # one head per chunk; every head in one chunk (the tiny-size floor)
+def test_gathered_prefill_caches_the_projection_in_chunks_of_heads(monkeypatch: pytest.MonkeyPatch, floor: int) -> None:
+    """gathered_prefill caches R(pos) X[I] W^K_i and X[I] W^V_i of every head, and never holds the gathered X^s of
+    all heads at once ([B, H, c, h], H c / T times X) when the chunk rule splits them."""
+    monkeypatch.setattr(gathered_lean, "MIN_CHUNK_ELEMENTS", floor)
+    Bx, Tx, h, Hx, c, d = 2, 40, 16, 7, 12, 4
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(Bx, Tx, h, generator=g)
+    idx = torch.rand(Bx, Hx, Tx, generator=g).argsort(-1)[..., :c].sort(-1).values  # ascending token indices
+    keep = torch.rand(Bx, Hx, c, generator=g) < 0.8
+    w = torch.randn(3 * Hx * d, h, generator=g)
+    positions = torch.arange(Tx).expand(Bx, Tx) + 9
+    rope = RotaryEmbedding(d)
+    cache = SlotKV.empty(Bx, Hx, c, d)
+    with _LargestOutput() as seen:
+        gathered_prefill(cache, x, positions, idx, keep, w, rope)
+    step = gathered_lean.heads_per_chunk(Hx, c, Tx, Bx * c * h)
+    assert (step < Hx) == (floor == 1)
+    assert seen.largest <= max(x.numel(), w.numel(), Bx * step * c * h)  # the inputs (and views of them), a chunk
+    assert (seen.largest < Bx * Hx * c * h) == (floor == 1)  # the whole gather is bigger than all of them
+    wk, wv = w.view(3, Hx, d, h)[1:]  # the reference: the old whole-gather projection
+    ref = SlotKV.empty(Bx, Hx, c, d)
+    xs = torch.stack([x[b, idx[b]] for b in range(Bx)])  # [B, H, c, h]
+    pos = torch.stack([positions[b, idx[b]] for b in range(Bx)])
+    ref.write(keep, rope(torch.einsum("bnch,ndh->bncd", xs, wk), pos), torch.einsum("bnch,ndh->bncd", xs, wv), pos)
+    for name in ("k", "v", "pos", "fill"):
+        torch.testing.assert_close(getattr(cache, name), getattr(ref, name), rtol=1e-5, atol=1e-5, msg=name)
