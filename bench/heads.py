@@ -8,7 +8,9 @@ The variants are MoSA's two selections by default, or any head type (`--variants
 `--sparsity` where the type has one); `mosa-lean` is mosa-threshold with the Triton kernels off
 (heads.gathered.fused_disabled: the lean PyTorch core, which CPU runs anyway) and `mosa-tiled` mosa-threshold with
 the whole-head kernels off (heads.gathered.whole_head_disabled: the tiled kernels around SDPA take every head), to
-compare the three cores on a GPU. For
+compare the three cores on a GPU, and `mosa-column-grid` mosa-threshold with the Triton scatter's grid of before
+2026-12-01 (heads.gathered_triton.column_loop_disabled: a program per column block, each reading its U tile from L2).
+For
 each T, `--dense-heads` dense heads set the budget; each other variant gets the largest head count whose forward
 FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not
 exceed it. Every (T, variant) runs in a fresh
@@ -55,6 +57,7 @@ VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get 
     "mosa-expert_choice": ("mosa", {"selection": "expert_choice"}),
     "mosa-lean": ("mosa", {"selection": "threshold"}),  # mosa-threshold on the lean PyTorch core, on CUDA too
     "mosa-tiled": ("mosa", {"selection": "threshold"}),  # on CUDA: the tiled kernels, also for heads that fit on chip
+    "mosa-column-grid": ("mosa", {"selection": "threshold"}),  # on CUDA: the scatter's grid before 2026-12-01
     "mosaic": ("mosaic", {}),
     "fixed": ("fixed", {}),
     "routing": ("routing", {}),
@@ -66,7 +69,8 @@ VARIANTS = {  # name -> (head type, options; types with a `sparsity` option get 
     "topk": ("topk", {}),
 }
 DEFAULT_VARIANTS = ["dense", "mosa-threshold", "mosa-expert_choice"]
-CORES = {"mosa-lean": "lean", "mosa-tiled": "tiled"}  # variants that force a gathered-head core on CUDA (worker)
+CORES = {"mosa-lean": "lean", "mosa-tiled": "tiled",  # variants that force a gathered-head core on CUDA (worker)
+         "mosa-column-grid": "column-grid"}  # ... or the Triton scatter's earlier grid, a program per column block
 
 
 def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, int, dict]:
@@ -145,6 +149,7 @@ def worker(spec: dict) -> dict:
     """Build one head group, run fwd+bwd steps, return time and peak memory."""
     from heads import GroupContext, head_class, make_options
     from heads.gathered import fused_disabled, whole_head_disabled
+    from heads.gathered_triton import column_loop_disabled
 
     torch.manual_seed(0)
     device = use_device(spec["device"])
@@ -160,11 +165,12 @@ def worker(spec: dict) -> dict:
     def precision() -> contextlib.AbstractContextManager:
         """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles); the
         gathered-head core a variant forces (CORES): "lean" with the Triton kernels off, "tiled" with the whole-head
-        kernels off."""
+        kernels off, "column-grid" with the scatter's column loop off."""
         stack = contextlib.ExitStack()
         if device.type == "cuda":
             stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-        forced = {"lean": fused_disabled, "tiled": whole_head_disabled}.get(spec.get("core"))
+        forced = {"lean": fused_disabled, "tiled": whole_head_disabled, "column-grid": column_loop_disabled}.get(
+            spec.get("core"))
         if forced:
             stack.enter_context(forced())
         return stack

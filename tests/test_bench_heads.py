@@ -58,24 +58,29 @@ def test_memory_worker_runs_with_the_fixed_mmap_threshold() -> None:
 
 def test_core_variants_force_their_gathered_head_core(monkeypatch: pytest.MonkeyPatch) -> None:
     """mosa-lean is mosa-threshold inside heads.gathered.fused_disabled() (on a GPU: the lean core instead of the
-    Triton kernels), mosa-tiled inside whole_head_disabled() (the tiled kernels for every head), to compare the cores;
-    every other variant, and the code after the block, has every kernel on."""
+    Triton kernels), mosa-tiled inside whole_head_disabled() (the tiled kernels for every head), mosa-column-grid
+    inside heads.gathered_triton.column_loop_disabled() (the scatter's earlier grid), to compare them; every other
+    variant, and the code after the block, has every switch on."""
     import heads.gathered as gathered
+    import heads.gathered_triton as gathered_triton
     from bench.heads import CORES, VARIANTS, worker
 
-    seen: list[tuple[bool, bool]] = []
+    def switches() -> tuple[bool, bool, bool]:
+        return gathered._FUSED.on, gathered._WHOLE_HEAD.on, gathered_triton._COLUMN_LOOP.on
+
+    seen: list[tuple[bool, bool, bool]] = []
     lean = gathered.gathered_heads_lean
-    monkeypatch.setattr(gathered, "gathered_heads_lean",
-                        lambda *a, **k: seen.append((gathered._FUSED.on, gathered._WHOLE_HEAD.on)) or lean(*a, **k))
-    assert CORES == {"mosa-lean": "lean", "mosa-tiled": "tiled"}
-    assert VARIANTS["mosa-lean"] == VARIANTS["mosa-tiled"] == VARIANTS["mosa-threshold"]
-    for core, switches in ((None, (True, True)), ("lean", (False, True)), ("tiled", (True, False))):
+    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(switches()) or lean(*a, **k))
+    assert CORES == {"mosa-lean": "lean", "mosa-tiled": "tiled", "mosa-column-grid": "column-grid"}
+    assert all(VARIANTS[variant] == VARIANTS["mosa-threshold"] for variant in CORES)
+    for core, expected in ((None, (True, True, True)), ("lean", (False, True, True)), ("tiled", (True, False, True)),
+                           ("column-grid", (True, True, False))):
         seen.clear()
         spec = dict(type="mosa", options={"sparsity": 4}, count=2, T=32, d_model=16, head_dim=8, batch=1, repeats=1,
                     device="cpu", core=core)
         worker(spec)
-        assert seen and set(seen) == {switches}, core
-        assert gathered._FUSED.on and gathered._WHOLE_HEAD.on
+        assert seen and set(seen) == {expected}, core
+        assert switches() == (True, True, True)
     with pytest.raises(RuntimeError), gathered.fused_disabled():
         raise RuntimeError
     assert gathered._FUSED.on  # restored however the block ends

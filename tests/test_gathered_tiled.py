@@ -117,14 +117,16 @@ def test_tiled_16bit_matches_reference(T: int, sparsity: int, heads: int, head_d
 
 
 @TRITON_KERNELS
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["default", "deterministic", "column-grid"])
+def test_tiled_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model width h = 80 (three column blocks of BLOCK_H, the last ragged) and c = 100 slots (two tiles): output and
-    every gradient vs the reference, in the default grid and in deterministic mode (the scatter walks heads and tiles
-    in order: bitwise equal over two runs; the interpreter runs programs one at a time, so the scatter's grid is
-    checked too: one program per (sequence, column block) walking all heads, or one per head by default)."""
+    every gradient vs the reference, in the default grid, in deterministic mode (the scatter walks heads and tiles
+    in order: bitwise equal over two runs) and inside column_loop_disabled(). The interpreter runs programs one at a
+    time, so the scatter's grid is checked too: by default one program per (sequence, head) looping over the column
+    blocks; deterministic, one per (sequence, column block) walking all heads; column-grid, one per (sequence, column
+    block, head)."""
     from heads import gathered_triton
-    from heads.gathered_triton import BLOCK_H
+    from heads.gathered_triton import BLOCK_H, column_loop_disabled
 
     grids: list[tuple[int, ...]] = []
     scatter = gathered_triton._scatter
@@ -140,16 +142,18 @@ def test_tiled_over_several_column_blocks(deterministic: bool, monkeypatch: pyte
     assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     expected = outputs_and_grads(p, lambda: run_reference(p, rope))
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(mode == "deterministic")
     try:
-        runs = [outputs_and_grads(p, lambda: run_tiled(p, rope)) for _ in range(2 if deterministic else 1)]
+        with column_loop_disabled() if mode == "column-grid" else contextlib.nullcontext():
+            runs = [outputs_and_grads(p, lambda: run_tiled(p, rope)) for _ in range(2 if mode == "deterministic" else 1)]
     finally:
         torch.use_deterministic_algorithms(False)
     assert_rel_rms(runs[0], expected, REL_RMS_TOL)
     assert len(grids) == 2 * len(runs)  # y's scatter and dX's, per run
     B, H = p["sel"].idx.shape[:2]
-    assert all(grid == (B, 3, 1 if deterministic else H) for grid in grids), grids
-    if deterministic:
+    grid = {"default": (B, 1, H), "deterministic": (B, 3, 1), "column-grid": (B, 3, H)}[mode]
+    assert all(g == grid for g in grids), grids
+    if mode == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
