@@ -209,14 +209,15 @@ def test_triton_16bit_tiles_match_reference(T: int, sparsity: int, heads: int, h
 @TRITON_KERNELS
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_triton_kernels_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Model width h = 80: three column blocks of BLOCK_H = 32 in every kernel's loop or grid over h, the last ragged
-    (the other tests have h = 32, one block). Output and every gradient vs the reference, in the default grid and in
-    deterministic mode (one scatter program per sequence over all heads: bitwise equal over two runs)."""
-    from heads.gathered_triton import BLOCK_H, gathered_heads_triton
+    """Model width h = 272: nine column blocks of BLOCK_H = 32 in the kernels' loops or grids over h and three of the
+    weight gradient's 128 columns (h' = 8), the last ones ragged (the other tests have h = 32, one block). Output and
+    every gradient vs the reference, in the default grid and in deterministic mode (one scatter program per sequence
+    over all heads: bitwise equal over two runs)."""
+    from heads.gathered_triton import BLOCK_H, gathered_heads_triton, weight_grad_columns
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    p = problem(100, 8, 3, device=TRITON_DEVICE, d_model=80)
-    assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
+    p = problem(100, 8, 3, device=TRITON_DEVICE, d_model=272)
+    assert 8 * BLOCK_H < 272 < 9 * BLOCK_H and 2 * weight_grad_columns(16) < 272 < 3 * weight_grad_columns(16)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     ref = run_reference(p, rope)

@@ -119,14 +119,14 @@ def test_tiled_16bit_matches_reference(T: int, sparsity: int, heads: int, head_d
 @TRITON_KERNELS
 @pytest.mark.parametrize("mode", ["default", "deterministic", "column-grid"])
 def test_tiled_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Model width h = 80 (three column blocks of BLOCK_H, the last ragged) and c = 100 slots (two tiles): output and
-    every gradient vs the reference, in the default grid, in deterministic mode (the scatter walks heads and tiles
-    in order: bitwise equal over two runs) and inside column_loop_disabled(). The interpreter runs programs one at a
-    time, so the scatter's grid is checked too: by default one program per (sequence, head) looping over the column
-    blocks; deterministic, one per (sequence, column block) walking all heads; column-grid, one per (sequence, column
-    block, head)."""
+    """Model width h = 272 (nine column blocks of BLOCK_H and three of the weight gradient's 128 columns at h' = 8, the
+    last ones ragged) and c = 100 slots (two tiles): output and every gradient vs the reference, in the default grid,
+    in deterministic mode (the scatter walks heads and tiles in order: bitwise equal over two runs) and inside
+    column_loop_disabled(). The interpreter runs programs one at a time, so the scatter's grid is checked too: by
+    default one program per (sequence, head) looping over the column blocks; deterministic, one per (sequence, column
+    block) walking all heads; column-grid, one per (sequence, column block, head)."""
     from heads import gathered_triton
-    from heads.gathered_triton import BLOCK_H, column_loop_disabled
+    from heads.gathered_triton import BLOCK_H, column_loop_disabled, weight_grad_columns
 
     grids: list[tuple[int, ...]] = []
     scatter = gathered_triton._scatter
@@ -138,8 +138,8 @@ def test_tiled_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(gathered_triton, "_scatter", Recording())
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    p = problem(100, 1, 3, device=TRITON_DEVICE, d_model=80)
-    assert 2 * BLOCK_H < 80 < 3 * BLOCK_H
+    p = problem(100, 1, 3, device=TRITON_DEVICE, d_model=272)
+    assert 8 * BLOCK_H < 272 < 9 * BLOCK_H and 2 * weight_grad_columns(16) < 272 < 3 * weight_grad_columns(16)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     expected = outputs_and_grads(p, lambda: run_reference(p, rope))
     torch.use_deterministic_algorithms(mode == "deterministic")
@@ -151,7 +151,7 @@ def test_tiled_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyP
     assert_rel_rms(runs[0], expected, REL_RMS_TOL)
     assert len(grids) == 2 * len(runs)  # y's scatter and dX's, per run
     B, H = p["sel"].idx.shape[:2]
-    grid = {"default": (B, 1, H), "deterministic": (B, 3, 1), "column-grid": (B, 3, H)}[mode]
+    grid = {"default": (B, 1, H), "deterministic": (B, 9, 1), "column-grid": (B, 9, H)}[mode]
     assert all(g == grid for g in grids), grids
     if mode == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
