@@ -14,7 +14,8 @@ only per-head tensors in memory are [H, B, c, h'] (h' << h), like the rotated Q,
   _attn_bwd     one program per (b, i): recompute P from the saved Q, K; dG = dY[b, I] W^O_i (gathered by
                 index); dr = rowsum(A * dG); dA = diag(r) dG; dV = P^T dA; dS = P * (dA V^T - rowsum(...));
                 dQ = dS K, dK = dS^T Q, rotated back by R(θ)^T = R(-θ). Writes dQ, dK, dV, dr and G.
-  _weight_grad  one program per (head i, column block, term t): dW_{t,i} = sum_b U_{t,i,b}^T SRC[b, I_{i,b}]:
+  _weight_grad  one program per (head i, block of up to 128 columns, term t; weight_grad_columns):
+                dW_{t,i} = sum_b U_{t,i,b}^T SRC[b, I_{i,b}]:
                 dW^{Q,K,V} from (dQ, dK, dV) and X, dW^O from (G, dY). Each program owns its output block.
 
 Forward and backward are torch.library custom ops (`gathered::fused_forward`, `gathered::fused_backward`) with
