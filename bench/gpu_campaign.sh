@@ -186,21 +186,22 @@ tests)
 timing)
     # bench/resources.py rewrites its table after every round, bench/heads.py after every T: a step stopped at its
     # limit keeps what it finished
+    # The head groups first: every gathered-head path changed since the H200 run of 2026-11-29 is timed side by side
+    # there. The 5 dense heads the IsoFLOP model replaces; mosa-threshold takes the whole-head kernels where they fit
+    # (c <= 64; <= 128 on H100/H200) and the tiled kernels beyond (c = 256 at T = 8192); mosa-column-grid: the Triton
+    # scatter's grid before 2026-12-01 (a program per column block), against its column loop; mosa-tiled: the tiled
+    # kernels for every head; mosa-lean: the lean PyTorch core, to see which is fastest at each T; T = 8192 first, the
+    # tiled kernels' case (the H200 run of 2026-11-29 never reached it), then the IsoFLOP point T = 1024
+    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+        --variants dense mosa-threshold mosa-column-grid mosa-tiled mosa-lean --T 8192 1024 4096 --batch 4 --repeats 5 \
+        --out $C/gpu_heads.md
     # one round each: on the H200, two rounds and the first Triton compiles overran 55 s; one round took 28 s
     step table2 70 python3 -m bench.resources --pair table2-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_table2.md
     step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \
         --rounds 1 --warmup 3 --steps 10 --out $C/gpu_isoflop_resources.md
-    # before the heads, which keep each finished T when stopped: a profile cut short has no table
+    # last: a profile cut short has no table
     step profile 120 bash -c profile
-    # the 5 dense heads the IsoFLOP model replaces; mosa-threshold takes the whole-head kernels where they fit (c <= 64;
-    # <= 128 on H100/H200) and the tiled kernels beyond (c = 256 at T = 8192); mosa-tiled: the tiled kernels for every
-    # head, mosa-lean: the lean PyTorch core, to see which of the three is fastest at each T; mosa-column-grid: the
-    # Triton scatter's grid before 2026-12-01 (a program per column block), against its column loop; T = 8192 first,
-    # the tiled kernels' case (the H200 run of 2026-11-29 never reached it), then the IsoFLOP point T = 1024
-    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
-        --variants dense mosa-threshold mosa-column-grid mosa-tiled mosa-lean --T 8192 1024 4096 --batch 4 --repeats 5 \
-        --out $C/gpu_heads.md
     ;;
 mfu)
     MFU=(data.val_batches=1 optim.warmup_steps=10 trainer.max_steps=60 trainer.log_every=10 trainer.val_every=60 trainer.ckpt_every=1000)
