@@ -14,7 +14,9 @@ sweep (titled by its size, and its directory when two sweeps share a size), a li
 error bars over the swept values: sparsity, where each line starts at that sweep's dense baseline (ρ = 1), or the
 option of a `flops.sweep --vary` sweep, where the baseline is a dashed line and its own table column. A grid
 (`flops.sweep --sparsity ... --vary KEY=...`) has a line per (head type, value of KEY) over sparsity, and a table row
-per (value, head type), in a block per value. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out: `<first dir>/results`).
+per (value, head type), in a block per value; a grid of two options (`--vary X=... --vary KEY=...`) likewise over X,
+with the baseline as a line and its own column. Writes `<out>.csv`, `<out>.md`, `<out>.png` (default out:
+`<first dir>/results`).
 The markdown opens with each sweep's command and training length (unless --note replaces that). Done points of one
 sweep that trained for different lengths (a point rerun with `run_sweep --only NAME trainer.max_steps=...`) are not
 comparable at equal FLOPs per pass: a warning on stderr, above the tables and in the PNG's title names them.
@@ -73,7 +75,7 @@ def sweep_labels(sweeps: list[Path]) -> list[str]:
 def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
     leakfree_ppl otherwise (None if missing); besides COLUMNS, `swept`: the swept options (sweep.json's, else
-    [vary])."""
+    [vary]), and `setting`: the point's value of each."""
     manifest = read_sweep(sweep / "sweep.json", keys=("points", "size"))
     status = read_status(sweep / "status.json")
     rows = []
@@ -83,7 +85,8 @@ def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
         row = {c: e.get(c) for c in COLUMNS}
         vary = manifest.get("vary", "sparsity")
         row.update(sweep=label or manifest["size"], size=manifest["size"], vary=vary, swept=manifest.get("swept", [vary]),
-                   value=e.get("value", e.get("sparsity")), step=m.get("step"), max_steps=max_steps(e),
+                   value=e.get("value", e.get("sparsity")), setting=e.get("setting", {}), step=m.get("step"),
+                   max_steps=max_steps(e),
                    tokens=m.get("tokens_seen"), val_ppl=m.get("val_ppl"), leakfree_ppl=lf.get("leakfree_ppl"),
                    tokens_per_s=m.get("tokens_per_s"))
         row["ppl"] = row["val_ppl"] if e["causal"] else row["leakfree_ppl"]
@@ -129,12 +132,13 @@ def default_note(sweeps: list[Path], rows: list[dict[str, Any]]) -> str:
 
 def position(row: dict[str, Any]) -> tuple[str, Any]:
     """(curve, x) of a point: its head type over the value of the swept option, or in a grid (--sparsity with
-    --vary) `<head> <KEY>=<value>` over sparsity; the dense baseline's curve is `dense`, its x 1 over sparsity, None
-    over another option."""
+    --vary, or --vary twice) `<head> <KEY>=<value>` (the last swept option) over the first swept option; the dense
+    baseline's curve is `dense`, its x 1 over sparsity, None over another option."""
     if len(row["swept"]) == 1:
         return row["head"], row["value"]
     curve = "dense" if row["head"] == "dense" else f"{row['head']} {row['vary']}={row['value']}"
-    return curve, row["sparsity"]
+    x = row["swept"][0]
+    return curve, row["sparsity"] if x == "sparsity" else row["setting"].get(x)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, Any]]:
@@ -155,7 +159,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[tuple[str, str, Any], dict[str, 
 
 
 def swept_option(rows: list[dict[str, Any]], sweep: str) -> str:
-    """The option on a sweep's x axis: sparsity, unless flops.sweep --vary without --sparsity swept another one."""
+    """The option on a sweep's x axis: sparsity, unless flops.sweep --vary without --sparsity swept another one (the
+    first of two)."""
     return next(r["swept"][0] for r in rows if r["sweep"] == sweep)
 
 

@@ -19,9 +19,12 @@ def read_sweep(path: Path, keys: tuple[str, ...] = ("points",)) -> dict[str, Any
     points = manifest["points"]
     if not isinstance(points, list):
         raise ConfigError(f"{path} is damaged (points is not a list); restore it or write it again with flops.sweep")
-    vary = manifest.get("vary")  # a grid's `swept` (flops.sweep --sparsity with --vary) is [sparsity, vary]
-    if "swept" in manifest and (manifest["swept"] != ["sparsity", vary] or not isinstance(vary, str) or vary == "sparsity"):
-        raise ConfigError(f"{path} is damaged (swept is not [sparsity, <vary>]); restore it or write it again with "
+    vary = manifest.get("vary")  # a grid's `swept` (flops.sweep --sparsity with --vary, or --vary twice) is [x, vary]
+    swept = manifest.get("swept")
+    if "swept" in manifest and (not isinstance(swept, list) or len(swept) != 2
+                                or not all(isinstance(k, str) for k in swept) or swept[1] != vary
+                                or vary in ("sparsity", swept[0])):
+        raise ConfigError(f"{path} is damaged (swept is not [<x>, <vary>]); restore it or write it again with "
                           "flops.sweep")
     for i, point in enumerate(points):
         missing = [k for k in POINT_KEYS if not isinstance(point, dict) or k not in point]

@@ -1,8 +1,11 @@
 """IsoFLOP sweep configs (MoSA Sec. 3, Fig. 3): one FLOP-matched training config per (head type, sparsity), per
-(head type, value of another option) with --vary, or per (head type, sparsity, value) with both.
+(head type, value of another option) with --vary, per (head type, sparsity, value) with both, or per (head type,
+value, value) with --vary twice.
 
     python -m flops.sweep --size micro --heads local --vary window=16,32,64 --dense-heads 2 --out sweeps/windows
     python -m flops.sweep --size micro --heads mosa --sparsity 1,4,8 --vary capacity_factor=1,2 --out sweeps/grid
+    python -m flops.sweep --size micro --heads mosa --vary capacity_factor=1,2 --vary selection=threshold,quota \\
+        --out sweeps/grid2
     python -m flops.sweep --size tiny --heads mosa,fixed,routing --sparsity 1,2,4,8,16,32,64,128,256 \\
         --out sweeps/tiny [--base configs/tiny.yaml] [--dense-heads 4] [--with local:2:window=128] \\
         [--option mosa.selection=expert_choice] [--seeds 3] [data.path=data/c4 trainer.max_steps=2000 ...]
@@ -14,11 +17,14 @@ sparsity 1 is the dense baseline, written once as `dense_s1`. `--vary KEY=V1,V2,
 the sparse heads instead (local `window`, MiTA `k`, MoSA `capacity_factor`, ...; positive numbers, the x axis), one
 point `<head>_<KEY><V>` per value, and always writes `dense_s1`; with `--sparsity` it is a grid: one point
 `<head>_s<RHO>_<KEY><V>` per (sparsity > 1, value), `dense_s1` only if 1 is listed, and the values may be any of
-the option's (`selection=threshold,quota,predictor`: a curve each over sparsity). `--seeds N` writes N replicas
+the option's (`selection=threshold,quota,predictor`: a curve each over sparsity). `--vary` twice, without
+`--sparsity`, is a grid of two options: the first (positive numbers) is the x axis, the second's values (any) are
+the curves, one point `<head>_<KEY1><V1>_<KEY2><V2>` per pair, and `dense_s1` as a line. `--seeds N` writes N replicas
 of every point (`<name>_seed<S>`, trainer.seed = S = base seed + 0..N-1), aggregated as mean ± std. Writes
-`<out>/<name>.yaml` (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`: `vary` (--vary's KEY, else
-sparsity), a grid's `swept` ([sparsity, KEY]), and the list of points with their sparsity, `value` (of `vary`),
-FLOPs, KV entries, parameters and causality. Train them with `python -m flops.run_sweep <out>`.
+`<out>/<name>.yaml` (trainer.out_dir = `<out>/runs/<name>`) and `<out>/sweep.json`: `vary` (the last --vary's KEY,
+else sparsity), a grid's `swept` ([sparsity, KEY] or [KEY1, KEY2]: x axis, then curves), and the list of points with
+their sparsity, `value` (of `vary`), `setting` (the value of every swept option), FLOPs, KV entries, parameters and
+causality. Train them with `python -m flops.run_sweep <out>`.
 """
 from __future__ import annotations
 
@@ -55,8 +61,9 @@ def sweep_points(
     options: dict[str, dict[str, Any]] | None = None, seeds: int = 1, keep: list[HeadGroupConfig] | None = None,
 ) -> list[tuple[Config, dict[str, Any]]]:
     """(config, manifest entry) of every point and replica; cfg.model must be the dense baseline; `swept`: the values
-    of the swept options of the sparse heads, {"sparsity": [...]}, {KEY: [...]} or both (sparsity first: a grid, one
-    point per combination); the dense baseline (sparsity 1) is written when 1 is listed or sparsity is not swept;
+    of the swept options of the sparse heads, {"sparsity": [...]}, {KEY: [...]}, or two of them (sparsity first: a
+    grid, one point per combination); the dense baseline (sparsity 1) is written when 1 is listed or sparsity is not
+    swept;
     `keep`: head groups kept in every sparse point next to the dense heads (flops.isoflop.solve)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
@@ -97,6 +104,7 @@ def sweep_points(
         validate(point)
         entry = {
             "name": name, "head": head, "sparsity": r.sparsity, "value": setting.get(list(swept)[-1]), "seed": seed,
+            "setting": {k: v for k, v in setting.items() if k in swept},
             "config": str(out / f"{name}.yaml"), "out_dir": point.trainer.out_dir, "causal": is_causal(point),
             "mix": point.model.mix_text(),
             **{k: getattr(r, k) for k in ("k", "dense_heads", "sparse_heads", "flops_per_pass",
@@ -215,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", required=True, type=comma_list(str),
                    help="comma-separated sparse head types, e.g. mosa,fixed,routing")
     p.add_argument("--sparsity", type=comma_list(positive_int), help="comma-separated rho values; 1 = the dense baseline")
-    p.add_argument("--vary", type=varied, metavar="KEY=V1,V2,...",
+    p.add_argument("--vary", type=varied, action="append", metavar="KEY=V1,V2,...",
                    help="another option of the sparse heads and its values, e.g. window=32,64,128; alone (positive "
                         "numbers), the dense baseline is always written; with --sparsity, a point per (sparsity, value), "
-                        "any values, e.g. selection=threshold,quota")
+                        "any values, e.g. selection=threshold,quota; twice without --sparsity, a point per pair of "
+                        "values: the first (positive numbers) on the x axis, a curve per value of the second")
     p.add_argument("--dense-heads", type=int, default=4, help="dense heads kept in every sparse model (0 = pure)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--base", help="base YAML config (data, optim, trainer, vocab)")
@@ -230,12 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not (a.sparsity or a.vary):
         p.error("one of the arguments --sparsity --vary is required")
-    if a.vary and not a.sparsity and not numeric(a.vary[1]):
-        p.error(f"--vary {a.vary[0]}: alone, its values are the x axis and must be positive numbers, got "
-                f"{','.join(map(as_text, a.vary[1]))} (with --sparsity, any values of the option: a curve each over sparsity)")
-    swept = {"sparsity": a.sparsity} if a.sparsity else {}  # sparsity first: a grid's x axis
-    if a.vary:
-        swept[a.vary[0]] = a.vary[1]
+    vary = a.vary or []
+    if len(vary) > 2 or (a.sparsity and len(vary) > 1):
+        p.error("a sweep has at most two axes: --sparsity and one --vary, or two --vary without --sparsity")
+    if len(vary) == 2 and vary[0][0] == vary[1][0]:
+        p.error(f"--vary {vary[0][0]} given twice")
+    if vary and not a.sparsity and not numeric(vary[0][1]):
+        second = ("the second --vary's values (any) are its curves" if len(vary) == 2
+                  else "with --sparsity, any values of the option: a curve each over sparsity")
+        role = "first of two" if len(vary) == 2 else "alone"
+        p.error(f"--vary {vary[0][0]}: {role}, its values are the x axis and must be positive numbers, got "
+                f"{','.join(map(as_text, vary[0][1]))} ({second})")
+    swept = {"sparsity": a.sparsity} if a.sparsity else {}  # the first swept option is the x axis
+    swept.update(dict(vary))
     try:
         cfg = load_config(a.base, *a.overrides)
         size = None if a.size == "base" else a.size

@@ -458,6 +458,44 @@ def test_a_grid_over_text_values_draws_a_curve_per_value(tmp_path: Path, capsys)
     assert err.startswith("error: ") and "bogus" in err and err.count("\n") == 1, err
 
 
+def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_first(tmp_path: Path, monkeypatch) -> None:
+    """--vary capacity_factor=1,2 --vary selection=threshold,quota (no --sparsity): dense_s1, then a FLOP-matched point
+    per (capacity factor, rule) with both set (the type's default sparsity); sweep.json records [capacity_factor,
+    selection] and each point's setting; the aggregate has a block of rows per rule, a column per capacity factor and
+    the baseline's own column, and draws a curve per rule over the capacity factor with the baseline as a line."""
+    from matplotlib.axes import Axes
+
+    out = tmp_path / "sw"
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "capacity_factor=1,2", "--vary",
+                       "selection=threshold,quota", "--dense-heads", "2", "--out", str(out), "trainer.max_steps=3",
+                       f"data.path={tmp_path / 'nodata'}"]) == 0
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert (manifest["vary"], manifest["swept"]) == ("selection", ["capacity_factor", "selection"])
+    assert [(e["name"], e["value"], e["setting"]) for e in manifest["points"]] == [("dense_s1", None, {})] + [
+        (f"mosa_capacity_factor{f}_selection{r}", r, {"capacity_factor": f, "selection": r})
+        for f in (1, 2) for r in ("threshold", "quota")]
+    for e in manifest["points"][1:]:
+        model = lm.load_config(e["config"]).model
+        assert {k: model.heads[1].options[k] for k in e["setting"]} == e["setting"]
+        assert e["flops_per_pass"] <= e["baseline_flops_per_pass"]
+    for e in manifest["points"]:
+        _fake_metrics(e, 30.0 if e["head"] == "dense" else 10 * e["setting"]["capacity_factor"]
+                      + {"threshold": 1.0, "quota": 2.0}[e["setting"]["selection"]])
+    drawn: list[tuple[str, tuple]] = []
+    errorbar = Axes.errorbar
+
+    def recorded(self: Axes, x: tuple, *args, **kwargs):
+        drawn.append((kwargs["label"], tuple(x)))
+        return errorbar(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", recorded)
+    assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
+    assert "\n".join(["| selection | head | dense baseline | capacity_factor=1 | capacity_factor=2 |",
+                      "|---|---|---|---|---|", "| quota | mosa | 30.00 | 12.00 | 22.00 |",
+                      "| threshold | mosa | 30.00 | 11.00 | 21.00 |"]) in (tmp_path / "res.md").read_text()
+    assert sorted(drawn) == [("mosa selection=quota", (1, 2)), ("mosa selection=threshold", (1, 2))]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "local", "--sparsity", "1,4", "--vary", "window=16,32"],
      "--sparsity with --vary: local heads have no sparsity (their options: impl, window); sweep window alone, without "
@@ -474,6 +512,15 @@ def test_a_grid_over_text_values_draws_a_curve_per_value(tmp_path: Path, capsys)
     (["--heads", "mosa", "--sparsity", "4", "--vary", "sparsity=2,4"],
      "argument --vary: sparsity is swept with --sparsity (where 1 is the dense baseline)"),
     (["--heads", "mosa"], "one of the arguments --sparsity --vary is required"),
+    (["--heads", "mosa", "--sparsity", "4", "--vary", "capacity_factor=1,2", "--vary", "selection=quota"],
+     "a sweep has at most two axes: --sparsity and one --vary, or two --vary without --sparsity"),
+    (["--heads", "mosa", "--vary", "capacity_factor=1,2", "--vary", "capacity_factor=3"],
+     "--vary capacity_factor given twice"),
+    (["--heads", "mosa", "--vary", "selection=threshold,quota", "--vary", "capacity_factor=1,2"],
+     "--vary selection: first of two, its values are the x axis and must be positive numbers, got threshold,quota "
+     "(the second --vary's values (any) are its curves)"),
+    (["--heads", "local", "--vary", "window=16,32", "--vary", "capacity_factor=1,2"],
+     "--vary capacity_factor: local heads have no option capacity_factor (their options: impl, window)"),
 ])
 def test_bad_grids_are_one_line_errors(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
     out = tmp_path / "sw"
@@ -696,7 +743,7 @@ def test_runner_forwards_sigterm_and_records_the_point_as_interrupted(tmp_path: 
 def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Points that are no list, or a point that is no object with name, config, out_dir and causal, stop
     flops.run_sweep and flops.aggregate with one line naming the file and the point (were KeyError / TypeError); so
-    does a grid's `swept` that is not [sparsity, vary] (a string was read as a grid)."""
+    does a grid's `swept` that is not [x, vary] with x another option (a string was read as a grid)."""
     manifest = _sweep(tmp_path)
     capsys.readouterr()
     path = tmp_path / "sw" / "sweep.json"
@@ -707,10 +754,12 @@ def test_a_sweep_json_with_damaged_points_is_one_line(tmp_path: Path, capsys: py
             assert main([str(tmp_path / "sw")]) == 2
             assert capsys.readouterr().err == f"error: {path} is damaged ({why}); restore it or write it again with " \
                                               "flops.sweep\n"
-    for swept in ("sparsity", ["sparsity"], ["window", "sparsity"], ["sparsity", "sparsity"]):  # a grid's is [sparsity, vary]
-        path.write_text(json.dumps({**manifest, "vary": "sparsity", "swept": swept}))
+    for vary, swept in (("sparsity", "sparsity"), ("sparsity", ["sparsity"]), ("sparsity", ["window", "sparsity"]),
+                        ("sparsity", ["sparsity", "sparsity"]), ("window", ["window", "window"]),
+                        ("window", ["sparsity", "k"]), ("window", ["sparsity", "window", "k"])):  # a grid's: [x, vary]
+        path.write_text(json.dumps({**manifest, "vary": vary, "swept": swept}))
         assert aggregate_main([str(tmp_path / "sw")]) == 2
-        assert capsys.readouterr().err == f"error: {path} is damaged (swept is not [sparsity, <vary>]); restore it " \
+        assert capsys.readouterr().err == f"error: {path} is damaged (swept is not [<x>, <vary>]); restore it " \
                                           "or write it again with flops.sweep\n"
 
 
