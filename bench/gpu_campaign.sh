@@ -191,8 +191,9 @@ timing)
     # (c <= 64; <= 128 on H100/H200) and the tiled kernels beyond (c = 256 at T = 8192); mosa-column-grid: the Triton
     # scatter's grid before 2026-12-01 (a program per column block), against its column loop; mosa-tiled: the tiled
     # kernels for every head; mosa-lean: the lean PyTorch core, to see which is fastest at each T; T = 8192 first, the
-    # tiled kernels' case (the H200 run of 2026-11-29 never reached it), then the IsoFLOP point T = 1024
-    step heads 120 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
+    # tiled kernels' case (the H200 run of 2026-11-29 never reached it), then the IsoFLOP point T = 1024; 150 s for
+    # five variants (120 s for four before 2026-12-01)
+    step heads 150 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
         --variants dense mosa-threshold mosa-column-grid mosa-tiled mosa-lean --T 8192 1024 4096 --batch 4 --repeats 5 \
         --out $C/gpu_heads.md
     # one round each: on the H200, two rounds and the first Triton compiles overran 55 s; one round took 28 s

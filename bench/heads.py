@@ -163,22 +163,23 @@ def worker(spec: dict) -> dict:
     cot = torch.randn_like(x)  # a dense upstream gradient, as in training (not sum()'s broadcast ones)
 
     def precision() -> contextlib.AbstractContextManager:
-        """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles); the
-        gathered-head core a variant forces (CORES): "lean" with the Triton kernels off, "tiled" with the whole-head
-        kernels off, "column-grid" with the scatter's column loop off."""
-        stack = contextlib.ExitStack()
-        if device.type == "cuda":
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-        forced = {"lean": fused_disabled, "tiled": whole_head_disabled, "column-grid": column_loop_disabled}.get(
+        """fp32 on CPU; on CUDA bf16 autocast, as training's bf16-mixed (flash SDPA, bf16 Triton tiles), around the
+        forward pass only."""
+        return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    def forced() -> contextlib.AbstractContextManager:
+        """The gathered-head path a variant forces (CORES), around forward and backward (the scatter's grid is chosen
+        at each launch, the backward's too): "lean" with the Triton kernels off, "tiled" with the whole-head kernels
+        off, "column-grid" with the scatter's column loop off."""
+        switch = {"lean": fused_disabled, "tiled": whole_head_disabled, "column-grid": column_loop_disabled}.get(
             spec.get("core"))
-        if forced:
-            stack.enter_context(forced())
-        return stack
+        return switch() if switch else contextlib.nullcontext()
 
     def step() -> None:
-        with precision():
-            y = group(x, pos)
-        y.backward(cot)
+        with forced():
+            with precision():
+                y = group(x, pos)
+            y.backward(cot)
         x.grad = None
         group.zero_grad(set_to_none=True)
 
@@ -204,7 +205,7 @@ def worker(spec: dict) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     grad_bytes = sum(p.numel() * p.element_size() for p in group.parameters())
-    with precision():
+    with forced(), precision():
         saved = saved_bytes(group, x, pos)
     return {"seconds": statistics.median(times) if times else None, "peak_bytes": peak, "grad_bytes": grad_bytes,
             "saved_bytes": saved,

@@ -8,7 +8,8 @@ only per-head tensors in memory are [H, B, c, h'] (h' << h), like the rotated Q,
                 W^V (fp32 accumulation), RoPE at the original positions, masked causal softmax over the c
                 slots, G = diag(r) A. Writes Q, K, V (rotated) and G.
   _scatter      OUT[b, I_i] += sum_t U_{t,i} W_{t,i} for every head i, one program per (b, i) looping over
-                column blocks of h (the U tiles then come from L1 after the first block):
+                the column blocks of h (its U tiles then come from L1 after the first block; tiles of slots,
+                heads/gathered_tiled.py: a program per (b, column block, i)):
                 Y = sum_i scatter(G_i W^O_i^T) in the forward, dX = sum_i scatter(dQ_i W^Q_i + dK_i W^K_i +
                 dV_i W^V_i) in the backward (fp32 atomic adds).
   _attn_bwd     one program per (b, i): recompute P from the saved Q, K; dG = dY[b, I] W^O_i (gathered by
@@ -25,7 +26,7 @@ keeps each as one opaque op instead of tracing into the launches.
 RoPE's rotate-half pairs column j with j ± r/2: the kernels take the partner column from the tile in registers
 (tl.gather along h'), for the rotation in the forward and its transpose in the backward.
 
-Determinism: the only atomics are _scatter's. By default it runs one program per (b, head), so
+Determinism: the only atomics are _scatter's. By default it runs one program per (b, head) (or per column block), so
 the order in which heads add into a row of Y or dX varies between runs (results agree up to fp32 rounding); its adds
 are relaxed atomics (on sm_90 bare REDG reductions; Triton's default acq_rel put a fence and an L1 invalidation
 around every add instruction until 2026-11-30). Under torch.use_deterministic_algorithms(True)
@@ -228,53 +229,52 @@ def _attn_fwd(X, IDX, GATE, POS, W, VIS, SELF, INV_FREQ, QO, KO, VO, GO, T, H, B
 
 
 @triton.jit
-def _scatter_tile(OUT, IDX, U, W, b, i, c0, col0, cols, dd, dmask, T, H, B, C, w_term_stride,
+def _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
                   w_head_stride, w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr,
-                  DOT: tl.constexpr, SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
-                  STAGES: tl.constexpr):
-    """_scatter's adds of head i's slots c0 .. c0 + BLOCK_C - 1 in sequence b, to the `cols` columns from col0, one block
-    of BLOCK_H at a time. The U tiles [BLOCK_C, D] are the same for every column block: loaded again in this program,
-    they come from its SM's L1, where a program per column block read them from L2 (16 times at h = 512). STAGES:
-    the column loop's software pipelining (1: none)."""
+                  DOT: tl.constexpr, SEM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
+    """_scatter's adds of head i's slots c0 .. c0 + BLOCK_C - 1 in sequence b to the columns hh."""
     slots = c0 + tl.arange(0, BLOCK_C)
     smask = slots < C
     rows = _slot_rows(IDX, b, i, T, H, C, slots, smask)
-    for h0 in tl.range(col0, tl.minimum(col0 + cols, HD), BLOCK_H, num_stages=STAGES):
-        hh = h0 + tl.arange(0, BLOCK_H)
-        hmask = hh < HD
-        acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
-        for t in tl.static_range(TERMS):
-            u = tl.load(U + _slot_offsets(t, i, b, H, B, C, slots)[:, None] * D + dd[None, :],
-                        mask=smask[:, None] & dmask[None, :], other=0.0)
-            w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
-                        mask=dmask[:, None] & hmask[None, :], other=0.0)
-            acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
-        tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :], sem=SEM)
+    acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)
+    for t in tl.static_range(TERMS):
+        u = tl.load(U + _slot_offsets(t, i, b, H, B, C, slots)[:, None] * D + dd[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)
+        w = tl.load(W + t * w_term_stride + i * w_head_stride + dd[:, None] * w_d_stride + hh[None, :] * w_h_stride,
+                    mask=dmask[:, None] & hmask[None, :], other=0.0)
+        acc += tl.dot(u, w.to(tl.float32), input_precision=DOT)
+    tl.atomic_add(OUT + rows[:, None] * HD + hh[None, :], acc, mask=smask[:, None] & hmask[None, :], sem=SEM)
 
 
 @triton.jit
-def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, cols_per_program, w_term_stride, w_head_stride,
+def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, w_term_stride, w_head_stride,
              w_d_stride, w_h_stride, HD: tl.constexpr, D: tl.constexpr, TERMS: tl.constexpr, DOT: tl.constexpr,
-             SEM: tl.constexpr, TILED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_H: tl.constexpr):
-    """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order and the
-    columns of block program_id(1) (cols_per_program of them): all C slots in one block, or, if TILED
-    (heads/gathered_tiled.py), in blocks of BLOCK_C. U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at
+             SEM: tl.constexpr, TILED: tl.constexpr, COLUMN_LOOP: tl.constexpr, BLOCK_C: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """OUT[b*T + I_{b,i}, cols] += sum_t U[t, i, b] @ W_{t,i}[:, cols] for heads [g*n, (g+1)*n) in order: all C slots in
+    one block, or, if TILED (heads/gathered_tiled.py), in blocks of BLOCK_C. If COLUMN_LOOP (whole heads only), the
+    program loops over every column block of h: its loads of the head's U tiles after the first block hit its SM's L1;
+    else it adds to column block program_id(1) alone. U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at
     W + t*w_term_stride + i*w_head_stride + d*w_d_stride + col*w_h_stride. SEM: the adds' memory order (_scatter_add)."""
     b = tl.program_id(0)
-    col0 = tl.program_id(1) * cols_per_program
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = hh < HD
     first = tl.program_id(2) * heads_per_program
     dd = tl.arange(0, BLOCK_D)
     dmask = dd < D
     for i in range(first, tl.minimum(first + heads_per_program, H)):
-        if TILED:  # the column loop is the innermost: it prefetches, which keeps shared memory as slot tiles did
-            for c0 in range(0, C, BLOCK_C):
-                _scatter_tile(OUT, IDX, U, W, b, i, c0, col0, cols_per_program, dd, dmask, T, H, B, C, w_term_stride,
-                              w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H,
-                              TILE_STAGES)
-        else:  # a whole head's U tiles: prefetching them took the backward at c = 128, h' = 64 to 220 KB of shared memory
-            _scatter_tile(OUT, IDX, U, W, b, i, 0, col0, cols_per_program, dd, dmask, T, H, B, C, w_term_stride,
-                          w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H, 1)
+        if TILED:
+            for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
+                _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
+                              w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
+        elif COLUMN_LOOP:  # not software-pipelined: async copies to shared memory would bypass L1
+            for h0 in range(0, HD, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                _scatter_tile(OUT, IDX, U, W, b, i, 0, cols, cols < HD, dd, dmask, T, H, B, C, w_term_stride,
+                              w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
+        else:
+            _scatter_tile(OUT, IDX, U, W, b, i, 0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
+                          w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
         tl.debug_barrier()  # this head's adds land before the next head's (the deterministic order)
 
 
@@ -392,16 +392,18 @@ def launch_sizes(B: int, T: int, h: int, H: int, c: int, d: int, dtype: torch.dt
 def _scatter_add(out: torch.Tensor, idx: torch.Tensor, u: torch.Tensor, w: torch.Tensor, strides: tuple[int, ...],
                  n: dict) -> None:
     """out[B*T, h] += scatter over heads of u[t, i] @ W_{t,i} (see _scatter); one program per (sequence, head) over
-    every column (per (sequence, head, column block) inside `column_loop_disabled()`), or, when torch's deterministic
-    mode is on, one per (sequence, column block) walking all heads in order. The adds are relaxed atomics (a sum
-    whose order is free needs no memory ordering; Triton's default, acq_rel, fences every add), except in
-    deterministic mode, which keeps acq_rel so that each head's adds are ordered before the next head's."""
+    every column block for whole heads (the fused kernels), one per (sequence, column block, head) for tiles of slots
+    (heads/gathered_tiled.py) and inside `column_loop_disabled()`, or, when torch's deterministic mode is on, one per
+    (sequence, column block) walking all heads in order. The adds are relaxed atomics (a sum whose order is free needs
+    no memory ordering; Triton's default, acq_rel, fences every add), except in deterministic mode, which keeps acq_rel
+    so that each head's adds are ordered before the next head's."""
     deterministic = torch.are_deterministic_algorithms_enabled()
-    heads, cols = (n["H"], BLOCK_H) if deterministic else (1, n["h"] if _COLUMN_LOOP.on else BLOCK_H)
-    grid = (n["B"], triton.cdiv(n["h"], cols), triton.cdiv(n["H"], heads))
-    _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], heads, cols, *strides,
+    loop = _COLUMN_LOOP.on and not deterministic and not n["tiled"]
+    per_program = n["H"] if deterministic else 1
+    grid = (n["B"], 1 if loop else triton.cdiv(n["h"], BLOCK_H), triton.cdiv(n["H"], per_program))
+    _scatter[grid](out, idx, u, w, n["T"], n["H"], n["B"], n["c"], per_program, *strides,
                    HD=n["h"], D=n["d"], TERMS=u.shape[0], SEM="acq_rel" if deterministic else "relaxed",
-                   TILED=n["tiled"], **n["consts"])
+                   TILED=n["tiled"], COLUMN_LOOP=loop, **n["consts"])
 
 
 def weight_grad_columns(block_d: int) -> int:

@@ -60,8 +60,10 @@ def test_core_variants_force_their_gathered_head_core(monkeypatch: pytest.Monkey
     """mosa-lean is mosa-threshold inside heads.gathered.fused_disabled() (on a GPU: the lean core instead of the
     Triton kernels), mosa-tiled inside whole_head_disabled() (the tiled kernels for every head), mosa-column-grid
     inside heads.gathered_triton.column_loop_disabled() (the scatter's earlier grid), to compare them; every other
-    variant, and the code after the block, has every switch on."""
+    variant, and the code after the block, has every switch on. The switches hold in the backward pass too (the
+    scatter's grid is chosen at each launch, the backward's as well)."""
     import heads.gathered as gathered
+    import heads.gathered_lean as gathered_lean
     import heads.gathered_triton as gathered_triton
     from bench.heads import CORES, VARIANTS, worker
 
@@ -69,17 +71,22 @@ def test_core_variants_force_their_gathered_head_core(monkeypatch: pytest.Monkey
         return gathered._FUSED.on, gathered._WHOLE_HEAD.on, gathered_triton._COLUMN_LOOP.on
 
     seen: list[tuple[bool, bool, bool]] = []
-    lean = gathered.gathered_heads_lean
-    monkeypatch.setattr(gathered, "gathered_heads_lean", lambda *a, **k: seen.append(switches()) or lean(*a, **k))
+    passes: list[str] = []
+    lean, backward = gathered.gathered_heads_lean, gathered_lean.lean_backward
+    monkeypatch.setattr(gathered, "gathered_heads_lean",
+                        lambda *a, **k: seen.append(switches()) or passes.append("fwd") or lean(*a, **k))
+    monkeypatch.setattr(gathered_lean, "lean_backward",
+                        lambda *a, **k: seen.append(switches()) or passes.append("bwd") or backward(*a, **k))
     assert CORES == {"mosa-lean": "lean", "mosa-tiled": "tiled", "mosa-column-grid": "column-grid"}
     assert all(VARIANTS[variant] == VARIANTS["mosa-threshold"] for variant in CORES)
     for core, expected in ((None, (True, True, True)), ("lean", (False, True, True)), ("tiled", (True, False, True)),
                            ("column-grid", (True, True, False))):
         seen.clear()
+        passes.clear()
         spec = dict(type="mosa", options={"sparsity": 4}, count=2, T=32, d_model=16, head_dim=8, batch=1, repeats=1,
                     device="cpu", core=core)
         worker(spec)
-        assert seen and set(seen) == {expected}, core
+        assert {"fwd", "bwd"} <= set(passes) and set(seen) == {expected}, core
         assert switches() == (True, True, True)
     with pytest.raises(RuntimeError), gathered.fused_disabled():
         raise RuntimeError

@@ -3,6 +3,8 @@ random selections (odd T, several ρ and head counts, chunked and unchunked), al
 the router scores; and what the lean path keeps in memory."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -206,15 +208,52 @@ def test_triton_16bit_tiles_match_reference(T: int, sparsity: int, heads: int, h
     assert_rel_rms([y, *grads], [ref, *ref_grads], 2e-3)
 
 
+def record_grids(monkeypatch: pytest.MonkeyPatch, *kernels: str) -> dict[str, list[tuple[int, ...]]]:
+    """heads.gathered_triton's `kernels` launched through kernel[grid](...) with each grid recorded, by name."""
+    from heads import gathered_triton
+
+    grids: dict[str, list[tuple[int, ...]]] = {name: [] for name in kernels}
+
+    class Recording:
+        def __init__(self, name: str) -> None:
+            self.name, self.kernel = name, getattr(gathered_triton, name)
+
+        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+            grids[self.name].append(tuple(grid))
+            return self.kernel[grid]
+
+    for name in kernels:
+        monkeypatch.setattr(gathered_triton, name, Recording(name))
+    return grids
+
+
+SCATTER_MODES = ["default", "deterministic", "column-grid"]
+
+
+def in_scatter_mode(mode: str, run):  # noqa: ANN001, ANN201
+    """run() in torch's deterministic mode, inside heads.gathered_triton.column_loop_disabled(), or as it is."""
+    from heads.gathered_triton import column_loop_disabled
+
+    torch.use_deterministic_algorithms(mode == "deterministic")
+    try:
+        with column_loop_disabled() if mode == "column-grid" else contextlib.nullcontext():
+            return run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @TRITON_KERNELS
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_triton_kernels_over_several_column_blocks(deterministic: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", SCATTER_MODES)
+def test_triton_kernels_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model width h = 272: nine column blocks of BLOCK_H = 32 in the kernels' loops or grids over h and three of the
     weight gradient's 128 columns (h' = 8), the last ones ragged (the other tests have h = 32, one block). Output and
-    every gradient vs the reference, in the default grid and in deterministic mode (one scatter program per sequence
-    over all heads: bitwise equal over two runs)."""
+    every gradient vs the reference in the scatter's three grids, which the interpreter's one-at-a-time programs let
+    the test pin: by default one program per (sequence, head) looping over the column blocks; in deterministic mode
+    one per (sequence, column block) walking all heads (bitwise equal over two runs); inside column_loop_disabled()
+    one per (sequence, column block, head). The weight gradient: a program per (head, block of 128 columns, term)."""
     from heads.gathered_triton import BLOCK_H, gathered_heads_triton, weight_grad_columns
 
+    grids = record_grids(monkeypatch, "_scatter", "_weight_grad")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     p = problem(100, 8, 3, device=TRITON_DEVICE, d_model=272)
     assert 8 * BLOCK_H < 272 < 9 * BLOCK_H and 2 * weight_grad_columns(16) < 272 < 3 * weight_grad_columns(16)
@@ -222,17 +261,19 @@ def test_triton_kernels_over_several_column_blocks(deterministic: bool, monkeypa
     leaves = [p["x"], p["r"], p["w_qkv"], p["w_o"]]
     ref = run_reference(p, rope)
     expected = [ref, *torch.autograd.grad((ref * p["cot"]).sum(), leaves)]
-    runs = []
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        for _ in range(2 if deterministic else 1):
-            y = gathered_heads_triton(p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"],
-                                      p["w_o"], rope)
-            runs.append([y, *torch.autograd.grad((y * p["cot"]).sum(), leaves)])
-    finally:
-        torch.use_deterministic_algorithms(False)
+
+    def run() -> list[torch.Tensor]:
+        y = gathered_heads_triton(p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"],
+                                  rope)
+        return [y, *torch.autograd.grad((y * p["cot"]).sum(), leaves)]
+
+    runs = [in_scatter_mode(mode, run) for _ in range(2 if mode == "deterministic" else 1)]
     assert_rel_rms(runs[0], expected, REL_RMS_TOL)
-    if deterministic:
+    B, H = p["sel"].idx.shape[:2]
+    scatter = {"default": (B, 1, H), "deterministic": (B, 9, 1), "column-grid": (B, 9, H)}[mode]
+    assert grids["_scatter"] == [scatter] * 2 * len(runs)  # Y's and dX's
+    assert grids["_weight_grad"] == [(H, 3, 3), (H, 3, 1)] * len(runs)  # dW^QKV, dW^O
+    if mode == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -354,8 +395,8 @@ def test_triton_path_is_causal(kernel_path: list[int]) -> None:
 
 @TRITON_KERNELS
 def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torch.use_deterministic_algorithms(True) the scatter kernel runs one program per sequence walking
-    the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run (on a GPU,
+    """Under torch.use_deterministic_algorithms(True) the scatter kernel runs one program per (sequence, column block)
+    walking the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run (on a GPU,
     where the default grid's atomics make the order vary, with cuBLAS's deterministic workspace, as Lightning sets)."""
     import heads.gathered_triton as gt
 

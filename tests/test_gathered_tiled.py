@@ -14,8 +14,9 @@ from heads.gathered_lean import gathered_heads_lean
 from heads.rope import RotaryEmbedding
 from tests.conftest import TRITON_DEVICE, TRITON_KERNELS
 from tests.head_checks import REL_MAX_TOL, REL_RMS_TOL
-from tests.test_gathered import (HEAD_DIM, assert_compiles_fullgraph, assert_rel_rms, bf16_problem_on_cuda, problem,
-                                 route_fast_path, run_reference)
+from tests.test_gathered import (HEAD_DIM, SCATTER_MODES, assert_compiles_fullgraph, assert_rel_rms,
+                                 bf16_problem_on_cuda, in_scatter_mode, problem, record_grids, route_fast_path,
+                                 run_reference)
 
 pytest.importorskip("triton")
 import triton  # noqa: E402
@@ -117,42 +118,26 @@ def test_tiled_16bit_matches_reference(T: int, sparsity: int, heads: int, head_d
 
 
 @TRITON_KERNELS
-@pytest.mark.parametrize("mode", ["default", "deterministic", "column-grid"])
+@pytest.mark.parametrize("mode", SCATTER_MODES)
 def test_tiled_over_several_column_blocks(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Model width h = 272 (nine column blocks of BLOCK_H and three of the weight gradient's 128 columns at h' = 8, the
-    last ones ragged) and c = 100 slots (two tiles): output and every gradient vs the reference, in the default grid,
-    in deterministic mode (the scatter walks heads and tiles in order: bitwise equal over two runs) and inside
-    column_loop_disabled(). The interpreter runs programs one at a time, so the scatter's grid is checked too: by
-    default one program per (sequence, head) looping over the column blocks; deterministic, one per (sequence, column
-    block) walking all heads; column-grid, one per (sequence, column block, head)."""
-    from heads import gathered_triton
-    from heads.gathered_triton import BLOCK_H, column_loop_disabled, weight_grad_columns
+    last ones ragged) and c = 100 slots (two tiles): output and every gradient vs the reference. Tiles of slots keep
+    the scatter's program per (sequence, column block, head), whose slot loop prefetches (column_loop_disabled()
+    changes nothing); deterministic mode walks heads and tiles in order (bitwise equal over two runs)."""
+    from heads.gathered_triton import BLOCK_H, weight_grad_columns
 
-    grids: list[tuple[int, ...]] = []
-    scatter = gathered_triton._scatter
-
-    class Recording:  # gathered_triton._scatter[grid](...) with the grid recorded
-        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
-            grids.append(tuple(grid))
-            return scatter[grid]
-
-    monkeypatch.setattr(gathered_triton, "_scatter", Recording())
+    grids = record_grids(monkeypatch, "_scatter", "_weight_grad")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     p = problem(100, 1, 3, device=TRITON_DEVICE, d_model=272)
     assert 8 * BLOCK_H < 272 < 9 * BLOCK_H and 2 * weight_grad_columns(16) < 272 < 3 * weight_grad_columns(16)
     rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
     expected = outputs_and_grads(p, lambda: run_reference(p, rope))
-    torch.use_deterministic_algorithms(mode == "deterministic")
-    try:
-        with column_loop_disabled() if mode == "column-grid" else contextlib.nullcontext():
-            runs = [outputs_and_grads(p, lambda: run_tiled(p, rope)) for _ in range(2 if mode == "deterministic" else 1)]
-    finally:
-        torch.use_deterministic_algorithms(False)
+    runs = [in_scatter_mode(mode, lambda: outputs_and_grads(p, lambda: run_tiled(p, rope)))
+            for _ in range(2 if mode == "deterministic" else 1)]
     assert_rel_rms(runs[0], expected, REL_RMS_TOL)
-    assert len(grids) == 2 * len(runs)  # y's scatter and dX's, per run
     B, H = p["sel"].idx.shape[:2]
-    grid = {"default": (B, 1, H), "deterministic": (B, 9, 1), "column-grid": (B, 9, H)}[mode]
-    assert all(g == grid for g in grids), grids
+    assert grids["_scatter"] == [(B, 9, 1 if mode == "deterministic" else H)] * 2 * len(runs)  # Y's and dX's
+    assert grids["_weight_grad"] == [(H, 3, 1), (H, 3, 3)] * len(runs)  # dW^O, then dW^QKV
     if mode == "deterministic":
         assert all(torch.equal(a, b) for a, b in zip(*runs))
 

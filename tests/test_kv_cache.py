@@ -153,8 +153,9 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("floor", [1, 2**19])  # one head per chunk; every head in one chunk (the tiny-size floor)
-def test_gathered_prefill_caches_the_projection_in_chunks_of_heads(monkeypatch: pytest.MonkeyPatch, floor: int) -> None:
+@pytest.mark.parametrize("floor, step", [(1, 1), (3 * 2 * 12 * 16, 3), (2**19, 7)])  # chunks of 1; 3, 3, 1; all 7
+def test_gathered_prefill_caches_the_projection_in_chunks_of_heads(monkeypatch: pytest.MonkeyPatch, floor: int,
+                                                                   step: int) -> None:
     """gathered_prefill caches R(pos) X[I] W^K_i and X[I] W^V_i of every head, and never holds the gathered X^s of
     all heads at once ([B, H, c, h], H c / T times X) when the chunk rule splits them."""
     monkeypatch.setattr(gathered_lean, "MIN_CHUNK_ELEMENTS", floor)
@@ -169,10 +170,9 @@ def test_gathered_prefill_caches_the_projection_in_chunks_of_heads(monkeypatch: 
     cache = SlotKV.empty(Bx, Hx, c, d)
     with _LargestOutput() as seen:
         gathered_prefill(cache, x, positions, idx, keep, w, rope)
-    step = gathered_lean.heads_per_chunk(Hx, c, Tx, Bx * c * h)
-    assert (step < Hx) == (floor == 1)
+    assert gathered_lean.heads_per_chunk(Hx, c, Tx, Bx * c * h) == step
     assert seen.largest <= max(x.numel(), w.numel(), Bx * step * c * h)  # the inputs (and views of them), a chunk
-    assert (seen.largest < Bx * Hx * c * h) == (floor == 1)  # the whole gather is bigger than all of them
+    assert (seen.largest < Bx * Hx * c * h) == (step < Hx)  # the whole gather is bigger than all of them
     wk, wv = w.view(3, Hx, d, h)[1:]  # the reference: the old whole-gather projection
     ref = SlotKV.empty(Bx, Hx, c, d)
     xs = torch.stack([x[b, idx[b]] for b in range(Bx)])  # [B, H, c, h]
