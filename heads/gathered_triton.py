@@ -267,8 +267,8 @@ def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, w_term_stride, w_hea
             for c0 in tl.range(0, C, BLOCK_C, num_stages=TILE_STAGES):
                 _scatter_tile(OUT, IDX, U, W, b, i, c0, hh, hmask, dd, dmask, T, H, B, C, w_term_stride,
                               w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
-        elif COLUMN_LOOP:  # not software-pipelined: async copies to shared memory would bypass L1
-            for h0 in range(0, HD, BLOCK_H):
+        elif COLUMN_LOOP:  # not software-pipelined (num_stages=1): its async copies to shared memory would bypass L1,
+            for h0 in tl.range(0, HD, BLOCK_H, num_stages=1):  # and a whole head's U tiles took c = 128 to 328 KB
                 cols = h0 + tl.arange(0, BLOCK_H)
                 _scatter_tile(OUT, IDX, U, W, b, i, 0, cols, cols < HD, dd, dmask, T, H, B, C, w_term_stride,
                               w_head_stride, w_d_stride, w_h_stride, HD, D, TERMS, DOT, SEM, BLOCK_C, BLOCK_H)
