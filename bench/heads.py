@@ -10,8 +10,7 @@ The variants are MoSA's two selections by default, or any head type (`--variants
 the whole-head kernels off (heads.gathered.whole_head_disabled: the tiled kernels around SDPA take every head), to
 compare the three cores on a GPU, and `mosa-column-grid` mosa-threshold with the Triton scatter's grid of before
 2026-12-01 (heads.gathered_triton.column_loop_disabled: a program per column block, each reading its U tile from L2).
-For
-each T, `--dense-heads` dense heads set the budget; each other variant gets the largest head count whose forward
+For each T, `--dense-heads` dense heads set the budget; each other variant gets the largest head count whose forward
 FLOPs (MoSA App. C via flops/formulas.py: dense 8hh'T + 4h'T^2, MoSA 8hh'k + 4h'k^2 + 2hT + h'k per head) do not
 exceed it. Every (T, variant) runs in a fresh
 subprocess, one after the other, so the ratios come from one run on one machine. Peak memory is that of the

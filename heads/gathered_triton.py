@@ -255,7 +255,8 @@ def _scatter(OUT, IDX, U, W, T, H, B, C, heads_per_program, w_term_stride, w_hea
     one block, or, if TILED (heads/gathered_tiled.py), in blocks of BLOCK_C. If COLUMN_LOOP (whole heads only), the
     program loops over every column block of h: its loads of the head's U tiles after the first block hit its SM's L1;
     else it adds to column block program_id(1) alone. U: fp32 [TERMS, H, B, C, D]; W_{t,i}[d, col] at
-    W + t*w_term_stride + i*w_head_stride + d*w_d_stride + col*w_h_stride. SEM: the adds' memory order (_scatter_add)."""
+    W + t*w_term_stride + i*w_head_stride + d*w_d_stride + col*w_h_stride. SEM: the adds' memory order
+    (_scatter_add)."""
     b = tl.program_id(0)
     hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = hh < HD

@@ -396,8 +396,9 @@ def test_triton_path_is_causal(kernel_path: list[int]) -> None:
 @TRITON_KERNELS
 def test_triton_deterministic_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torch.use_deterministic_algorithms(True) the scatter kernel runs one program per (sequence, column block)
-    walking the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run (on a GPU,
-    where the default grid's atomics make the order vary, with cuBLAS's deterministic workspace, as Lightning sets)."""
+    walking the heads in order: same results as the default grid (to rounding) and bitwise equal from run to run (on a
+    GPU, where the default grid's atomics make the order vary, with cuBLAS's deterministic workspace, as Lightning
+    sets)."""
     import heads.gathered_triton as gt
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
