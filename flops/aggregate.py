@@ -36,7 +36,8 @@ from heads.base import ConfigError
 from lm.run_files import read_json
 
 COLUMNS = [
-    "sweep", "size", "name", "head", "vary", "value", "sparsity", "seed", "k", "dense_heads", "sparse_heads", "params",
+    "sweep", "size", "name", "head", "vary", "value", "setting", "sparsity", "seed", "k", "dense_heads", "sparse_heads",
+    "params",
     "flops_per_pass", "baseline_flops_per_pass", "kv_total", "causal", "status", "step", "max_steps", "tokens", "val_ppl",
     "leakfree_ppl", "ppl", "tokens_per_s",
 ]
@@ -183,7 +184,14 @@ def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float
     return {key: sorted(points) for key, points in out.items()}
 
 
+def setting_text(setting: dict[str, Any]) -> str:
+    """A point's swept values as a table cell: 'capacity_factor=1 selection=quota' ('' for none recorded)."""
+    return " ".join(f"{key}={value}" for key, value in setting.items())
+
+
 def _fmt(value: Any) -> str:
+    if isinstance(value, dict):
+        value = setting_text(value) or None
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -294,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, COLUMNS, extrasaction="ignore")  # (not `swept`: the columns name each point's)
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "setting": setting_text(r["setting"])} for r in rows)
     warnings = unequal_training(rows)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)

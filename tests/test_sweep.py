@@ -494,6 +494,10 @@ def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_firs
                       "|---|---|---|---|---|", "| quota | mosa | 30.00 | 12.00 | 22.00 |",
                       "| threshold | mosa | 30.00 | 11.00 | 21.00 |"]) in (tmp_path / "res.md").read_text()
     assert sorted(drawn) == [("mosa selection=quota", (1, 2)), ("mosa selection=threshold", (1, 2))]
+    with open(tmp_path / "res.csv") as f:  # both swept values of every point, by name
+        assert {r["name"]: r["setting"] for r in csv.DictReader(f)} == {
+            "dense_s1": "", **{f"mosa_capacity_factor{f}_selection{r}": f"capacity_factor={f} selection={r}"
+                               for f in (1, 2) for r in ("threshold", "quota")}}
 
 
 @pytest.mark.parametrize("argv, message", [
