@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.json_files import read_status, read_sweep
+from flops.json_files import as_text, read_status, read_sweep
 from heads.base import ConfigError
 from lm.run_files import read_json
 
@@ -137,7 +137,7 @@ def position(row: dict[str, Any]) -> tuple[str, Any]:
     baseline's curve is `dense`, its x 1 over sparsity, None over another option."""
     if len(row["swept"]) == 1:
         return row["head"], row["value"]
-    curve = "dense" if row["head"] == "dense" else f"{row['head']} {row['vary']}={row['value']}"
+    curve = "dense" if row["head"] == "dense" else f"{row['head']} {row['vary']}={as_text(row['value'])}"
     x = row["swept"][0]
     return curve, row["sparsity"] if x == "sparsity" else row["setting"].get(x)
 
@@ -186,7 +186,7 @@ def curves(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[tuple[float
 
 def setting_text(setting: dict[str, Any]) -> str:
     """A point's swept values as a table cell: 'capacity_factor=1 selection=quota' ('' for none recorded)."""
-    return " ".join(f"{key}={value}" for key, value in setting.items())
+    return " ".join(f"{key}={as_text(value)}" for key, value in setting.items())
 
 
 def _fmt(value: Any) -> str:
@@ -210,7 +210,7 @@ def cell(g: dict[str, Any] | None) -> str:
 
 
 def table(s: dict[tuple[str, str, Any], dict[str, Any]], rows: list[dict[str, Any]], sweep: str) -> list[str]:
-    """The perplexity table of `sweep` (`s`: summary): a row per curve (a grid's in a block per value of its --vary
+    """The perplexity table of `sweep` (`s`: summary): a row per curve (a grid's in a block per value of its last swept
     option), a column per x; over sparsity the dense baseline is the rho = 1 column, else a column of its own."""
     mine = [r for r in rows if r["sweep"] == sweep]
     key, grid = swept_option(rows, sweep), len(mine[0]["swept"]) > 1
@@ -226,7 +226,7 @@ def table(s: dict[tuple[str, str, Any], dict[str, Any]], rows: list[dict[str, An
         cells = [[cell(dense_baseline(s, sweep))] + [cell(s.get((sweep, curve, x))) for x in xs] for _, curve in named]
     first = [mine[0]["vary"], "head"] if grid else ["head"]
     return ["| " + " | ".join(first + header) + " |", "|---" * (len(first) + len(header)) + "|"] + [
-        "| " + " | ".join([*map(str, lead), *row]) + " |" for (lead, _), row in zip(named, cells)]
+        "| " + " | ".join([*map(as_text, lead), *row]) + " |" for (lead, _), row in zip(named, cells)]
 
 
 def markdown(rows: list[dict[str, Any]], note: str, warnings: list[str]) -> str:

@@ -2,6 +2,7 @@
 a missing file gives the default, a damaged one a one-line ConfigError naming it, never a traceback."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,24 @@ def read_sweep(path: Path, keys: tuple[str, ...] = ("points",)) -> dict[str, Any
                                 or vary in ("sparsity", swept[0])):
         raise ConfigError(f"{path} is damaged (swept is not [<x>, <vary>]); restore it or write it again with "
                           "flops.sweep")
+    x = swept[0] if isinstance(swept, list) else None  # a two-option grid's points are placed by their setting
     for i, point in enumerate(points):
         missing = [k for k in POINT_KEYS if not isinstance(point, dict) or k not in point]
         if missing:
             raise ConfigError(f"{path} is damaged (point {i} is not an object with {', '.join(missing)}); restore it "
                               "or write it again with flops.sweep")
+        setting = point.get("setting", {})
+        if not isinstance(setting, dict) or (x not in (None, "sparsity") and point.get("head") != "dense"
+                                             and x not in setting):
+            raise ConfigError(f"{path} is damaged (point {i}'s setting is not an object"
+                              f"{f' holding {x}' if x not in (None, 'sparsity') else ''}); restore it or write it "
+                              "again with flops.sweep")
     return manifest
+
+
+def as_text(value: Any) -> str:
+    """A swept value as written on the command line and in point names: 16, 1.5, true, quota."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def read_status(path: Path) -> dict[str, dict[str, Any]]:

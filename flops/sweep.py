@@ -42,6 +42,7 @@ import yaml
 
 from flops.cli import comma_list, command_line, positive_int, script_parser
 from flops.isoflop import option_names, parse_group, parse_options, solve
+from flops.json_files import as_text
 from flops.presets import SIZES, baseline
 from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, validate
@@ -136,16 +137,11 @@ def check_swept(head: str, keys: list[str], options: dict[str, Any]) -> None:
 
 
 def point_name(head: str, setting: dict[str, Any]) -> str:
-    """'dense_s1', 'mosa_s4', 'local_window16', 'mosa_s4_capacity_factor2', 'mosa_s4_selectionquota' (before any
-    _seed<S>)."""
+    """'dense_s1', 'mosa_s4', 'local_window16', 'mosa_s4_capacity_factor2', 'mosa_s4_selectionquota',
+    'mosa_capacity_factor1_selectionquota' (before any _seed<S>)."""
     if head == "dense":
         return "dense_s1"
     return "_".join([head, *(f"s{v}" if k == "sparsity" else f"{k}{as_text(v)}" for k, v in setting.items())])
-
-
-def as_text(value: Any) -> str:
-    """A swept value as written on the command line: 16, 1.5, true, quota."""
-    return value if isinstance(value, str) else json.dumps(value)
 
 
 SHAPE = ("n_layers", "d_model", "head_dim", "seq_len")  # the model fields a preset --size sets, besides the heads
@@ -243,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(vary) > 2 or (a.sparsity and len(vary) > 1):
         p.error("a sweep has at most two axes: --sparsity and one --vary, or two --vary without --sparsity")
     if len(vary) == 2 and vary[0][0] == vary[1][0]:
-        p.error(f"--vary {vary[0][0]} given twice")
+        p.error(f"--vary {vary[0][0]} given twice: give its values once, --vary {vary[0][0]}=V1,V2,...")
     if vary and not a.sparsity and not numeric(vary[0][1]):
-        second = ("the second --vary's values (any) are its curves" if len(vary) == 2
+        second = ("put it second: the second --vary's values may be any, a curve each" if len(vary) == 2
                   else "with --sparsity, any values of the option: a curve each over sparsity")
         role = "first of two" if len(vary) == 2 else "alone"
         p.error(f"--vary {vary[0][0]}: {role}, its values are the x axis and must be positive numbers, got "

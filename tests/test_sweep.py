@@ -335,12 +335,12 @@ def test_a_sweep_of_another_option_writes_and_aggregates_its_points(tmp_path: Pa
 
 
 def test_aggregate_reads_a_sweep_written_before_vary(tmp_path: Path) -> None:
-    """A sweep.json from before --vary (no `vary`, no point `value` or `mix`) is a sparsity sweep: rho columns with the
-    dense baseline at rho = 1, curves starting there."""
+    """A sweep.json from before --vary (no `vary`, no point `value`, `mix` or `setting`) is a sparsity sweep: rho
+    columns with the dense baseline at rho = 1, curves starting there."""
     manifest = _sweep(tmp_path)
     del manifest["vary"]
     for e in manifest["points"]:
-        del e["value"], e["mix"]
+        del e["value"], e["mix"], e["setting"]
     (tmp_path / "sw" / "sweep.json").write_text(json.dumps(manifest))
     for e in manifest["points"]:
         _fake_metrics(e, {"dense_s1": 30.0, "mosa_s4": 28.0, "mosa_s16": 27.0, "fixed_s4": 33.0, "fixed_s16": 31.0}[e["name"]])
@@ -390,10 +390,14 @@ def test_a_grid_of_sparsity_and_another_option_writes_a_flop_matched_point_per_p
 
 def test_aggregate_of_a_grid_has_a_row_and_a_curve_per_head_and_value(tmp_path: Path, monkeypatch) -> None:
     """A grid's table: a block of rows per capacity factor, a row per head, a column per rho (the dense baseline at
-    rho = 1), mean ± std over seeds; the PNG draws a curve per (head, value) over sparsity from the baseline."""
+    rho = 1), mean ± std over seeds; the PNG draws a curve per (head, value) over sparsity from the baseline. (Its
+    sweep.json as written before points recorded their `setting`: a grid over sparsity places them without it.)"""
     from matplotlib.axes import Axes
 
     manifest = _grid(tmp_path, "--seeds", "2")
+    for e in manifest["points"]:
+        del e["setting"]
+    (tmp_path / "sw" / "sweep.json").write_text(json.dumps(manifest))
     for e in manifest["points"]:
         ppl = 30.0 if e["head"] == "dense" else {"mosa": 20.0, "routing": 40.0}[e["head"]] + e["sparsity"] + 10 * e["value"]
         if e["name"] not in ("routing_s16_capacity_factor2_seed1234", "routing_s16_capacity_factor2_seed1235"):
@@ -458,22 +462,24 @@ def test_a_grid_over_text_values_draws_a_curve_per_value(tmp_path: Path, capsys)
     assert err.startswith("error: ") and "bogus" in err and err.count("\n") == 1, err
 
 
-def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_first(tmp_path: Path, monkeypatch) -> None:
-    """--vary capacity_factor=1,2 --vary selection=threshold,quota (no --sparsity): dense_s1, then a FLOP-matched point
-    per (capacity factor, rule) with both set (the type's default sparsity); sweep.json records [capacity_factor,
+def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_first(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
+    """--vary capacity_factor=1.25,1.5 --vary selection=threshold,quota (no --sparsity): dense_s1, then a FLOP-matched
+    point per (capacity factor, rule) with both set (the type's default sparsity); sweep.json records [capacity_factor,
     selection] and each point's setting; the aggregate has a block of rows per rule, a column per capacity factor and
-    the baseline's own column, and draws a curve per rule over the capacity factor with the baseline as a line."""
+    the baseline's own column (never at x = 1), draws a curve per rule over the capacity factor with the baseline as a
+    line, and shows every point's setting. A point whose setting lacks the x option is a damaged sweep.json."""
     from matplotlib.axes import Axes
 
     out = tmp_path / "sw"
-    assert sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "capacity_factor=1,2", "--vary",
+    assert sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "capacity_factor=1.25,1.5", "--vary",
                        "selection=threshold,quota", "--dense-heads", "2", "--out", str(out), "trainer.max_steps=3",
                        f"data.path={tmp_path / 'nodata'}"]) == 0
     manifest = json.loads((out / "sweep.json").read_text())
     assert (manifest["vary"], manifest["swept"]) == ("selection", ["capacity_factor", "selection"])
     assert [(e["name"], e["value"], e["setting"]) for e in manifest["points"]] == [("dense_s1", None, {})] + [
         (f"mosa_capacity_factor{f}_selection{r}", r, {"capacity_factor": f, "selection": r})
-        for f in (1, 2) for r in ("threshold", "quota")]
+        for f in (1.25, 1.5) for r in ("threshold", "quota")]
     for e in manifest["points"][1:]:
         model = lm.load_config(e["config"]).model
         assert {k: model.heads[1].options[k] for k in e["setting"]} == e["setting"]
@@ -490,14 +496,25 @@ def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_firs
 
     monkeypatch.setattr(Axes, "errorbar", recorded)
     assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
-    assert "\n".join(["| selection | head | dense baseline | capacity_factor=1 | capacity_factor=2 |",
-                      "|---|---|---|---|---|", "| quota | mosa | 30.00 | 12.00 | 22.00 |",
-                      "| threshold | mosa | 30.00 | 11.00 | 21.00 |"]) in (tmp_path / "res.md").read_text()
-    assert sorted(drawn) == [("mosa selection=quota", (1, 2)), ("mosa selection=threshold", (1, 2))]
+    report = (tmp_path / "res.md").read_text()
+    assert "\n".join(["| selection | head | dense baseline | capacity_factor=1.25 | capacity_factor=1.5 |",
+                      "|---|---|---|---|---|", "| quota | mosa | 30.00 | 14.50 | 17.00 |",
+                      "| threshold | mosa | 30.00 | 13.50 | 16.00 |"]) in report
+    assert "| mosa_capacity_factor1.5_selectionquota | mosa | selection | quota | capacity_factor=1.5 selection=quota |" \
+        in report
+    assert sorted(drawn) == [("mosa selection=quota", (1.25, 1.5)), ("mosa selection=threshold", (1.25, 1.5))]
     with open(tmp_path / "res.csv") as f:  # both swept values of every point, by name
         assert {r["name"]: r["setting"] for r in csv.DictReader(f)} == {
             "dense_s1": "", **{f"mosa_capacity_factor{f}_selection{r}": f"capacity_factor={f} selection={r}"
-                               for f in (1, 2) for r in ("threshold", "quota")}}
+                               for f in (1.25, 1.5) for r in ("threshold", "quota")}}
+    capsys.readouterr()
+    for setting, why in ((None, "point 1's setting is not an object holding capacity_factor"),
+                         ({"selection": "threshold"}, "point 1's setting is not an object holding capacity_factor")):
+        manifest["points"][1]["setting"] = setting
+        (out / "sweep.json").write_text(json.dumps(manifest))
+        assert aggregate_main([str(out)]) == 2
+        assert capsys.readouterr().err == f"error: {out / 'sweep.json'} is damaged ({why}); restore it or write it " \
+                                          "again with flops.sweep\n"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -519,10 +536,10 @@ def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_firs
     (["--heads", "mosa", "--sparsity", "4", "--vary", "capacity_factor=1,2", "--vary", "selection=quota"],
      "a sweep has at most two axes: --sparsity and one --vary, or two --vary without --sparsity"),
     (["--heads", "mosa", "--vary", "capacity_factor=1,2", "--vary", "capacity_factor=3"],
-     "--vary capacity_factor given twice"),
+     "--vary capacity_factor given twice: give its values once, --vary capacity_factor=V1,V2,..."),
     (["--heads", "mosa", "--vary", "selection=threshold,quota", "--vary", "capacity_factor=1,2"],
      "--vary selection: first of two, its values are the x axis and must be positive numbers, got threshold,quota "
-     "(the second --vary's values (any) are its curves)"),
+     "(put it second: the second --vary's values may be any, a curve each)"),
     (["--heads", "local", "--vary", "window=16,32", "--vary", "capacity_factor=1,2"],
      "--vary capacity_factor: local heads have no option capacity_factor (their options: impl, window)"),
 ])
