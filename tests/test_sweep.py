@@ -388,12 +388,25 @@ def test_a_grid_of_sparsity_and_another_option_writes_a_flop_matched_point_per_p
         "mosa_s4_capacity_factor2_seed1234", "mosa_s4_capacity_factor2_seed1235"]
 
 
+def drawn_curves(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
+    """(label, x values) of every curve matplotlib's errorbar draws from now on (flops.aggregate's PNG)."""
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[str, tuple]] = []
+    errorbar = Axes.errorbar
+
+    def recorded(self: Axes, x: tuple, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        drawn.append((kwargs["label"], tuple(x)))
+        return errorbar(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", recorded)
+    return drawn
+
+
 def test_aggregate_of_a_grid_has_a_row_and_a_curve_per_head_and_value(tmp_path: Path, monkeypatch) -> None:
     """A grid's table: a block of rows per capacity factor, a row per head, a column per rho (the dense baseline at
     rho = 1), mean ± std over seeds; the PNG draws a curve per (head, value) over sparsity from the baseline. (Its
     sweep.json as written before points recorded their `setting`: a grid over sparsity places them without it.)"""
-    from matplotlib.axes import Axes
-
     manifest = _grid(tmp_path, "--seeds", "2")
     for e in manifest["points"]:
         del e["setting"]
@@ -408,14 +421,7 @@ def test_aggregate_of_a_grid_has_a_row_and_a_curve_per_head_and_value(tmp_path: 
                      ("micro", "mosa capacity_factor=2"): [(1, 31.0), (4, 45.0), (16, 57.0)],
                      ("micro", "routing capacity_factor=1"): [(1, 31.0), (4, 55.0), (16, 67.0)],
                      ("micro", "routing capacity_factor=2"): [(1, 31.0), (4, 65.0)]}
-    drawn: list[tuple[str, tuple]] = []
-    errorbar = Axes.errorbar
-
-    def recorded(self: Axes, x: tuple, *args, **kwargs):
-        drawn.append((kwargs["label"], tuple(x)))
-        return errorbar(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "errorbar", recorded)
+    drawn = drawn_curves(monkeypatch)
     out = tmp_path / "res"
     assert aggregate_main([str(tmp_path / "sw"), "--out", str(out)]) == 0
     spread = " ± 1.41 (n=2)"
@@ -469,8 +475,6 @@ def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_firs
     selection] and each point's setting; the aggregate has a block of rows per rule, a column per capacity factor and
     the baseline's own column (never at x = 1), draws a curve per rule over the capacity factor with the baseline as a
     line, and shows every point's setting. A point whose setting lacks the x option is a damaged sweep.json."""
-    from matplotlib.axes import Axes
-
     out = tmp_path / "sw"
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--vary", "capacity_factor=1.25,1.5", "--vary",
                        "selection=threshold,quota", "--dense-heads", "2", "--out", str(out), "trainer.max_steps=3",
@@ -487,14 +491,7 @@ def test_a_grid_of_two_options_has_a_curve_per_value_of_the_second_over_the_firs
     for e in manifest["points"]:
         _fake_metrics(e, 30.0 if e["head"] == "dense" else 10 * e["setting"]["capacity_factor"]
                       + {"threshold": 1.0, "quota": 2.0}[e["setting"]["selection"]])
-    drawn: list[tuple[str, tuple]] = []
-    errorbar = Axes.errorbar
-
-    def recorded(self: Axes, x: tuple, *args, **kwargs):
-        drawn.append((kwargs["label"], tuple(x)))
-        return errorbar(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "errorbar", recorded)
+    drawn = drawn_curves(monkeypatch)
     assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
     report = (tmp_path / "res.md").read_text()
     assert "\n".join(["| selection | head | dense baseline | capacity_factor=1.25 | capacity_factor=1.5 |",
