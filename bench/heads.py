@@ -93,6 +93,11 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
     return n, group_cost(head_type, args.d_model, args.head_dim, T, n, options).flops, options
 
 
+def batch_at(T: int, args: argparse.Namespace) -> int:
+    """Sequences per step at length T: --batch, or max(1, --tokens // T) (the same tokens at every T)."""
+    return max(1, args.tokens // T) if args.tokens else args.batch
+
+
 def is_cast_of(t: torch.Tensor, params: tuple[torch.Tensor, ...]) -> bool:
     """Whether t's storage holds a lower-precision copy of one of `params` (autocast casts each weight once per
     forward pass and saves the copy for backward), in any layout: the same values, in some order."""
@@ -236,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=positive_int, default=32, help="head width h'")
     parser.add_argument("--dense-heads", type=positive_int, default=4, help="dense heads that set the FLOP budget")
     parser.add_argument("--sparsity", type=positive_int, default=32, help="rho of the variants whose type has one")
-    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per step")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--batch", type=positive_int, default=1, help="sequences per step")
+    sizes.add_argument("--tokens", type=positive_int, default=None,
+                       help="tokens per step instead: batch max(1, tokens // T) at each T (e.g. 65536: training's "
+                            "batch 64 at T = 1024, 8 at T = 8192)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="timed fwd+bwd steps (median reported)")
     parser.add_argument("--rounds", type=positive_int, default=1, help="fresh processes per variant, alternating (medians)")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
@@ -274,22 +283,31 @@ def measure_all(args: argparse.Namespace, done: Callable[[list[dict]], None] = l
             for variant in args.variants:
                 count, flops, options = matched[T, variant]
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
-                            head_dim=args.head_dim, batch=args.batch, repeats=args.repeats, device=args.device,
+                            head_dim=args.head_dim, batch=batch_at(T, args), repeats=args.repeats, device=args.device,
                             core=CORES.get(variant))
                 result = run_worker(spec)
                 if not args.device.startswith("cuda"):  # as format_table states it
                     result["peak_bytes"] = run_worker({**spec, "repeats": 0}, CPU_MEMORY_ENV)["peak_bytes"]
                 runs[variant].append(result)
-                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * args.batch / 1e9:8.2f} GFLOP fwd  "
+                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * spec['batch'] / 1e9:8.2f} GFLOP fwd  "
                       f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
         for variant, results in runs.items():
             count, flops, _ = matched[T, variant]
             keys = ("seconds", "peak_bytes", "grad_bytes", "saved_bytes")
             median = {key: statistics.median(r[key] for r in results) for key in keys}
-            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * args.batch / 1e9, **median))
+            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * batch_at(T, args) / 1e9, **median))
         done(rows)
     return rows
+
+
+def batches(args: argparse.Namespace) -> str:
+    """The setup's batch: "batch 4", or with --tokens the batch at each T ("batch 8 at T = 8192, 64 at T = 1024 (65536
+    tokens per step)")."""
+    if not args.tokens:
+        return f"batch {args.batch}"
+    at = ", ".join(f"{batch_at(T, args)} at T = {T}" for T in args.T)
+    return f"batch {at} ({args.tokens} tokens per step)"
 
 
 def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> str:
@@ -300,7 +318,7 @@ def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> st
         f"Machine: {hardware(args.device)}, {platform.system()} {platform.release()}; torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}; Python {platform.python_version()}; "
         + ("bf16 autocast (as training's bf16-mixed)." if args.device.startswith("cuda") else "fp32."),
-        f"Setup: h = {args.d_model}, h' = {args.head_dim}, batch {args.batch}, ρ = {args.sparsity}; the dense group has "
+        f"Setup: h = {args.d_model}, h' = {args.head_dim}, {batches(args)}, ρ = {args.sparsity}; the dense group has "
         f"{args.dense_heads} heads, each other group the most heads whose App. C forward FLOPs (flops/formulas.py) fit the same budget. "
         f"Time = median fwd+bwd of {args.repeats} steps after two, median over {args.rounds} alternating rounds "
         f"of fresh processes; memory = the step after a warm-up step: "

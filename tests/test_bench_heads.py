@@ -150,8 +150,8 @@ def test_table_names_the_cpu_model_and_the_command() -> None:
     from bench.heads import format_table
     from flops.cli import hardware
 
-    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, repeats=1, rounds=1,
-                              device="cpu")
+    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, tokens=None, repeats=1,
+                              rounds=1, device="cpu")
     lines = format_table([], args, "python -m bench.heads --T 64").splitlines()
     assert lines[2].startswith(f"Machine: {hardware('cpu')}, ")
 
@@ -160,8 +160,8 @@ def test_table_ratios_are_each_variant_over_dense_at_its_own_T() -> None:
     """time, peak, peak − grads and saved of a variant, each divided by the dense row of the same T."""
     from bench.heads import format_table
 
-    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, repeats=1, rounds=1,
-                              device="cpu")
+    args = argparse.Namespace(d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1, tokens=None, repeats=1,
+                              rounds=1, device="cpu")
 
     def row(T: int, variant: str, seconds: float, peak: int, grad: int, saved: int) -> dict:  # sizes in MiB
         return dict(T=T, variant=variant, heads=2, gflops=1.0, seconds=seconds, peak_bytes=peak * 2**20,
@@ -190,6 +190,30 @@ def test_cpu_memory_is_measured_by_a_worker_with_the_fixed_mmap_threshold(monkey
 
     monkeypatch.setattr(heads, "run_worker", run_worker)
     args = argparse.Namespace(T=[64], variants=["dense"], d_model=32, head_dim=8, dense_heads=2, sparsity=4, batch=1,
-                              repeats=5, rounds=1, device="cpu")
+                              tokens=None, repeats=5, rounds=1, device="cpu")
     rows = heads.measure_all(args)
     assert calls == [(5, None), (0, CPU_MEMORY_ENV)] and rows[0]["peak_bytes"] == 7
+
+
+def test_tokens_per_step_sets_each_lengths_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--tokens N: every T runs max(1, N // T) sequences (training's 65536 tokens: batch 64 at T = 1024, 8 at 8192),
+    its FLOP column counts that batch, and the setup line states the batch at each T; --batch with it is refused."""
+    import bench.heads as heads
+
+    batches = []
+
+    def run_worker(spec: dict, env: dict | None = None) -> dict:
+        if env is None:  # the timed worker (the memory worker after it runs the same spec)
+            batches.append((spec["T"], spec["batch"]))
+        return dict(seconds=1.0, peak_bytes=1, grad_bytes=1, saved_bytes=1)
+
+    monkeypatch.setattr(heads, "run_worker", run_worker)
+    args = argparse.Namespace(T=[64, 256, 512], variants=["dense"], d_model=32, head_dim=8, dense_heads=2, sparsity=4,
+                              batch=1, tokens=300, repeats=1, rounds=1, device="cpu")
+    rows = heads.measure_all(args)
+    assert batches == [(64, 4), (256, 1), (512, 1)]  # 300 // 512 = 0 -> one sequence
+    per_sequence = heads.matched_count("dense", 64, args)[1]
+    assert rows[0]["gflops"] == pytest.approx(4 * per_sequence / 1e9)
+    assert "batch 4 at T = 64, 1 at T = 256, 1 at T = 512 (300 tokens per step)" in heads.format_table(rows, args, "c")
+    with pytest.raises(SystemExit):
+        heads.main(["--batch", "2", "--tokens", "300"])
