@@ -35,7 +35,7 @@ from flops.cli import (CPU_MEMORY_ENV, command_line, hardware, nonnegative_int, 
                        run_in_worker, script_parser, torch_device, use_device)
 from flops.model import model_cost
 from flops.presets import baseline
-from lm.config import HeadGroupConfig, ModelConfig
+from lm.config import HeadGroupConfig, ModelConfig, OptimConfig
 from lm.config_io import from_dict, load_config
 
 
@@ -69,6 +69,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
 
     from heads import commit_states
     from lm.model import build_model, checkpoint_blocks
+    from lm.optimizer import adamw
 
     torch.set_num_threads(threads)
     use_device(device)
@@ -76,7 +77,7 @@ def measure(cfg: ModelConfig, batch: int, steps: int, warmup: int, device: str, 
     torch.manual_seed(0)
     model = build_model(cfg).to(device)
     checkpoint_blocks(model, checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(model, OptimConfig())  # training's (lm/optimizer.py)
     tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     cuda = device.startswith("cuda")
@@ -203,7 +204,8 @@ def report(a: argparse.Namespace, argv: list[str] | None, T: int, rounds: list[l
         f"Machine: {platform.platform()}, {r0['device_name']}, device `{a.device}`, torch {r0['torch']}, "
         f"{a.threads} thread(s)  \n"
         f"Setting: batch {a.batch}, T = {T}, median of {a.steps} training steps after {a.warmup} "
-        f"warm-up steps, random tokens, AdamW, {'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
+        f"warm-up steps, random tokens, training's AdamW (fused), "
+        f"{'bf16 autocast' if a.device.startswith('cuda') else 'fp32'}; "
         f"each config in a fresh process; {len(rounds)} of {a.rounds} round(s) of all configs in turn, medians over "
         "rounds"
         + ("" if a.device.startswith("cuda") else

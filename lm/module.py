@@ -35,6 +35,7 @@ from lm.accumulation import ends_step, micro_index
 from lm.checkpoint import rng_state, set_rng_state
 from lm.config import Config
 from lm.model import build_model, checkpoint_blocks
+from lm.optimizer import adamw
 from lm.run_dir import provenance
 from lm.perplexity import perplexity
 from lm.resume_settings import apply_changes
@@ -301,17 +302,9 @@ class LMModule(L.LightningModule):
                 torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in own], gradient_clip_val)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with linear warmup + cosine (lm/schedule.py); weight decay on the parameters of two or more
-        dimensions (weight matrices, embeddings, convolution filters and agent attention's bias tables), none on
-        vectors (norms). The two groups' layout is part of every checkpoint's optimizer state: changing it would
-        stop older runs from resuming."""
+        """AdamW (lm/optimizer.py) with linear warmup + cosine (lm/schedule.py)."""
         o = self.cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        optimizer = adamw(self.model, o)
         factor = functools.partial(lr_factor, warmup_steps=o.warmup_steps, max_steps=self.cfg.trainer.max_steps,
                                    min_lr_ratio=o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
