@@ -12,7 +12,7 @@
 # so when the early steps run to their caps the last ones get what is left or are skipped (the compiled MFU runs,
 # which are therefore last: optional). Every step starts only with 20 s or more left and keeps what it finished.
 #
-#   timing  alone on the GPU, in this order: head groups at T = 8k/1k/4k, 65536 tokens per step (bench/heads.py
+#   timing  alone on the GPU, in this order: head groups at T = 1k/8k/4k, 65536 tokens per step (bench/heads.py
 #           --device cuda, bf16 autocast), the IsoFLOP pair's training steps under Lightning's PyTorch profiler
 #           (operators by CUDA time), then the IsoFLOP pair and MoSA Table 2's Tiny pair (bench/resources.py,
 #           T = 1024, batch 64, bf16)
@@ -191,17 +191,19 @@ timing)
     # there. The 5 dense heads the IsoFLOP model replaces; mosa-threshold takes the whole-head kernels where they fit
     # (c <= 64; <= 128 on H100/H200) and the tiled kernels beyond (c = 256 at T = 8192); mosa-column-grid: the Triton
     # scatter's grid before 2026-12-01 (a program per column block), against its column loop; mosa-tiled: the tiled
-    # kernels for every head; mosa-lean: the lean PyTorch core, to see which is fastest at each T; T = 8192 first, the
-    # tiled kernels' case (the H200 run of 2026-11-29 never reached it), then the IsoFLOP point T = 1024; 150 s for
-    # five variants (120 s for four before 2026-12-01). 65536 tokens per step at every T, training's load (batch 64 at
+    # kernels for every head; mosa-lean: the lean PyTorch core, to see which is fastest at each T; 150 s for five
+    # variants (120 s for four before 2026-12-01). 65536 tokens per step at every T, training's load (batch 64 at
     # T = 1024, 8 at 8192, 16 at 4096): the run of 2026-11-29 timed batch 4 (4096 tokens at T = 1024: 1.67x dense's
-    # time, where the whole IsoFLOP model at batch 64 took 3.2x dense's)
+    # time, where the whole IsoFLOP model at batch 64 took 3.2x dense's). The IsoFLOP point T = 1024 first (the
+    # measured defect), then T = 8192, the tiled kernels' case (the run of 2026-11-29 never reached it): the larger
+    # batches make each T take longer, and a step stopped at its cap keeps the lengths it finished
     step heads 150 python3 -m bench.heads --device cuda --d-model 512 --head-dim 64 --dense-heads 5 \
-        --variants dense mosa-threshold mosa-column-grid mosa-tiled mosa-lean --T 8192 1024 4096 --tokens 65536 \
+        --variants dense mosa-threshold mosa-column-grid mosa-tiled mosa-lean --T 1024 8192 4096 --tokens 65536 \
         --repeats 5 --out $C/gpu_heads.md
     # Then where the IsoFLOP model's step time goes (operators by CUDA time), before the two resource pairs: Table 2's
-    # and the IsoFLOP pair's step times were measured on 2026-11-29, the profile never (a profile cut short has no
-    # table, so it gets its whole cap while there is time)
+    # and the IsoFLOP pair's step times were measured on 2026-11-29 (before the kernel changes since and training's
+    # fused AdamW, so not comparable with new runs), the profile never (a profile cut short has no table, so it gets
+    # its whole cap while there is time)
     step profile 120 bash -c profile
     # one round each: on the H200, two rounds and the first Triton compiles overran 55 s; one round took 28 s
     step isoflop 70 python3 -m bench.resources --pair isoflop-tiny --seq-len 1024 --batch 64 --device cuda \

@@ -94,7 +94,8 @@ def matched_count(variant: str, T: int, args: argparse.Namespace) -> tuple[int, 
 
 
 def batch_at(T: int, args: argparse.Namespace) -> int:
-    """Sequences per step at length T: --batch, or max(1, --tokens // T) (the same tokens at every T)."""
+    """Sequences per step at length T: --batch, or max(1, --tokens // T) (at most --tokens tokens per step, where
+    T <= --tokens; at least one sequence)."""
     return max(1, args.tokens // T) if args.tokens else args.batch
 
 
@@ -278,36 +279,37 @@ def measure_all(args: argparse.Namespace, done: Callable[[list[dict]], None] = l
     matched = {(T, v): matched_count(v, T, args) for T in args.T for v in args.variants}
     rows = []
     for T in args.T:
+        batch = batch_at(T, args)
         runs: dict[str, list[dict]] = {v: [] for v in args.variants}
         for _ in range(args.rounds):  # variants alternate, so load drift on a shared machine hits all alike
             for variant in args.variants:
                 count, flops, options = matched[T, variant]
                 spec = dict(type=VARIANTS[variant][0], options=options, count=count, T=T, d_model=args.d_model,
-                            head_dim=args.head_dim, batch=batch_at(T, args), repeats=args.repeats, device=args.device,
+                            head_dim=args.head_dim, batch=batch, repeats=args.repeats, device=args.device,
                             core=CORES.get(variant))
                 result = run_worker(spec)
                 if not args.device.startswith("cuda"):  # as format_table states it
                     result["peak_bytes"] = run_worker({**spec, "repeats": 0}, CPU_MEMORY_ENV)["peak_bytes"]
                 runs[variant].append(result)
-                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * spec['batch'] / 1e9:8.2f} GFLOP fwd  "
+                print(f"T={T:5d} {variant:20s} heads={count:5d} {flops * batch / 1e9:8.2f} GFLOP fwd  "
                       f"{runs[variant][-1]['seconds'] * 1e3:9.1f} ms  "
                       f"{runs[variant][-1]['peak_bytes'] / 2**20:9.1f} MiB", flush=True)
         for variant, results in runs.items():
             count, flops, _ = matched[T, variant]
             keys = ("seconds", "peak_bytes", "grad_bytes", "saved_bytes")
             median = {key: statistics.median(r[key] for r in results) for key in keys}
-            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * batch_at(T, args) / 1e9, **median))
+            rows.append(dict(T=T, variant=variant, heads=count, gflops=flops * batch / 1e9, **median))
         done(rows)
     return rows
 
 
 def batches(args: argparse.Namespace) -> str:
-    """The setup's batch: "batch 4", or with --tokens the batch at each T ("batch 8 at T = 8192, 64 at T = 1024 (65536
-    tokens per step)")."""
+    """The setup's batch: "batch 4", or with --tokens the batch at each T ("batch 8 at T = 8192, 64 at T = 1024
+    (max(1, 65536 // T))")."""
     if not args.tokens:
         return f"batch {args.batch}"
     at = ", ".join(f"{batch_at(T, args)} at T = {T}" for T in args.T)
-    return f"batch {at} ({args.tokens} tokens per step)"
+    return f"batch {at} (max(1, {args.tokens} // T))"
 
 
 def format_table(rows: list[dict], args: argparse.Namespace, command: str) -> str:

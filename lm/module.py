@@ -302,9 +302,12 @@ class LMModule(L.LightningModule):
                 torch.nn.utils.clip_grad_norm_([p for p in params if id(p) in own], gradient_clip_val)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (lm/optimizer.py) with linear warmup + cosine (lm/schedule.py)."""
+        """AdamW (lm/optimizer.py) with linear warmup + cosine (lm/schedule.py); torch's fused kernel unless a
+        GradScaler scales the gradients (16-mixed), which Lightning unscales before `configure_gradient_clipping` only
+        for an optimizer that does not unscale them itself."""
         o = self.cfg.optim
-        optimizer = adamw(self.model, o)
+        scaler = getattr(self._trainer.precision_plugin, "scaler", None) if self._trainer is not None else None
+        optimizer = adamw(self.model, o, fused=scaler is None)
         factor = functools.partial(lr_factor, warmup_steps=o.warmup_steps, max_steps=self.cfg.trainer.max_steps,
                                    min_lr_ratio=o.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

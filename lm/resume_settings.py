@@ -70,7 +70,7 @@ def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
     for opt_state, sched in zip(checkpoint.get("optimizer_states", []), checkpoint.get("lr_schedulers", [])):
         for i, group in enumerate(opt_state["param_groups"]):  # the next step's rate, on the new schedule
             group.update(lr=learning_rate(step, optim, cfg.trainer.max_steps), initial_lr=o.lr, betas=tuple(o.betas))
-            if i == 0:  # group 0 holds the matrices (LMModule.configure_optimizers), group 1 never decays
+            if i == 0:  # group 0 holds the matrices (lm/optimizer.adamw), group 1 never decays
                 group["weight_decay"] = o.weight_decay
         sched["base_lrs"] = [o.lr] * len(sched.get("base_lrs", []))
         if "_last_lr" in sched:

@@ -214,6 +214,6 @@ def test_tokens_per_step_sets_each_lengths_batch(monkeypatch: pytest.MonkeyPatch
     assert batches == [(64, 4), (256, 1), (512, 1)]  # 300 // 512 = 0 -> one sequence
     per_sequence = heads.matched_count("dense", 64, args)[1]
     assert rows[0]["gflops"] == pytest.approx(4 * per_sequence / 1e9)
-    assert "batch 4 at T = 64, 1 at T = 256, 1 at T = 512 (300 tokens per step)" in heads.format_table(rows, args, "c")
+    assert "batch 4 at T = 64, 1 at T = 256, 1 at T = 512 (max(1, 300 // T))" in heads.format_table(rows, args, "c")
     with pytest.raises(SystemExit):
         heads.main(["--batch", "2", "--tokens", "300"])

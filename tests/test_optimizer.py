@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+import lightning as L
 import torch
 from torch import nn
 
 from lm.config import OptimConfig
+from lm.config_io import load_config
 from lm.optimizer import adamw
+from tests.synthetic import run_overrides, write_prepared
 
 
 def model() -> nn.Module:
@@ -67,3 +71,27 @@ def test_an_older_checkpoint_resumes_with_its_own_kernel() -> None:
     train(before, old, 3, seed=2)
     train(opt, resumed, 3, seed=2)
     assert all(torch.equal(pa, pb) for pa, pb in zip(old.parameters(), resumed.parameters()))
+
+
+def test_clipping_sees_the_gradient_unscaled_under_a_grad_scaler(tmp_path: Path) -> None:
+    """16-mixed (a GradScaler, 2^16): LMModule's optimizer is not fused, so Lightning unscales the gradients before
+    the clipping, whose norm (logged as train/grad_norm) is then the gradient's, as in a 32-true run of the same step,
+    not 2^16 times it (with the fused kernel Lightning leaves them scaled until the step). Without a scaler: fused."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lm.data import LMDataModule
+    from lm.module import LMModule
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+    cfg = load_config(None, *run_overrides(data, tmp_path / "run", max_steps=1))
+    seen = {}
+    for name, plugins in [("32-true", []),
+                          ("16-mixed", [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", 2.0**16))])]:
+        torch.manual_seed(0)
+        trainer = L.Trainer(accelerator="cpu", plugins=plugins, max_steps=1, logger=False, enable_checkpointing=False,
+                            limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                            gradient_clip_val=cfg.optim.grad_clip)
+        trainer.fit(LMModule(cfg), datamodule=LMDataModule(cfg.data, cfg.model, cfg.trainer.seed))
+        seen[name] = (trainer.optimizers[0].param_groups[0]["fused"], float(trainer.callback_metrics["train/grad_norm"]))
+    assert seen["32-true"][0] is True and not seen["16-mixed"][0]
+    assert 0.5 < seen["16-mixed"][1] / seen["32-true"][1] < 2, seen  # bf16 autocast on CPU: close, not equal

@@ -519,8 +519,8 @@ def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
 
 
 def test_a_changed_weight_decay_reaches_the_matrices_only() -> None:
-    """weight decay 0.1 -> 0.05 on resume: group 0 (the matrices) takes the new value, group 1 (norms, embeddings,
-    biases) keeps 0, as LMModule.configure_optimizers built them (writing it into every group decayed them all)."""
+    """weight decay 0.1 -> 0.05 on resume: group 0 (matrices and embeddings) takes the new value, group 1 (norms,
+    biases) keeps 0, as lm/optimizer.adamw built them (writing it into every group decayed them all)."""
     from omegaconf import OmegaConf
 
     from lm.config_io import load_config
