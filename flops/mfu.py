@@ -11,16 +11,23 @@ checkpointing's replayed forward passes are not counted (model FLOPs, not hardwa
 the device's dense peak at the run's precision (flops/model.py: PEAK_TFLOPS_BF16 for bf16 runs,
 PEAK_TFLOPS_FP16 for fp16, PEAK_TFLOPS_FP32 for 32-true, from the device name and precision in metrics.json), or
 --peak-tflops; on a CPU, or a GPU or precision missing from the tables, there is none, and MFU is left out.
+A compression run (lm/compressed_training.py) counts the suffix tokens its loss is taken on (batch x model.seq_len)
+and draws each step's layout (prefix spans, t, full memory) from (seed, step): its FLOPs per token are 3 x the mean,
+over the layouts of its steps [0, step), of one sample's forward FLOPs (flops/model.py: compressed_flops, the
+prefix chunks and compressions included) plus its vocabulary projection on the suffix, / model.seq_len.
 """
 from __future__ import annotations
 
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.model import mfu, model_cost, peak_flops, training_flops
+from flops.model import compressed_flops, mfu, model_cost, peak_flops, training_flops
+from heads.base import ConfigError
+from lm.config import Config
 from lm.run_files import read_json, read_run_config
 
 
@@ -36,13 +43,21 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
         if not path.is_file():
             raise RunError(f"{run}: no {path.name} (not a training run directory, or no validation written yet)")
     cfg = read_run_config(config)
-    if cfg.compression is not None:
-        raise RunError(f"{run}: a compression run; its FLOPs per token depend on the layout (flops.model.compressed_flops)")
     m = read_json(metrics)
     tokens_per_s = m.get("tokens_per_s")
     if not isinstance(tokens_per_s, (int, float)) or not tokens_per_s > 0:
         raise RunError(f"{run}: metrics.json has no measured tokens_per_s (too few training steps timed)")
-    per_token = training_flops(model_cost(cfg.model), 1, include_lm_head=True) / cfg.model.seq_len
+    if cfg.compression is None:
+        per_token = training_flops(model_cost(cfg.model), 1, include_lm_head=True) / cfg.model.seq_len
+    else:
+        step = m.get("step")
+        if not isinstance(step, int) or step < 1:
+            raise RunError(f"{run}: metrics.json has no step >= 1 (a compression run's FLOPs follow its steps' "
+                           "layouts)")
+        try:
+            per_token = compressed_flops_per_token(cfg, step)
+        except ConfigError as err:  # head groups whose slots are set by model.seq_len, run on other windows
+            raise RunError(f"{run}: {err}") from None
     device, devices, precision = m.get("device", "unknown"), int(m.get("world_size", 1)), m.get("precision", "?")
     try:
         peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device, precision)
@@ -53,6 +68,19 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
             "compile": cfg.trainer.compile, "params": m.get("params"), "tokens_per_s": tokens_per_s,
             "flops_per_token": per_token, "achieved": achieved, "peak": peak,
             "mfu": None if peak is None else mfu(per_token, 1 / tokens_per_s, peak, devices)}
+
+
+def compressed_flops_per_token(cfg: Config, steps: int) -> float:
+    """Training FLOPs per suffix token of a compression run over its steps [0, steps) (module docstring): each step's
+    layout replayed as training drew it (lm.compressed_training.LayoutSampler.at_step), the FLOPs of each distinct
+    one counted once."""
+    from lm.compressed_training import LayoutSampler  # Lightning and the data stack: only for compression runs
+
+    assert cfg.compression is not None
+    sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
+    layouts = Counter(sampler.at_step(cfg.trainer.seed, step)[0] for step in range(steps))
+    forward = sum(n * compressed_flops(cfg.model, cfg.compression, layout) for layout, n in layouts.items()) / steps
+    return 3 * (forward + model_cost(cfg.model).lm_head_flops) / cfg.model.seq_len
 
 
 def table(rows: list[dict[str, Any]]) -> str:

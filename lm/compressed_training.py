@@ -63,6 +63,12 @@ class LayoutSampler:
             return Layout((P,) * depth, 0, self.suffix, full=True)
         return Layout((P,) * depth, tokens_for(ratio, P), self.suffix)
 
+    def at_step(self, seed: int, step: int) -> tuple[Layout, np.random.Generator]:
+        """Step `step`'s layout, a pure function of (seed, step), and the generator that goes on to draw its windows
+        (LayoutBatches; flops.mfu replays the layouts to count a run's FLOPs)."""
+        rng = np.random.default_rng([seed, step])
+        return self.sample(step, rng), rng
+
     def longest(self) -> int:
         """The longest window any batch can need (to check the documents are long enough)."""
         c = self.comp
@@ -143,8 +149,7 @@ class LayoutBatches(IterableDataset):
         self.start_step, self.accumulate, self.rank, self.world_size = start_step, accumulate, rank, world_size
 
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, step])
-        layout = self.sampler.sample(step, rng)
+        layout, rng = self.sampler.at_step(self.seed, step)
         first = (micro * self.world_size + self.rank) * self.batch_size
         mine = slice(first, first + self.batch_size)
         return self.windows.sample(self.batch_size * self.world_size * self.accumulate, layout.window, rng, mine), encode(layout)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_config
+from flops import mfu
 from heads import ConfigError
 from heads.base import HeadGroup, HeadOptions
 from lm.causality import future_leak
@@ -505,6 +506,9 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     assert evaluate(model, evalset, Layout((12,), 0, 8, full=True)) < evaluate(model, evalset, without) - 0.04
     assert (tmp_path / "run" / "config.yaml").is_file()  # the run directory is claimed (lm/run_dir.py)
     assert (tmp_path / "run" / "val_curve.png").is_file()  # two validations: the curve, as train_lm.py draws it
+    r = mfu.run_mfu(tmp_path / "run")  # the run directory read back: its layouts (full ones too) replayed
+    assert r["tokens_per_s"] == metrics["tokens_per_s"]
+    assert r["flops_per_token"] == mfu.compressed_flops_per_token(full, 100)
     with pytest.raises(ConfigError, match="already holds a run"):
         train_compressed(full)
 

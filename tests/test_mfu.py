@@ -75,26 +75,67 @@ def test_cli_table_and_errors(run: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert err.count("\n") == 1 and err.startswith(f"error: {damaged / 'config.yaml'} is damaged (") and "restore it" in err
 
 
-def _run_dir(path: Path, config: str | None, metrics: dict) -> Path:
-    """A run directory holding the config.yaml of `config` (a YAML config file; None: the defaults) and `metrics`."""
+def _run_dir(path: Path, config: str | None, metrics: dict, *overrides: str) -> Path:
+    """A run directory holding the config.yaml of `config` (a YAML config file; None: the defaults) with `overrides`,
+    and `metrics`."""
     from lm.config_io import to_yaml
 
     path.mkdir()
-    (path / "config.yaml").write_text(to_yaml(load_config(config)))
+    (path / "config.yaml").write_text(to_yaml(load_config(config, *overrides)))
     (path / "metrics.json").write_text(json.dumps(metrics))
     return path
 
 
-def test_a_compression_run_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A compression run's FLOPs per token depend on its prefix/suffix layout, which MFU does not know: one line
-    naming the run and where its FLOPs are counted, exit status 2."""
-    config = str(ROOT / "configs" / "experiments" / "compression.yaml")
-    run = _run_dir(tmp_path / "compressed", config, {"step": 3, "tokens_per_s": 1e4})
-    with pytest.raises(mfu.RunError, match="a compression run; its FLOPs per token depend on the layout"):
-        mfu.run_mfu(run)
+COMPRESSION = str(ROOT / "configs" / "experiments" / "compression.yaml")  # h = 128, V = 2048, S = 128, P ~ 128
+
+
+def test_a_fixed_compression_run_counts_its_one_layout(tmp_path: Path) -> None:
+    """Fixed regime, depth 1: every step compresses one chunk of P = 128 tokens into t = 16 states before the suffix
+    of S = 128; per suffix token 3 x (that sample's forward FLOPs + the vocabulary projection on the suffix) / S."""
+    from flops.model import compressed_flops
+    from lm.compression import Layout
+
+    run = _run_dir(tmp_path / "fixed", COMPRESSION, {"step": 5, "tokens_per_s": 1e4}, "compression.regime=fixed",
+                   "compression.max_depth=1")
+    cfg = load_config(COMPRESSION)
+    forward = compressed_flops(cfg.model, cfg.compression, Layout((128,), 16, 128))
+    r = mfu.run_mfu(run, peak_tflops=1)
+    assert r["flops_per_token"] == 3 * (forward + 2 * 128 * 2048 * 128) / 128
+    assert r["achieved"] == pytest.approx(1e4 * r["flops_per_token"], rel=1e-12)
+
+
+def test_a_random_compression_run_counts_the_layouts_training_served(tmp_path: Path) -> None:
+    """Random regime (prefix length, ratio and depth drawn per step): FLOPs per token = 3 x the mean over the run's
+    steps of the FLOPs of the layouts that its training batches (LayoutBatches) carried, + the vocabulary projection,
+    / S; a run's own seed gives its own layouts."""
+    import numpy as np
+
+    from flops.model import compressed_flops
+    from lm.compressed_training import DocumentWindows, LayoutBatches, LayoutSampler, decode
+
+    cfg = load_config(COMPRESSION)
+    assert cfg.compression is not None
+    windows = DocumentWindows([np.arange(1, 1001, dtype=np.uint16)], eos_id=0)  # one document of 1000 tokens
+    steps = 40
+    for seed in (0, 7):
+        batches = LayoutBatches(windows, LayoutSampler(cfg.compression, 128), batch=1, seed=seed)
+        layouts = [decode(batches.batch(step)[1]) for step in range(steps)]
+        assert len(set(layouts)) > 10  # the test sees many layouts, not one
+        forward = sum(compressed_flops(cfg.model, cfg.compression, layout) for layout in layouts) / steps
+        run = _run_dir(tmp_path / f"random{seed}", COMPRESSION, {"step": steps, "tokens_per_s": 1e4},
+                       f"trainer.seed={seed}")
+        assert mfu.run_mfu(run)["flops_per_token"] == 3 * (forward + 2 * 128 * 2048 * 128) / 128
+
+
+@pytest.mark.parametrize("step", [None, 0, "3"])
+def test_a_compression_run_without_its_step_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          step: object) -> None:
+    """A compression run's FLOPs follow its steps' layouts: metrics.json without a step >= 1 names that, exit 2."""
+    metrics = {"tokens_per_s": 1e4} if step is None else {"step": step, "tokens_per_s": 1e4}
+    run = _run_dir(tmp_path / "compressed", COMPRESSION, metrics)
     assert mfu.main([str(run)]) == 2
-    assert capsys.readouterr().err == (f"error: {run}: a compression run; its FLOPs per token depend on the layout "
-                                       "(flops.model.compressed_flops)\n")
+    assert capsys.readouterr() == ("", f"error: {run}: metrics.json has no step >= 1 (a compression run's FLOPs "
+                                       "follow its steps' layouts)\n")
 
 
 @pytest.mark.parametrize("metrics", [{"step": 3}, {"step": 3, "tokens_per_s": 0}, {"step": 3, "tokens_per_s": None},
@@ -116,3 +157,14 @@ def test_metrics_that_are_no_json_object_are_one_line(tmp_path: Path, capsys: py
     assert mfu.main([str(run)]) == 2
     assert capsys.readouterr().err == (f"error: {run / 'metrics.json'} is damaged (not a JSON object); "
                                        "restore or delete it\n")
+
+
+def test_a_compression_run_whose_heads_have_no_flop_count_on_its_windows_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """MoSA heads' slots are set by model.seq_len (128), and above the compression layer they run on t + S = 144
+    tokens: no FLOP count there (flops.model.layer_flops), one line naming the run, exit 2."""
+    run = _run_dir(tmp_path / "mosa", COMPRESSION, {"step": 10, "tokens_per_s": 1e4}, "compression.regime=fixed",
+                   "model.heads=[{type: dense, count: 2}, {type: mosa, count: 4, options: {sparsity: 4}}]")
+    assert mfu.main([str(run)]) == 2
+    assert capsys.readouterr() == ("", f"error: {run}: no FLOP count of mosa heads ({{'sparsity': 4}}) on 144-token "
+                                       "windows: their slots are set by model.seq_len=128, not by the window\n")
