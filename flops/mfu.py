@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.model import compressed_flops, mfu, model_cost, peak_flops, training_flops
+from flops.model import TRAINING_PER_FORWARD, compressed_flops, mfu, model_cost, peak_flops, training_flops
 from heads.base import ConfigError
 from lm.config import Config
 from lm.run_files import read_json, read_run_config
@@ -50,15 +50,18 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
     if cfg.compression is None:
         per_token = training_flops(model_cost(cfg.model), 1, include_lm_head=True) / cfg.model.seq_len
     else:
-        step = m.get("step")
-        if not isinstance(step, int) or step < 1:
-            raise RunError(f"{run}: metrics.json has no step >= 1 (a compression run's FLOPs follow its steps' "
-                           "layouts)")
+        step, last = m.get("step"), cfg.trainer.max_steps
+        if not isinstance(step, int) or isinstance(step, bool) or not 1 <= step <= last:
+            raise RunError(f"{run}: metrics.json has no step in [1, trainer.max_steps={last}] (a compression run's "
+                           f"FLOPs follow its steps' layouts), got {step!r}")
         try:
             per_token = compressed_flops_per_token(cfg, step)
         except ConfigError as err:  # head groups whose slots are set by model.seq_len, run on other windows
             raise RunError(f"{run}: {err}") from None
-    device, devices, precision = m.get("device", "unknown"), int(m.get("world_size", 1)), m.get("precision", "?")
+    devices = m.get("world_size", 1)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise RunError(f"{run}: metrics.json's world_size is {devices!r}, not a number of devices >= 1")
+    device, precision = m.get("device", "unknown"), m.get("precision", "?")
     try:
         peak = peak_tflops * 1e12 if peak_tflops else peak_flops(device, precision)
     except ValueError:
@@ -72,15 +75,15 @@ def run_mfu(run: Path, peak_tflops: float | None = None) -> dict[str, Any]:
 
 def compressed_flops_per_token(cfg: Config, steps: int) -> float:
     """Training FLOPs per suffix token of a compression run over its steps [0, steps) (module docstring): each step's
-    layout replayed as training drew it (lm.compressed_training.LayoutSampler.at_step), the FLOPs of each distinct
-    one counted once."""
+    layout replayed as training drew it (lm.compressed_training.LayoutSampler.at_step); every step weighs the same
+    (the FLOPs of a layout drawn n times are computed once and counted n times)."""
     from lm.compressed_training import LayoutSampler  # Lightning and the data stack: only for compression runs
 
     assert cfg.compression is not None
     sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
     layouts = Counter(sampler.at_step(cfg.trainer.seed, step)[0] for step in range(steps))
     forward = sum(n * compressed_flops(cfg.model, cfg.compression, layout) for layout, n in layouts.items()) / steps
-    return 3 * (forward + model_cost(cfg.model).lm_head_flops) / cfg.model.seq_len
+    return TRAINING_PER_FORWARD * (forward + model_cost(cfg.model).lm_head_flops) / cfg.model.seq_len
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -108,10 +108,13 @@ def compressed_flops(cfg: ModelConfig, comp: CompressionConfig, layout: Layout) 
     return below + compressions + above
 
 
+TRAINING_PER_FORWARD = 3  # a training step's FLOPs per forward FLOP: backward = 2 x forward
+
+
 def training_flops(cost: ModelCost, batch_size: int, include_lm_head: bool = False) -> int:
     """FLOPs of one training step: 3 x forward (backward = 2 x forward), for `batch_size` sequences."""
     per_pass = cost.flops_per_pass + (cost.lm_head_flops if include_lm_head else 0)
-    return 3 * per_pass * batch_size
+    return TRAINING_PER_FORWARD * per_pass * batch_size
 
 
 # Dense bf16 tensor-core peaks (no 2:4 sparsity), TFLOP/s per GPU, from the vendor data sheets. Matched as whole

@@ -506,11 +506,50 @@ def test_training_regimes_lower_the_suffix_loss(tmp_path):
     assert evaluate(model, evalset, Layout((12,), 0, 8, full=True)) < evaluate(model, evalset, without) - 0.04
     assert (tmp_path / "run" / "config.yaml").is_file()  # the run directory is claimed (lm/run_dir.py)
     assert (tmp_path / "run" / "val_curve.png").is_file()  # two validations: the curve, as train_lm.py draws it
-    r = mfu.run_mfu(tmp_path / "run")  # the run directory read back: its layouts (full ones too) replayed
-    assert r["tokens_per_s"] == metrics["tokens_per_s"]
-    assert r["flops_per_token"] == mfu.compressed_flops_per_token(full, 100)
     with pytest.raises(ConfigError, match="already holds a run"):
         train_compressed(full)
+
+
+@pytest.mark.parametrize("mode", ["compress", "recent"])
+def test_flops_mfu_counts_the_layouts_a_resumed_accumulating_run_trained_on(tmp_path, monkeypatch, mode):
+    """flops.mfu replays a compression run's layouts from (seed, step): they are the layouts its micro-batches
+    carried (2 per step, one layout per step), full-memory ones included, across a stop at step 6 and a resume
+    to 12; its FLOPs per token are counted from those, the suffix tokens' vocabulary projection added."""
+    from flops.model import compressed_flops, model_cost
+
+    seen: list[tuple[int, Layout]] = []
+    losses = CompressedModule.losses
+
+    def spy(self, tokens, meta):
+        layout = decode(meta)
+        assert tokens.shape == (2, layout.window)
+        seen.append((self.trainer.global_step, layout))
+        return losses(self, tokens, meta)
+
+    monkeypatch.setattr(CompressedModule, "losses", spy)
+    rng = np.random.default_rng(0)
+    path = _prepared(tmp_path, [np.tile(rng.integers(1, V, 6), 40) for _ in range(54)])
+    cfg = tiny_config([{"type": "dense", "count": 4}], n_layers=4, d_model=32, head_dim=8, seq_len=8, vocab_size=V)
+    cfg.compression = CompressionConfig(layer=2, n_heads=2, prefix_len=12, ratio=0.25, mode=mode, regime="random",
+                                        ramp_steps=5, max_depth=3, full_prob=0.3)
+    for key, value in dict(accelerator="cpu", max_steps=6, val_every=4, ckpt_every=3, out_dir=str(tmp_path / "run"),
+                           accumulate_grad_batches=2, seed=5).items():
+        setattr(cfg.trainer, key, value)
+    cfg.data.path, cfg.data.batch_size, cfg.data.val_batches = path, 2, 1
+    validate(cfg)
+    train_compressed(cfg)
+    cfg.trainer.max_steps = 12
+    metrics = train_compressed(cfg, resume="last")
+    assert metrics["step"] == 12 and [step for step, _ in seen] == [s for s in range(12) for _ in range(2)]
+    trained = [layout for _, layout in seen[::2]]
+    assert [layout for _, layout in seen[1::2]] == trained  # both micro-batches of a step
+    assert any(layout.full for layout in trained) and len(set(trained)) > 3
+    sampler = LayoutSampler(cfg.compression, cfg.model.seq_len)
+    assert [sampler.at_step(5, step)[0] for step in range(12)] == trained
+    forward = sum(compressed_flops(cfg.model, cfg.compression, layout) for layout in trained) / 12
+    r = mfu.run_mfu(tmp_path / "run")
+    assert r["tokens_per_s"] == metrics["tokens_per_s"]
+    assert r["flops_per_token"] == 3 * (forward + model_cost(cfg.model).lm_head_flops) / 8
 
 
 def test_compression_training_accumulates_and_checkpoints_like_plain_training(tmp_path):

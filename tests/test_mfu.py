@@ -104,16 +104,19 @@ def test_a_fixed_compression_run_counts_its_one_layout(tmp_path: Path) -> None:
     assert r["achieved"] == pytest.approx(1e4 * r["flops_per_token"], rel=1e-12)
 
 
-def test_a_random_compression_run_counts_the_layouts_training_served(tmp_path: Path) -> None:
-    """Random regime (prefix length, ratio and depth drawn per step): FLOPs per token = 3 x the mean over the run's
-    steps of the FLOPs of the layouts that its training batches (LayoutBatches) carried, + the vocabulary projection,
-    / S; a run's own seed gives its own layouts."""
+@pytest.mark.parametrize("overrides", [(), ("compression.full_prob=0.3",),
+                                       ("compression.mode=recent", "compression.full_prob=0.3")])
+def test_a_random_compression_run_counts_the_layouts_its_batches_carry(tmp_path: Path, overrides: tuple) -> None:
+    """Random regime (prefix length, ratio and depth drawn per step; full-memory batches; the `recent` baseline):
+    FLOPs per token = 3 x the mean over the run's steps of the FLOPs of the layouts its training batches
+    (LayoutBatches) carry, + the vocabulary projection, / S; a run's own seed gives its own layouts. (That these are
+    the layouts training runs on, over accumulation and a resume: tests/test_compression.py.)"""
     import numpy as np
 
     from flops.model import compressed_flops
     from lm.compressed_training import DocumentWindows, LayoutBatches, LayoutSampler, decode
 
-    cfg = load_config(COMPRESSION)
+    cfg = load_config(COMPRESSION, *overrides)
     assert cfg.compression is not None
     windows = DocumentWindows([np.arange(1, 1001, dtype=np.uint16)], eos_id=0)  # one document of 1000 tokens
     steps = 40
@@ -121,21 +124,34 @@ def test_a_random_compression_run_counts_the_layouts_training_served(tmp_path: P
         batches = LayoutBatches(windows, LayoutSampler(cfg.compression, 128), batch=1, seed=seed)
         layouts = [decode(batches.batch(step)[1]) for step in range(steps)]
         assert len(set(layouts)) > 10  # the test sees many layouts, not one
+        assert any(layout.full for layout in layouts) == ("compression.full_prob=0.3" in overrides)
         forward = sum(compressed_flops(cfg.model, cfg.compression, layout) for layout in layouts) / steps
         run = _run_dir(tmp_path / f"random{seed}", COMPRESSION, {"step": steps, "tokens_per_s": 1e4},
-                       f"trainer.seed={seed}")
+                       f"trainer.seed={seed}", *overrides)
         assert mfu.run_mfu(run)["flops_per_token"] == 3 * (forward + 2 * 128 * 2048 * 128) / 128
 
 
-@pytest.mark.parametrize("step", [None, 0, "3"])
+@pytest.mark.parametrize("step", [None, 0, "3", True, 401])
 def test_a_compression_run_without_its_step_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           step: object) -> None:
-    """A compression run's FLOPs follow its steps' layouts: metrics.json without a step >= 1 names that, exit 2."""
+    """A compression run's FLOPs follow its steps' layouts: metrics.json without a step in [1, trainer.max_steps]
+    (400 here) names that, exit 2 (a damaged step of 10^9 would be replayed for hours)."""
     metrics = {"tokens_per_s": 1e4} if step is None else {"step": step, "tokens_per_s": 1e4}
     run = _run_dir(tmp_path / "compressed", COMPRESSION, metrics)
     assert mfu.main([str(run)]) == 2
-    assert capsys.readouterr() == ("", f"error: {run}: metrics.json has no step >= 1 (a compression run's FLOPs "
-                                       "follow its steps' layouts)\n")
+    assert capsys.readouterr() == ("", f"error: {run}: metrics.json has no step in [1, trainer.max_steps=400] (a "
+                                       f"compression run's FLOPs follow its steps' layouts), got {step!r}\n")
+
+
+@pytest.mark.parametrize("world_size", [None, "x", 0, True])
+def test_a_world_size_that_is_no_device_count_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           world_size: object) -> None:
+    """metrics.json's world_size must be a count >= 1 (null was a TypeError traceback, "x" a message without the
+    run's name)."""
+    run = _run_dir(tmp_path / "run", None, {"step": 3, "tokens_per_s": 1e4, "world_size": world_size})
+    assert mfu.main([str(run), "--peak-tflops", "1"]) == 2
+    assert capsys.readouterr() == ("", f"error: {run}: metrics.json's world_size is {world_size!r}, not a number of "
+                                       "devices >= 1\n")
 
 
 @pytest.mark.parametrize("metrics", [{"step": 3}, {"step": 3, "tokens_per_s": 0}, {"step": 3, "tokens_per_s": None},
