@@ -104,7 +104,7 @@ ARGPARSE_ERRORS = [
     ("lm.compressed_generate", ["--ckpt", "x"], "the following arguments are required: --prompt"),
     ("lm.consolidate", [], "the following arguments are required: directory, out"),
     ("lm.export_hf", [], "the following arguments are required"),
-    ("lm.lm_eval", [], "the following arguments are required"),
+    pytest.param("lm.lm_eval", [], "the following arguments are required", marks=EVAL_EXTRA),  # imports lm-eval
     ("lm.plots", [], "the following arguments are required"),
     ("lm.ratio_data", [], "the following arguments are required"),
     ("lm.ratio_predictor", ["train", "--bogus"], "the following arguments are required: --data, --out"),
