@@ -208,6 +208,34 @@ def test_triton_16bit_tiles_match_reference(T: int, sparsity: int, heads: int, h
     assert_rel_rms([y, *grads], [ref, *ref_grads], 2e-3)
 
 
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="Triton's interpreter only (TRITON_INTERPRET=1): fp16 stands in "
+                    "for bf16, whose tl.dot the interpreter computes wrong; on a GPU test_cuda_bf16_matches_reference")
+def test_fused_forward_attends_on_the_qkv_it_saves() -> None:
+    """In 16 bits the fused forward's output is attention over exactly the rounded Q, K, V it saves for _attn_bwd,
+    so the backward differentiates the forward that ran: y recomputed in fp64 from the saved Q, K, V, the gates and
+    W^O as stored, within rel-RMS 1e-5 (fp32 accumulation: measured 1.3e-7; attending on the unrounded fp32 tiles,
+    as the kernel did before, put y 3.2e-4 away, fp16's rounding of Q, K, V)."""
+    import heads.gathered_triton as gt
+
+    T, heads, head_dim = 100, 3, 16
+    p = problem(T, 8, heads, head_dim=head_dim)
+    x, w_qkv, w_o = (p[k].detach().half() for k in ("x", "w_qkv", "w_o"))
+    gate = (p["r"] * p["sel"].valid).detach().half()
+    idx, rope = p["sel"].idx, RotaryEmbedding(head_dim, 0.5)
+    y, q, k, v = gt.fused_forward(x, gate, w_qkv, w_o, idx, p["positions"], rope.inv_freq, rope.rot_dim, None, None)
+    q, k, v = q.double(), k.double(), v.double()  # [H, B, c, h'], rotated
+    c = idx.shape[-1]
+    scores = (q @ k.transpose(-1, -2) * head_dim ** -0.5).masked_fill(~torch.ones(c, c, dtype=torch.bool).tril(),
+                                                                      float("-inf"))  # valid slots first, in order
+    g = scores.softmax(-1) @ v * gate.double().transpose(0, 1)[..., None]  # G = diag(r) A, [H, B, c, h']
+    expected = torch.zeros(BATCH * T, x.shape[-1], dtype=torch.float64)
+    rows = (idx + T * torch.arange(BATCH)[:, None, None]).transpose(0, 1)  # [H, B, c] rows of [B*T, h]
+    for i in range(heads):
+        expected.index_add_(0, rows[i].flatten(), g[i].reshape(-1, head_dim) @ w_o.double()[:, i * head_dim:(i + 1) *
+                                                                                           head_dim].T)
+    assert_rel_rms([y], [expected], 1e-5)
+
+
 def record_grids(monkeypatch: pytest.MonkeyPatch, *kernels: str) -> dict[str, list[tuple[int, ...]]]:
     """heads.gathered_triton's `kernels` launched through kernel[grid](...) with each grid recorded, by name."""
     from heads import gathered_triton
