@@ -30,7 +30,7 @@ import sys
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -272,26 +272,34 @@ def evaluate_tasks(model: Any, tasks: list[str], manager: Any, limit: float | No
     return results
 
 
+def _disabled(bar: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """bar(*args, **kwargs) with disable=True, whatever the caller passed."""
+    return bar(*args, **{**kwargs, "disable": True})
+
+
 @contextmanager
 def bars_on_terminal_only() -> Iterator[None]:
-    """Within: datasets' "Generating split" bars and lm-eval's request-building bar are drawn only when stderr is
-    a terminal, like ours (lm.scoring.progress_bar), so log files get no bar frames. datasets has a switch;
-    lm-eval's Task.build_all_requests calls its module's `tqdm` with none, so that name is rebound meanwhile."""
+    """Within: datasets' "Generating split" bars and lm-eval's own bars (Task.build_all_requests' request building,
+    TemplateLM.loglikelihood's tokenising, which a baseline model such as bench.eval_quickstart's unigram runs) are
+    drawn only when stderr is a terminal, like ours (lm.scoring.progress_bar), so log files get no bar frames.
+    datasets has a switch; lm-eval's modules call their `tqdm` with none (or with disable=False: TemplateLM's
+    default), so that name is rebound meanwhile to one that is always disabled."""
     if sys.stderr.isatty():
         yield
         return
     import datasets
-    from lm_eval.api import task
+    from lm_eval.api import model, task
 
-    shown, bar = datasets.is_progress_bar_enabled(), getattr(task, "tqdm", None)
+    shown = datasets.is_progress_bar_enabled()
+    bars = {module: module.tqdm for module in (model, task) if hasattr(module, "tqdm")}
     datasets.disable_progress_bars()
-    if bar is not None:
-        task.tqdm = functools.partial(bar, disable=True)
+    for module, bar in bars.items():
+        module.tqdm = functools.partial(_disabled, bar)
     try:
         yield
     finally:
-        if bar is not None:
-            task.tqdm = bar
+        for module, bar in bars.items():
+            module.tqdm = bar
         if shown:
             datasets.enable_progress_bars()
 

@@ -14,12 +14,14 @@ from lm.cli import check_png
 from lm.run_files import read_json
 
 
-def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "") -> Path | None:
+def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path, title: str = "",
+                    min_points: int = 2) -> Path | None:
     """Write the validation-perplexity curve of each history (label -> entries with tokens_seen, val_ppl; log
-    scale) to `path`; None (nothing written) when no history has two validations."""
+    scale) with at least `min_points` validations to `path` (one validation: a lone marker); None (nothing written)
+    when no history has that many."""
     curves = {label: [(h["tokens_seen"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
               for label, history in histories.items()}
-    curves = {label: points for label, points in curves.items() if len(points) >= 2}
+    curves = {label: points for label, points in curves.items() if len(points) >= max(min_points, 1)}
     if not curves:
         return None
     import matplotlib
@@ -76,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         histories[label] = history
-    if plot_val_curves(histories, args.out, args.title) is None:
-        print("error: no run has two validations to draw a curve through", file=sys.stderr)
+    # every run with a validation is drawn: a sweep point validated once, at its end, is a lone marker
+    if plot_val_curves(histories, args.out, args.title, min_points=1) is None:
+        print("error: no run has a validation yet (metrics.json's history holds no val_ppl)", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0

@@ -20,9 +20,9 @@ def test_two_runs_in_one_png_labelled_by_directory(tmp_path: Path, monkeypatch: 
     drawn = {}
     real = plots.plot_val_curves
 
-    def spy(histories, path, title=""):
+    def spy(histories, path, title="", min_points=2):
         drawn.update(histories)
-        return real(histories, path, title)
+        return real(histories, path, title, min_points)
 
     monkeypatch.setattr(plots, "plot_val_curves", spy)
     runs = [_run(tmp_path / "dense", [90.0, 60.0]), _run(tmp_path / "mosa", [80.0, 50.0, 40.0])]
@@ -36,7 +36,8 @@ def test_runs_with_the_same_directory_name_are_both_drawn_labelled_by_path(tmp_p
     """Two sweeps' points share a name (`runs/mosa_s8`): each keeps its curve, labelled by its path (the second
     replaced the first under one label, silently)."""
     drawn = {}
-    monkeypatch.setattr(plots, "plot_val_curves", lambda histories, path, title="": drawn.update(histories) or Path(path))
+    monkeypatch.setattr(plots, "plot_val_curves",
+                        lambda histories, path, title="", min_points=2: drawn.update(histories) or Path(path))
     a, b = _run(tmp_path / "tiny" / "mosa_s8", [90.0, 60.0]), _run(tmp_path / "small" / "mosa_s8", [80.0, 50.0])
     dense = _run(tmp_path / "dense", [70.0, 40.0])
     assert plots.main([str(a), str(b), str(dense), "--out", str(tmp_path / "c.png")]) == 0
@@ -44,11 +45,25 @@ def test_runs_with_the_same_directory_name_are_both_drawn_labelled_by_path(tmp_p
         str(a): [90.0, 60.0], str(b): [80.0, 50.0], "dense": [70.0, 40.0]}
 
 
-def test_a_run_with_one_validation_is_left_out_and_none_at_all_is_an_error(tmp_path: Path, capsys) -> None:
+def test_a_run_with_one_validation_is_drawn_and_none_at_all_is_an_error(tmp_path: Path, capsys,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep point validated once, at its end, is drawn as a lone marker next to the curves (it was left out
+    without a word); a run's own val_curve.png (lm/train.py) waits for two validations; no validation at all is one
+    line."""
+    from matplotlib.axes import Axes
+
     assert plots.plot_val_curves({"a": [{"tokens_seen": 1, "val_ppl": 9.0}]}, tmp_path / "x.png") is None
-    assert plots.main([str(_run(tmp_path / "short", [9.0])), "--out", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err == "error: no run has two validations to draw a curve through\n"
-    assert not (tmp_path / "x.png").exists()
+    drawn = {}
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, x, y, **kw: drawn.update({kw["label"]: list(y)}) or real(ax, x, y,
+                                                                                                         **kw))
+    runs = [_run(tmp_path / "curve", [90.0, 60.0]), _run(tmp_path / "point", [70.0])]
+    assert plots.main([*map(str, runs), "--out", str(tmp_path / "x.png")]) == 0
+    assert drawn == {"curve": [90.0, 60.0], "point": [70.0]}
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.main([str(_run(tmp_path / "short", [])), "--out", str(tmp_path / "y.png")]) == 2
+    assert capsys.readouterr().err == "error: no run has a validation yet (metrics.json's history holds no val_ppl)\n"
+    assert not (tmp_path / "y.png").exists()
 
 
 def test_a_directory_without_metrics_is_named(tmp_path: Path, capsys) -> None:
