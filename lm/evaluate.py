@@ -141,7 +141,7 @@ def evaluate_documents(model: DecoderLM, docs: Sequence[TokenDoc], context: int,
     bar = progress_bar(desc="windows", unit="win", disable=not show_progress)
     try:
         scores: list[Scores] = score(model, [d.tokens for d in docs], [1] * len(docs), context, stride,
-                                     batch_size=batch_size, leak_free=leak_free, progress=bar.update)
+                                     batch_size=batch_size, leak_free=leak_free, progress=bar)
     finally:
         bar.close()
     per_doc = [{"id": d.id, **summarize(float(s.nll.sum()), len(s.nll), d.nbytes)} for d, s in zip(docs, scores)]

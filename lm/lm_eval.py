@@ -98,7 +98,7 @@ class SparseHeadsLM(TemplateLM):
         bar = progress_bar(desc="windows", disable=disable_tqdm)
         try:
             return score(self.model, sequences, firsts, self.seq_len, strides, self.batch_size, self.leak_free,
-                         progress=bar.update, vocab=self.sp.get_piece_size())
+                         progress=bar, vocab=self.sp.get_piece_size())
         finally:
             bar.close()
 
@@ -122,8 +122,9 @@ class SparseHeadsLM(TemplateLM):
         return {**overlap.report(len(keys)), "tasks": tasks}
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        self._record(requests)  # lm-eval's own tokenising bar, like ours, only on a terminal
-        return super().loglikelihood(requests, disable_tqdm or not sys.stderr.isatty())
+        self._record(requests)
+        with bars_on_terminal_only():  # lm-eval's own tokenising bar only on a terminal; ours as progress_bar
+            return super().loglikelihood(requests, disable_tqdm)
 
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:

@@ -40,6 +40,7 @@ from lm.run_dir import provenance
 from lm.perplexity import perplexity
 from lm.resume_settings import apply_changes
 from lm.schedule import lr_factor
+from lm.scoring import PROGRESS_LINE_SECONDS
 
 
 def compiled(fn: Callable[..., Any], backend: str = "inductor") -> Callable[..., Any]:
@@ -67,7 +68,6 @@ def saved_tokens_seen(checkpoint: dict[str, Any]) -> int:
     return checkpoint["global_step"] * saved["data"]["batch_size"] * saved["model"]["seq_len"] * world
 
 
-PROGRESS_LINE_SECONDS = 30.0  # LMModule.progress_line: at most one line per this many seconds
 
 
 class LMModule(L.LightningModule):

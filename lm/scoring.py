@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -81,17 +81,39 @@ def batches(wins: list[Window], batch_size: int, pad: bool) -> list[list[Window]
     return [g[b : b + batch_size] for _, g in sorted(by_len.items()) for b in range(0, len(g), batch_size)]
 
 
+PROGRESS_LINE_SECONDS = 30.0  # without a terminal: at most one progress line per this many seconds (as training's)
+
+
+class LogLines:
+    """A file for tqdm that writes each redraw as a line of its own: a log gets lines, not carriage-return frames."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        if line := text.strip():  # a redraw is '\r' + the bar + blank padding; the close's '\n' alone is dropped
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def progress_bar(iterable: Any = None, disable: bool = False, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr, off when stderr is not a terminal: no bar frames in log files (as train_lm.py)."""
-    return tqdm(iterable, disable=disable or not sys.stderr.isatty(), file=sys.stderr, **kwargs)
+    """A tqdm bar on stderr. When stderr is not a terminal (a log file, a batch job), no bar frames: work that lasts
+    longer than PROGRESS_LINE_SECONDS writes a line at most that often (count, rate, time left where the total is
+    known, as training's progress lines), shorter work nothing."""
+    if sys.stderr.isatty() or disable:
+        return tqdm(iterable, disable=disable, file=sys.stderr, **kwargs)
+    return tqdm(iterable, file=LogLines(sys.stderr), mininterval=PROGRESS_LINE_SECONDS, delay=PROGRESS_LINE_SECONDS,
+                ascii=True, ncols=80, **kwargs)
 
 
 @torch.no_grad()
 def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence[int], context: int,
           stride: int | Sequence[int], batch_size: int = 8, leak_free: bool = False,
-          progress: Callable[[int], Any] | None = None, vocab: int | None = None) -> list[Scores]:
+          progress: tqdm | None = None, vocab: int | None = None) -> list[Scores]:
     """Scores of targets x[first:] of each sequence (module docstring); `stride` is one for all or one per
-    sequence; `progress(n)` is called after each batch with the number of windows done (e.g. tqdm.update);
+    sequence; `progress`, a bar (progress_bar), gets the number of windows as its total and advances per batch;
     `vocab`: the argmax (`greedy`) is taken over ids below it, the tokenizer's pieces when the model's vocabulary
     is padded beyond them (as generation, lm/generate.sample, never picks a padded id)."""
     strides = [stride] * len(sequences) if isinstance(stride, int) else list(stride)
@@ -100,6 +122,8 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence
     # Right-padding a window cannot move a causal model's predictions at its real positions, nor leak-free
     # ones (each from its own prefix); a non-causal model's teacher-forced windows run at their own length.
     pad = leak_free or bool(getattr(model, "causal", False))
+    if progress is not None:
+        progress.total = len(wins)
     device = next(model.parameters()).device
     nll = [torch.zeros(len(x) - f, dtype=torch.float64) for x, f in zip(sequences, firsts)]
     greedy = [torch.zeros(len(x) - f, dtype=torch.bool) for x, f in zip(sequences, firsts)]
@@ -130,7 +154,7 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], firsts: Sequence
                 greedy[w.seq][out] = hit[j, cols]
                 pos[w.seq][out] = torch.arange(w.length - (w.e - w.s), w.length)
             if progress is not None:
-                progress(len(batch))
+                progress.update(len(batch))
     finally:
         model.train(was_training)
     return [Scores(*t) for t in zip(nll, greedy, pos)]

@@ -15,8 +15,9 @@ pytestmark = EVAL_EXTRA
 
 @pytest.mark.slow  # three whole books through a tiny model, and two small lm-eval tasks (~20 s)
 def test_writes_the_report(shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """... and a log (stderr not a terminal; here capsys) gets no progress-bar frame: the unigram baseline's
-    loglikelihood is lm-eval's TemplateLM's, whose tokenising bar wrote one (lm.lm_eval.bars_on_terminal_only)."""
+    """... and a log (stderr not a terminal; here capsys) gets no progress-bar frame ('\\r' redraws; whole progress
+    lines, lm.scoring.progress_bar's past 30 s, are fine): the unigram baseline's loglikelihood is lm-eval's
+    TemplateLM's, whose tokenising bar wrote frames (lm.lm_eval.bars_on_terminal_only)."""
     from bench.eval_quickstart import main
 
     data = prepared_corpus(tmp_path)
@@ -25,7 +26,7 @@ def test_writes_the_report(shared_data: Path, tmp_path: Path, capsys: pytest.Cap
     argv = ["--ckpt", str(ckpt), "--shared", str(shared_data), "--items", "4", "--work", str(tmp_path / "work"),
             "--out", str(out)]
     assert main(argv) == 0
-    assert "%|" not in capsys.readouterr().err
+    assert "\r" not in capsys.readouterr().err
     report = out.read_text()
     rows = [line for line in report.splitlines() if line.startswith("| 3 unseen") or line.startswith("| quickstart")]
     assert len(rows) == 2 + 4  # two perplexity rows; cloze acc + perplexity, mc acc + acc_norm

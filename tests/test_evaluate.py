@@ -57,6 +57,27 @@ def test_sliding_window_matches_direct_forward(corpus: Path, tmp_path: Path, n: 
     assert max(abs(a - b) for a, b in zip(both[0].nll.tolist(), nll_of(model, x[:12], x[1:13]))) <= TOL
 
 
+def test_scoring_progress_in_a_log_is_lines(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """stderr not a terminal (a log; here capsys): scoring that outlasts PROGRESS_LINE_SECONDS (here 0) writes whole
+    lines, windows done of the total with their rate, no carriage-return frames (the bar was off: hours of leak-free
+    scoring left a log empty); work shorter than it (the default 30 s) writes nothing."""
+    import lm.scoring
+    from lm.evaluate import TokenDoc, evaluate_documents
+
+    _, model = save_checkpoint(tmp_path, corpus, seq_len=24)
+    docs = [TokenDoc(f"d{i}", list(range(1, 61 + i)), "x" * 100) for i in range(3)]  # 3 windows each
+    capsys.readouterr()
+    evaluate_documents(model, docs, 24, 24, leak_free=False, batch_size=2)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(lm.scoring, "PROGRESS_LINE_SECONDS", 0.0)
+    evaluate_documents(model, docs, 24, 24, leak_free=False, batch_size=2)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and err.endswith("\n") and len(lines) >= 2, err
+    assert lines[-1].startswith("windows: 100%") and "9/9 [" in lines[-1] and "win/s]" in lines[-1], lines
+
+
 def test_short_inputs_use_app_f_k_and_are_never_padded(corpus: Path, tmp_path: Path) -> None:
     """A 10-token input to expert-choice MoSA (ρ = 4) selects k = max(floor(9/4), 2) = 2 tokens of its 9
     inputs (no padding to seq_len), in a batch with longer windows too."""
