@@ -68,8 +68,6 @@ def saved_tokens_seen(checkpoint: dict[str, Any]) -> int:
     return checkpoint["global_step"] * saved["data"]["batch_size"] * saved["model"]["seq_len"] * world
 
 
-
-
 class LMModule(L.LightningModule):
     def __init__(self, cfg: Config) -> None:
         super().__init__()

@@ -104,8 +104,9 @@ def progress_bar(iterable: Any = None, disable: bool = False, **kwargs: Any) -> 
     known, as training's progress lines), shorter work nothing."""
     if sys.stderr.isatty() or disable:
         return tqdm(iterable, disable=disable, file=sys.stderr, **kwargs)
+    # miniters=1: no automatic miniters, which would let tqdm's monitor thread redraw every 10 s (maxinterval) between
     return tqdm(iterable, file=LogLines(sys.stderr), mininterval=PROGRESS_LINE_SECONDS, delay=PROGRESS_LINE_SECONDS,
-                ascii=True, ncols=80, **kwargs)
+                miniters=1, ascii=True, ncols=80, **kwargs)
 
 
 @torch.no_grad()
