@@ -21,7 +21,7 @@ def plot_val_curves(histories: dict[str, list[dict[str, Any]]], path: str | Path
     when no history has that many."""
     curves = {label: [(h["tokens_seen"], h["val_ppl"]) for h in history if h.get("val_ppl") is not None]
               for label, history in histories.items()}
-    curves = {label: points for label, points in curves.items() if len(points) >= max(min_points, 1)}
+    curves = {label: points for label, points in curves.items() if len(points) >= min_points}
     if not curves:
         return None
     import matplotlib
