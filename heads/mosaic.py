@@ -223,8 +223,11 @@ class MosaicHeads(HeadGroup):
         self_only = valid & ~sel if o.padded == "identity" else None  # a padded query sees only itself
         counted = sel if o.padded == "ignore" else valid
         gate = weights.transpose(1, 2).gather(-1, idx) * counted  # p_{t,i}; 0 on slots without output
+        # under `include` every valid slot is visible and valid slots come first, so the causal mask over slots is
+        # exact for them (empty slots, gate 0, give nothing): no [B, N, K, K] mask, SDPA's causal kernels on CUDA
+        mask = None if o.padded == "include" else visible
         y = gathered_heads_fast(x, positions, Selection(idx, valid), gate, self.qkv.weight, self.out.weight,
-                                self.rope, visible, self_only)
+                                self.rope, mask, self_only)
         return y, Selection(idx, valid), visible, member.sum(-1)
 
     def forward_fast(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
