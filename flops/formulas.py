@@ -25,6 +25,7 @@ stating FLOPs and parameters, reading its options with `o.get("field")` (the hea
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -96,9 +97,11 @@ def group_cost(head_type: str, d_model: int, head_dim: int, seq_len: int, count:
     unknown type -> one-line ConfigError."""
     if head_type not in FORMULAS:
         raise ConfigError(f"no FLOP formula for head type {head_type!r}; known: {', '.join(sorted(FORMULAS))}")
+    if count < 0:
+        raise ConfigError(f"{head_type}: head count must be >= 0, got {count}")
     o = Options(head_type, options)
+    kv = count * kv_per_head(o, GroupContext(d_model, head_dim, seq_len))  # validates the options first
     work = FORMULAS[head_type](d_model, head_dim, seq_len, count, o)
-    kv = count * kv_per_head(o, GroupContext(d_model, head_dim, seq_len))
     return Cost(flops=work.flops, kv=kv, params=work.params)
 
 
@@ -113,8 +116,8 @@ def kv_per_head(o: Options, ctx: GroupContext) -> int:
 
 def sparse_k(seq_len: int, sparsity: float) -> int:
     """Tokens per sparse head, k = max(floor(T / rho), 2) (MoSA App. F; k = T / rho when rho | T), <= T."""
-    if sparsity < 1:
-        raise ConfigError(f"sparsity must be >= 1, got {sparsity}")
+    if not (math.isfinite(sparsity) and sparsity >= 1):
+        raise ConfigError(f"sparsity must be a finite number >= 1, got {sparsity}")
     return int(tokens_per_head(seq_len, sparsity))
 
 

@@ -169,6 +169,9 @@ def peak_flops(device_name: str, precision: str = "bf16-mixed") -> float:
     """Dense peak FLOP/s of a GPU at a training precision (Lightning's names: 16-bit ones run on the tensor
     cores, 32-true on the CUDA cores) from its name; ValueError (one line) if not in the table."""
     table = PEAKS_BY_PRECISION.get(precision)
+    if re.search(r"(?<![A-Za-z0-9])MIG(?![A-Za-z0-9])", device_name):  # e.g. "NVIDIA A100-SXM4-40GB MIG 1g.5gb"
+        raise ValueError(f"device {device_name!r} is a MIG slice, with a fraction of the GPU's peak FLOP/s; "
+                         "give its peak with --peak-tflops")
     if table is None:
         raise ValueError(f"no peak FLOP/s table for precision {precision!r}; known: {', '.join(PEAKS_BY_PRECISION)}")
     for key, tflops in table.items():

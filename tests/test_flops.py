@@ -108,6 +108,9 @@ def test_training_flops_and_mfu() -> None:
             peak_flops(unknown)
     with pytest.raises(ValueError, match="no 32-true peak FLOP/s known for device 'NVIDIA B200'"):
         peak_flops("NVIDIA B200", "32-true")
+    for mig in ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA H100 80GB HBM3 MIG 3g.40gb"):  # a slice's peak is a fraction
+        with pytest.raises(ValueError, match="is a MIG slice, .* give its peak with --peak-tflops$"):
+            peak_flops(mig)
     with pytest.raises(ValueError, match="no peak FLOP/s table for precision '64-true'"):
         peak_flops("NVIDIA H100 80GB HBM3", "64-true")
 
@@ -418,11 +421,23 @@ def test_counting_refuses_missing_options_and_sparsities_below_one() -> None:
         group_cost("compression", h, hd, T, 4, {})
     with pytest.raises(ConfigError, match="^head type 'mosa': option sparsity must be an int, got None$"):
         group_cost("mosa", h, hd, T, 1, {"sparsity": None})  # its slots come from MoSAOptions.kv_per_head
-    with pytest.raises(ConfigError, match="^local: option 'window' is required to count FLOPs$"):
+    with pytest.raises(ConfigError, match="^head type 'local': option window must be an int, got None$"):
         group_cost("local", h, hd, T, 1, {"window": None})
-    with pytest.raises(ConfigError, match="^sparsity must be >= 1, got 0.5$"):
-        sparse_k(T, 0.5)
+    for rho in (0.5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"^sparsity must be a finite number >= 1, got {rho}$"):
+            sparse_k(T, rho)
     assert sparse_k(T, 1) == T
+
+
+def test_counting_validates_options_and_counts_first() -> None:
+    """Bad option values are refused by the head type's own validation before its formula runs (no
+    ZeroDivisionError, no silent count), and so is a negative head count."""
+    with pytest.raises(ConfigError, match="^agent: options.block must be >= 1, got 0$"):
+        group_cost("agent", h, hd, T, 1, {"block": 0})
+    with pytest.raises(ConfigError, match="^head type 'routing': option sparsity must be an int, got nan$"):
+        group_cost("routing", h, hd, T, 1, {"sparsity": float("nan")})
+    with pytest.raises(ConfigError, match="^dense: head count must be >= 0, got -3$"):
+        group_cost("dense", h, hd, T, -3)
 
 
 @pytest.mark.parametrize("seconds, peak", [(0.0, 312e12), (-1.0, 312e12), (1.0, 0.0), (1.0, -312e12)])
