@@ -20,6 +20,14 @@ def is_temp(path: Path) -> bool:
     return bool(_TEMP.match(path.name))
 
 
+def remove_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files that `atomic_write` leaves in `directory` when its process is killed mid-write."""
+    found = sorted(p for p in directory.iterdir() if is_temp(p)) if directory.is_dir() else []
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], Any]) -> None:
     """Run `write(f)` on `temp_path(path)`, fsync it, then os.replace() it onto `path`, and fsync the directory
     (the rename itself durable). A hard link to the old file keeps the old bytes: a new inode is renamed over the

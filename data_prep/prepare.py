@@ -48,7 +48,7 @@ from data_prep.documents import Corpus, Document, Skips
 from data_prep.errors import DataError, progress_bar, warn
 from data_prep.manifest import as_recorded, input_changes, input_manifest, intact_prefix
 from data_prep.sample import LineSampler
-from data_prep.atomic import atomic_write, is_temp
+from data_prep.atomic import atomic_write, is_temp, remove_temp_files
 from data_prep.shards import DTYPE, FORMAT, SHARD_NAME, SplitWriter, write_json
 from data_prep.sources import LOCAL, SOURCES, open_source
 from data_prep.split import Splitter
@@ -324,6 +324,8 @@ def prepare(
         corpus = decontaminate.without_overlap(corpus, sequences)
     out = Path(out)
     with _output_dir(out):
+        for path in remove_temp_files(out):  # a shard or record whose writer was killed (kill -9 skips its cleanup)
+            warn(f"removed {path}, left by an interrupted write")
         done, state = _previous_run(out, settings, corpus, overwrite, progress)
         if done is not None:
             print(f"{out} is already prepared with these settings; nothing to do")

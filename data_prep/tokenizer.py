@@ -22,6 +22,7 @@ from data_prep.errors import DataError
 MODEL_TYPE = "bpe"
 UNK_ID, EOS_ID, NEWLINE_ID = 0, 1, 2
 MAX_VOCAB = 2**16  # ids must fit in uint16 shards
+MIN_VOCAB = 3 + 256  # the special pieces and the byte pieces (a corpus needs its characters on top)
 MAX_SENTENCE_BYTES = 1 << 15
 META = "\u2581"  # SentencePiece's space symbol: encoded as is, a literal one would decode as " "
 META_BYTE_IDS = [3 + byte for byte in META.encode("utf-8")]  # its byte pieces <0xE2> <0x96> <0x81>
@@ -29,8 +30,9 @@ SAVED_THREADS = 1  # trainer_spec.num_threads in every saved model, so its bytes
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    if not 0 < vocab_size <= MAX_VOCAB:
-        raise DataError(f"--vocab-size must be in 1..{MAX_VOCAB} (tokens are stored as uint16), got {vocab_size}")
+    if not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"--vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB} (3 special and 256 byte pieces at least; "
+                        f"tokens are stored as uint16), got {vocab_size}")
 
 
 def train(lines: Sequence[str], vocab_size: int, threads: int) -> bytes:

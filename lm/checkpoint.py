@@ -6,8 +6,8 @@ A checkpoint is Lightning's dict (state_dict, optimizer/scheduler states, loop s
 
 Every reader goes through `read_checkpoint`, which turns an empty, truncated, garbled (zip CRC
 mismatch) or foreign file into a one-line CheckpointError; `newest_loadable` walks a run's step
-files newest first past damaged ones, and `remove_temp_files` clears what a killed write left. Under DeepSpeed a
-checkpoint is a directory of shards: `unmark` / `mark_complete` bracket each save, `read_deepspeed` reads its rank-0
+files newest first past damaged ones (data_prep.atomic.remove_temp_files clears what a killed write left). Under
+DeepSpeed a checkpoint is a directory of shards: `unmark` / `mark_complete` bracket each save, `read_deepspeed` reads its rank-0
 entries, `newest_deepspeed` picks the newest complete one (lm/consolidate.py makes one file of it).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from data_prep.atomic import atomic_write, is_temp, temp_path
+from data_prep.atomic import atomic_write, temp_path
 from heads import ConfigError
 from lm.accumulation import ends_step
 from lm.config import Config
@@ -289,14 +289,6 @@ def newest_deepspeed(directory: Path, skipped: Callable[[Path, str], None]) -> t
         except CheckpointError as err:
             skipped(path, str(err))
     return None
-
-
-def remove_temp_files(directory: Path) -> list[Path]:
-    """Delete the temporary files that `atomic_write` leaves when the process is killed mid-write."""
-    found = sorted(p for p in directory.iterdir() if is_temp(p)) if directory.is_dir() else []
-    for path in found:
-        path.unlink(missing_ok=True)
-    return found
 
 
 def load_model(path: str | Path, map_location: str | torch.device = "cpu") -> tuple[DecoderLM, Config]:

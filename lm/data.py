@@ -31,10 +31,13 @@ from lm.sanity import validation_warnings, vocab_warnings, warn
 from lm.errors import DataError
 
 PREPARE_HINT = "python -m data_prep.prepare --source gutenberg|c4|text --src RAW_INPUT --out DIR"
+MAX_OPEN_SHARDS = 128  # memmaps a TokenStream keeps open, least recently read closed first: each holds a file
+# descriptor, and a process may commonly hold 1024 (a full C4 is thousands of 50M-token shards)
 
 
 class TokenStream:
-    """The shards of one split as one flat uint16 token sequence; memmaps open lazily (worker-safe)."""
+    """The shards of one split as one flat uint16 token sequence; memmaps open lazily (worker-safe), at most
+    MAX_OPEN_SHARDS at once."""
 
     def __init__(self, directory: Path, split: str, shards: list[dict[str, Any]], vocab_size: int,
                  data_vocab: int | None = None) -> None:
@@ -54,22 +57,34 @@ class TokenStream:
                 raise DataError(f"data.path: shard {path} has {path.stat().st_size} bytes, index.json says {n} uint16 tokens")
             check_token_range(path, vocab_size)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard i = [starts[i], starts[i+1])
-        self._maps: list[np.memmap] | None = None
+        self._maps: dict[int, np.memmap] = {}  # open shards, least recently read first
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": {}}  # a DataLoader worker opens its own (a memmap pickles as its data)
+
+    def _shard(self, i: int) -> np.memmap:
+        """Shard i's memmap, opened if needed (closing the least recently read one past MAX_OPEN_SHARDS)."""
+        tokens = self._maps.pop(i, None)
+        if tokens is None:
+            if len(self._maps) >= MAX_OPEN_SHARDS:
+                del self._maps[next(iter(self._maps))]
+            tokens = np.memmap(self.paths[i], dtype=np.uint16, mode="r")
+        self._maps[i] = tokens
+        return tokens
+
     def read(self, start: int, length: int) -> np.ndarray:
         """tokens[start : start + length] as int64, crossing shard boundaries as needed."""
-        if self._maps is None:
-            self._maps = [np.memmap(p, dtype=np.uint16, mode="r") for p in self.paths]
         out = np.empty(length, dtype=np.int64)
         done = 0
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while done < length:
+            tokens = self._shard(shard)
             lo = start + done - int(self.starts[shard])
-            take = min(length - done, len(self._maps[shard]) - lo)
-            out[done : done + take] = self._maps[shard][lo : lo + take]
+            take = min(length - done, len(tokens) - lo)
+            out[done : done + take] = tokens[lo : lo + take]
             done, shard = done + take, shard + 1
         return out
 

@@ -24,11 +24,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity
 
+from data_prep.atomic import remove_temp_files
 from heads import ConfigError
 from lm.accumulation import FinalStepValidates, StepTimer
 from lm.checkpoint import (CONSOLIDATED, AtomicCheckpointIO, CheckpointError, StepCheckpoints, newest_deepspeed,
-                           newest_loadable, read_checkpoint, read_deepspeed, remove_temp_files, set_aside_after,
-                           step_files)
+                           newest_loadable, read_checkpoint, read_deepspeed, set_aside_after, step_files)
 from lm.config import Config, TrainerConfig
 from lm.data import LMDataModule
 from lm.devices import build_strategy, check_devices, check_host_memory, lightning_accelerator, resolve_precision

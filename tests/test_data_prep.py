@@ -666,8 +666,11 @@ def test_resume_skips_finished_shards(tmp_path: Path, monkeypatch: pytest.Monkey
     first = {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in written}
     assert not (tmp_path / "out/index.json").exists() and len(first) == 3
 
+    killed_write = tmp_path / "out" / ".train_00003.bin.tmp999"  # what kill -9 in atomic_write leaves (no finally)
+    killed_write.write_bytes(b"\0" * 600)
     die_after, written = None, []
     resumed = prepare("text", str(src), tmp_path / "out", **kw)
+    assert not killed_write.exists()
     assert len(written) == n_shards - 3 and not set(written) & set(first)  # only the missing shards were written
     assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in first} == first
     assert resumed == reference
@@ -899,13 +902,15 @@ def test_vocab_too_large_and_too_small(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and "\n" not in err
     assert err.startswith("error: --vocab-size 5000 is too large for this corpus: its tokenizer sample (")
     assert err.endswith("pieces; lower --vocab-size or give more text (documents, --sample-chars)")
-    code, err = run_cli(capsys, *args, "100")
-    assert code == 2 and err.startswith("error: --vocab-size 100 is too small: this corpus needs at least ")
+    code, err = run_cli(capsys, *args, "260")
+    assert code == 2 and err.startswith("error: --vocab-size 260 is too small: this corpus needs at least ")
     code, err = run_cli(capsys, *args, "70000")
-    assert code == 2 and err == "error: --vocab-size must be in 1..65536 (tokens are stored as uint16), got 70000"
+    assert code == 2 and err == ("error: --vocab-size must be in 259..65536 (3 special and 256 byte pieces at least; "
+                                 "tokens are stored as uint16), got 70000")
     tokenizer.check_vocab_size(65536)  # ids 0 .. 65535 fit uint16: the largest allowed, as model.vocab_size allows
-    for bad in (65537, 0):
-        with pytest.raises(DataError, match=f"^--vocab-size must be in 1..65536 .*, got {bad}$"):
+    tokenizer.check_vocab_size(259)
+    for bad in (65537, 258, 1, 0):  # below 259 SentencePiece itself failed with an internal error
+        with pytest.raises(DataError, match=f"^--vocab-size must be in 259..65536 .*, got {bad}$"):
             tokenizer.check_vocab_size(bad)
 
 

@@ -414,6 +414,32 @@ def test_windows_cross_shards_and_val_windows_are_fixed(data: Path) -> None:
     enough_for_every_rank(4, "validation windows", 4)
 
 
+def test_a_split_of_many_shards_keeps_few_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full C4 is thousands of shards, past a process's usual 1024 file descriptors: a TokenStream holds at most
+    MAX_OPEN_SHARDS memmaps (each an open descriptor), least recently read closed first, and reads stay exact."""
+    import os
+    import pickle
+
+    import lm.data
+    from lm.data import TokenStream
+
+    monkeypatch.setattr(lm.data, "MAX_OPEN_SHARDS", 4)
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 500, size=int(n), dtype=np.uint16) for n in rng.integers(5, 40, size=60)]
+    for i, part in enumerate(parts):
+        part.tofile(tmp_path / f"train_{i:05d}.bin")
+    stream = TokenStream(tmp_path, "train", [{"file": f"train_{i:05d}.bin", "tokens": len(p)} for i, p in
+                                             enumerate(parts)], vocab_size=500)
+    flat = np.concatenate(parts)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for start in rng.integers(0, len(flat) - 50, size=300):
+        assert np.array_equal(stream.read(int(start), 50), flat[start : start + 50])
+        assert len(stream._maps) <= 4
+    assert len(os.listdir("/proc/self/fd")) <= descriptors + 4
+    copy = pickle.loads(pickle.dumps(stream))  # what a DataLoader worker gets: no open shards, the same reads
+    assert copy._maps == {} and np.array_equal(copy.read(7, 100), flat[7:107])
+
+
 def data_error(path: Path, **model: object) -> str:
     overrides = run_overrides(path, Path("unused")) + [f"model.{k}={v}" for k, v in model.items()]
     cfg = load_config(None, *overrides)
