@@ -65,6 +65,11 @@ class CompressedCache:
         agents' and landmarks' pairs), summed over layers and heads, averaged over the batch."""
         return sum(c.entries() for layer in self.layers for c in layer) // self.batch
 
+    def held_states(self) -> int:
+        """Depth-L hidden states (of width d) kept per sequence besides the caches, which a dense decoder does not
+        hold: the window's, compressed when it fills, and the memory's t."""
+        return self.window_len() + (0 if self.memory is None else self.memory.shape[1])
+
     def kv_uncompressed(self) -> int:
         """Entries a dense cache of all `seen` tokens would keep."""
         return self.seen * self.heads
@@ -81,6 +86,9 @@ class CompressedGenerator:
         self.t = tokens_for(comp.ratio, self.window) if t is None else t
         if self.window < 1 or not 1 <= self.t <= self.window:
             raise ValueError(f"need window >= 1 and t in [1, window], got window {self.window} and t {self.t}")
+        if adaptive is not None and adaptive.prefix_len not in (None, self.window):  # its Deltas are of that span
+            raise ValueError(f"the ratio predictor was fit on spans of {adaptive.prefix_len} tokens, this decoder "
+                             f"compresses windows of {self.window}: fit one on ratio data of this window")
         for g in model.lm.head_groups():
             try:
                 g.new_cache(1, 1)
@@ -212,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"KV cache after {out.shape[1] - 1} tokens fed: {cache.kv_entries()} entries kept, "
-          f"{cache.kv_uncompressed()} in an uncompressed cache; {len(cache.kept)} compression(s) of windows of "
-          f"{cfg.compression.prefix_len} tokens, keeping t = {cache.kept}", file=sys.stderr)
+          f"{cache.kv_uncompressed()} in an uncompressed cache, plus {cache.held_states()} hidden states of width "
+          f"{cfg.model.d_model} (the window to compress and the memory); {len(cache.kept)} compression(s) of windows "
+          f"of {cfg.compression.prefix_len} tokens, keeping t = {cache.kept}", file=sys.stderr)
     print(sp.decode(out[0].tolist()))
     return 0
 

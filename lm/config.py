@@ -254,3 +254,10 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
         raise ConfigError(f"compression.ramp_steps must be >= 0, got {c.ramp_steps}")
     if not 0.0 <= c.full_prob < 1.0:
         raise ConfigError(f"compression.full_prob must be in [0, 1), got {c.full_prob}")
+    leaky = sorted({f"{g.type} ({f'model.layer_heads.{layer}' if layer in m.layer_heads else 'model.heads'})"
+                    for layer in range(m.n_layers) for g in m.mix(layer)
+                    if not make_options(g.type, dict(g.options), m.group_context(layer)).causal})
+    if leaky:  # its training, evaluation and decoding are teacher-forced or incremental: a leak would go unmeasured
+        raise ConfigError(f"compression needs causal head groups (the suffix runs causal attention throughout), but "
+                          f"{', '.join(leaky)} {'is' if len(leaky) == 1 else 'are'} not causal as configured; choose causal "
+                          "options")

@@ -136,6 +136,7 @@ class AdaptiveRatio:
     probe_ratio: float
     ratios: Sequence[float]  # the ratios the predictor's data measured (r* is clamped to them)
     delta_range: Sequence[float] | None = None  # [min, max] of the Deltas it was fit on (None: not recorded)
+    prefix_len: int | None = None  # the span length N its data compressed (None: not recorded)
 
     def __post_init__(self) -> None:
         check_tolerance(self.tolerance, self.delta_range)
@@ -148,7 +149,8 @@ class AdaptiveRatio:
     def load(cls, path: str | Path, tolerance: float) -> "AdaptiveRatio":
         """A predictor file written by `python -m lm.ratio_predictor train` (it holds probe_ratio and ratios)."""
         predictor, blob = RatioPredictor.load(path, needs=("probe_ratio", "ratios"))
-        return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"], blob.get("delta_range"))
+        return cls(predictor, tolerance, blob["probe_ratio"], blob["ratios"], blob.get("delta_range"),
+                   blob.get("prefix_len"))
 
     @torch.no_grad()
     def tokens(self, model: CompressedLM, span: torch.Tensor) -> int:

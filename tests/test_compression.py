@@ -317,6 +317,19 @@ def test_adaptive_ratio_gives_a_batch_its_largest_rows_t(monkeypatch):
     assert adaptive.tokens(model, model.lower(tokens(12, batch=2))) == tokens_for(0.5, 12) == 6
 
 
+def test_a_predictor_of_another_span_length_is_refused(tmp_path):
+    """The predictor's Deltas are of spans of its data's prefix_len tokens: a decoder compressing other windows
+    refuses it in one line (the model here compresses windows of 12)."""
+    model = make()
+    path = tmp_path / "p.pt"
+    RatioPredictor(32).save(path, probe_ratio=0.25, prefix_len=512, ratios=[0.25, 0.5])
+    with pytest.raises(ValueError, match="^the ratio predictor was fit on spans of 512 tokens, this decoder compresses "
+                                         "windows of 12: fit one on ratio data of this window$"):
+        CompressedGenerator(model, adaptive=AdaptiveRatio.load(path, tolerance=0.1))
+    RatioPredictor(32).save(path, probe_ratio=0.25, prefix_len=12, ratios=[0.25, 0.5])
+    CompressedGenerator(model, adaptive=AdaptiveRatio.load(path, tolerance=0.1))
+
+
 def test_generation_needs_cached_decoding():
     model = make()
     model.lm.blocks[0].attn.groups.append(HeadGroup(model.cfg.group_context(0), 1, HeadOptions()))
@@ -602,6 +615,12 @@ def test_config_errors_name_the_field():
             make(**spread)
     with pytest.raises(ConfigError, match=r"^compression\.ramp_steps must be >= 0, got -1$"):
         make(ramp_steps=-1)
+    # a non-causal head mix (a paper's faithful rule) would leak into the teacher-forced suffix loss unmeasured
+    with pytest.raises(ConfigError, match=r"^compression needs causal head groups .*, but mosa \(model\.heads\) is "
+                                          r"not causal as configured; choose causal options$"):
+        make(heads=[{"type": "dense", "count": 2}, {"type": "mosa", "count": 2,
+                                                     "options": {"sparsity": 2, "selection": "expert_choice"}}])
+    make(heads=[{"type": "dense", "count": 2}, {"type": "mosa", "count": 2, "options": {"sparsity": 2}}])
 
 
 def test_compile_is_refused_and_the_suffix_loss_is_fp32():
@@ -778,8 +797,10 @@ def test_compressed_generate_command_samples_as_the_generator_does(tmp_path, cap
     assert int(tokens.max()) < sp.get_piece_size()
     assert out.out == sp.decode(tokens[0].tolist()) + "\n"
     fed = len(ids) + 29
+    assert cache.held_states() == fed % 12 + 3  # the window's states so far and the memory's t = 3 (d_model 32)
     assert out.err == (f"KV cache after {fed} tokens fed: {cache.kv_entries()} entries kept, {cache.kv_uncompressed()} in "
-                       f"an uncompressed cache; {len(cache.kept)} compression(s) of windows of 12 tokens, keeping t = "
+                       f"an uncompressed cache, plus {fed % 12 + 3} hidden states of width 32 (the window to compress "
+                       f"and the memory); {len(cache.kept)} compression(s) of windows of 12 tokens, keeping t = "
                        f"{[3] * (fed // 12)}\n")
     other = tmp_path / "other.pt"  # a ratio predictor trained on another model's states (d_model 64, not 32)
     RatioPredictor(64).save(other, probe_ratio=0.25, ratios=[0.125, 0.25])
