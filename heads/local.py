@@ -67,7 +67,9 @@ def block_windows(x: torch.Tensor, block: int, nb: int, blocks: int = 2) -> torc
     nb blocks. One stride spans the batch, head and block dimensions, so SDPA and matmul read the windows in place
     (zero blocks per sequence would break that and cost a copy in every forward and backward pass: 5% slower). A
     sequence's blocks before its block 0 are thus the previous sequence's last blocks, to be hidden by the caller's
-    mask (key row p >= 0): their finite keys and values get weight exactly 0."""
+    mask (key row p >= 0): their finite keys and values get weight exactly 0, a non-finite one does not (0 * NaN):
+    a sequence gone NaN/inf spoils the next sequence of its batch on this path (local, agent, MiTA); training stops
+    or skips such a step anyway (lm/nonfinite.py)."""
     B, H, T, d = x.shape
     lead = (blocks - 1) * block
     rows = x.new_zeros(lead + B * H * nb * block, d)

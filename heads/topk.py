@@ -28,6 +28,7 @@ from heads.base import ConfigError, GroupContext, HeadOptions, register
 from heads.dense import DenseHeads
 from heads.gathered_lean import in_autocast_dtype
 from heads.kv_cache import SlotKV
+from routing.selection import earliest_topk
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ChunkedTopKAttention(torch.autograd.Function):
             c1 = min(c0 + chunk, T)
             s = q[:, :, c0:c1] @ k[:, :, :c1].transpose(-1, -2) * scale  # [B, H, C, c1]
             s.masked_fill_(_future(c0, c1, q.device), float("-inf"))
-            vals, idx = s.topk(min(kk, c1), dim=-1)  # [B, H, C, k'], k' <= k
+            vals, idx = earliest_topk(s, min(kk, c1))  # [B, H, C, k'], k' <= k
             del s
             top_s[:, :, c0:c1, : idx.shape[-1]], top_i[:, :, c0:c1, : idx.shape[-1]] = vals, idx
             p = torch.zeros(B, H, c1 - c0, c1, dtype=q.dtype, device=q.device)
@@ -130,7 +131,7 @@ class TopKHeads(DenseHeads):
         for i in range(self.count):
             scores = q[:, i] @ k[:, i].transpose(-1, -2) / self.ctx.head_dim**0.5  # [B, T, T]
             scores = scores.masked_fill(~allowed, float("-inf"))
-            kept = torch.zeros_like(allowed).scatter(-1, scores.topk(kk, dim=-1).indices, True)
+            kept = torch.zeros_like(allowed).scatter(-1, earliest_topk(scores, kk)[1], True)
             heads.append(scores.masked_fill(~(kept & allowed), float("-inf")).softmax(-1) @ v[:, i])
         return self.out(torch.cat(heads, dim=-1))
 
@@ -153,7 +154,7 @@ class TopKHeads(DenseHeads):
             kpos = cache.pos[:, :, None, :]  # [B, H, 1, S]: every slot, empty ones (pos -1) masked
             visible = (kpos >= 0) & (kpos <= positions[:, None, :, None])  # [B, H, T, S]
             scores = (q @ cache.k.transpose(-1, -2) / self.ctx.head_dim**0.5).masked_fill(~visible, float("-inf"))
-            top, idx = scores.topk(min(self.options.k, scores.shape[-1]), dim=-1)  # masked keys get weight 0
+            top, idx = earliest_topk(scores, min(self.options.k, scores.shape[-1]))  # masked keys get weight 0
             weights = top.softmax(-1).to(scores.dtype)  # (CUDA autocast's softmax returns fp32)
             a = torch.zeros_like(scores).scatter_add_(-1, idx, weights) @ cache.v
         return self.out(a.transpose(1, 2).reshape(B, T, self.count * self.ctx.head_dim))

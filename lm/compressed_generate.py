@@ -164,7 +164,7 @@ class CompressedGenerator:
         the tokenizer's pieces when the model's vocabulary is padded beyond them). One-line ValueError
         for a prompt that is not [B, n >= 1] ids in the vocabulary (`check_prompt`), max_new_tokens < 0 or a
         temperature that is not finite and >= 0."""
-        check_prompt(prompt, self.model.lm.cfg.vocab_size, max_new_tokens)
+        prompt = check_prompt(prompt, self.model.lm.cfg.vocab_size, max_new_tokens)
         check_sampling(temperature, 0, 1.0)
         was = self.model.training
         self.model.eval()

@@ -139,8 +139,9 @@ def check_sampling(temperature: float, top_k: int, top_p: float, flags: bool = F
             raise ValueError(f"{'--' + name.replace('_', '-') if flags else name} must be {rule}, got {value}")
 
 
-def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> None:
-    """One-line ValueError unless prompt is a [B, T0] tensor of token ids in [0, vocab_size) with B, T0 >= 1, and
+def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> torch.Tensor:
+    """The prompt as int64 ids (any integer dtype, e.g. data_prep's uint16, which the embedding does not take);
+    one-line ValueError unless it is a [B, T0] tensor of token ids in [0, vocab_size) with B, T0 >= 1, and
     max_new_tokens >= 0 (an id out of range would fail deep in the embedding, or as a device-side assert)."""
     if prompt.dim() != 2 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
         raise ValueError(f"generate: the prompt must be a [batch, tokens] tensor of integer token ids, "
@@ -150,10 +151,12 @@ def check_prompt(prompt: torch.Tensor, vocab_size: int, max_new_tokens: int) -> 
     if prompt.shape[1] == 0 or max_new_tokens < 0:
         raise ValueError(f"generate: need a prompt of at least one token and max_new_tokens >= 0, "
                          f"got {prompt.shape[1]} tokens and {max_new_tokens}")
+    prompt = prompt.long()
     lo, hi = (int(v) for v in torch.aminmax(prompt))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"generate: prompt token id {lo if lo < 0 else hi} is outside the model's vocabulary "
                          f"[0, {vocab_size})")
+    return prompt
 
 
 def fed_tokens(prompt_len: int, max_new_tokens: int) -> int:
@@ -174,7 +177,7 @@ def generate(model: DecoderLM, prompt: torch.Tensor, max_new_tokens: int, temper
     training length. One-line ValueError for a prompt that is not [B, T0 >= 1] ids in the vocabulary
     (`check_prompt`), max_new_tokens < 0, sampling settings out of range (`check_sampling`) or a `cache` that is
     not new, not for B sequences or smaller than the tokens fed need (a short cache would drop or overwrite keys)."""
-    check_prompt(prompt, model.cfg.vocab_size, max_new_tokens)
+    prompt = check_prompt(prompt, model.cfg.vocab_size, max_new_tokens)
     B, T0 = prompt.shape
     check_sampling(temperature, top_k, top_p)
     fed = fed_tokens(T0, max_new_tokens)

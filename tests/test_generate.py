@@ -300,6 +300,9 @@ def test_a_finished_sequence_pads_with_the_stop_id_and_the_mode_is_restored() ->
             assert torch.equal(row, ref[: len(row)])
     assert not all((ref[5:] == stop).any() for ref in free)  # a row that never stops ...
     assert out.shape == free.shape  # ... so generation runs to max_new_tokens
+    greedy = generate(model, prompt, 4, temperature=0)
+    for dtype in (torch.uint16, torch.int16, torch.uint8, torch.int32):  # uint16: data_prep's token dtype
+        assert torch.equal(generate(model, prompt.to(dtype), 4, temperature=0), greedy)
     for bad_prompt, n in ((prompt[:, :0], 3), (prompt, -1)):
         with pytest.raises(ValueError, match="^generate: need a prompt of at least one token and max_new_tokens >= 0"):
             generate(model, bad_prompt, n)
