@@ -18,11 +18,17 @@ class Selection(NamedTuple):
 
 
 def earliest_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the k largest scores of each row of scores[..., n], largest first, equal scores to the
-    earliest index (a stable sort: topk breaks ties by its kernel's layout, which depends on the tensor's shape and
-    on the rows batched beside it)."""
-    ranked = scores.sort(dim=-1, descending=True, stable=True)
-    return ranked.values[..., :k], ranked.indices[..., :k]
+    """(values, indices) of the min(k, n) largest scores of each row of scores[..., n], largest first, equal scores to the
+    earliest index (torch.topk alone breaks ties by its kernel's layout, which depends on the tensor's shape and on
+    the rows batched beside it). Two topk passes: the k-th score, then a tie-free key over positions (n < 2^23)."""
+    n = scores.shape[-1]
+    k = min(k, n)  # all n where k > n
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # the k-th largest score of each row
+    order = torch.arange(n, 0, -1, device=scores.device, dtype=torch.float32)  # n .. 1: the earlier, the larger
+    key = torch.where(scores > kth, order + n, torch.where(scores == kth, order, 0.0))  # distinct where nonzero
+    idx = key.topk(k, dim=-1).indices  # every score above the k-th, then the earliest equal to it: the k kept
+    ranked = scores.gather(-1, idx).sort(dim=-1, descending=True, stable=True)  # k wide (a full stable sort of n
+    return ranked.values, idx.gather(-1, ranked.indices)  # was 3x slower at n = 1024, k = 16 on CPU)
 
 
 def earliest_first(mask: torch.Tensor, capacity: int) -> Selection:

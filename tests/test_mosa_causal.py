@@ -12,7 +12,7 @@ from heads import commit_states
 from routing.coverage import coverage_by_position, members
 from routing.expert_choice import expert_choice
 from routing.predictor import topk_targets
-from routing.selection import prefix_quota
+from routing.selection import earliest_topk, prefix_quota
 from tests.head_checks import make_group
 
 
@@ -23,6 +23,21 @@ def quota_loop(mask: torch.Tensor, quota: list[int]) -> list[int]:
         if m and len(kept) < quota[t]:
             kept.append(t)
     return kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_earliest_topk_is_a_stable_sort_cut_to_k(dtype: torch.dtype) -> None:
+    """earliest_topk equals the first k of a stable descending sort (the definition: largest first, equal scores in
+    position order), values and indices, on rows full of ties and -inf, for every k from 1 to n."""
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 7), (2, 5, 33), (4, 100)):
+        for trial in range(4):
+            s = torch.randint(-3, 3, shape, generator=g).to(dtype) if trial < 3 else torch.randn(shape, generator=g).to(dtype)
+            s[s == -3] = float("-inf")
+            ranked = s.sort(dim=-1, descending=True, stable=True)
+            for k in range(1, shape[-1] + 2):  # k > n: all n
+                values, indices = earliest_topk(s, k)
+                assert torch.equal(values, ranked.values[..., :k]) and torch.equal(indices, ranked.indices[..., :k])
 
 
 def test_prefix_quota_closed_form_equals_the_loop() -> None:
