@@ -15,7 +15,9 @@ comparison resumes after a cut-off. Parallel workers (start the command several 
 an exclusive <out_dir>/s<seed>/<variant>.claim file holding their pid (a dead pid's claim is taken over).
 `--report` (also after every run) aggregates all result.json files into STEM.csv (one row per run), STEM.md (mean ±
 std over seeds) and STEM.png (validation perplexity vs training tokens); --out STEM, default
-bench/results/causal_routing (runs with other settings or overrides belong under a stem of their own).
+bench/results/causal_routing. Command-line overrides are folded into `base` (the report states them) and their runs
+go under <out_dir>/o-<hash of them> (bench/gutenberg_compare.apply_overrides; `--report` with the same overrides finds
+them); a stem holds the results of one set of overrides (others: one-line error, give them their own --out).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.gutenberg_compare import (
-    base_config, distinct, eval_windows, load_settings, prepare_data, run_config, train_and_evaluate, wanted_variants)
+    apply_overrides, base_config, check_stem, distinct, eval_windows, load_settings, prepare_data, run_config,
+    train_and_evaluate, wanted_variants)
 from flops.cli import command_line, in_results, results_stem, script_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +39,8 @@ RESULTS = ROOT / "bench" / "results" / "causal_routing"  # the default --out ste
 QUARTERS = 4
 
 
-def run_overrides(settings: Any, seed: int, overrides: list[str]) -> list[str]:
-    return [f"trainer.seed={seed}", f"trainer.out_dir={settings.base.trainer.out_dir}/s{seed}", *overrides]
+def run_overrides(settings: Any, seed: int) -> list[str]:
+    return [f"trainer.seed={seed}", f"trainer.out_dir={settings.base.trainer.out_dir}/s{seed}"]
 
 
 def selection_coverage(model: Any, windows: Any) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def run_one(settings: Any, name: str, seed: int, overrides: list[str], command: 
     from flops.model import model_cost
     from lm.checkpoint import load_model
 
-    over = run_overrides(settings, seed, overrides)
+    over = run_overrides(settings, seed)
     cfg = run_config(settings, name, over)
     prepare_data(settings, cfg.data.path)
     budget = model_cost(base_config(settings, over).model).flops_per_pass
@@ -92,11 +95,21 @@ def run_one(settings: Any, name: str, seed: int, overrides: list[str], command: 
     row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget, retrain=False)
     out = ROOT / cfg.trainer.out_dir
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
-    row.update(seed=seed, command=command, **selection_coverage(model, eval_windows(cfg, int(settings.eval.windows))))
+    row.update(seed=seed, command=command, overrides=json.dumps(overrides), **selection_coverage(model, eval_windows(cfg, int(settings.eval.windows))))
     row["history"] = json.loads((out / "metrics.json").read_text())["history"]
     (out / "result.json").write_text(json.dumps(row, indent=1))
     print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
     return row
+
+
+def read_csv_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a results csv ([] before the first report)."""
+    import csv
+
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def results(settings: Any) -> list[dict[str, Any]]:
@@ -121,7 +134,7 @@ def write_report(settings: Any, command: str, stem: Path) -> None:
     order = [n for n in settings.variants if any(r["variant"] == n for r in rows)]
     columns = ["variant", "seed", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
                "train_s", "val_ppl", "leakfree_ppl", "cover_cand", "cover_topk", "predictor_acc", "torch", "code",
-               "machine", "command"]
+               "machine", "command", "overrides"]
     with open(in_results(stem, ".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
@@ -136,6 +149,7 @@ def write_report(settings: Any, command: str, stem: Path) -> None:
         "",
         f"Machine: {distinct(rows, 'machine')}, 1 thread per run, fp32, torch {distinct(rows, 'torch')}. "
         f"Runs trained by: {distinct(rows, 'command', quote=True)}; this report written by: `{command}`.",
+        f"Overrides of the settings file: {distinct(rows, 'overrides')} (runs under {b.trainer.out_dir}).",
         f"Model: {b.model.n_layers} layers, h = {b.model.d_model}, h' = {b.model.head_dim}, T = {b.model.seq_len}, "
         f"vocab {b.model.vocab_size}; baseline {b.model.heads[0].count} dense heads per layer; sparse variants keep 4 "
         "dense heads and add the most sparse heads whose App. C forward FLOPs fit the baseline's (flops.isoflop.solve; "
@@ -260,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config, ("base", "variants", "seeds"))
         wanted = wanted_variants(list(settings.variants), args.only)
         seeds = parse_seeds(args.seeds, [int(s) for s in settings.seeds])
-        for name in [] if args.report else wanted:  # bad overrides: one line before any run is claimed
-            run_config(settings, name, run_overrides(settings, seeds[0], args.overrides))
+        base_config(settings, args.overrides)  # bad overrides: one line before any run is claimed
+        csv_path = in_results(args.out, ".csv")
+        check_stem(read_csv_rows(csv_path), args.overrides, csv_path)
+        apply_overrides(settings, args.overrides)
+        for name in [] if args.report else wanted:
+            run_config(settings, name, run_overrides(settings, seeds[0]))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

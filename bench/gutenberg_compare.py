@@ -10,7 +10,9 @@ once (data_prep.prepare). Each variant trains with train_lm.py in its own proces
 with --lock, holding that file lock for its training and evaluation only), then its final checkpoint is
 evaluated on `eval.windows` evenly spaced validation windows: teacher-forced and leak-free (lm/leakfree.py).
 Results are merged by variant name into STEM.csv, and the markdown table STEM.md is rewritten from it (--out STEM;
-default bench/results/gutenberg_compare: runs with other settings or overrides belong under a stem of their own). A
+default bench/results/gutenberg_compare). Command-line overrides are folded into `base` (the report states them) and
+train under <out_dir>/o-<hash of them>, so they neither reuse nor delete the runs without them; a stem holds the results
+of one set of overrides (others: one-line error, give them their own --out). A
 variant already in the csv is skipped unless --force or named in --only; a finished run directory of the identical
 config is only re-evaluated, not retrained, unless --force (after a code change, --force retrains). So adding a
 variant means adding one entry to the settings file and running only that one.
@@ -18,8 +20,9 @@ variant means adding one entry to the settings file and running only that one.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import csv
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -38,7 +41,8 @@ from flops.run_sweep import locked
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "gutenberg_compare"  # the default --out stem
 COLUMNS = ["variant", "heads", "causal", "params", "fwd_gflop", "flop_ratio", "kv_total", "steps", "tokens",
-           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code", "machine"]
+           "train_s", "tokens_per_s", "val_loss", "val_ppl", "leakfree_loss", "leakfree_ppl", "windows", "torch", "code",
+           "machine", "overrides"]
 CODE_DIRS = ["heads", "routing", "lm", "flops", "train_lm.py"]  # what a variant's numbers depend on
 
 
@@ -81,6 +85,32 @@ def base_config(settings: Any, overrides: list[str]) -> Any:
     from lm.config_io import load_config
 
     return load_config(None, *[f"{k}={v}" for k, v in _flat(OmegaConf.to_container(settings.base))], *overrides)
+
+
+def apply_overrides(settings: Any, overrides: list[str]) -> None:
+    """Fold dotted command-line overrides (checked by base_config first) into settings.base; their runs go under
+    <out_dir>/o-<hash of them> unless they set trainer.out_dir (a run without them is never reused nor deleted)."""
+    if not overrides:
+        return
+    settings.base = OmegaConf.merge(settings.base, OmegaConf.from_dotlist(overrides))
+    if not any(o.startswith("trainer.out_dir=") for o in overrides):
+        tag = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]
+        settings.base.trainer.out_dir = f"{settings.base.trainer.out_dir}/o-{tag}"
+
+
+def stem_overrides(rows: Iterable[dict[str, Any]], path: Path) -> list[str] | None:
+    """The overrides the rows of results file `path` were run with (None without rows); ValueError if they differ."""
+    found = {r.get("overrides") or "[]" for r in rows}  # rows from before the column: none
+    if len(found) > 1:
+        raise ValueError(f"{path} mixes results of different overrides: {', '.join(sorted(found))}")
+    return json.loads(found.pop()) if found else None
+
+
+def check_stem(rows: Iterable[dict[str, Any]], overrides: list[str], path: Path) -> None:
+    """One stem, one set of overrides: ValueError if `path` holds results run with others."""
+    held = stem_overrides(rows, path)
+    if held is not None and held != overrides:
+        raise ValueError(f"{path} holds results run with overrides {held}, not {overrides}: give these their own --out")
 
 
 def run_config(settings: Any, name: str, overrides: list[str]) -> Any:
@@ -227,6 +257,7 @@ def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[st
         f"heads whose MoSA App. C forward FLOPs fit the baseline's (flops.isoflop.solve).",
         f"Training: AdamW lr {b.optim.lr}, warmup {b.optim.warmup_steps}, cosine to {b.optim.min_lr_ratio}x, "
         f"clip {b.optim.grad_clip}, batch {b.data.batch_size} x {b.model.seq_len} tokens, {b.trainer.max_steps} steps.",
+        f"Overrides of the settings file: {rows[names[0]].get('overrides') or '[]'} (runs under {b.trainer.out_dir}).",
         f"Evaluation: the final checkpoint on {rows[names[0]].get('windows', '?')} evenly spaced validation windows of "
         f"T tokens: `val_ppl` teacher-forced (one pass per window), `leakfree_ppl` with every prediction recomputed "
         f"from its own prefix (lm/leakfree.py; expert-choice / top-k selections re-made on the prefix).",
@@ -282,15 +313,19 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.config)
         order = list(settings.variants)
         wanted = wanted_variants(order, args.only)
-        configs = {} if args.report else {name: run_config(settings, name, args.overrides) for name in wanted}
-    except ValueError as err:  # ConfigError of the overrides included: reported before any run
+        rows = read_rows(args.out)
+        if args.report:  # the overrides the rows were run with
+            if not rows:
+                raise ValueError(f"--report: {csv_path} has no results yet; run a variant first")
+            args.overrides = stem_overrides(rows.values(), csv_path)
+        base_config(settings, args.overrides)  # ConfigError of the overrides: reported before any run
+        check_stem(rows.values(), args.overrides, csv_path)
+        apply_overrides(settings, args.overrides)
+        configs = {} if args.report else {name: run_config(settings, name, []) for name in wanted}
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = read_rows(args.out)
     if args.report:
-        if not rows:
-            print(f"error: --report: {csv_path} has no results yet; run a variant first", file=sys.stderr)
-            return 2
         write_results(rows, settings, order, args.out)
         return 0
     with locked(args.lock if args.hold_lock else None):
@@ -311,8 +346,9 @@ def run_variant(settings: Any, name: str, cfg: Any, args: argparse.Namespace) ->
     with locked(None if args.hold_lock else args.lock):
         prepare_data(settings, cfg.data.path)
         print(f"{name}: training {cfg.trainer.max_steps} steps -> {cfg.trainer.out_dir}", flush=True)
-        budget = model_cost(base_config(settings, args.overrides).model).flops_per_pass
-        row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget, args.force)
+        budget = model_cost(base_config(settings, []).model).flops_per_pass
+        row = {**train_and_evaluate(cfg, name, int(settings.eval.windows), budget, args.force),
+               "overrides": json.dumps(args.overrides)}
     print(json.dumps(row), flush=True)
     return row
 

@@ -137,7 +137,9 @@ def test_gutenberg_compare_skips_reuses_and_retrains(tmp_path: Path, monkeypatch
     a variant in the csv is skipped; `--only` re-evaluates its finished run without retraining it (train.log kept)
     and keeps the row another process wrote meanwhile (train_and_evaluate wrapped to append it to the csv first);
     a changed config (another learning rate, same steps) retrains, and so does `--force` of an unchanged one;
-    `--report` rewrites the markdown from the csv alone."""
+    `--report` rewrites the markdown from the csv alone. Command-line overrides train under a directory of their own
+    (the run without them is neither reused nor deleted), are refused into a stem of other overrides, and are stated in
+    their report."""
     from bench import gutenberg_compare
 
     path = tiny_settings(tmp_path, "gutenberg_compare", ["dense"], write_prepared(tmp_path / "data"), vocab_size=64)
@@ -167,12 +169,24 @@ def test_gutenberg_compare_skips_reuses_and_retrains(tmp_path: Path, monkeypatch
     reused, other = read_csv(results)
     assert other["variant"] == "other" and reused == first  # the same checkpoint, the same windows: the same row
 
-    assert main("--only", "dense", "optim.lr=0.001") == 0
+    assert main("--only", "dense", "optim.lr=0.001") == 2
+    assert capsys.readouterr().err == (f"error: {results} holds results run with overrides [], not ['optim.lr=0.001']: "
+                                       "give these their own --out\n")
+    settings = OmegaConf.load(path)
+    settings.base.optim.lr = 0.001
+    OmegaConf.save(settings, path)
+    assert main("--only", "dense") == 0
     assert "reusing" not in capsys.readouterr().out and mtime(log) > trained
     assert OmegaConf.load(log.parent / "config.yaml").optim.lr == 0.001
     retrained = mtime(log)
 
-    assert main("--force", "optim.lr=0.001") == 0
+    assert gutenberg_compare.main(["--config", str(path), "--out", str(tmp_path / "steps3"), "trainer.max_steps=3"]) == 0
+    [tagged] = (tmp_path / "runs").glob("o-*/dense/config.yaml")
+    assert OmegaConf.load(tagged).trainer.max_steps == 3 and mtime(log) == retrained  # the run without it untouched
+    assert "Overrides of the settings file: [\"trainer.max_steps=3\"]" in (tmp_path / "steps3.md").read_text()
+    assert read_csv(tmp_path / "steps3.csv")[0]["steps"] == "3"
+
+    assert main("--force") == 0
     assert "reusing" not in capsys.readouterr().out and mtime(log) > retrained
     assert [r["variant"] for r in read_csv(results)] == ["dense", "other"]
     forced = mtime(log)
@@ -265,6 +279,14 @@ def test_causal_routing_resumes_without_retraining(tmp_path: Path, capsys: pytes
     assert main() == 0
     assert f"dense: reusing the finished run in {run}" in capsys.readouterr().out and mtime(run / "train.log") == trained
     assert json.loads((run / "result.json").read_text()) == first and claim.read_text() == str(os.getpid()) != str(cut_off)
+
+    # overrides: refused into the stem of the runs without them; with their own stem, trained under their own directory
+    assert main("trainer.max_steps=3") == 2 and "give these their own --out" in capsys.readouterr().err
+    assert causal_routing.main(["--config", str(path), "--seeds", "1", "--out", str(tmp_path / "cr3"),
+                                "trainer.max_steps=3"]) == 0
+    [tagged] = (tmp_path / "runs").glob("o-*/s1/dense/result.json")
+    assert json.loads(tagged.read_text())["steps"] == 3 and json.loads((run / "result.json").read_text()) == first
+    assert [r["steps"] for r in read_csv(tmp_path / "cr3.csv")] == ["3"]
 
 
 def test_gutenberg_compare_report_before_any_run_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
