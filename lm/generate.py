@@ -113,7 +113,10 @@ def cached_logits(model: DecoderLM, tokens: torch.Tensor, prefill: int,
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None, vocab: int | None = None) -> torch.Tensor:
     """logits[B, V] -> next tokens[B]. temperature 0 = greedy; top_k 0 = off; top_p 1 = off; `vocab`: only
-    ids < vocab are drawn (the tokenizer's pieces, when the model's vocabulary is padded beyond them)."""
+    ids < vocab are drawn (the tokenizer's pieces, when the model's vocabulary is padded beyond them; >= 1: a slice
+    [:-1] would silently drop the last id)."""
+    if vocab is not None and vocab < 1:
+        raise ValueError(f"sample: vocab must be >= 1, got {vocab}")
     logits = logits[..., :vocab]
     if temperature <= 0:
         return logits.argmax(-1)

@@ -484,6 +484,9 @@ def test_a_padded_vocabulary_is_never_sampled() -> None:
     assert torch.equal(sample(logits, temperature=0, vocab=20), logits[:, :20].argmax(-1))
     out = generate(model_for(CAUSAL_TYPES["dense"]), torch.randint(0, 10, (2, 4)), 30, generator=g, vocab=10)
     assert bool((out < 10).all())
+    for bad in (0, -1):  # -1 sliced away the last id without a word; 0 failed deep in argmax / multinomial
+        with pytest.raises(ValueError, match=f"^sample: vocab must be >= 1, got {bad}$"):
+            sample(logits, vocab=bad)
 
 
 def test_cli_decodes_a_model_with_a_padded_vocabulary(tmp_path, capsys) -> None:
