@@ -19,6 +19,12 @@ HALF = (torch.bfloat16, torch.float16)
 class Float32Buffers(nn.Module):
     """Mixin: this module's own floating buffers are never converted to a 16-bit dtype (kept in fp32)."""
 
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Registered in fp32 also when created in 16 bits: a model built under a 16-bit default dtype (Hugging Face's
+        `from_pretrained(dtype=torch.bfloat16)`) would otherwise load its fp32 checkpoint state rounded."""
+        super().register_buffer(name, tensor.float() if tensor is not None and tensor.dtype in HALF else tensor,
+                                persistent)
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         before = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
         super()._apply(fn, recurse)

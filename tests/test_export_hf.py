@@ -3,6 +3,7 @@ trust_remote_code, the logits equal ours (max-abs <= 1e-5, fp32; measured 0), gr
 lm/generate.py's greedy decoding, the tokenizer encodes as data_prep does, and bad input is one line."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,13 @@ def test_exported_model_matches_ours(corpus: Path, tmp_path: Path, mix: str, cap
             hf(x, attention_mask=torch.ones_like(x).index_fill(1, torch.tensor([36]), 0))
         ref = torch.nn.functional.cross_entropy(ours(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         assert abs(loss.item() - ref.item()) <= 1e-5
+    if mix == "mosa":  # loaded in bf16 (built under that default dtype): the threshold stays the checkpoint's fp32
+        half = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16).eval()
+        taus = {n: b for n, b in half.named_buffers() if n.endswith(".tau")}
+        assert taus and all(b.dtype == torch.float32 for b in taus.values())
+        assert all(torch.equal(b, ours.get_buffer(n.removeprefix("lm."))) for n, b in taus.items())
+        with torch.no_grad():
+            assert torch.equal(half(x).logits.float(), copy.deepcopy(ours).to(torch.bfloat16)(x).float())
 
     tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
     import sentencepiece as spm

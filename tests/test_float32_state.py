@@ -54,3 +54,21 @@ def test_kmeans_centroids_move_in_a_bf16_model() -> None:
     after = kmeans.means[0, 0] @ target
     assert kmeans.similarity(u).dtype == torch.bfloat16
     assert after > before + 0.3, (before, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_built_under_a_half_default_dtype_the_buffers_are_fp32(dtype: torch.dtype) -> None:
+    """Hugging Face's from_pretrained(dtype=torch.bfloat16) builds the model under a 16-bit default dtype: the state
+    buffers are still registered in fp32, so an fp32 checkpoint's threshold loads exactly (a bf16 tau rounded onto a
+    router logit flips which tokens a MoSA head takes)."""
+    saved = RunningQuantileThreshold(3, 8, 0.02).state_dict()
+    saved["tau"] = torch.tensor([0.76015627, -1.3, 2.0001])  # none of them a bf16 / fp16 number
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        threshold, kmeans = RunningQuantileThreshold(3, 8, 0.02), OnlineKMeans(2, 3, 8, 0.999, "ema_counts")
+    finally:
+        torch.set_default_dtype(default)
+    assert {b.dtype for m in (threshold, kmeans) for b in m.buffers() if b.is_floating_point()} == {torch.float32}
+    threshold.load_state_dict(saved)
+    assert torch.equal(threshold.tau, saved["tau"])
