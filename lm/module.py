@@ -178,6 +178,12 @@ class LMModule(L.LightningModule):
                 if norm is not None:
                     self.log("train/grad_norm", norm)
 
+    def on_train_start(self) -> None:
+        """Lightning's logging step counts optimizer steps but is advanced after validation, so a checkpoint saved at
+        the end of a validation that was not a scheduled one (a time-limit stop) holds step - 1, which a resume kept:
+        every training scalar landed one step late (x = kn + 1). Under automatic optimisation it is global_step."""
+        self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.trainer.global_step
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._resume_rng is not None:  # first step after a resume: continue the saved RNG streams
             set_rng_state(self._resume_rng)
@@ -262,7 +268,7 @@ class LMModule(L.LightningModule):
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
             "world_size": self.trainer.world_size,
             "precision": str(self.trainer.precision),
-            "peak_mem_bytes": self._peak_mem,  # as of the last training batch of this process
+            "peak_mem_bytes": self._peak_mem,  # as of the last training batch (of the last process that trained)
             "params": self.model.num_params(),
             "kv_total": self.model.kv_total(),
             "causal": self.model.causal,  # False: val_loss / val_ppl are teacher-forced and see future tokens
@@ -315,16 +321,20 @@ class LMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._last_time = None  # do not count checkpoint writing as training time (the save precedes on_train_batch_end)
         checkpoint["config"] = OmegaConf.to_container(OmegaConf.structured(self.cfg))
-        checkpoint["rng"] = rng_state()
+        # a resumed run that has not trained yet (e.g. one already at max_steps, saved again) keeps the saved streams
+        checkpoint["rng"] = self._resume_rng if self._resume_rng is not None else rng_state()
         checkpoint["val_history"] = self.val_history
         checkpoint["run"] = provenance(self.cfg)  # data hashes and tokenizer bytes: usable elsewhere
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["timed"] = list(self._timed)  # tokens_per_s goes on over a resume
+        checkpoint["train_last"] = {"loss": float(self._last_train_loss), "peak_mem": self._peak_mem}  # metrics.json
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._resume_rng = checkpoint["rng"]
         self.val_history = list(checkpoint["val_history"])
         self._tokens_at = (checkpoint["global_step"], saved_tokens_seen(checkpoint))
         self._timed = list(checkpoint.get("timed", (0, 0.0)))  # checkpoints before 2026-11-30 did not keep it
+        last = checkpoint.get("train_last", {})  # a resume that only validates reports the last step's (2026-12-02)
+        self._last_train_loss, self._peak_mem = last.get("loss", math.nan), last.get("peak_mem", 0)
         for message in apply_changes(checkpoint, self.cfg):
             self.print(message)

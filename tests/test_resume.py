@@ -1,6 +1,7 @@
 """Resume after kill -9 equals an uninterrupted run, bit for bit on CPU; checkpoint writes are atomic."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -106,7 +107,8 @@ def test_resume_continues_the_random_draws_of_training(tmp_path: Path, monkeypat
     """A head that draws random numbers in training (MoSAIC's random priority, torch.rand per step): a run resumed
     after step 3 of 6 ends with the weights and RNG state of the uninterrupted run, bit for bit, because the
     checkpoint's RNG states are restored (the runs above train dense heads, which draw nothing after
-    initialisation, so they pass with or without that restore), and not without it."""
+    initialisation, so they pass with or without that restore), and not without it. A rerun of the finished part
+    first (it trains nothing, but saves its step again) keeps the saved RNG state, not its own process's."""
     import shutil
 
     import lm.module
@@ -124,6 +126,8 @@ def test_resume_continues_the_random_draws_of_training(tmp_path: Path, monkeypat
     full = run(tmp_path / "full", 6)
     run(tmp_path / "part", 3)
     shutil.copytree(tmp_path / "part", tmp_path / "unrestored")
+    saved = load(tmp_path / "part" / "checkpoints" / "last.ckpt")["rng"]["torch"]
+    assert torch.equal(run(tmp_path / "part", 3, resume="last")["rng"]["torch"], saved)
     resumed = run(tmp_path / "part", 6, resume="last")
     assert all(torch.equal(v, resumed["state_dict"][k]) for k, v in full["state_dict"].items())
     assert torch.equal(full["rng"]["torch"], resumed["rng"]["torch"])
@@ -252,6 +256,37 @@ def test_sigterm_outside_the_step_checks_is_not_lost(where: str, tmp_path: Path,
     monkeypatch.setattr(LMModule, "training_step", real_train)
     metrics = train(cfg, resume="last")
     assert [h["step"] for h in metrics["history"]] == [0, 3, 4] and validations == [0, 3, 4]  # each step once
+    # a resume that trains nothing reports the last step's loss and memory, as saved with it (it wrote NaN and 0)
+    assert metrics["train_loss"] == saved["train_last"]["loss"] and math.isfinite(metrics["train_loss"])
+    assert metrics["peak_mem_bytes"] == saved["train_last"]["peak_mem"] > 0
+
+
+def test_a_time_limit_stop_between_validations_keeps_the_logging_cadence(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.max_minutes stops a run at step 4, a checkpoint step but no validation step (val_every 3): Lightning
+    validates on stopping and the checkpoint is written at that validation's end, where Lightning's logging step still
+    counts 3. Resumed, the training scalars are logged at the steps of the uninterrupted run (they came one late,
+    at 5, 7, 9, 11)."""
+    import lm.accumulation
+    from lm.config_io import load_config
+    from lm.train import train
+
+    data = write_prepared(tmp_path / "data", train_tokens=4000, val_tokens=1000)
+
+    def run(out: Path, resume: str | None = None, **extra: object) -> None:
+        train(load_config(None, *run_overrides(data, out, max_steps=12, ckpt_every=2, val_every=3, log_every=2,
+                                               **extra)), resume=resume)
+
+    def time_is_up_at_step_4(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001, ANN202
+        if trainer.global_step == 4:
+            trainer.should_stop = True  # what the timer does when trainer.max_minutes has passed
+
+    run(tmp_path / "full")
+    monkeypatch.setattr(lm.accumulation.StepTimer, "on_train_batch_end", time_is_up_at_step_4)
+    run(tmp_path / "part", max_minutes=60)
+    assert load(tmp_path / "part" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    run(tmp_path / "part", resume="last")
+    assert logged_steps(tmp_path / "full") == [2, 4, 6, 8, 10, 12] == sorted(set(logged_steps(tmp_path / "part")))
 
 
 def test_sigterm_stops_only_after_a_finished_step_and_its_validation() -> None:
