@@ -61,11 +61,9 @@ def test_recency_keeps_the_first_choosers_and_pads_the_tail() -> None:
     assert selected[0, 0].nonzero()[:, 0].tolist() == [1, 2]
 
 
-@pytest.mark.parametrize("priority,padded", COMBOS)
-@pytest.mark.parametrize("T,seq_len", [(100, 100), (257, 257), (257, 128)])
-def test_fast_matches_reference(priority: str, padded: str, T: int, seq_len: int) -> None:
-    torch.manual_seed(T)
-    g = group(T, seq_len, priority, padded)
+def assert_fast_matches_reference(g: MosaicHeads, T: int) -> dict[str, torch.Tensor]:
+    """Output and every gradient of the fast path vs the reference on random inputs (tolerances above); the routing
+    stats of the fast pass."""
     x = torch.randn(2, T, 32, requires_grad=True)
     pos = torch.arange(T).expand(2, -1)
     w = torch.randn(2, T, 32)
@@ -75,13 +73,20 @@ def test_fast_matches_reference(priority: str, padded: str, T: int, seq_len: int
         y = g(x, pos)
         (y * w).sum().backward()
         results.append([y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in g.parameters()])
-        stats = dict(g.stats)
         x.grad = None
         g.zero_grad()
-    # the padding rules (capacity 4T/3) or the overload rules (capacity 4 * 128/3 < T) are exercised
-    assert stats["mosaic_padded" if seq_len == T else "mosaic_dropped"] > 0
     for ref, fast in zip(*results):
         assert rel_rms(fast, ref) <= 1e-5 and (fast - ref).abs().max().item() <= 1e-4
+    return dict(g.stats)
+
+
+@pytest.mark.parametrize("priority,padded", COMBOS)
+@pytest.mark.parametrize("T,seq_len", [(100, 100), (257, 257), (257, 128)])
+def test_fast_matches_reference(priority: str, padded: str, T: int, seq_len: int) -> None:
+    torch.manual_seed(T)
+    stats = assert_fast_matches_reference(group(T, seq_len, priority, padded), T)
+    # the padding rules (capacity 4T/3) or the overload rules (capacity 4 * 128/3 < T) are exercised
+    assert stats["mosaic_padded" if seq_len == T else "mosaic_dropped"] > 0
 
 
 @pytest.mark.parametrize("padded", ("include", "identity"))
@@ -96,24 +101,10 @@ def test_short_sequences_with_empty_slots_match_reference(padded: str, monkeypat
     monkeypatch.setattr(heads.mosaic, "gathered_heads_fast",
                         lambda *a: masks.append((a[2].valid, a[7])) or core(*a))
     torch.manual_seed(5)
-    T = 61
-    g = group(T, 128, "recency", padded, sparsity=2.0)
-    x = torch.randn(2, T, 32, requires_grad=True)
-    pos = torch.arange(T).expand(2, -1)
-    w = torch.randn(2, T, 32)
-    results = []
-    for impl in ("reference", "fast"):
-        g.options.impl = impl
-        y = g(x, pos)
-        (y * w).sum().backward()
-        results.append([y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in g.parameters()])
-        x.grad = None
-        g.zero_grad()
+    assert_fast_matches_reference(group(61, 128, "recency", padded, sparsity=2.0), 61)
     (valid, mask), = masks
     assert not valid.all()  # empty slots are exercised
     assert (mask is None) == (padded == "include")
-    for ref, fast in zip(*results):
-        assert rel_rms(fast, ref) <= 1e-5 and (fast - ref).abs().max().item() <= 1e-4
 
 
 def test_balance_loss_eq4() -> None:
