@@ -18,8 +18,8 @@ gathered by index), dr = rowsum(A * dG), dA = diag(r) dG, dW^O_i = sum_b G^T dY[
 rotated back by R(θ)^T, dX = scatter of dQ W^Q + dK W^K + dV W^V and dW^{Q,K,V} (heads/gathered_triton._scatter,
 _weight_grad). Nothing of size [B, H, c, h] is written; saved for backward: x, the weights, the gates, the [H, B, c, h']
 tensors Q, K, V and A, what SDPA keeps (its log-sum-exp [H, B, c] in the fused kernels), and with MoSAIC's identity
-or ignore padding the [H, B, c, c] slot mask it is given. Both Triton steps are torch.library custom ops with fake shapes and
-registered backwards, like the fused ones, so trainer.compile keeps them opaque. On CPU the kernels run under
+or ignore padding the [H, B, c, c] slot mask it is given. Both Triton steps are torch.library custom ops with fake
+shapes and registered backwards, like the fused ones, so trainer.compile keeps them opaque. On CPU the kernels run under
 TRITON_INTERPRET=1 (tests, fp32 and fp16).
 """
 from __future__ import annotations

@@ -7,8 +7,8 @@ A checkpoint is Lightning's dict (state_dict, optimizer/scheduler states, loop s
 Every reader goes through `read_checkpoint`, which turns an empty, truncated, garbled (zip CRC
 mismatch) or foreign file into a one-line CheckpointError; `newest_loadable` walks a run's step
 files newest first past damaged ones (data_prep.atomic.remove_temp_files clears what a killed write left). Under
-DeepSpeed a checkpoint is a directory of shards: `unmark` / `mark_complete` bracket each save, `read_deepspeed` reads its rank-0
-entries, `newest_deepspeed` picks the newest complete one (lm/consolidate.py makes one file of it).
+DeepSpeed a checkpoint is a directory of shards: `unmark` / `mark_complete` bracket each save, `read_deepspeed` reads
+its rank-0 entries, `newest_deepspeed` picks the newest complete one (lm/consolidate.py makes one file of it).
 """
 from __future__ import annotations
 

@@ -258,6 +258,6 @@ def validate_compression(c: CompressionConfig, m: ModelConfig) -> None:
                     for layer in range(m.n_layers) for g in m.mix(layer)
                     if not make_options(g.type, dict(g.options), m.group_context(layer)).causal})
     if leaky:  # its training, evaluation and decoding are teacher-forced or incremental: a leak would go unmeasured
+        verb = "is" if len(leaky) == 1 else "are"
         raise ConfigError(f"compression needs causal head groups (the suffix runs causal attention throughout), but "
-                          f"{', '.join(leaky)} {'is' if len(leaky) == 1 else 'are'} not causal as configured; choose causal "
-                          "options")
+                          f"{', '.join(leaky)} {verb} not causal as configured; choose causal options")

@@ -18,9 +18,10 @@ class Selection(NamedTuple):
 
 
 def earliest_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, indices) of the min(k, n) largest scores of each row of scores[..., n], largest first, equal scores to the
-    earliest index (torch.topk alone breaks ties by its kernel's layout, which depends on the tensor's shape and on
-    the rows batched beside it). Two topk passes: the k-th score, then a tie-free key over positions (n < 2^23)."""
+    """(values, indices) of the min(k, n) largest scores of each row of scores[..., n], largest first, equal scores
+    to the earliest index (torch.topk alone breaks ties by its kernel's layout, which depends on the tensor's shape
+    and on the rows batched beside it). Two topk passes: the k-th score, then a tie-free key over positions
+    (n < 2^23)."""
     n = scores.shape[-1]
     k = min(k, n)  # all n where k > n
     kth = scores.topk(k, dim=-1).values[..., -1:]  # the k-th largest score of each row
