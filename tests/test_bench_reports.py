@@ -86,7 +86,9 @@ def test_causal_routing_report_states_what_the_runs_were(tmp_path: Path) -> None
     assert "Training: 7 steps (7,168 tokens) per run," in header and "seeds [1, 2]" in header
     assert "2-core" not in header and "nice -n 10" not in header
     csv = (tmp_path / "out" / "causal_routing.csv").read_text().splitlines()
-    assert csv[0].endswith(",machine,command") and csv[1].endswith(",Some CPU (4 cores),python -m bench.causal_routing --seeds 1")
+    assert "Overrides of the settings file: not recorded (runs under " in header  # results from before the column
+    assert csv[0].endswith(",machine,command,overrides")
+    assert csv[1].endswith(",Some CPU (4 cores),python -m bench.causal_routing --seeds 1,")
 
 
 def test_causal_routing_notes_are_the_committed_conclusions() -> None:
