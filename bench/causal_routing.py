@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gutenberg_compare import (
-    apply_overrides, base_config, check_stem, distinct, eval_windows, load_settings, prepare_data, run_config,
+    apply_overrides, base_config, check_stem, csv_rows, distinct, eval_windows, load_settings, prepare_data, run_config,
     train_and_evaluate, wanted_variants)
 from flops.cli import command_line, in_results, results_stem, script_parser
 
@@ -95,21 +95,12 @@ def run_one(settings: Any, name: str, seed: int, overrides: list[str], command: 
     row = train_and_evaluate(cfg, name, int(settings.eval.windows), budget, retrain=False)
     out = ROOT / cfg.trainer.out_dir
     model, _ = load_model(out / "checkpoints" / "last.ckpt")
-    row.update(seed=seed, command=command, overrides=json.dumps(overrides), **selection_coverage(model, eval_windows(cfg, int(settings.eval.windows))))
+    windows = eval_windows(cfg, int(settings.eval.windows))
+    row.update(seed=seed, command=command, overrides=json.dumps(overrides), **selection_coverage(model, windows))
     row["history"] = json.loads((out / "metrics.json").read_text())["history"]
     (out / "result.json").write_text(json.dumps(row, indent=1))
     print(json.dumps({k: v for k, v in row.items() if k != "history"}), flush=True)
     return row
-
-
-def read_csv_rows(path: Path) -> list[dict[str, str]]:
-    """The rows of a results csv ([] before the first report)."""
-    import csv
-
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def results(settings: Any) -> list[dict[str, Any]]:
@@ -275,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = wanted_variants(list(settings.variants), args.only)
         seeds = parse_seeds(args.seeds, [int(s) for s in settings.seeds])
         base_config(settings, args.overrides)  # bad overrides: one line before any run is claimed
-        csv_path = in_results(args.out, ".csv")
-        check_stem(read_csv_rows(csv_path), args.overrides, csv_path)
+        check_stem(csv_rows(args.out), args.overrides, in_results(args.out, ".csv"))
         apply_overrides(settings, args.overrides)
         for name in [] if args.report else wanted:
             run_config(settings, name, run_overrides(settings, seeds[0]))

@@ -228,13 +228,18 @@ def eval_windows(cfg: Any, windows: int) -> Any:
     return ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows).tokens()
 
 
-def read_rows(stem: Path) -> dict[str, dict[str, Any]]:
-    """The rows of stem.csv by variant ({} before the first)."""
+def csv_rows(stem: Path) -> list[dict[str, str]]:
+    """The rows of stem.csv ([] before the first)."""
     path = in_results(stem, ".csv")
     if not path.is_file():
-        return {}
-    with open(path) as f:
-        return {row["variant"]: row for row in csv.DictReader(f)}
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_rows(stem: Path) -> dict[str, dict[str, Any]]:
+    """The rows of stem.csv by variant ({} before the first)."""
+    return {row["variant"]: row for row in csv_rows(stem)}
 
 
 def write_results(rows: dict[str, dict[str, Any]], settings: Any, order: list[str], stem: Path) -> None:
