@@ -5,9 +5,10 @@
 Reads each `<dir>/sweep.json`, `status.json`, and every point's `metrics.json` (last validation),
 `config.yaml` (trainer.max_steps as trained; lm/run_dir.py) and, for points whose heads are not causal,
 `leakfree.json` (the perplexity used for them is the leak-free one). A point counts only when it is
-done: its run reached trainer.max_steps (and, if not causal, was evaluated leak-free). Points that
+done: its run reached trainer.max_steps (and, if not causal, was evaluated leak-free at that step). Points that
 stopped early are `partial`: listed with the step they reached, marked in the tables and drawn as
-hollow markers, never part of a curve or a mean. Replicas (`flops.sweep --seeds N`) of a point are
+hollow markers, never part of a curve or a mean. A finished point whose perplexity is inf or NaN is `diverged`:
+listed, not drawn, never part of a curve or a mean. Replicas (`flops.sweep --seeds N`) of a point are
 summarised as mean ± sample standard deviation over the done ones; points of different sweep directories
 are never pooled (a hybrid and a pure sweep of one size are two experiments). The PNG has one panel per
 sweep (titled by its size, and its directory when two sweeps share a size), a line per head type with
@@ -24,6 +25,7 @@ comparable at equal FLOPs per pass: a warning on stderr, above the tables and in
 from __future__ import annotations
 
 import csv
+import math
 import platform
 import statistics
 import sys
@@ -31,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from flops.cli import script_parser
-from flops.json_files import as_text, read_status, read_sweep
+from flops.json_files import as_text, point_results, read_status, read_sweep
 from heads.base import ConfigError
-from lm.run_files import read_json
 
 COLUMNS = [
     "sweep", "size", "name", "head", "vary", "value", "setting", "sparsity", "seed", "k", "dense_heads", "sparse_heads",
@@ -58,10 +59,10 @@ def max_steps(entry: dict[str, Any]) -> int | None:
 
 
 def point_status(recorded: str | None, step: int | None, target: int | None, ppl: float | None) -> str:
-    """done | partial | failed | interrupted | running | not run (module doc)."""
+    """done | diverged | partial | failed | interrupted | running | not run (module doc)."""
     finished = step is not None and target is not None and step >= target and ppl is not None
     if finished and recorded not in ("failed", "interrupted", "running"):
-        return "done"
+        return "done" if math.isfinite(ppl) else "diverged"
     if recorded in ("failed", "interrupted", "running"):
         return recorded
     return "partial" if step is not None else "not run"
@@ -75,14 +76,13 @@ def sweep_labels(sweeps: list[Path]) -> list[str]:
 
 def collect(sweep: Path, label: str | None = None) -> list[dict[str, Any]]:
     """One row per point, `sweep` = label (default: the size); `ppl` is val_ppl for causal heads and
-    leakfree_ppl otherwise (None if missing); besides COLUMNS, `swept`: the swept options (sweep.json's, else
+    leakfree_ppl otherwise (None if missing or of an earlier step); besides COLUMNS, `swept`: the swept options (sweep.json's, else
     [vary]), and `setting`: the point's value of each."""
     manifest = read_sweep(sweep / "sweep.json", keys=("points", "size"))
     status = read_status(sweep / "status.json")
     rows = []
     for e in manifest["points"]:
-        out = Path(e["out_dir"])
-        m, lf = read_json(out / "metrics.json", {}), read_json(out / "leakfree.json", {})
+        m, lf = point_results(e["out_dir"])
         row = {c: e.get(c) for c in COLUMNS}
         vary = manifest.get("vary", "sparsity")
         row.update(sweep=label or manifest["size"], size=manifest["size"], vary=vary, swept=manifest.get("swept", [vary]),
@@ -205,7 +205,8 @@ def cell(g: dict[str, Any] | None) -> str:
         return "-"
     spread = f" ± {g['std']:.2f} (n={g['n']})" if g["n"] > 1 else " (n=1)" if g["replicas"] > 1 else ""  # seeds missing
     text = "-" if g["mean"] is None else f"{g['mean']:.2f}{spread}"
-    partial = [f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}" for r in g["partial"]]
+    partial = ["diverged" if r["status"] == "diverged" else f"{r['ppl']:.2f}* @{r['step']}/{r['max_steps']}"
+               for r in g["partial"]]
     return "; ".join(partial if g["mean"] is None and partial else [text, *partial])
 
 
@@ -235,7 +236,8 @@ def markdown(rows: list[dict[str, Any]], note: str, warnings: list[str]) -> str:
     lines = [note, ""] + [line for warning in warnings for line in (f"**Warning: {warning}.**", "")]
     for sweep in dict.fromkeys(r["sweep"] for r in rows):
         lines += [f"Size {sweep}: validation perplexity (leak-free for non-causal heads) at equal FLOPs per pass, "
-                  "mean ± std over finished seeds; `x* @step/max` = partial run, not in the mean or the curve:", ""]
+                  "mean ± std over finished seeds; `x* @step/max` = partial run, "
+                  "not in the mean or the curve, nor is a diverged one (perplexity inf or NaN):", ""]
         lines += table(s, rows, sweep) + [""]
     lines += ["All points (tokens_per_s as measured during the sweep's training: on a shared or busy machine it is not "
               "comparable between points; time points side by side with bench/throughput.py --out FILE):", "",
@@ -260,7 +262,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             if sw == sweep:
                 xs, ys, es = zip(*points)
                 ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, color=colours[curve], label=curve)
-        partial = [r for g in s.values() for r in g["partial"] if r["sweep"] == sweep and position(r)[1] is not None]
+        partial = [r for g in s.values() for r in g["partial"]
+                   if r["sweep"] == sweep and position(r)[1] is not None and math.isfinite(r["ppl"])]
         if partial:
             ax.scatter([position(r)[1] for r in partial], [r["ppl"] for r in partial], facecolors="none",
                        edgecolors="black", label="partial run (not in the curve)")

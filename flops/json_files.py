@@ -56,3 +56,11 @@ def read_status(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"{path} is damaged (the entry of {bad[0]!r} is not an object with a status); "
                           "restore or delete it")
     return status
+
+
+def point_results(out_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A point's metrics.json and leakfree.json ({} for a missing one); the leak-free result only if it evaluated
+    the step metrics.json reports (a point trained further since has no leak-free result yet)."""
+    metrics, leak_free = read_json(Path(out_dir) / "metrics.json", {}), read_json(Path(out_dir) / "leakfree.json", {})
+    current = "step" in metrics and leak_free.get("step") == metrics["step"]
+    return metrics, leak_free if current else {}

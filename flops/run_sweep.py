@@ -3,24 +3,28 @@
     python -m flops.run_sweep sweeps/tiny [--only mosa_s8,dense_s1] [--leakfree-windows N] [--lock /tmp/cpu_heavy.lock] \
         [trainer.max_steps=500 ...]
 
-For each point of `<dir>/sweep.json`: skip it if `<out_dir>/metrics.json` already reports step >=
+For each point of `<dir>/sweep.json`: record it `failed` if `<out_dir>` holds a run of other settings than the
+point's with the given overrides (other in more than how long it trains, lm.run_dir.result_changes: an earlier sweep,
+or overrides it was not trained with); skip it if `<out_dir>/metrics.json` already reports step >=
 trainer.max_steps (finished); otherwise run `train_lm.py --config <point>.yaml --resume [overrides]`
 (an interrupted point continues from its newest checkpoint), log to `<out_dir>/train.log` (no progress
 bars: the log is not a terminal). `<dir>/status.json` records every point: `running` (with the
 training process id) while it trains, then `done` only when the run reached trainer.max_steps,
 `partial` when it stopped early without an error (trainer.max_minutes), `failed` with its exit code
 and the log's last line (the sweep goes on), or `interrupted`: SIGTERM/SIGINT to the runner is
-forwarded to the training process, the point is recorded as interrupted and the runner exits with
-128 + the signal number (a rerun resumes it). A line per point shows progress and the ETA (mean time
+forwarded to the training process (or stops the leak-free evaluation), the point is recorded as interrupted and the
+runner exits with 128 + the signal number (a rerun resumes it). A line per point shows progress and the ETA (mean time
 of the points trained so far). For a point whose heads are not causal (e.g. MoSA expert choice), the finished model is
 evaluated leak-free (lm/leakfree.py: every prediction from its own prefix) on `--leakfree-windows`
 validation windows (default: the same windows as training's validation), written to
-`<out_dir>/leakfree.json`; a point trained but not yet evaluated is only evaluated. Exit status 1 if any point this run handled (all, or --only's) failed.
+`<out_dir>/leakfree.json` with the step it evaluated; a point trained but not yet evaluated at its last step (also
+one trained further since) is only evaluated. Exit status 1 if any point this run handled (all, or --only's) failed.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import json
 import signal
@@ -28,36 +32,62 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from flops.cli import positive_int, script_parser
-from flops.json_files import read_status, read_sweep
+from data_prep.atomic import atomic_write
+from flops.json_files import point_results, read_status, read_sweep
 from heads.base import ConfigError
 from lm.run_files import read_json
 
+if TYPE_CHECKING:
+    from lm.config import Config
+
 ROOT = Path(__file__).resolve().parents[1]
+LEAK_FREE = "leak-free evaluation"  # the phase of a point interrupted after its training
+
+
+def point_config(entry: dict[str, Any], overrides: list[str]) -> Config:
+    """The point's config with the runner's overrides, a relative data.path resolved as train_lm.py (run from the
+    repository root) resolves it."""
+    from lm.config_io import load_config
+
+    cfg = load_config(entry["config"], *overrides, warnings=False)  # training prints the warnings
+    data = ROOT / cfg.data.path
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=str(data)))
 
 
 def trained(entry: dict[str, Any], overrides: list[str]) -> bool:
     """The point's metrics.json reports the final step."""
-    from lm.config_io import load_config
-
     metrics = Path(entry["out_dir"]) / "metrics.json"
     if not metrics.is_file():
         return False
-    max_steps = load_config(entry["config"], *overrides, warnings=False).trainer.max_steps  # training prints them
-    return read_json(metrics).get("step", 0) >= max_steps
+    return read_json(metrics).get("step", 0) >= point_config(entry, overrides).trainer.max_steps
+
+
+def other_run(entry: dict[str, Any], overrides: list[str]) -> str | None:
+    """Why the point's run directory holds a run of other settings than the point's with `overrides` (other in more
+    than how long it trains: lm.run_dir.result_changes), or None: skipped as finished or resumed, its result would be
+    reported under settings it was not trained with."""
+    from lm.run_dir import result_changes
+
+    changes = result_changes(Path(entry["out_dir"]), point_config(entry, overrides))
+    if not changes:
+        return None
+    return (f"{entry['out_dir']} holds a run with other settings ({'; '.join(changes)}): pass the overrides it was "
+            "trained with, or write the sweep into a new --out")
 
 
 def needs_leak_free(entry: dict[str, Any]) -> bool:
-    return not entry["causal"] and not (Path(entry["out_dir"]) / "leakfree.json").is_file()
+    """A non-causal point without a leak-free result of the step its metrics.json reports."""
+    return not entry["causal"] and not point_results(entry["out_dir"])[1]
 
 
 def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, float]:
     """Teacher-forced and leak-free loss/perplexity of the point's last checkpoint on validation windows
     (default: the data.val_batches * data.batch_size windows that training validated on). A DeepSpeed run's
     checkpoint directory is made one file first (<out_dir>/consolidated.ckpt, lm.consolidate)."""
-    from lm.checkpoint import is_deepspeed_dir, load_model
+    from lm.checkpoint import is_deepspeed_dir, model_from_checkpoint, read_checkpoint
     from lm.consolidate import consolidate
     from lm.data import ValWindows, open_split
     from lm.leakfree import evaluate
@@ -66,11 +96,13 @@ def leak_free_eval(entry: dict[str, Any], windows: int | None) -> dict[str, floa
     if is_deepspeed_dir(last):
         consolidate(last, Path(entry["out_dir"]) / "consolidated.ckpt")
         last = Path(entry["out_dir"]) / "consolidated.ckpt"
-    model, cfg = load_model(last)
+    ckpt = read_checkpoint(last, mmap=False)
+    model, cfg = model_from_checkpoint(ckpt, last)
     windows = windows or cfg.data.val_batches * cfg.data.batch_size
     val = ValWindows(open_split(cfg.data.path, "val", cfg.model), cfg.model.seq_len, windows)
     result = evaluate(model, val.tokens().split(cfg.data.batch_size), leak_free=True)
-    (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({**result, "windows": windows}, indent=1))
+    text = json.dumps({**result, "windows": windows, "step": ckpt["global_step"]}, indent=1)
+    atomic_write(Path(entry["out_dir"]) / "leakfree.json", lambda f: f.write(text.encode()))
     return result
 
 
@@ -91,13 +123,9 @@ def train_point(entry: dict[str, Any], overrides: list[str], started: Callable[[
             received.append(signum)
             child.send_signal(signum)
 
-        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with signals_to(forward):
             started(child.pid)
             rc = child.wait()
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
     seconds = round(time.time() - start, 1)
     if received:
         return {"status": "interrupted", "signal": signal.Signals(received[0]).name, "rc": rc, "seconds": seconds}
@@ -108,6 +136,36 @@ def train_point(entry: dict[str, Any], overrides: list[str], started: Callable[[
         lines = (out / "train.log").read_text(errors="replace").strip().splitlines()
         status["error"] = lines[-1] if lines else f"exit status {rc}"
     return status
+
+
+@contextlib.contextmanager
+def signals_to(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT handled by `handler` for the duration of the block."""
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+class Interrupted(BaseException):
+    """SIGTERM/SIGINT received during the leak-free evaluation (args: the signal number); not an Exception, so that
+    evaluate_point does not record it as the evaluation's failure."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def evaluate_interruptibly(entry: dict[str, Any], status: dict[str, Any], windows: int | None) -> dict[str, Any]:
+    """evaluate_point, or on SIGTERM/SIGINT meanwhile the point's status `interrupted` (phase: the evaluation), as for
+    a signal during training (module doc)."""
+    try:
+        with signals_to(_interrupt):
+            return evaluate_point(entry, status, windows)
+    except Interrupted as sig:
+        return {**status, "status": "interrupted", "signal": signal.Signals(sig.args[0]).name, "phase": LEAK_FREE}
 
 
 def describe(status: dict[str, Any]) -> str:
@@ -128,17 +186,17 @@ def evaluate_point(entry: dict[str, Any], status: dict[str, Any], windows: int |
     try:
         return {**status, "leakfree_ppl": leak_free_eval(entry, windows)["leakfree_ppl"]}
     except Exception as err:  # recorded, not fatal: the sweep goes on
-        return {**status, "status": "failed", "error": f"leak-free evaluation: {type(err).__name__}: {err}"}
+        return {**status, "status": "failed", "error": f"{LEAK_FREE}: {type(err).__name__}: {err}"}
 
 
 def finished(previous: dict[str, Any] | None) -> dict[str, Any]:
     """The status of a point whose training had already finished: what an earlier "done" recorded (its seconds,
-    its leak-free perplexity), the training's rc and seconds of a failure after it (the leak-free evaluation's,
-    rc 0), nothing of another failure or run (rc, error, pid)."""
+    its leak-free perplexity), the training's rc and seconds of a failure or interruption after it (in the leak-free
+    evaluation's: rc 0, or its phase), nothing of another failure or run (rc, error, pid)."""
     previous = previous or {}
     if previous.get("status") == "done":
         return dict(previous)
-    if previous.get("status") == "failed" and previous.get("rc") == 0:
+    if (previous.get("status") == "failed" and previous.get("rc") == 0) or previous.get("phase") == LEAK_FREE:
         return {k: previous[k] for k in ("rc", "seconds") if k in previous} | {"status": "done"}
     return {"status": "done"}
 
@@ -190,13 +248,19 @@ def run(a: argparse.Namespace) -> int:
     status = read_status(status_file)
 
     def save() -> None:
-        status_file.write_text(json.dumps(status, indent=1))
+        text = json.dumps(status, indent=1)
+        atomic_write(status_file, lambda f: f.write(text.encode()))
 
     times: list[float] = []  # seconds of each point trained by this runner
     for i, entry in enumerate(points):
         name, left = entry["name"], len(points) - i
         eta = f"ETA {sum(times) / len(times) * left / 60:.1f} min for {left} point(s)" if times else "ETA after the first point"
         head = f"[{i + 1}/{len(points)}] {name}"
+        mismatch = other_run(entry, a.overrides)
+        if mismatch:
+            status[name] = {"status": "failed", "error": mismatch}
+            print(f"{head}: {describe(status[name])}", flush=True)
+            continue
         if trained(entry, a.overrides) and not needs_leak_free(entry):
             print(f"{head}: finished, skipped", flush=True)
             status[name] = finished(status.get(name))
@@ -218,13 +282,13 @@ def run(a: argparse.Namespace) -> int:
                 status[name]["seconds"] = round(earlier + status[name]["seconds"], 1)  # over all runs of the point
             else:
                 status[name] = finished(status.get(name))
+            if status[name]["status"] == "done" and needs_leak_free(entry):
+                print(f"{head}: {LEAK_FREE} ...", flush=True)
+                status[name] = evaluate_interruptibly(entry, status[name], a.leakfree_windows)
             if status[name]["status"] == "interrupted":
                 save()
                 print(f"{head}: interrupted by {status[name]['signal']}; rerun to resume it", file=sys.stderr)
                 return 128 + signal.Signals[status[name]["signal"]].value
-            if status[name]["status"] == "done" and needs_leak_free(entry):
-                print(f"{head}: leak-free evaluation ...", flush=True)
-                status[name] = evaluate_point(entry, status[name], a.leakfree_windows)
         print(f"{head}: {describe(status[name])}", flush=True)
         save()
     save()

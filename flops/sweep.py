@@ -48,7 +48,7 @@ from heads.base import ConfigError
 from lm.config import Config, HeadGroupConfig, ModelConfig, validate
 from lm.config_io import load_config, to_yaml
 from lm.model import build_model
-from lm.run_dir import config_changes
+from lm.run_dir import result_changes
 
 
 def is_causal(cfg: Config) -> bool:
@@ -159,14 +159,13 @@ def preset_conflicts(size: str, model: ModelConfig, base: str | None, overrides:
 
 
 def stale_run(point: Config, out: Path) -> None:
-    """ConfigError if `out` holds a run of another config than `point` (an earlier sweep into the same --out):
-    run_sweep would skip it as finished and the aggregate would report it under this point's head counts."""
-    saved = out / "config.yaml"
-    if saved.is_file():
-        fixed, _ = config_changes(load_config(str(saved)), point)
-        if fixed:
-            raise ConfigError(f"{out} holds a run of another config ({'; '.join(fixed)}): an earlier sweep into this "
-                              "--out; use a new --out or delete that run directory")
+    """ConfigError if `out` holds a run of another config than `point` (an earlier sweep into the same --out; other in
+    more than how long it trains, lm.run_dir.result_changes): run_sweep would skip it as finished and the aggregate
+    would report it under this point's settings."""
+    changes = result_changes(out, point)
+    if changes:
+        raise ConfigError(f"{out} holds a run of another config ({'; '.join(changes)}): an earlier sweep into this "
+                          "--out; use a new --out or delete that run directory")
 
 
 def _options(texts: list[str]) -> dict[str, dict[str, Any]]:

@@ -156,6 +156,38 @@ def config_changes(saved: Config, current: Config) -> tuple[list[str], list[str]
     return fixed, free
 
 
+# Fields that say how long and how observably a run trains, not what it trains: a finished run whose config differs
+# from another only in these (and in data.path, to the same data) holds that config's result (flops.sweep, run_sweep).
+BOOKKEEPING = {"trainer": {"max_steps", "max_minutes", "val_every", "validate_first", "ckpt_every", "log_every",
+                           "keep_last_k", "out_dir", "profiler"}, "data": {"num_workers"}}
+
+
+def result_changes(out: Path, cfg: Config) -> list[str]:
+    """The changes from the run in `out` (its config.yaml; [] if none) to `cfg` that change what is trained: every
+    field but BOOKKEEPING's, and data.path only where it holds other data than run.json's fingerprint."""
+    if not (out / CONFIG).is_file():
+        return []
+    fixed, free = config_changes(read_run_config(out / CONFIG, "restore it or delete the run directory"), cfg)
+    changes = []
+    for line in sorted(fixed + free):
+        section, _, key = line.split(":")[0].partition(".")
+        if key in BOOKKEEPING.get(section, ()):
+            continue
+        if (section, key) == ("data", "path") and _same_data(out, Path(cfg.data.path)):
+            continue
+        changes.append(line)
+    return changes
+
+
+def _same_data(out: Path, data: Path) -> bool:
+    """Whether `data` holds the data the run in `out` was trained on (run.json's data fingerprint)."""
+    if not (out / RECORD).is_file() or not (data / "index.json").is_file():
+        return False
+    index, _ = _index_and_tokenizer(data)
+    return read_json(out / RECORD, advice="restore it or delete the run directory").get("data_sha256") == \
+        data_fingerprint(data, index)
+
+
 def _recorded(out: Path, name: str) -> Any:
     """The run's RECORD (a dict) or CONFIG (a Config) in `out`; a one-line ConfigError if it was damaged."""
     advice = "restore it, or pass --overwrite to start again"

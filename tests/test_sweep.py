@@ -5,6 +5,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -159,6 +160,11 @@ def test_sweep_refuses_an_out_holding_runs_of_other_models(tmp_path: Path, capsy
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith(f"error: {run} holds a run of another config (model.heads.0.count: 2 -> 1; "
                           "model.heads.1.count: 24 -> 30): an earlier sweep") and "use a new --out" in err
+    # the optimiser's settings may change when a run resumes, but a finished run of another learning rate is not
+    # this point's result either (it was skipped as finished and reported under the new sweep's command)
+    assert sweep_main([*args[:7], "2", *args[8:], "optim.lr=0.01"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith(f"error: {run} holds a run of another config (optim.lr: 0.00025 -> 0.01): an earlier sweep")
 
 
 def test_sweep_paths_are_absolute_so_the_runner_finds_them_from_the_repository_root(tmp_path: Path, monkeypatch,
@@ -235,6 +241,21 @@ def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pyte
     assert json.loads((Path(entry["out_dir"]) / "metrics.json").read_text())["step"] == 2
     assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["status"] == "done"
     assert re.fullmatch(r"\[1/1\] dense_s1: done in \d+\.\d s", capsys.readouterr().out.splitlines()[-1])
+    # finished: skipped again with the same overrides, a longer validation interval or the data at another path;
+    # with another learning rate, or without the overrides it was trained with, its result is not the point's
+    same = ["trainer.max_steps=2", "optim.warmup_steps=1", "data.batch_size=2", "data.val_batches=1"]
+    shutil.copytree(data, tmp_path / "moved")
+    for overrides in (same, [*same, "trainer.val_every=5", f"data.path={tmp_path / 'moved'}"]):
+        assert run_main([str(tmp_path / "sw"), *overrides]) == 0
+        assert capsys.readouterr().out.splitlines() == ["[1/1] dense_s1: finished, skipped"]
+    for overrides, changes in (([*same, "optim.lr=0.05"], "optim.lr: 0.00025 -> 0.05"),
+                               (["trainer.max_steps=2"], "data.batch_size: 2 -> 64; data.val_batches: 1 -> 16; "
+                                                         "optim.warmup_steps: 1 -> 4000")):
+        assert run_main([str(tmp_path / "sw"), *overrides]) == 1
+        assert capsys.readouterr().out.splitlines() == [
+            f"[1/1] dense_s1: failed: {entry['out_dir']} holds a run with other settings ({changes}): pass the "
+            "overrides it was trained with, or write the sweep into a new --out"]
+        assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["status"] == "failed"
     # a run that ends cleanly (rc 0) before trainer.max_steps, here on trainer.max_minutes, is partial, not done
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "timed"),
                        f"data.path={data}", "model.vocab_size=64", "trainer.accelerator=cpu"]) == 0
@@ -455,7 +476,7 @@ def test_a_grid_over_text_values_draws_a_curve_per_value(tmp_path: Path, capsys)
         "threshold", "expert_choice"]
     for e in points:  # a non-causal point's perplexity is its leak-free one
         _fake_metrics(e, {None: 30.0, "threshold": 25.0, "expert_choice": 10.0}[e["value"]])
-    (Path(points[2]["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 20.0}))
+    (Path(points[2]["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 20.0, "step": 3}))
     assert aggregate_main([str(out), "--out", str(tmp_path / "res")]) == 0
     assert "\n".join(["| selection | head | rho=1 | rho=4 |", "|---|---|---|---|",
                       "| expert_choice | mosa | 30.00 | 20.00 |", "| threshold | mosa | 30.00 | 25.00 |"]) in (tmp_path / "res.md").read_text()
@@ -606,7 +627,7 @@ def test_non_causal_points_are_read_and_evaluated_leak_free(tmp_path: Path, caps
             for name in ("mosa_s4", "dense_s1")] == [False, True]
     assert not (Path(points["dense_s1"]["out_dir"]) / "leakfree.json").exists()
     leakfree = json.loads((Path(points["mosa_s4"]["out_dir"]) / "leakfree.json").read_text())
-    assert leakfree["windows"] == 2 and leakfree["leakfree_ppl"] != leakfree["ppl"]
+    assert leakfree["windows"] == 2 and leakfree["leakfree_ppl"] != leakfree["ppl"] and leakfree["step"] == 2
     status = json.loads((tmp_path / "sw" / "status.json").read_text())["mosa_s4"]
     assert status["status"] == "done" and status["leakfree_ppl"] == leakfree["leakfree_ppl"]
     rows = {r["name"]: r for r in collect(tmp_path / "sw")}
@@ -800,7 +821,8 @@ def _fake_training(monkeypatch: pytest.MonkeyPatch, failing: str | None = None) 
         evaluated.append(entry["name"])
         if entry["name"] == failing:
             raise RuntimeError("boom")
-        (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 7.5}))
+        step = json.loads((Path(entry["out_dir"]) / "metrics.json").read_text())["step"]
+        (Path(entry["out_dir"]) / "leakfree.json").write_text(json.dumps({"leakfree_ppl": 7.5, "step": step}))
         return {"leakfree_ppl": 7.5}
 
     monkeypatch.setattr(flops.run_sweep, "train_point", train_point)
@@ -945,3 +967,68 @@ def test_a_resumed_point_records_its_training_time_over_all_runs(tmp_path: Path,
     assert status["dense_s1"] == {"status": "done", "rc": 0, "seconds": 27.2}
     assert status["mosa_s4"] == {"status": "done", "rc": 0, "seconds": 1.5}
     assert "[1/2] dense_s1: done in 27.2 s" in capsys.readouterr().out
+
+
+def test_a_point_trained_further_is_evaluated_leak_free_again(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """leakfree.json records the step it evaluated: once the point trains further (a rerun with more steps), the
+    earlier leak-free perplexity is not its result (it was kept, and reported beside the new step), so the aggregate
+    has none until run_sweep evaluates the new step."""
+    manifest = _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
+    entry = next(e for e in manifest["points"] if e["name"] == "mosa_s4")
+    trained, evaluated = _fake_training(monkeypatch)
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4"]) == 0
+    assert trained == evaluated == ["mosa_s4"]
+    _fake_metrics(entry, 30.0, step=4)  # trained on to step 4 (e.g. run_sweep trainer.max_steps=4)
+    row = next(r for r in collect(tmp_path / "sw") if r["name"] == "mosa_s4")
+    assert row["leakfree_ppl"] is None and row["status"] != "done"
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4", "trainer.max_steps=4"]) == 0
+    assert trained == ["mosa_s4"] and evaluated == ["mosa_s4", "mosa_s4"]
+    assert json.loads((Path(entry["out_dir"]) / "leakfree.json").read_text())["step"] == 4
+
+
+def test_a_signal_during_the_leak_free_evaluation_records_the_point_interrupted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM while run_sweep evaluates a point leak-free (after its training) records the point interrupted, phase
+    the evaluation, and exits 128 + 15, as during training (the runner was killed, status.json still saying
+    `running`); a rerun evaluates it and keeps the training's rc and seconds."""
+    import flops.run_sweep
+
+    _sweep(tmp_path, "--option", "mosa.selection=expert_choice")
+    trained, evaluated = _fake_training(monkeypatch)
+    fake_eval = flops.run_sweep.leak_free_eval
+
+    def killed(entry: dict, windows: int | None) -> dict[str, float]:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler interrupts this
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(flops.run_sweep, "leak_free_eval", killed)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4"]) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == handler
+    status_file = tmp_path / "sw" / "status.json"
+    assert json.loads(status_file.read_text())["mosa_s4"] == {"status": "interrupted", "rc": 0, "seconds": 1.5,
+                                                             "signal": "SIGTERM", "phase": "leak-free evaluation"}
+    monkeypatch.setattr(flops.run_sweep, "leak_free_eval", fake_eval)
+    assert run_main([str(tmp_path / "sw"), "--only", "mosa_s4"]) == 0
+    assert trained == ["mosa_s4"] and evaluated == ["mosa_s4"]
+    assert json.loads(status_file.read_text())["mosa_s4"] == {"status": "done", "rc": 0, "seconds": 1.5,
+                                                             "leakfree_ppl": 7.5}
+
+
+def test_a_diverged_replica_is_marked_and_left_out_of_the_mean(tmp_path: Path) -> None:
+    """A finished point whose perplexity is inf or NaN (a diverged run) is `diverged`: out of the mean and the curve,
+    its cell says so (statistics.stdev raised AttributeError on it and the aggregate stopped before its table)."""
+    manifest = _sweep(tmp_path, "--seeds", "2")
+    for e in manifest["points"]:
+        ppl = {"mosa_s4_seed1235": math.inf, "fixed_s4_seed1235": math.nan}.get(e["name"], 30.0 + e["seed"] - 1234)
+        _fake_metrics(e, ppl)
+    rows = {r["name"]: r for r in collect(tmp_path / "sw")}
+    assert rows["mosa_s4_seed1235"]["status"] == rows["fixed_s4_seed1235"]["status"] == "diverged"
+    assert curves(list(rows.values()))[("micro", "mosa")][1] == (4, 30.0, 0.0)
+    out = tmp_path / "isoflop"
+    assert aggregate_main([str(tmp_path / "sw"), "--out", str(out)]) == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| mosa | 30.50 ± 0.71 (n=2) | 30.00 (n=1); diverged | 30.50 ± 0.71 (n=2) |" in md
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
