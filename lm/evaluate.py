@@ -118,13 +118,15 @@ def _prepared_documents(src: Path, split: str, sp: Any, max_docs: int | None) ->
     starts = np.concatenate([[0], ends[:-1] + 1])
     docs = []
     for i, (a, b) in enumerate(zip(starts, ends + 1)):
-        if max_docs is not None and i >= max_docs:
+        if max_docs is not None and len(docs) >= max_docs:  # the first max_docs documents scored, not positions
             break
         body = tokens[a:b].tolist()
         if len(body) == 1:  # two EOS in a row: an empty document, no bytes to score (data_prep writes none)
             continue
         text = sp_codec.decode(sp, body)[0]  # the prepared text itself: the tokenizer is lossless
         docs.append(TokenDoc(f"{split}:{i}", [sp_codec.EOS_ID, *body], text))
+    if not docs:
+        raise DataError(f"--input {src}: split {split!r} holds only empty documents")
     return docs
 
 

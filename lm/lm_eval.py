@@ -162,7 +162,8 @@ class SparseHeadsLM(TemplateLM):
             ctx = encoded[-(self.seq_len - min(wanted, self.seq_len // 2)):] or [self.eot_token_id]
             max_new = min(wanted, self.seq_len - len(ctx))
             cut_context, cut_generation = cut_context + (len(ctx) < len(encoded)), cut_generation + (max_new < wanted)
-            settings = (max_new, bool(kw.get("do_sample", False)), float(kw.get("temperature", 0.0)))
+            do_sample = bool(kw.get("do_sample", False))  # sampling at temperature 1 unless told otherwise
+            settings = (max_new, do_sample, float(kw.get("temperature", 1.0 if do_sample else 0.0)))
             groups[(len(ctx), settings)].append((i, ctx))
         if cut_context or cut_generation:
             warn(f"generate_until: within the model's seq_len {self.seq_len}, {cut_context} of {len(requests)} "

@@ -174,6 +174,7 @@ def test_an_empty_prepared_document_is_skipped(corpus: Path, tmp_path: Path) -> 
     import numpy as np
     import sentencepiece as spm
 
+    from lm.errors import DataError
     from lm.evaluate import _prepared_documents
 
     copy = tmp_path / "copy"
@@ -189,6 +190,11 @@ def test_an_empty_prepared_document_is_skipped(corpus: Path, tmp_path: Path) -> 
     sp = spm.SentencePieceProcessor(model_file=str(corpus / "tokenizer.model"))
     before, after = _prepared_documents(corpus, "val", sp, None), _prepared_documents(copy, "val", sp, None)
     assert [d.text for d in after] == [d.text for d in before] and all(d.text for d in after)
+    # --max-docs counts the documents scored (the empty one counted, and --max-docs 1 scored none: a traceback)
+    assert [d.text for d in _prepared_documents(copy, "val", sp, 2)] == [d.text for d in before[:2]]
+    np.full(len(tokens) + 1, eos, dtype=np.uint16).tofile(copy / shard["file"])  # nothing but empty documents
+    with pytest.raises(DataError, match=f"^--input {copy}: split 'val' holds only empty documents$"):
+        _prepared_documents(copy, "val", sp, None)
 
 
 def test_leak_free_auto_is_on_for_a_non_causal_checkpoint(corpus: Path, tmp_path: Path, capsys) -> None:

@@ -165,7 +165,7 @@ def test_generate_until_matches_greedy_decoding(setup) -> None:
 
 def test_generate_until_samples_at_the_requests_temperature(setup) -> None:
     """do_sample with a temperature draws as lm/generate.py does at that temperature from the same RNG state (not
-    greedily); without do_sample the temperature is ignored (greedy)."""
+    greedily), at temperature 1 when the request gives none; without do_sample the temperature is ignored (greedy)."""
     from lm_eval.api.instance import Instance
 
     _, _, model, lm = setup
@@ -186,6 +186,8 @@ def test_generate_until_samples_at_the_requests_temperature(setup) -> None:
     sampled = request(do_sample=True, temperature=3.0)
     assert sampled == reference(3.0) != reference(0.0)
     assert request(do_sample=False, temperature=3.0) == request() == reference(0.0)
+    # do_sample without a temperature samples at temperature 1 (it decoded greedily: do_sample did nothing)
+    assert request(do_sample=True) == reference(1.0) != reference(0.0)
 
 
 def test_generate_until_keeps_half_the_window_for_the_prompt(setup, capsys) -> None:
