@@ -36,17 +36,31 @@ def _bool_keys(cls: type, prefix: str = "") -> set[str]:
     return keys
 
 
+def _tuple_keys(cls: type) -> dict[str, int]:
+    """Dotted keys of the sections' tuple-of-numbers fields (optim.betas) -> their length."""
+    return {f"{section}.{name}": len(typing.get_args(hint))
+            for section, inner in typing.get_type_hints(cls).items() if dataclasses.is_dataclass(inner)
+            for name, hint in typing.get_type_hints(inner).items() if typing.get_origin(hint) is tuple}
+
+
 BOOL_KEYS = _bool_keys(Config)  # OmegaConf reads any integer there as a bool (trainer.compile=2 is true): refused
+TUPLE_KEYS = _tuple_keys(Config)  # a YAML file's nested value there passed the merge; a bad one had no key named
 
 
-def _check_bools(values: dict[str, Any], where: str = "") -> None:
-    """ConfigError unless every value given for a bool field is a bool (YAML true/false, yes/no)."""
+def _check_values(values: dict[str, Any], where: str = "") -> None:
+    """ConfigError unless every value given for a bool field is a bool (YAML true/false, yes/no) and every value for
+    a tuple field a list of that many numbers."""
     for key, value in values.items():
         if isinstance(value, str):
             with contextlib.suppress(yaml.YAMLError):
                 value = yaml.safe_load(value)
-        if key in BOOL_KEYS and not isinstance(value, bool) and not str(value).startswith("${"):  # interpolation
+        if str(value).startswith("${"):  # an interpolation: checked as what it resolves to
+            continue
+        if key in BOOL_KEYS and not isinstance(value, bool):
             raise ConfigError(f"{where}{key} must be true or false, got {value!r}")
+        numbers = isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if key in TUPLE_KEYS and not (numbers and len(value) == TUPLE_KEYS[key]):
+            raise ConfigError(f"{where}{key} must be a list of {TUPLE_KEYS[key]} numbers, got {value!r}")
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
@@ -63,28 +77,54 @@ def _one_line(err: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key else message
 
 
+def _kind(node: Any) -> str:
+    return "a mapping" if isinstance(node, DictConfig) else "a list" if isinstance(node, ListConfig) else "a value"
+
+
 def _wrong_shape(schema: DictConfig, layer: DictConfig, prefix: str = "") -> str | None:
     """The first key of a YAML layer whose value is a mapping where the schema has a list or a value, or a list or
     a value where it has a mapping or a list of sections (e.g. `heads: {type: dense}`), as a one-line message; None
     if none. (A list or a value where the schema has a value, e.g. a tuple, is OmegaConf's to check.)"""
-    def kind(node: Any) -> str:
-        return "a mapping" if isinstance(node, DictConfig) else "a list" if isinstance(node, ListConfig) else "a value"
-
     for key in layer.keys():
         if key not in schema or OmegaConf.is_missing(layer, key) or OmegaConf.is_missing(schema, key):
             continue  # unknown keys get OmegaConf's message, which names them
         want, got = schema._get_node(key), layer._get_node(key)
-        if want is None or got is None or (not isinstance(want, (DictConfig, ListConfig)) and kind(got) != "a mapping"):
+        if want is None or got is None or (not isinstance(want, (DictConfig, ListConfig)) and _kind(got) != "a mapping"):
             continue
+        if want._is_none() and dataclasses.is_dataclass(want._metadata.ref_type):  # an optional section, off by default
+            want = OmegaConf.structured(want._metadata.ref_type)
+        if got._is_none() and not want._is_optional():
+            return f"{prefix}{key} must be {_kind(want)}, got null"
         if want._is_none() or got._is_none():
             continue
-        if kind(want) != kind(got):
-            value = "" if kind(got) != "a value" else f" ({OmegaConf.to_container(layer)[key]!r})"  # type: ignore[index]
-            return (f"{prefix}{key} must be {kind(want)}, got {kind(got)}{value}" if kind(want) != "a value"
+        if _kind(want) != _kind(got):
+            value = "" if _kind(got) != "a value" else f" ({OmegaConf.to_container(layer)[key]!r})"  # type: ignore[index]
+            return (f"{prefix}{key} must be {_kind(want)}, got {_kind(got)}{value}" if _kind(want) != "a value"
                     else f"{prefix}{key} must not be a mapping")
         if isinstance(want, DictConfig) and want._metadata.object_type is not dict:  # a section, not a free mapping
             if deeper := _wrong_shape(want, got, f"{prefix}{key}."):  # type: ignore[arg-type]
                 return deeper
+        elif wrong := _wrong_items(want._metadata.element_type, got, f"{prefix}{key}"):  # model.heads, layer_heads
+            return wrong
+    return None
+
+
+def _wrong_items(element: Any, got: Any, where: str) -> str | None:
+    """The first item of a YAML list or free mapping `got` whose shape is not that of `element`, the schema's item
+    type, when that is a section (a head group) or a list of sections (a layer's mix), as `_wrong_shape` says it
+    (e.g. `model.heads[0].options must be a mapping, got a list`); None otherwise."""
+    if not (dataclasses.is_dataclass(element) or typing.get_origin(element) is list):
+        return None
+    items = enumerate(got) if isinstance(got, ListConfig) else got.items()
+    for k, item in items:
+        here = f"{where}[{k}]" if isinstance(got, ListConfig) else f"{where}.{k}"
+        want = "a mapping" if dataclasses.is_dataclass(element) else "a list"
+        if _kind(item) != want:
+            return f"{here} must be {want}, got {_kind(item)}" + (f" ({item!r})" if _kind(item) == "a value" else "")
+        wrong = (_wrong_shape(OmegaConf.structured(element), item, f"{here}.") if want == "a mapping"
+                 else _wrong_items(typing.get_args(element)[0], item, here))
+        if wrong:
+            return wrong
     return None
 
 
@@ -164,11 +204,13 @@ def load_config(path: str | Path | None = None, *dotlist: str, warnings: bool = 
             raise ConfigError(f"{p}: the file sets nothing (empty, or only comments; {{}} to mean the defaults)")
         if wrong := _wrong_shape(schema, layer):  # OmegaConf's merge says neither the key nor the file
             raise ConfigError(f"{p}: {wrong}")
-        _check_bools({f"{section}.{key}": value for section, fields in raw.items() if isinstance(fields, dict)
-                      for key, value in fields.items()}, f"{p}: ")
+        if missing := sorted(OmegaConf.missing_keys(layer)):  # the merge would keep the defaults' values silently
+            raise ConfigError(f"{p}: {missing[0]} is ??? (missing): give it a value, or leave it out for the default")
+        _check_values({f"{section}.{key}": value for section, fields in raw.items() if isinstance(fields, dict)
+                       for key, value in fields.items()}, f"{p}: ")
         layers.append(layer)
     keywords = {k.replace("__", "."): str(v) if isinstance(v, Path) else v for k, v in overrides.items()}
-    _check_bools({**dict(u.split("=", 1) for u in dotlist if "=" in u), **keywords})
+    _check_values({**dict(u.split("=", 1) for u in dotlist if "=" in u), **keywords})
     try:
         merged = OmegaConf.merge(schema, *layers)
         if merged.compression is None and any(u.startswith("compression.") for u in [*dotlist, *keywords]):

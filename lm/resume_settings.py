@@ -86,5 +86,8 @@ def apply_changes(checkpoint: dict[str, Any], cfg: Config) -> list[str]:
             learning_rate(step, optim, cfg.trainer.max_steps)
         lines.append(f"--resume: the learning rate at step {step} moves from {before:.3g} to {after:.3g} (the warm-up "
                      f"and cosine follow the new settings)")
+    if step >= cfg.trainer.max_steps:
+        lines.append(f"--resume: the checkpoint is at step {step}, trainer.max_steps is {cfg.trainer.max_steps}: nothing "
+                     "is left to train (raise trainer.max_steps to train on)")
     return lines
 

@@ -51,7 +51,9 @@ def config_warnings(cfg: Config) -> list[str]:
                    f"measures it leak-free")
     if m.rope_fraction > 0 and RotaryEmbedding(m.head_dim, m.rope_fraction, m.rope_base).rot_dim == 0:
         out.append(f"model.rope_fraction={m.rope_fraction} rotates 0 of head_dim {m.head_dim} dimensions (rounded down to "
-                   f"an even count): the heads get no position information; use at least 2/{m.head_dim}, or 0")
+                   f"an even count): the heads get no position information; "
+                   + (f"use at least 2/{m.head_dim}, or 0" if m.head_dim >= 2 else "a head_dim of at least 2 (RoPE rotates "
+                      "pairs of dimensions), or rope_fraction 0"))
     if o.warmup_steps >= t.max_steps:
         out.append(f"optim.warmup_steps={o.warmup_steps} >= trainer.max_steps={t.max_steps}: the learning rate "
                    f"never leaves warm-up (set optim.warmup_steps to a fraction of max_steps)")

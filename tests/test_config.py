@@ -51,11 +51,27 @@ def test_a_section_or_list_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
     cases = {"model:\n  heads: {type: dense, count: 2}\n": "model.heads must be a list, got a mapping",
              "model:\n  layer_heads: [1]\n": "model.layer_heads must be a mapping, got a list",
              "optim:\n  betas: {a: 1}\n": "optim.betas must not be a mapping",
-             "model: 3\n": "model must be a mapping, got a value (3)"}
+             "model: 3\n": "model must be a mapping, got a value (3)",
+             # inside head groups and layer mixes, and in the optional compression section (were TypeError
+             # tracebacks, or OmegaConf's messages naming neither the key nor the file)
+             "model:\n  heads: [{type: dense, count: 3, options: [1]}]\n": "model.heads[0].options must be a mapping, got a list",
+             "model:\n  heads: [{type: dense, count: 3, options: null}]\n": "model.heads[0].options must be a mapping, got null",
+             "model:\n  heads: [3]\n": "model.heads[0] must be a mapping, got a value (3)",
+             "model:\n  layer_heads: {1: [{type: dense, count: 3, options: [1]}]}\n":
+                 "model.layer_heads.1[0].options must be a mapping, got a list",
+             "model:\n  layer_heads: {1: {type: dense, count: 3}}\n": "model.layer_heads.1 must be a list, got a mapping",
+             "compression: 3\n": "compression must be a mapping, got a value (3)",
+             # a tuple field's items (a nested list passed the merge and failed in validate with a TypeError)
+             "optim:\n  betas: [[1], 2]\n": "optim.betas must be a list of 2 numbers, got [[1], 2]",
+             "optim:\n  betas: [abc, 0.5]\n": "optim.betas must be a list of 2 numbers, got ['abc', 0.5]",
+             "optim:\n  betas: [0.9]\n": "optim.betas must be a list of 2 numbers, got [0.9]",
+             # ??? in a file kept the default silently
+             "data:\n  path: ???\n": "data.path is ??? (missing): give it a value, or leave it out for the default"}
     for text, message in cases.items():
         path = write(tmp_path, text)
         assert error_of(path) == f"{path}: {message}"
     assert load_config(write(tmp_path, "optim:\n  betas: [0.9, 0.95]\n")).optim.betas == (0.9, 0.95)
+    assert error_of(None, "optim.betas=[abc,0.5]") == "optim.betas must be a list of 2 numbers, got ['abc', 0.5]"
 
 
 def test_bad_value() -> None:

@@ -553,6 +553,22 @@ def test_a_changed_schedule_sets_the_resumed_steps_learning_rate() -> None:
                          "follow the new settings)")
 
 
+def test_a_resume_at_or_past_max_steps_says_nothing_is_left_to_train() -> None:
+    """--resume trainer.max_steps=1 from a step-2 checkpoint trained nothing and said only that the learning rate
+    moved; now one line says the run is already past max_steps."""
+    from omegaconf import OmegaConf
+
+    from lm.config_io import load_config
+    from lm.resume_settings import apply_changes
+
+    saved = OmegaConf.to_container(OmegaConf.structured(load_config(None, "trainer.max_steps=4")))
+    for max_steps, expected in ((1, True), (2, True), (3, False)):
+        new = load_config(None, f"trainer.max_steps={max_steps}", warnings=False)
+        lines = apply_changes({"config": saved, "global_step": 2}, new)
+        assert (f"--resume: the checkpoint is at step 2, trainer.max_steps is {max_steps}: nothing is left to train "
+                "(raise trainer.max_steps to train on)" in lines) is expected
+
+
 def test_a_changed_weight_decay_reaches_the_matrices_only() -> None:
     """weight decay 0.1 -> 0.05 on resume: group 0 (matrices and embeddings) takes the new value, group 1 (norms,
     biases) keeps 0, as lm/optimizer.adamw built them (writing it into every group decayed them all)."""

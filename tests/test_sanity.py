@@ -73,6 +73,9 @@ def test_a_rope_fraction_that_rounds_to_no_rotation_warns(capsys: pytest.Capture
     for fraction in ("0.125", "0.0"):
         load_config(None, "model.head_dim=16", f"model.rope_fraction={fraction}")
         assert capsys.readouterr().err == ""
+    load_config(None, "model.head_dim=1", "model.d_model=9")  # no fraction rotates a pair: the advice says what does
+    assert "the heads get no position information; a head_dim of at least 2 (RoPE rotates pairs of dimensions), or " \
+           "rope_fraction 0\n" in capsys.readouterr().err
 
 
 def test_a_sparsity_that_does_not_divide_the_length_warns(capsys: pytest.CaptureFixture[str]) -> None:
