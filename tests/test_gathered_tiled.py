@@ -351,3 +351,32 @@ def test_kernel_offsets_do_not_wrap_at_2_to_the_31() -> None:
     _offsets[(1,)](out, t, i, b, H, B, C, D, BLOCK=16)
     expected = [(((t * H + i) * B + b) * C + s) * D for s in range(C - 16, C)]
     assert expected[-1] > 2**32 and out.tolist() == expected
+
+
+@TRITON_KERNELS
+@pytest.mark.parametrize("kernel", ["fused", "tiled"])
+def test_kernels_on_heads_that_selected_nothing(kernel: str) -> None:
+    """A (sequence, head) whose slots are all padding (a MoSA head no token passed in a short window, an empty
+    MoSAIC head): exactly zero output and gradient from it, no NaN, and the other heads as the lean core computes
+    them, in the fused and the tiled kernels (the random selections of `problem` never leave a head empty)."""
+    from heads.gathered_triton import gathered_heads_triton
+
+    p = problem(33, 4, 3, device=TRITON_DEVICE)
+    empty = torch.zeros_like(p["sel"].valid)
+    empty[0, 1] = empty[1, 0] = True
+    p["sel"] = type(p["sel"])(p["sel"].idx, p["sel"].valid & ~empty)
+    rope = RotaryEmbedding(HEAD_DIM, 0.5).to(TRITON_DEVICE)
+
+    def args() -> tuple:  # the gate built anew for each run (the graph is freed by each backward)
+        return p["x"], p["positions"], p["sel"].idx, p["r"] * p["sel"].valid, p["w_qkv"], p["w_o"], rope
+
+    fast = (lambda: gathered_heads_triton(*args())) if kernel == "fused" else (lambda: run_tiled(p, rope))
+    lean, got = outputs_and_grads(p, lambda: gathered_heads_lean(*args())), outputs_and_grads(p, fast)
+    assert all(g.isfinite().all() for g in got)
+    assert (got[2][empty] == 0).all()  # no gradient reaches an empty head's router scores
+    assert all(want.abs().max() > 0 for want in lean)
+    assert_rel_rms(got, lean, REL_RMS_TOL)
+    alone = p["sel"].valid.clone()
+    alone[0, [0, 2]] = False  # sequence 0 with only its empty head 1: nothing reaches its output
+    p["sel"] = type(p["sel"])(p["sel"].idx, alone)
+    assert (fast()[0] == 0).all()
