@@ -78,6 +78,17 @@ def last_finite(cfg: Config) -> Path | None:
     return found[0] if found else None
 
 
+class _PyTorchProfiler(PyTorchProfiler):
+    """Lightning's PyTorchProfiler, with an empty report for a stage that recorded nothing (a validation of no more
+    batches than the schedule skips and warms up): torch's profiler raised an AssertionError there, ending the run."""
+
+    def _cache_functions_events(self) -> None:
+        if isinstance(self.profiler, torch.profiler.profile) and self.profiler.profiler is None:  # never started
+            self.function_events = None
+            return
+        super()._cache_functions_events()
+
+
 def build_profiler(t: TrainerConfig) -> Profiler | None:
     """`trainer.profiler`, written to `<out_dir>/profile`: `simple` = Lightning's SimpleProfiler (wall time per
     training hook, whole run); `pytorch` = its PyTorchProfiler with the default schedule (skip 1 step, warm up
@@ -90,7 +101,7 @@ def build_profiler(t: TrainerConfig) -> Profiler | None:
     if t.profiler == "simple":
         return SimpleProfiler(dirpath=out, filename="simple")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lightning_accelerator(t) == "cuda" else [])
-    return PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True, activities=activities)
+    return _PyTorchProfiler(dirpath=out, filename="pytorch", profile_memory=True, activities=activities)
 
 
 class _NoAdverts(logging.Filter):
@@ -355,7 +366,11 @@ def train(cfg: Config, resume: str | None = None, overwrite: bool = False) -> di
 def finish_run(cfg: Config, trainer: L.Trainer, module: LMModule) -> dict[str, Any]:
     """What every training entry point does after fitting: draw the validation curve (val_curve.png, from two
     validations on), print one line naming the run's outputs, and return the metrics written to metrics.json (the
-    file's: a --resume of a finished run trains no step, and the module's own would read NaN loss and tokens/s)."""
+    file's: a --resume of a finished run trains no step, and the module's own would read NaN loss and tokens/s).
+    The profiler is closed first: the hooks of the last checkpoint's save had started torch's profiler again, left
+    running until garbage collection closed it, in the middle of another profiled run of the same process (a
+    segfault)."""
+    trainer.profiler.teardown(stage=None)
     out = Path(cfg.trainer.out_dir)
     curve = None
     if trainer.is_global_zero:

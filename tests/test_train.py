@@ -750,6 +750,21 @@ def test_profiler_reports(data: Path, tmp_path: Path, profiler: str) -> None:
     assert "aten::mm" in names and any(n.startswith("[pl][module]heads.dense.DenseHeads: model.blocks.1") for n in names)
 
 
+def test_pytorch_profiler_survives_a_validation_it_records_nothing_of(data: Path, tmp_path: Path) -> None:
+    """The final validation of a run whose last step is no validation step, after a first validation
+    (validate_first, as configs/quickstart.yaml sets), stopped the run with torch's AssertionError "Profiler must be
+    initialized before accessing events": the profiler never started in it. Now the run ends normally. It follows
+    another profiled run in the same process, whose profiler (started again by its last checkpoint's hooks, never
+    closed) was closed by garbage collection in the middle of this run: a segfault."""
+    from lm.train import train
+
+    train(load_config(None, *run_overrides(data, tmp_path / "first", max_steps=6, profiler="pytorch")))
+    overrides = run_overrides(data, tmp_path, max_steps=12, val_every=5, validate_first=True, profiler="pytorch")
+    train(load_config(None, *overrides))
+    assert json.loads((tmp_path / "metrics.json").read_text())["step"] == 12
+    assert "ProfilerStep*" in (tmp_path / "profile" / "fit-pytorch.txt").read_text()
+
+
 def test_pytorch_profiler_records_cuda_only_for_a_cuda_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """On a machine with a GPU, a CPU run's operator table is sorted by CPU time and no CUDA activity is recorded
     (Lightning's default sorted it by CUDA time, all zeros: the H200 run's table held no aten:: row); a CUDA run
