@@ -85,7 +85,7 @@ class TrainerConfig:
     max_steps: int = 100_000  # optimizer steps
     accumulate_grad_batches: int = 1  # micro-batches of data.batch_size per optimizer step (per device)
     precision: str = "auto"  # auto = bf16-mixed on GPU, 32-true on CPU
-    accelerator: str = "auto"  # auto / gpu = CUDA if there is a CUDA GPU, else CPU; cpu; cuda (MPS is not supported)
+    accelerator: str = "auto"  # auto = CUDA if there is a CUDA GPU, else CPU; cpu; gpu / cuda (MPS is not supported)
     devices: int = 1
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | deepspeed_stage_2

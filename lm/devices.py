@@ -17,8 +17,9 @@ from lm.sanity import warn
 
 
 def lightning_accelerator(t: TrainerConfig) -> str:
-    """What the run trains on, "cuda" or "cpu": trainer.accelerator auto or gpu is CUDA where there is a CUDA GPU,
-    else CPU. (Lightning's own auto and gpu would pick Apple's MPS first, which this stack does not support.)"""
+    """What the run trains on, "cuda" or "cpu": trainer.accelerator auto (or gpu / cuda, which check_devices refuses
+    without a CUDA GPU) is CUDA where there is a CUDA GPU, else CPU. (Lightning's own auto and gpu would pick Apple's
+    MPS first, which this stack does not support.)"""
     return "cuda" if t.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
 
 
