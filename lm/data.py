@@ -56,6 +56,7 @@ class TokenStream:
             if path.stat().st_size != 2 * n:
                 raise DataError(f"data.path: shard {path} has {path.stat().st_size} bytes, index.json says {n} uint16 tokens")
             check_token_range(path, vocab_size)
+        self.paths, sizes = [p for p, n in zip(self.paths, sizes) if n], [n for n in sizes if n]  # an empty one can't map
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # shard i = [starts[i], starts[i+1])
         self._maps: dict[int, np.memmap] = {}  # open shards, least recently read first
 
