@@ -96,7 +96,8 @@ def group_cost(head_type: str, d_model: int, head_dim: int, seq_len: int, count:
     """Cost of `count` heads of `head_type`: FLOPs and parameters from its formula, KV entries from kv_per_head;
     unknown type -> one-line ConfigError."""
     if head_type not in FORMULAS:
-        raise ConfigError(f"no FLOP formula for head type {head_type!r}; known: {', '.join(sorted(FORMULAS))}")
+        raise ConfigError(f"no FLOP formula for head type {head_type!r}; known: {', '.join(sorted(FORMULAS))} (a new "
+                          "type's is a @formula function in flops/formulas.py)")
     if count < 0:
         raise ConfigError(f"{head_type}: head count must be >= 0, got {count}")
     o = Options(head_type, options)

@@ -244,7 +244,8 @@ def _check_decoding(name: str, cls: type[HeadGroup]) -> None:
 def head_class(name: str) -> type[HeadGroup]:
     """The registered HeadGroup class for a config name, or a one-line ConfigError."""
     if name not in REGISTRY:
-        raise ConfigError(f"unknown head type {name!r}; known types: {', '.join(sorted(REGISTRY))}")
+        raise ConfigError(f"unknown head type {name!r}; known types: {', '.join(sorted(REGISTRY))} (a new type is a "
+                          "@register class in heads/<type>.py, imported in heads/__init__.py)")
     return REGISTRY[name]
 
 

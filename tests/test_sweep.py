@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import lm
+from heads import REGISTRY
 from flops.aggregate import collect, curves, sweep_labels, unequal_training
 from flops.aggregate import main as aggregate_main
 from flops.model import model_cost
@@ -37,7 +38,7 @@ def _sweep(tmp_path: Path, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("heads, message", [
-    ("mosa,bogus", "unknown head type 'bogus'; known types: agent, dense, fixed"),
+    ("mosa,bogus", f"unknown head type 'bogus'; known types: {', '.join(sorted(REGISTRY))}"),  # any registered
     ("dense,mosa", "--heads lists the sparse types; dense is every sweep's baseline (its sparsity-1 point, dense_s1)"),
     ("local", "flops.sweep varies sparsity, which local heads do not have (their options: impl, window); sweep one of "
               "their options with --vary KEY=V1,V2,... or FLOP-match one setting with `python -m flops.isoflop --head "
