@@ -71,7 +71,11 @@ def other_run(entry: dict[str, Any], overrides: list[str]) -> str | None:
     reported under settings it was not trained with."""
     from lm.run_dir import result_changes
 
-    changes = result_changes(Path(entry["out_dir"]), point_config(entry, overrides))
+    cfg = point_config(entry, overrides)  # bad overrides stop the runner (ConfigError), a damaged run only its point
+    try:
+        changes = result_changes(Path(entry["out_dir"]), cfg)
+    except ConfigError as err:
+        return str(err)
     if not changes:
         return None
     return (f"{entry['out_dir']} holds a run with other settings ({'; '.join(changes)}): pass the overrides it was "

@@ -257,6 +257,10 @@ def test_runner_passes_overrides_to_the_resumed_run(tmp_path: Path, capsys: pyte
             f"[1/1] dense_s1: failed: {entry['out_dir']} holds a run with other settings ({changes}): pass the "
             "overrides it was trained with, or write the sweep into a new --out"]
         assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["status"] == "failed"
+    (Path(entry["out_dir"]) / "config.yaml").write_text("- 1\n")  # damaged: the point fails in one line, the sweep goes on
+    assert run_main([str(tmp_path / "sw"), *same]) == 1
+    assert json.loads((tmp_path / "sw" / "status.json").read_text())["dense_s1"]["error"] == (
+        f"{entry['out_dir']}/config.yaml is damaged (holds a list, not a config); restore it or delete the run directory")
     # a run that ends cleanly (rc 0) before trainer.max_steps, here on trainer.max_minutes, is partial, not done
     assert sweep_main(["--size", "micro", "--heads", "mosa", "--sparsity", "1", "--out", str(tmp_path / "timed"),
                        f"data.path={data}", "model.vocab_size=64", "trainer.accelerator=cpu"]) == 0
