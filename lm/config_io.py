@@ -54,6 +54,9 @@ def _check_values(values: dict[str, Any], where: str = "") -> None:
         if isinstance(value, str):
             with contextlib.suppress(yaml.YAMLError):
                 value = yaml.safe_load(value)
+        if key.rpartition(".")[0] in TUPLE_KEYS:  # optim.betas.0=0.95: OmegaConf said "TupleConfig is immutable"
+            raise ConfigError(f"{key}: set the whole list, {key.rpartition('.')[0]}=[...] with "
+                              f"{TUPLE_KEYS[key.rpartition('.')[0]]} numbers")
         if str(value).startswith("${"):  # an interpolation: checked as what it resolves to
             continue
         if key in BOOL_KEYS and not isinstance(value, bool):

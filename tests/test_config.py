@@ -72,6 +72,7 @@ def test_a_section_or_list_of_the_wrong_shape_is_named(tmp_path: Path) -> None:
         assert error_of(path) == f"{path}: {message}"
     assert load_config(write(tmp_path, "optim:\n  betas: [0.9, 0.95]\n")).optim.betas == (0.9, 0.95)
     assert error_of(None, "optim.betas=[abc,0.5]") == "optim.betas must be a list of 2 numbers, got ['abc', 0.5]"
+    assert error_of(None, "optim.betas.0=0.95") == "optim.betas.0: set the whole list, optim.betas=[...] with 2 numbers"
 
 
 def test_bad_value() -> None:
