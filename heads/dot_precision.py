@@ -10,11 +10,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     unless torch allows TF32 (torch.set_float32_matmul_precision("high" or "medium")), as torch.matmul; "tf32"
     (Triton's NVIDIA default) otherwise: 16-bit operands ignore it, and the fp32 intermediates of 16-bit inputs
     (autocast) are finer in TF32 than the 16 bits they came from. TF32 is read from the per-backend setting
-    (torch.backends.cuda.matmul.fp32_precision, torch >= 2.9), which every way of allowing it sets: the global getter
-    raises once the per-backend API was used."""
+    (torch.backends.cuda.matmul.fp32_precision), which every way of allowing it sets: the global getter raises once
+    the per-backend API was used."""
     if dtype != torch.float32:
         return "tf32"
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        return "tf32" if matmul.fp32_precision == "tf32" else "ieee"
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "ieee"

@@ -527,16 +527,15 @@ def test_kernel_dot_precision_follows_torch() -> None:
             assert dots(x) == ("tf32", "tf32"), allowed
     finally:
         torch.set_float32_matmul_precision(previous)
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9's per-backend setting (the global getter raised after it)
-        try:
-            for setting, dot in (("tf32", "tf32"), ("ieee", "ieee")):
-                matmul.fp32_precision = setting
-                assert dots(x) == (dot, dot), setting
-        finally:
-            matmul.fp32_precision = "none"
-            torch.set_float32_matmul_precision(previous)
-        assert dots(x) == ("ieee", "ieee")
+    matmul = torch.backends.cuda.matmul  # the per-backend setting (the global getter raised after it)
+    try:
+        for setting, dot in (("tf32", "tf32"), ("ieee", "ieee")):
+            matmul.fp32_precision = setting
+            assert dots(x) == (dot, dot), setting
+    finally:
+        matmul.fp32_precision = "none"
+        torch.set_float32_matmul_precision(previous)
+    assert dots(x) == ("ieee", "ieee")
 
 
 def test_shared_memory_is_a_constant_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
